@@ -1,0 +1,242 @@
+"""The one module that reads a ConfigDict: it validates it and builds frozen,
+keyword-only dataclasses for each component. Nothing else sees the config.
+
+Every check runs here, before any parameter is created or function compiled,
+and every error names the offending config key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+import jax
+import ml_collections
+
+from arl_jax.envs import arith
+from arl_jax.envs import tokenizer as tokenizer_lib
+from arl_jax.learner import advantages as advantages_lib
+from arl_jax.learner import losses as losses_lib
+from arl_jax.learner import optim as optim_lib
+from arl_jax.learner import update as update_lib
+from arl_jax.models import model_config as model_config_lib
+from arl_jax.orchestrator import buffer as buffer_lib
+from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import staleness
+from arl_jax.sampler import engine as engine_lib
+from arl_jax.sampler import sampling
+from arl_jax.sharding import mesh_lib
+
+# Environments by name; `env.name` is validated against this same dict.
+ENV_CONFIGS = {"arith": arith.ArithConfig}
+
+# The schema: each section and its keys. Unknown keys are errors.
+_TOP_KEYS = ("seed", "num_steps", "log_every", "eval_every", "eval_size")
+_SECTIONS = {
+    "model": ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+              "max_seq_len", "rope_theta", "tie_embeddings", "param_dtype"),
+    "mesh": ("placement", "learner_devices", "learner", "sampler"),
+    "env": ("name", "max_operand", "operator", "heldout_fraction", "num_workers"),
+    "sampler": ("num_slots", "prompt_len", "max_new_tokens", "temperature", "weight_update"),
+    "orchestrator": ("batch_size", "group_size", "max_async_level", "max_off_policy_steps",
+                     "staleness_reference", "assembly", "window_fraction"),
+    "learner": ("loss", "eps_low", "eps_high", "dual_clip", "advantage", "lr", "b1", "b2",
+                "weight_decay", "max_grad_norm"),
+    "warmup": ("steps", "batch_size", "lr", "fraction"),
+}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WarmupConfig:
+  """Supervised warm-up before RL: `steps` updates on `fraction` of the train prompts."""
+
+  steps: int = 0
+  batch_size: int = 64
+  lr: float = 1e-3
+  fraction: float = 0.3
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RunSpec:
+  """Everything a run needs, validated, as small frozen dataclasses."""
+
+  seed: int
+  num_steps: int
+  log_every: int
+  eval_every: int
+  eval_size: int
+  model: model_config_lib.ModelConfig
+  mesh: mesh_lib.MeshConfig
+  env_name: str
+  env: arith.ArithConfig
+  num_env_workers: int
+  engine: engine_lib.EngineConfig
+  sampling: sampling.SamplingSettings
+  dispatch: dispatcher_lib.DispatchConfig
+  buffer: buffer_lib.BufferConfig
+  loss: update_lib.LossSettings
+  advantage_estimator: str
+  optim: optim_lib.OptimConfig
+  warmup: WarmupConfig
+
+
+class ConfigError(ValueError):
+  """A configuration problem, raised before any expensive work."""
+
+
+def _check_keys(section: Mapping, name: str, allowed: Sequence[str]) -> None:
+  unknown = sorted(set(section.keys()) - set(allowed))
+  if unknown:
+    raise ConfigError(f"config.{name}: unknown key(s) {unknown}; known keys: {sorted(allowed)}")
+
+
+def _require(cond: bool, key: str, message: str) -> None:
+  if not cond:
+    raise ConfigError(f"config.{key}: {message}")
+
+
+def _wrap(key: str, fn, **kwargs):
+  """Builds a component config, re-raising its own checks with the config key."""
+  try:
+    return fn(**kwargs)
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"config.{key}: {e}") from e
+
+
+def _tuples(value) -> tuple[tuple[str, int], ...]:
+  return tuple((str(name), int(size)) for name, size in value)
+
+
+def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) -> RunSpec:
+  """Validates `config` and returns the RunSpec.
+
+  Args:
+    config: the experiment ConfigDict (see `configs/arith.py`).
+    devices: devices to plan meshes on (default `jax.devices()`); only counted,
+      nothing is placed or compiled.
+
+  Raises:
+    ConfigError: naming the key, for any invalid or inconsistent setting.
+  """
+  cfg = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
+  _check_keys(cfg, "<top level>", _TOP_KEYS + tuple(_SECTIONS))
+  for name, keys in _SECTIONS.items():
+    _require(name in cfg, name, "missing section")
+    _check_keys(cfg[name], name, keys)
+    missing = sorted(set(keys) - set(cfg[name]))
+    _require(not missing, name, f"missing key(s) {missing}")
+  for key in _TOP_KEYS:
+    _require(key in cfg, key, "missing")
+  _require(cfg["num_steps"] >= 0, "num_steps", f"must be >= 0, got {cfg['num_steps']}")
+  for key in ("log_every", "eval_every", "eval_size"):
+    _require(cfg[key] >= 0, key, f"must be >= 0, got {cfg[key]}")
+
+  tokenizer = tokenizer_lib.ByteTokenizer()
+  s, o, m, lc, w = (cfg["sampler"], cfg["orchestrator"], cfg["model"], cfg["learner"],
+                    cfg["warmup"])
+
+  model = _wrap("model", model_config_lib.ModelConfig, vocab_size=tokenizer.vocab_size, **m)
+
+  env_cfg = cfg["env"]
+  _require(env_cfg["name"] in ENV_CONFIGS, "env.name",
+           f"unknown environment {env_cfg['name']!r}; known: {sorted(ENV_CONFIGS)}")
+  env_kwargs = {k: v for k, v in env_cfg.items() if k not in ("name", "num_workers")}
+  env = _wrap("env", ENV_CONFIGS[env_cfg["name"]], **env_kwargs)
+  _require(env_cfg["num_workers"] >= 1, "env.num_workers", "must be >= 1")
+
+  # Orchestration.
+  g, batch = o["group_size"], o["batch_size"]
+  _require(g >= 2, "orchestrator.group_size",
+           f"must be >= 2 (group-relative advantages need a baseline), got {g}")
+  _require(batch > 0 and batch % g == 0, "orchestrator.batch_size",
+           f"{batch} rollouts is not a positive multiple of orchestrator.group_size={g}")
+  k = o["max_off_policy_steps"]
+  _require(k >= 0, "orchestrator.max_off_policy_steps", f"K must be >= 0, got {k}")
+  _require(o["max_async_level"] >= 0, "orchestrator.max_async_level",
+           f"must be >= 0, got {o['max_async_level']}")
+  _require(o["staleness_reference"] in staleness.REFERENCES, "orchestrator.staleness_reference",
+           f"must be one of {staleness.REFERENCES}, got {o['staleness_reference']!r}")
+  _require(o["assembly"] in buffer_lib.ASSEMBLY_POLICIES, "orchestrator.assembly",
+           f"must be one of {buffer_lib.ASSEMBLY_POLICIES}, got {o['assembly']!r}")
+  _require(0.0 < o["window_fraction"] <= 1.0, "orchestrator.window_fraction",
+           f"must be in (0, 1], got {o['window_fraction']}")
+  groups_per_batch = batch // g
+  dispatch = dispatcher_lib.DispatchConfig(
+      group_size=g, groups_per_batch=groups_per_batch, max_async_level=o["max_async_level"],
+      max_off_policy_steps=k)
+  buffer = buffer_lib.BufferConfig(
+      max_off_policy_steps=k, staleness_reference=o["staleness_reference"],
+      assembly=o["assembly"],
+      window_groups=max(1, round(o["window_fraction"] * groups_per_batch)))
+
+  # Sampler.
+  _require(s["weight_update"] in engine_lib.WEIGHT_UPDATE_MODES, "sampler.weight_update",
+           f"must be one of {engine_lib.WEIGHT_UPDATE_MODES}, got {s['weight_update']!r}")
+  _require(s["num_slots"] >= g and s["num_slots"] % g == 0, "sampler.num_slots",
+           f"{s['num_slots']} must be a positive multiple of orchestrator.group_size={g}")
+  _require(s["max_new_tokens"] >= 1, "sampler.max_new_tokens", "must be >= 1")
+  _require(s["temperature"] > 0, "sampler.temperature", f"must be > 0, got {s['temperature']}")
+  context = s["prompt_len"] + s["max_new_tokens"]
+  _require(context <= model.max_seq_len, "sampler.prompt_len",
+           f"prompt_len + max_new_tokens = {context} exceeds the model context "
+           f"model.max_seq_len={model.max_seq_len}")
+  longest = max(len(tokenizer.encode(p.text, add_bos=True))
+                for split in arith.SPLITS for p in arith.make_prompts(env, split))
+  _require(longest <= s["prompt_len"], "sampler.prompt_len",
+           f"a prompt of env {env_cfg['name']!r} has {longest} tokens, longer than "
+           f"sampler.prompt_len={s['prompt_len']}")
+  engine = engine_lib.EngineConfig(
+      num_slots=s["num_slots"], group_size=g, prompt_len=s["prompt_len"],
+      max_new_tokens=s["max_new_tokens"], weight_update=s["weight_update"], seed=cfg["seed"])
+  sampling_settings = sampling.SamplingSettings(
+      temperature=float(s["temperature"]), eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+
+  # Learner.
+  _require(lc["loss"] in losses_lib.LOSSES, "learner.loss",
+           f"unknown loss {lc['loss']!r}; known: {sorted(losses_lib.LOSSES)}")
+  _require(lc["advantage"] in advantages_lib.ADVANTAGE_ESTIMATORS, "learner.advantage",
+           f"must be one of {advantages_lib.ADVANTAGE_ESTIMATORS}, got {lc['advantage']!r}")
+  _require(0 <= lc["eps_low"] < 1 and lc["eps_high"] >= 0, "learner.eps_low",
+           "clip ranges must satisfy 0 <= eps_low < 1 and eps_high >= 0")
+  _require(lc["dual_clip"] == 0 or lc["dual_clip"] > 1, "learner.dual_clip",
+           f"must be 0 (off) or > 1, got {lc['dual_clip']}")
+  loss = update_lib.LossSettings(
+      name=lc["loss"], eps_low=float(lc["eps_low"]), eps_high=float(lc["eps_high"]),
+      dual_clip=float(lc["dual_clip"]) if lc["dual_clip"] else None,
+      temperature=float(s["temperature"]))
+  optim = _wrap("learner", optim_lib.OptimConfig, lr=lc["lr"], b1=lc["b1"], b2=lc["b2"],
+                weight_decay=lc["weight_decay"], max_grad_norm=lc["max_grad_norm"])
+  _require(w["steps"] >= 0, "warmup.steps", "must be >= 0")
+  _require(0 < w["fraction"] <= 1, "warmup.fraction", "must be in (0, 1]")
+  _require(w["lr"] > 0, "warmup.lr", "must be > 0")
+
+  # Meshes: plan them now (counting devices only) so that a mesh needing more
+  # devices than exist fails here, not after compilation.
+  mesh = mesh_lib.MeshConfig(placement=cfg["mesh"]["placement"],
+                             learner_devices=cfg["mesh"]["learner_devices"],
+                             learner=_tuples(cfg["mesh"]["learner"]),
+                             sampler=_tuples(cfg["mesh"]["sampler"]))
+  devices = jax.devices() if devices is None else devices
+  try:
+    learner_devs, sampler_devs = mesh_lib.split_devices(mesh, devices)
+    learner_shape = dict(mesh_lib.resolve_shape(mesh.learner, len(learner_devs), "learner"))
+    sampler_shape = dict(mesh_lib.resolve_shape(mesh.sampler, len(sampler_devs), "sampler"))
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from e
+  fsdp = learner_shape.get("fsdp", 1)
+  _require(batch % fsdp == 0, "orchestrator.batch_size",
+           f"{batch} rows do not split over the learner's fsdp axis of size {fsdp}")
+  _require(w["steps"] == 0 or w["batch_size"] % fsdp == 0, "warmup.batch_size",
+           f"{w['batch_size']} rows do not split over the learner's fsdp axis of size {fsdp}")
+  data = sampler_shape.get("data", 1)
+  _require(s["num_slots"] % data == 0, "sampler.num_slots",
+           f"{s['num_slots']} slots do not split over the sampler's data axis of size {data}")
+
+  return RunSpec(
+      seed=cfg["seed"], num_steps=cfg["num_steps"], log_every=cfg["log_every"],
+      eval_every=cfg["eval_every"], eval_size=cfg["eval_size"], model=model, mesh=mesh,
+      env_name=env_cfg["name"], env=env, num_env_workers=env_cfg["num_workers"], engine=engine,
+      sampling=sampling_settings, dispatch=dispatch, buffer=buffer, loss=loss,
+      advantage_estimator=lc["advantage"], optim=optim,
+      warmup=WarmupConfig(steps=w["steps"], batch_size=w["batch_size"], lr=w["lr"],
+                          fraction=w["fraction"]))

@@ -1,0 +1,46 @@
+"""The learner's state pytree and its creation in sharded form."""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+@flax.struct.dataclass
+class TrainState:
+  """Attributes:
+    step: `[]` int32 number of updates applied = the policy version of `params`.
+    params: decoder params (nnx.State) on the learner mesh.
+    opt_state: optax state, laid out like the params it mirrors.
+  """
+
+  step: jax.Array
+  params: object
+  opt_state: optax.OptState
+
+
+def create(params, optimizer: optax.GradientTransformation, mesh: Mesh):
+  """Returns `(state, shardings)`; every leaf lives on `mesh`.
+
+  The optimizer state is created by a jitted init so each moment is born next
+  to its parameter shard. Scalars (optax's `count`, `step`) are placed on the
+  mesh explicitly: left to XLA they may land on one device, and a donated,
+  jitted step then fails on the next call (JAX_NOTES.md).
+  """
+  opt_state = jax.jit(optimizer.init)(params)
+  replicated = NamedSharding(mesh, P())
+
+  def on_mesh(x):
+    sharding = x.sharding
+    if isinstance(sharding, NamedSharding) and sharding.mesh == mesh:
+      return x
+    return jax.device_put(x, replicated)
+
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                     opt_state=jax.tree.map(on_mesh, opt_state))
+  state = state.replace(step=jax.device_put(state.step, replicated))
+  return state, jax.tree.map(lambda x: x.sharding, state)

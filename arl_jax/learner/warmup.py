@@ -1,0 +1,80 @@
+"""Supervised warm-up: a few steps of next-token cross-entropy on correct answers.
+
+Small models trained from scratch rarely sample a correct answer, so RL has no
+signal to start from. The warm-up teaches the answer on a fraction of the
+training prompts (JAX_NOTES.md: warming up on the format alone made RL collapse
+onto one answer). It reuses the TrainBatch layout and the learner's sharding.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from arl_jax import train_batch as train_batch_lib
+from arl_jax.learner import logprobs as logprobs_lib
+from arl_jax.learner import losses as losses_lib
+from arl_jax.learner import train_state as train_state_lib
+from arl_jax.learner import update as update_lib
+
+
+def sft_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBatch, *,
+             graphdef, optimizer: optax.GradientTransformation, settings):
+  """Cross-entropy on `loss_mask` tokens; same signature as `update.train_step`."""
+  del settings
+
+  def objective(params):
+    logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, params, batch.tokens,
+                                                      batch.token_mask, 1.0)
+    return -losses_lib.masked_mean(logp, batch.loss_mask)
+
+  loss, grads = jax.value_and_grad(objective)(state.params)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+  return new_state, {"loss": loss.astype(jnp.float32), "grad_norm": optax.global_norm(grads)}
+
+
+def supervised_batch(prompt_ids: list[list[int]], target_ids: list[list[int]], *,
+                     prompt_len: int, max_new_tokens: int, pad_id: int) -> train_batch_lib.TrainBatch:
+  """A TrainBatch whose completions are the given targets (loss on targets only)."""
+  b, length = len(prompt_ids), prompt_len + max_new_tokens
+  tokens = np.full((b, length), pad_id, np.int32)
+  token_mask = np.zeros((b, length), bool)
+  loss_mask = np.zeros((b, length), np.float32)
+  for i, (p, t) in enumerate(zip(prompt_ids, target_ids)):
+    tokens[i, prompt_len - len(p):prompt_len] = p
+    tokens[i, prompt_len:prompt_len + len(t)] = t
+    token_mask[i, prompt_len - len(p):prompt_len + len(t)] = True
+    loss_mask[i, prompt_len:prompt_len + len(t)] = 1.0
+  zeros_f = np.zeros((b,), np.float32)
+  return train_batch_lib.TrainBatch(
+      tokens=tokens, token_mask=token_mask, loss_mask=loss_mask,
+      behaviour_logprobs=np.zeros((b, length), np.float32),
+      token_versions=np.full((b, length), -1, np.int32), advantages=zeros_f, rewards=zeros_f,
+      group_ids=np.zeros((b,), np.int32), lag=np.zeros((b,), np.int32))
+
+
+def run_warmup(*, params, graphdef, mesh, optimizer, steps: int, batch_size: int, prompt_ids,
+               target_ids, prompt_len: int, max_new_tokens: int, pad_id: int, seed: int,
+               log_fn=None):
+  """Runs `steps` supervised updates on random minibatches of (prompt, target) pairs.
+
+  Returns:
+    The updated params (same shardings as given).
+  """
+  state, state_shardings = train_state_lib.create(params, optimizer, mesh)
+  step_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer, settings=None,
+                                      state_shardings=state_shardings, mesh=mesh,
+                                      step_fn=sft_step)
+  rng = np.random.default_rng(seed)
+  for step in range(steps):
+    idx = rng.integers(0, len(prompt_ids), batch_size)
+    batch = supervised_batch([prompt_ids[i] for i in idx], [target_ids[i] for i in idx],
+                             prompt_len=prompt_len, max_new_tokens=max_new_tokens, pad_id=pad_id)
+    state, metrics = step_fn(state, batch)
+    if log_fn is not None and (step % 50 == 0 or step == steps - 1):
+      log_fn(step, jax.device_get(metrics))
+  return state.params

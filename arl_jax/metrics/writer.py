@@ -1,0 +1,55 @@
+"""Metric sinks: JSON lines in the workdir (always) and a one-line progress print."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Mapping
+
+
+def _jsonable(value):
+  if hasattr(value, "item"):
+    value = value.item()
+  if isinstance(value, float) and not math.isfinite(value):
+    return str(value)
+  return value
+
+
+class JsonlWriter:
+  """Appends one JSON object per call to `<workdir>/metrics.jsonl`."""
+
+  def __init__(self, workdir: str, filename: str = "metrics.jsonl"):
+    os.makedirs(workdir, exist_ok=True)
+    self.path = os.path.join(workdir, filename)
+    self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+
+  def write(self, record: Mapping) -> None:
+    self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
+    self._file.flush()
+
+  def close(self) -> None:
+    self._file.close()
+
+
+def progress_line(record: Mapping) -> str:
+  """`step 12 | v12 | reward 0.41 | lag 0.9/1 | 1.2k tok/s | drops 0 (+0)`, plus eval."""
+  parts = [
+      f"step {record['step']:>4d}",
+      f"v{record['version']}",
+      f"reward {record['reward_mean']:.3f}",
+      f"lag {record['lag_mean']:.2f}/{record['lag_max']:d}",
+      f"{record['tokens_per_s']:.0f} tok/s",
+      f"drops {record['drops_total']:d} (+{record['drops_stale']:d})",
+      f"cancel {record['cancelled_total']:d}",
+      f"loss {record['loss']:+.4f}",
+      f"ratio max {record['ratio_max']:.3f}",
+  ]
+  if "eval_reward" in record:
+    parts.append(f"eval {record['eval_reward']:.3f}")
+  return " | ".join(parts)
+
+
+def print_line(line: str) -> None:
+  print(line, file=sys.stdout, flush=True)

@@ -1,0 +1,209 @@
+"""One flax.nnx decoder for the Llama/Qwen family: RMSNorm, RoPE, GQA, SwiGLU.
+
+The same module computes the sampler's and the learner's log-probabilities, so
+that at zero lag the importance ratio differs from 1 only by float rounding.
+
+Every parameter carries `logical_axes` metadata (names such as `embed`, `mlp`,
+`q_heads`); `arl_jax.sharding.rules` maps them to mesh axes per role.
+
+Shape legend: B batch, T tokens in this call, S cache length, D model width,
+H query heads, K key/value heads, Dh head width, F mlp width, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from arl_jax.models import kv_cache as kv_cache_lib
+from arl_jax.models import model_config as model_config_lib
+
+# Large negative instead of -inf: a row whose keys are all masked (a pad query)
+# then gets a uniform softmax instead of NaN, and its output is ignored anyway.
+_MASK_VALUE = -1e30
+
+
+def _param(rngs: nnx.Rngs, shape, logical_axes, dtype, stddev) -> nnx.Param:
+  value = stddev * jax.random.normal(rngs.params(), shape, jnp.float32)
+  return nnx.Param(value.astype(dtype), logical_axes=logical_axes)
+
+
+class RMSNorm(nnx.Module):
+
+  def __init__(self, dim: int, eps: float, dtype):
+    self.scale = nnx.Param(jnp.ones((dim,), dtype), logical_axes=("norm",))
+    self.eps = eps
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    # Normalise in float32: the mean of squares loses precision in bfloat16.
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+    return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
+  """Rotary embedding (Su et al., 2021), half-split convention of Llama/Qwen.
+
+  Args:
+    x: `[B, T, N, Dh]` queries or keys.
+    positions: `[B, T]` int32 position of each token (pads excluded from the count).
+    theta: base frequency.
+
+  Returns:
+    `x` rotated, same shape and dtype.
+  """
+  half = x.shape[-1] // 2
+  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
+  angles = positions.astype(jnp.float32)[..., None] * freq  # [B, T, Dh/2]
+  sin = jnp.sin(angles)[:, :, None, :]
+  cos = jnp.cos(angles)[:, :, None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return rotated.astype(x.dtype)
+
+
+class Attention(nnx.Module):
+  """Grouped-query attention with an optional KV cache."""
+
+  def __init__(self, cfg: model_config_lib.ModelConfig, rngs: nnx.Rngs, dtype):
+    d, h, k, dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    std = 1.0 / math.sqrt(d)
+    self.q_proj = _param(rngs, (d, h, dh), ("embed", "q_heads", "head_dim"), dtype, std)
+    self.k_proj = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), dtype, std)
+    self.v_proj = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), dtype, std)
+    self.o_proj = _param(rngs, (h, dh, d), ("q_heads", "head_dim", "embed"), dtype,
+                         1.0 / math.sqrt(h * dh))
+    self.num_kv_heads = k
+    self.head_dim = dh
+    self.rope_theta = cfg.rope_theta
+
+  def __call__(self, x, positions, attn_mask, layer_cache=None, cache_index=None):
+    """Attends `x` `[B, T, D]` to itself, or to the cache when one is given.
+
+    Args:
+      x: `[B, T, D]` normalised hidden states.
+      positions: `[B, T]` RoPE positions.
+      attn_mask: `[B, T, S]` bool, True where query t may attend to key s
+        (S = T without a cache, the cache length with one).
+      layer_cache: optional `(keys, values)`, each `[B, K, S, Dh]`.
+      cache_index: `[B]` int32 cache offset of this call's first token.
+
+    Returns:
+      `([B, T, D] output, updated (keys, values) or None)`.
+    """
+    q = jnp.einsum("btd,dhe->bthe", x, self.q_proj[...])
+    k = jnp.einsum("btd,dke->btke", x, self.k_proj[...])
+    v = jnp.einsum("btd,dke->btke", x, self.v_proj[...])
+    q = apply_rope(q, positions, self.rope_theta)
+    k = apply_rope(k, positions, self.rope_theta)
+    k = k.transpose(0, 2, 1, 3)  # [B, K, T, Dh], the cache layout
+    v = v.transpose(0, 2, 1, 3)
+    new_cache = None
+    if layer_cache is not None:
+      keys = kv_cache_lib.write(layer_cache[0], k, cache_index)
+      values = kv_cache_lib.write(layer_cache[1], v, cache_index)
+      new_cache = (keys, values)
+      k, v = keys, values
+    b, t, h, dh = q.shape
+    group = h // self.num_kv_heads
+    q = q.reshape(b, t, self.num_kv_heads, group, dh).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,Dh]
+    # Scores and softmax in float32: bfloat16 logits would add a per-token
+    # sampler/learner mismatch that looks like policy lag in the ratio logs.
+    scores = jnp.einsum("bkgtd,bksd->bkgts", q.astype(jnp.float32), k.astype(jnp.float32))
+    scores = scores / math.sqrt(dh)
+    scores = jnp.where(attn_mask[:, None, None, :, :], scores, _MASK_VALUE)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v.astype(jnp.float32)).astype(x.dtype)
+    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+    return jnp.einsum("bthe,hed->btd", out, self.o_proj[...]), new_cache
+
+
+class SwiGLU(nnx.Module):
+
+  def __init__(self, cfg: model_config_lib.ModelConfig, rngs: nnx.Rngs, dtype):
+    d, f = cfg.d_model, cfg.mlp_dim
+    self.gate = _param(rngs, (d, f), ("embed", "mlp"), dtype, 1.0 / math.sqrt(d))
+    self.up = _param(rngs, (d, f), ("embed", "mlp"), dtype, 1.0 / math.sqrt(d))
+    self.down = _param(rngs, (f, d), ("mlp", "embed"), dtype, 1.0 / math.sqrt(f))
+
+  def __call__(self, x):
+    hidden = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
+    return hidden @ self.down[...]
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: model_config_lib.ModelConfig, rngs: nnx.Rngs, dtype):
+    self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.attn = Attention(cfg, rngs, dtype)
+    self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    self.mlp = SwiGLU(cfg, rngs, dtype)
+
+  def __call__(self, x, positions, attn_mask, layer_cache, cache_index):
+    attn_out, layer_cache = self.attn(self.attn_norm(x), positions, attn_mask, layer_cache,
+                                      cache_index)
+    x = x + attn_out
+    x = x + self.mlp(self.mlp_norm(x))
+    return x, layer_cache
+
+
+class Decoder(nnx.Module):
+  """The policy: token ids in, float32 logits out."""
+
+  def __init__(self, cfg: model_config_lib.ModelConfig, *, rngs: nnx.Rngs):
+    dtype = jnp.dtype(cfg.param_dtype)
+    self.cfg = cfg
+    self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), dtype,
+                        1.0 / math.sqrt(cfg.d_model))
+    self.blocks = nnx.List([Block(cfg, rngs, dtype) for _ in range(cfg.num_layers)])
+    self.final_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
+    if not cfg.tie_embeddings:
+      self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype,
+                            1.0 / math.sqrt(cfg.d_model))
+
+  def __call__(self, tokens, positions, attn_mask, cache=None, cache_index=None):
+    """Runs the decoder.
+
+    Args:
+      tokens: `[B, T]` int32 token ids.
+      positions: `[B, T]` int32 RoPE positions.
+      attn_mask: `[B, T, S]` bool attention mask (see `Attention`).
+      cache: optional `KVCache`; when given, this call's keys/values are written
+        at `cache_index` and attention runs over the whole cache.
+      cache_index: `[B]` int32, required with a cache.
+
+    Returns:
+      `(logits [B, T, V] float32, updated KVCache or None)`.
+    """
+    x = jnp.take(self.embed[...], tokens, axis=0)
+    new_keys, new_values = [], []
+    for i, block in enumerate(self.blocks):
+      layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
+      x, layer_cache = block(x, positions, attn_mask, layer_cache, cache_index)
+      if layer_cache is not None:
+        new_keys.append(layer_cache[0])
+        new_values.append(layer_cache[1])
+    x = self.final_norm(x)
+    head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+    # Logits in float32 whatever the parameter dtype: log-softmax of bfloat16
+    # logits is off by ~0.02 nats, which would pollute every ratio statistic.
+    logits = jnp.einsum("btd,dv->btv", x.astype(jnp.float32), head.astype(jnp.float32))
+    new_cache = None
+    if cache is not None:
+      new_cache = cache.replace(keys=tuple(new_keys), values=tuple(new_values))
+    return logits, new_cache
+
+
+def positions_from_mask(token_mask: jax.Array) -> jax.Array:
+  """RoPE positions `[B, T]` counting only real tokens, so left padding is invisible."""
+  return jnp.maximum(jnp.cumsum(token_mask.astype(jnp.int32), axis=1) - 1, 0)
+
+
+def causal_mask(token_mask: jax.Array) -> jax.Array:
+  """`[B, T, T]` attention mask for a full sequence: causal and no pad keys."""
+  t = token_mask.shape[1]
+  causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+  return causal[None, :, :] & token_mask[:, None, :].astype(jnp.bool_)

@@ -1,0 +1,34 @@
+"""Creates the decoder's parameters directly in their sharded layout.
+
+Parameters are never materialised on one device: `jax.eval_shape` gives their
+shapes and logical axes, the rule table gives a sharding per parameter, and a
+jitted initialiser with those `out_shardings` creates each shard in place.
+"""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+from jax.sharding import Mesh
+
+from arl_jax.models import decoder as decoder_lib
+from arl_jax.models import model_config as model_config_lib
+from arl_jax.sharding import rules as rules_lib
+
+
+def abstract_model(cfg: model_config_lib.ModelConfig):
+  """`(graphdef, abstract_state)` with ShapeDtypeStructs and logical-axis metadata."""
+  return nnx.split(nnx.eval_shape(lambda: decoder_lib.Decoder(cfg, rngs=nnx.Rngs(0))))
+
+
+def init_params(cfg: model_config_lib.ModelConfig, mesh: Mesh, rules: rules_lib.Rules,
+                seed: int):
+  """Returns `(graphdef, params, shardings)`; params is an nnx.State laid out on `mesh`."""
+  graphdef, abstract_state = abstract_model(cfg)
+  shardings = rules_lib.state_shardings(abstract_state, mesh, rules)
+
+  def init():
+    return nnx.split(decoder_lib.Decoder(cfg, rngs=nnx.Rngs(seed)))[1]
+
+  params = jax.jit(init, out_shardings=shardings)()
+  return graphdef, params, shardings

@@ -1,0 +1,55 @@
+"""The key/value cache of the decoder, as a small pytree of its own.
+
+Layout is `[B, kv_heads, S, head_dim]` per layer: on XLA:CPU the `[B, S, heads,
+head_dim]` layout made decode attention ~8x slower (JAX_NOTES.md), because the
+score einsum transposes it on every step.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+
+@flax.struct.dataclass
+class KVCache:
+  """Per-layer keys and values plus which cache positions hold real tokens.
+
+  Attributes:
+    keys: one array per layer, `[B, KVH, S, Dh]`.
+    values: one array per layer, `[B, KVH, S, Dh]`.
+    valid: `[B, S]` bool, True where a real (non-pad) token has been written.
+  """
+
+  keys: tuple[jax.Array, ...]
+  values: tuple[jax.Array, ...]
+  valid: jax.Array
+
+  @classmethod
+  def zeros(cls, *, batch: int, num_layers: int, num_kv_heads: int, length: int,
+            head_dim: int, dtype=jnp.float32) -> KVCache:
+    shape = (batch, num_kv_heads, length, head_dim)
+    return cls(
+        keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        values=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        valid=jnp.zeros((batch, length), jnp.bool_),
+    )
+
+  @property
+  def length(self) -> int:
+    return self.valid.shape[1]
+
+
+def write(cache_layer: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+  """Writes `new` `[B, KVH, T, Dh]` into `cache_layer` at per-row offsets `index` `[B]`."""
+  # vmap over rows so that every row may sit at its own offset (continuous
+  # batching refills slots at different positions).
+  return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=1))(
+      cache_layer, new, index)
+
+
+def write_valid(valid: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
+  """Writes `new` `[B, T]` bool into `valid` `[B, S]` at per-row offsets `index` `[B]`."""
+  return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=0))(
+      valid, new, index)

@@ -1,0 +1,59 @@
+"""Static description of the decoder: sizes and numerics, nothing learned."""
+
+import dataclasses
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+  """Llama/Qwen-style decoder hyper-parameters.
+
+  Attributes:
+    vocab_size: V, number of token ids the embedding and the output head cover.
+    d_model: D, residual stream width.
+    num_layers: number of decoder blocks.
+    num_heads: query heads.
+    num_kv_heads: key/value heads (grouped-query attention); divides num_heads.
+    head_dim: width of one attention head.
+    mlp_dim: hidden width of the SwiGLU feed-forward block.
+    max_seq_len: context length the KV cache is allocated for.
+    rope_theta: RoPE base frequency.
+    norm_eps: RMSNorm epsilon.
+    tie_embeddings: reuse the input embedding as the output projection.
+    param_dtype: dtype the parameters are stored and computed in.
+  """
+
+  vocab_size: int
+  d_model: int
+  num_layers: int
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  mlp_dim: int
+  max_seq_len: int
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-6
+  tie_embeddings: bool = True
+  param_dtype: str = "float32"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
+                 "head_dim", "mlp_dim", "max_seq_len"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"model.{name} must be positive, got {getattr(self, name)}")
+    if self.num_heads % self.num_kv_heads:
+      raise ValueError(
+          f"model.num_heads={self.num_heads} must be a multiple of "
+          f"model.num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+    if self.head_dim % 2:
+      raise ValueError(f"model.head_dim={self.head_dim} must be even for RoPE")
+    if self.param_dtype not in ("float32", "bfloat16"):
+      raise ValueError(f"model.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
+
+  @property
+  def num_params(self) -> int:
+    """Exact parameter count, used by dry runs and progress lines."""
+    attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    mlp = 3 * self.d_model * self.mlp_dim
+    block = attn + mlp + 2 * self.d_model
+    head = 0 if self.tie_embeddings else self.d_model * self.vocab_size
+    return self.vocab_size * self.d_model + self.num_layers * block + self.d_model + head

@@ -1,0 +1,164 @@
+"""The rollout buffer: finished groups wait here until a batch is cut.
+
+It enforces the staleness guarantee: immediately before every batch cut it
+drops each group whose lag in that batch would exceed K, and counts the drop.
+It also implements the batch assembly policies:
+
+- `fifo`: dispatch order; the batch waits for the oldest dispatched group.
+- `windowed_fifo`: a finished group may be taken out of dispatch order only
+  while it is among the first `window` groups of the dispatch queue (MiniMax
+  Forge uses 30% of a batch), so slow groups inside the window hold the batch.
+- `first_done`: completion order (biased toward short, easy tasks; kept for
+  comparison).
+
+Thread-safe: the env workers put groups, the learner cuts batches.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+
+from arl_jax import rollout as rollout_lib
+from arl_jax.orchestrator import staleness
+
+ASSEMBLY_POLICIES = ("fifo", "windowed_fifo", "first_done")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class BufferConfig:
+  max_off_policy_steps: int = 8
+  staleness_reference: str = "dispatch"
+  assembly: str = "fifo"
+  window_groups: int = 1
+
+
+@dataclasses.dataclass
+class CutResult:
+  """A batch's groups plus the groups dropped by the sweep before it."""
+
+  batch_version: int
+  groups: list[rollout_lib.Group]
+  stale: list[rollout_lib.Group]
+
+
+class BufferClosed(Exception):
+  """Raised by `cut` when the buffer is closed while a batch is awaited."""
+
+
+class RolloutBuffer:
+  """Finished groups, the dispatch queue, and the batch cut."""
+
+  def __init__(self, cfg: BufferConfig):
+    if cfg.assembly not in ASSEMBLY_POLICIES:
+      raise ValueError(f"assembly must be one of {ASSEMBLY_POLICIES}, got {cfg.assembly!r}")
+    if cfg.staleness_reference not in staleness.REFERENCES:
+      raise ValueError(f"staleness_reference must be one of {staleness.REFERENCES}")
+    self._cfg = cfg
+    self._cond = threading.Condition()
+    # group_id -> dispatch version, in dispatch order (dicts keep insertion order).
+    self._dispatch_queue: dict[int, int] = {}
+    self._finished: dict[int, rollout_lib.Group] = {}
+    self._completion_order: collections.deque[int] = collections.deque()
+    self._arrival_time: dict[int, float] = {}
+    # Groups swept as stale but not yet reported: a cut that times out keeps
+    # them here so that the next successful cut reports (and counts) them.
+    self._swept: list[rollout_lib.Group] = []
+    self._closed = False
+
+  def register_dispatch(self, group_id: int, dispatch_version: int) -> None:
+    with self._cond:
+      self._dispatch_queue[group_id] = dispatch_version
+
+  def forget(self, group_id: int) -> None:
+    """Removes a cancelled group from the dispatch queue (it will not arrive)."""
+    with self._cond:
+      self._dispatch_queue.pop(group_id, None)
+      self._cond.notify_all()
+
+  def put(self, group: rollout_lib.Group) -> None:
+    with self._cond:
+      if group.group_id not in self._dispatch_queue:
+        # Cancelled while its last rollout was being scored: nothing to train.
+        return
+      self._finished[group.group_id] = group
+      self._completion_order.append(group.group_id)
+      self._arrival_time[group.group_id] = time.monotonic()
+      self._cond.notify_all()
+
+  def close(self) -> None:
+    with self._cond:
+      self._closed = True
+      self._cond.notify_all()
+
+  def __len__(self) -> int:
+    with self._cond:
+      return len(self._finished)
+
+  def cut(self, batch_version: int, num_groups: int, timeout: float | None = None) -> CutResult:
+    """Blocks until `num_groups` eligible groups exist, then returns them.
+
+    Right before each attempt to assemble the batch, every finished group whose
+    lag in `B_{batch_version}` exceeds K is removed; the successful cut returns
+    all groups swept since the previous one as `stale` (none is lost when an
+    attempt times out).
+
+    Raises:
+      BufferClosed: if `close()` is called while waiting.
+      TimeoutError: if `timeout` seconds pass without a full batch.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    with self._cond:
+      while True:
+        self._swept.extend(self._sweep_locked(batch_version))
+        chosen = self._select_locked(num_groups)
+        if chosen is not None:
+          groups = [self._pop_locked(gid) for gid in chosen]
+          stale, self._swept = self._swept, []
+          return CutResult(batch_version=batch_version, groups=groups, stale=stale)
+        if self._closed:
+          raise BufferClosed()
+        remaining = None if deadline is None else deadline - time.monotonic()
+        if remaining is not None and remaining <= 0:
+          raise TimeoutError(f"no full batch of {num_groups} groups for B_{batch_version}")
+        self._cond.wait(timeout=0.5 if remaining is None else min(remaining, 0.5))
+
+  def _sweep_locked(self, batch_version: int) -> list[rollout_lib.Group]:
+    cfg = self._cfg
+    stale_ids = [gid for gid, g in self._finished.items()
+                 if staleness.is_stale(batch_version, g, cfg.max_off_policy_steps,
+                                       cfg.staleness_reference)]
+    return [self._pop_locked(gid) for gid in stale_ids]
+
+  def _pop_locked(self, group_id: int) -> rollout_lib.Group:
+    group = self._finished.pop(group_id)
+    self._dispatch_queue.pop(group_id, None)
+    self._completion_order.remove(group_id)
+    waited = time.monotonic() - self._arrival_time.pop(group_id)
+    for r in group.rollouts:
+      r.timings["in_buffer"] = waited
+    return group
+
+  def _select_locked(self, num_groups: int) -> list[int] | None:
+    if len(self._finished) < num_groups:
+      return None
+    policy = self._cfg.assembly
+    if policy == "first_done":
+      return list(self._completion_order)[:num_groups]
+    if policy == "fifo":
+      head = list(self._dispatch_queue)[:num_groups]
+      return head if all(gid in self._finished for gid in head) else None
+    # windowed_fifo: repeatedly take the oldest finished group within the first
+    # `window` entries of the (shrinking) dispatch queue.
+    queue = list(self._dispatch_queue)
+    chosen = []
+    while len(chosen) < num_groups:
+      window = queue[:self._cfg.window_groups]
+      pick = next((gid for gid in window if gid in self._finished), None)
+      if pick is None:
+        return None
+      chosen.append(pick)
+      queue.remove(pick)
+    return chosen

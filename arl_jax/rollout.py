@@ -1,0 +1,106 @@
+"""Data contracts of sampled work: `Rollout` and `Group` (DESIGN.md section 3).
+
+Versions are always explicit: a missing version is an error, never 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+FINISH_REASONS = ("stop", "length", "cancelled", "error")
+
+
+@dataclasses.dataclass(kw_only=True)
+class Rollout:
+  """One sampled completion with everything needed to train on it off-policy.
+
+  Arrays are over the completion only (length C); the prompt is kept separately.
+
+  Attributes:
+    group_id: the group this rollout belongs to.
+    sample_index: index within the group, 0..G-1.
+    prompt_ids: `[P']` int32 prompt token ids (no padding).
+    completion_ids: `[C]` int32 completion token ids (EOS included when stopped).
+    loss_mask: `[C]` float32, 1 for tokens the policy sampled, 0 for
+      environment/tool tokens.
+    behaviour_logprobs: `[C]` float32 log mu(a_t | s_t) recorded at sampling.
+    token_versions: `[C]` int32 policy version that sampled each token.
+    dispatch_version: live version when the group was dispatched.
+    finish_reason: one of FINISH_REASONS.
+    reward: scalar reward from the environment (None until scored).
+    env_name: environment that scored it.
+    timings: seconds spent `queued`, `generating`, `in_env`, `in_buffer`.
+  """
+
+  group_id: int
+  sample_index: int
+  prompt_ids: np.ndarray
+  completion_ids: np.ndarray
+  loss_mask: np.ndarray
+  behaviour_logprobs: np.ndarray
+  token_versions: np.ndarray
+  dispatch_version: int
+  finish_reason: str
+  reward: float | None = None
+  env_name: str = ""
+  timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if self.finish_reason not in FINISH_REASONS:
+      raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+    n = len(self.completion_ids)
+    for name in ("loss_mask", "behaviour_logprobs", "token_versions"):
+      if len(getattr(self, name)) != n:
+        raise ValueError(f"Rollout.{name} has length {len(getattr(self, name))}, completion has {n}")
+    sampled = self.token_versions[self.loss_mask > 0]
+    if np.any(sampled < 0):
+      raise ValueError(f"Rollout of group {self.group_id}: a sampled token has no version")
+
+  @property
+  def version_span(self) -> tuple[int, int]:
+    """`(oldest, newest)` version of the sampled tokens (dispatch version if none)."""
+    sampled = self.token_versions[self.loss_mask > 0]
+    if sampled.size == 0:
+      return (self.dispatch_version, self.dispatch_version)
+    return (int(sampled.min()), int(sampled.max()))
+
+  @property
+  def num_sampled_tokens(self) -> int:
+    return int(np.sum(self.loss_mask > 0))
+
+
+@dataclasses.dataclass(kw_only=True)
+class Group:
+  """The G rollouts of one prompt; it trains or is dropped as a unit.
+
+  Attributes:
+    group_id: dispatch-order id (unique in a run).
+    prompt_id: id of the prompt in its data source.
+    dispatch_version: live version when the group was created.
+    rollouts: the G rollouts, in sample-index order.
+  """
+
+  group_id: int
+  prompt_id: int
+  dispatch_version: int
+  rollouts: list[Rollout]
+
+  @property
+  def oldest_version(self) -> int:
+    return min(r.version_span[0] for r in self.rollouts)
+
+  @property
+  def newest_version(self) -> int:
+    return max(r.version_span[1] for r in self.rollouts)
+
+  @property
+  def rewards(self) -> np.ndarray:
+    if any(r.reward is None for r in self.rollouts):
+      raise ValueError(f"group {self.group_id} has unscored rollouts")
+    return np.array([r.reward for r in self.rollouts], np.float32)
+
+  @property
+  def max_completion_length(self) -> int:
+    return max(len(r.completion_ids) for r in self.rollouts)

@@ -1,0 +1,250 @@
+"""`run(config, workdir)`: wires the components of one asynchronous RL run.
+
+Threads (DESIGN.md section 2): the sampler engine generates on the sampler mesh,
+env workers score finished groups, and this (the calling) thread is the
+learner: it cuts a batch from the buffer (after the staleness sweep), applies
+the jitted update on the learner mesh, publishes the new version device to
+device, and cancels groups that can no longer ship.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import time
+
+import jax
+import ml_collections
+import numpy as np
+
+from arl_jax import config_lib
+from arl_jax import evaluation
+from arl_jax import train_batch as train_batch_lib
+from arl_jax.envs import arith
+from arl_jax.envs import prompt_data
+from arl_jax.envs import tokenizer as tokenizer_lib
+from arl_jax.learner import optim as optim_lib
+from arl_jax.learner import publish as publish_lib
+from arl_jax.learner import train_state as train_state_lib
+from arl_jax.learner import update as update_lib
+from arl_jax.learner import warmup as warmup_lib
+from arl_jax.metrics import writer as writer_lib
+from arl_jax.models import init_lib
+from arl_jax.orchestrator import buffer as buffer_lib
+from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import env_runner as env_runner_lib
+from arl_jax.sampler import engine as engine_lib
+from arl_jax.sharding import mesh_lib
+from arl_jax.sharding import rules as rules_lib
+
+
+@dataclasses.dataclass
+class RunResult:
+  """What a run did, for tests and sweeps."""
+
+  history: list[dict]
+  eval_history: list[dict]
+  groups_trained: int
+  final_version: int
+  trained_batches: list[dict] = dataclasses.field(default_factory=list)
+  wall_seconds: float = 0.0
+
+
+def _lag_histogram(lags: np.ndarray) -> dict[str, int]:
+  values, counts = np.unique(lags, return_counts=True)
+  return {str(int(v)): int(c) for v, c in zip(values, counts)}
+
+
+def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.print_line,
+        keep_batches: bool = False) -> RunResult:
+  """Trains as configured; writes `metrics.jsonl` to `workdir`.
+
+  Args:
+    config: experiment config (validated here before anything is compiled).
+    workdir: output folder.
+    print_fn: where progress lines go.
+    keep_batches: keep each step's host TrainBatch summary in the result
+      (tests use it to check versions and lags).
+  """
+  start_time = time.monotonic()
+  spec = config_lib.build(config)
+  meshes = mesh_lib.make_role_meshes(spec.mesh)
+  tokenizer = tokenizer_lib.ByteTokenizer()
+  env = arith.ArithEnv(tokenizer)
+  train_prompts = arith.make_prompts(spec.env, "train")
+  heldout = arith.make_prompts(spec.env, "heldout")
+  eval_prompts = heldout[:: max(1, len(heldout) // max(spec.eval_size, 1))][: spec.eval_size]
+  writer = writer_lib.JsonlWriter(workdir)
+  print_fn(f"arl_jax: {spec.model.num_params / 1e6:.2f}M params | learner mesh "
+           f"{dict(meshes.learner.shape)} | sampler mesh {dict(meshes.sampler.shape)} | "
+           f"{'colocated' if meshes.colocated else 'disaggregated'} | K="
+           f"{spec.dispatch.max_off_policy_steps} max_async_level="
+           f"{spec.dispatch.max_async_level} | {len(train_prompts)} train / "
+           f"{len(eval_prompts)} eval prompts")
+
+  graphdef, params, _ = init_lib.init_params(spec.model, meshes.learner,
+                                             rules_lib.LEARNER_RULES, spec.seed)
+  _, abstract_state = init_lib.abstract_model(spec.model)
+  sampler_shardings = rules_lib.state_shardings(abstract_state, meshes.sampler,
+                                                rules_lib.SAMPLER_RULES)
+  evaluator = None
+  if spec.eval_size and spec.eval_every:
+    evaluator = evaluation.Evaluator(
+        graphdef=graphdef, env=env, tokenizer=tokenizer, prompts=eval_prompts,
+        mesh=meshes.learner, prompt_len=spec.engine.prompt_len,
+        max_new_tokens=spec.engine.max_new_tokens)
+  eval_history: list[dict] = []
+
+  def evaluate(step: int, phase: str) -> float | None:
+    if evaluator is None:
+      return None
+    result = evaluator(params_now())
+    record = {"phase": phase, "step": step, "eval_reward": result.reward,
+              "wall_s": time.monotonic() - start_time}
+    eval_history.append(record)
+    writer.write(record)
+    sample = "; ".join(f"{p}{c!r}" for p, c in result.examples)
+    print_fn(f"eval [{phase} step {step}] reward {result.reward:.3f} on {result.num_prompts} "
+             f"held-out prompts ({sample})")
+    return result.reward
+
+  holder = {"params": params}
+  params_now = lambda: holder["params"]
+
+  if spec.warmup.steps:
+    evaluate(0, "warmup")
+    w = spec.warmup
+    rng = np.random.default_rng(spec.seed)
+    subset = rng.permutation(len(train_prompts))[: max(1, int(w.fraction * len(train_prompts)))]
+    chosen = [train_prompts[i] for i in subset]
+
+    def log_warmup(step, metrics):
+      writer.write({"phase": "warmup", "step": step, **metrics})
+      print_fn(f"warmup {step:>4d} | loss {float(metrics['loss']):.4f}")
+
+    holder["params"] = warmup_lib.run_warmup(
+        params=params, graphdef=graphdef, mesh=meshes.learner,
+        optimizer=optim_lib.make_optimizer(optim_lib.OptimConfig(lr=w.lr)), steps=w.steps,
+        batch_size=w.batch_size, prompt_ids=[env.encode_prompt(p) for p in chosen],
+        target_ids=[env.encode_target(p) for p in chosen], prompt_len=spec.engine.prompt_len,
+        max_new_tokens=spec.engine.max_new_tokens, pad_id=tokenizer.pad_id, seed=spec.seed,
+        log_fn=log_warmup)
+
+  optimizer = optim_lib.make_optimizer(spec.optim)
+  state, state_shardings = train_state_lib.create(holder["params"], optimizer, meshes.learner)
+  update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
+                                        settings=spec.loss, state_shardings=state_shardings,
+                                        mesh=meshes.learner)
+  holder["params"] = state.params
+  evaluate(0, "rl")
+
+  publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings)
+  buffer = buffer_lib.RolloutBuffer(spec.buffer)
+  dispatcher = dispatcher_lib.Dispatcher(
+      spec.dispatch, prompt_data.prompt_iterator(train_prompts, spec.seed), env.encode_prompt,
+      buffer)
+  env_runner = env_runner_lib.EnvRunner(env, buffer, num_workers=spec.num_env_workers)
+  engine = engine_lib.SamplerEngine(
+      cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, mesh=meshes.sampler,
+      publisher=publisher, dispatcher=dispatcher, on_group_fn=env_runner.submit)
+
+  version = 0
+  publisher.publish(state.params, version)
+  dispatcher.on_publish(version)
+  engine.start()
+  history: list[dict] = []
+  batches: list[dict] = []
+  groups_trained = 0
+  drops = collections.Counter()
+  rl_start = time.monotonic()
+  last_time = rl_start
+  try:
+    for step in range(spec.num_steps):
+      cut = _cut_batch(buffer, engine, version, spec.dispatch.groups_per_batch)
+      drops["stale"] += len(cut.stale)
+      dispatcher.retire([g.group_id for g in cut.stale])
+      host_batch = train_batch_lib.assemble(
+          cut.groups, batch_version=version, prompt_len=spec.engine.prompt_len,
+          max_new_tokens=spec.engine.max_new_tokens, pad_id=tokenizer.pad_id,
+          advantage_estimator=spec.advantage_estimator,
+          staleness_reference=spec.buffer.staleness_reference)
+      state, metrics = update_fn(state, host_batch)
+      version += 1
+      holder["params"] = state.params
+      publisher.publish(state.params, version)
+      cancelled = dispatcher.on_publish(version)
+      engine.cancel(cancelled)
+      dispatcher.retire([g.group_id for g in cut.groups])
+      groups_trained += len(cut.groups)
+      metrics = jax.device_get(metrics)
+      now = time.monotonic()
+      record = _step_record(step, version, host_batch, cut, metrics, drops, dispatcher, engine,
+                            env_runner, buffer, now - last_time, now - rl_start)
+      last_time = now
+      if keep_batches:
+        batches.append({"batch_version": cut.batch_version, "lag": host_batch.lag.copy(),
+                        "token_versions": host_batch.token_versions.copy(),
+                        "loss_mask": host_batch.loss_mask.copy(),
+                        "dispatch_versions": [g.dispatch_version for g in cut.groups],
+                        "group_ids": [g.group_id for g in cut.groups]})
+      is_last = step == spec.num_steps - 1
+      if spec.eval_every and ((step + 1) % spec.eval_every == 0 or is_last):
+        record["eval_reward"] = evaluate(step + 1, "rl")
+      history.append(record)
+      writer.write({"phase": "rl", **record})
+      if spec.log_every and (step % spec.log_every == 0 or is_last or "eval_reward" in record):
+        print_fn(writer_lib.progress_line(record))
+  finally:
+    dispatcher.close()
+    buffer.close()
+    engine.stop()
+    env_runner.close()
+    writer.close()
+  wall = time.monotonic() - start_time
+  print_fn(f"done: {spec.num_steps} updates, final version {version}, {groups_trained} groups "
+           f"trained, {drops['stale']} stale drops, {dispatcher.num_cancelled} cancelled, "
+           f"{wall:.1f}s wall")
+  return RunResult(history=history, eval_history=eval_history, groups_trained=groups_trained,
+                   final_version=version, trained_batches=batches, wall_seconds=wall)
+
+
+def _cut_batch(buffer, engine, version, groups_per_batch):
+  """Waits for a batch, surfacing a sampler failure instead of waiting forever."""
+  while True:
+    try:
+      return buffer.cut(version, groups_per_batch, timeout=1.0)
+    except TimeoutError:
+      engine.raise_if_failed()
+
+
+def _step_record(step, version, batch, cut, metrics, drops, dispatcher, engine, env_runner,
+                 buffer, step_seconds, rl_seconds) -> dict:
+  trained_tokens = float(metrics["trained_tokens"])
+  lags = batch.lag
+  in_flight = [r.timings.get("generating", 0.0) + r.timings.get("queued", 0.0)
+               for g in cut.groups for r in g.rollouts]
+  in_buffer = [r.timings.get("in_buffer", 0.0) for g in cut.groups for r in g.rollouts]
+  record = {
+      "step": step,
+      "version": version,
+      "reward_mean": float(np.mean(batch.rewards)),
+      "lag_mean": float(np.mean(lags)),
+      "lag_max": int(np.max(lags)),
+      "lag_histogram": _lag_histogram(lags),
+      "seconds_in_flight": float(np.mean(in_flight)),
+      "seconds_in_buffer": float(np.mean(in_buffer)),
+      "tokens_per_s": trained_tokens / max(step_seconds, 1e-9),
+      "step_seconds": step_seconds,
+      "wall_s": rl_seconds,
+      "drops_stale": len(cut.stale),
+      "drops_total": int(drops["stale"]),
+      "cancelled_total": dispatcher.num_cancelled,
+      "cancelled_tokens_saved": engine.stats.cancelled_tokens,
+      "env_errors": int(sum(env_runner.errors.values())),
+      "buffer_size": len(buffer),
+      "in_system_groups": dispatcher.in_system,
+      "sampler_busy_s": engine.stats.busy_seconds,
+      "sampler_swaps": engine.stats.swaps,
+  }
+  record.update({k: float(v) for k, v in metrics.items()})
+  return record

@@ -1,0 +1,117 @@
+"""Role meshes declared as data: `[(axis, size), ...]` with -1 for "the rest".
+
+Devices are split between a `learner` and a `sampler` role. Disaggregated
+(disjoint device sets) is the default when there are at least two devices;
+colocated (both roles on the same devices, time-sliced) otherwise or on request.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh
+
+MeshShape = Sequence[tuple[str, int]]
+
+LEARNER_AXES = ("fsdp", "tp")
+SAMPLER_AXES = ("data", "tp")
+PLACEMENTS = ("auto", "disaggregated", "colocated")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MeshConfig:
+  """How devices are split into role meshes.
+
+  Attributes:
+    placement: `auto` (disaggregated when >= 2 devices), `disaggregated` or
+      `colocated`.
+    learner_devices: devices given to the learner when disaggregated; -1 means
+      half of them (the sampler gets the rest).
+    learner: learner mesh axes, e.g. `(("fsdp", -1), ("tp", 1))`.
+    sampler: sampler mesh axes, e.g. `(("data", -1), ("tp", 1))`.
+  """
+
+  placement: str = "auto"
+  learner_devices: int = -1
+  learner: tuple[tuple[str, int], ...] = (("fsdp", -1), ("tp", 1))
+  sampler: tuple[tuple[str, int], ...] = (("data", -1), ("tp", 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class RoleMeshes:
+  learner: Mesh
+  sampler: Mesh
+
+  @property
+  def colocated(self) -> bool:
+    return set(self.learner.devices.flat) == set(self.sampler.devices.flat)
+
+
+def resolve_shape(shape: MeshShape, num_devices: int, role: str) -> tuple[tuple[str, int], ...]:
+  """Replaces a single -1 by the size that uses all `num_devices`.
+
+  Raises:
+    ValueError: naming the role when the axes do not multiply to `num_devices`.
+  """
+  names = [name for name, _ in shape]
+  sizes = [size for _, size in shape]
+  if len(set(names)) != len(names):
+    raise ValueError(f"mesh.{role}: duplicate axis names {names}")
+  if sizes.count(-1) > 1:
+    raise ValueError(f"mesh.{role}: at most one axis may be -1, got {list(shape)}")
+  if any(s == 0 or s < -1 for s in sizes):
+    raise ValueError(f"mesh.{role}: axis sizes must be positive or -1, got {list(shape)}")
+  known = math.prod(s for s in sizes if s != -1)
+  if -1 in sizes:
+    if num_devices % known:
+      raise ValueError(
+          f"mesh.{role}={list(shape)}: fixed axes ({known} devices) do not divide the "
+          f"{num_devices} devices of this role")
+    sizes[sizes.index(-1)] = num_devices // known
+  elif known != num_devices:
+    raise ValueError(
+        f"mesh.{role}={list(shape)} needs {known} devices but the role has {num_devices}")
+  return tuple(zip(names, sizes))
+
+
+def split_devices(cfg: MeshConfig, devices: Sequence[jax.Device]) -> tuple[list, list]:
+  """Returns `(learner_devices, sampler_devices)` for the configured placement."""
+  devices = list(devices)
+  n = len(devices)
+  placement = cfg.placement
+  if placement not in PLACEMENTS:
+    raise ValueError(f"mesh.placement must be one of {PLACEMENTS}, got {placement!r}")
+  if placement == "auto":
+    placement = "disaggregated" if n >= 2 else "colocated"
+  if placement == "colocated":
+    return devices, devices
+  if n < 2:
+    raise ValueError(f"mesh.placement='disaggregated' needs >= 2 devices, found {n}")
+  n_learner = n // 2 if cfg.learner_devices == -1 else cfg.learner_devices
+  if not 1 <= n_learner < n:
+    raise ValueError(
+        f"mesh.learner_devices={cfg.learner_devices} must leave at least one device to "
+        f"each role; {n} devices exist")
+  return devices[:n_learner], devices[n_learner:]
+
+
+def make_role_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> RoleMeshes:
+  """Builds the learner and sampler meshes (validates before touching devices)."""
+  devices = jax.devices() if devices is None else devices
+  learner_devices, sampler_devices = split_devices(cfg, devices)
+  learner_shape = resolve_shape(cfg.learner, len(learner_devices), "learner")
+  sampler_shape = resolve_shape(cfg.sampler, len(sampler_devices), "sampler")
+  return RoleMeshes(
+      learner=_mesh(learner_devices, learner_shape),
+      sampler=_mesh(sampler_devices, sampler_shape),
+  )
+
+
+def _mesh(devices, shape) -> Mesh:
+  names = tuple(name for name, _ in shape)
+  sizes = tuple(size for _, size in shape)
+  return Mesh(np.array(devices).reshape(sizes), names)
