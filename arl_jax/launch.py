@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app
-from absl import flags
+from absl import app, flags
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",

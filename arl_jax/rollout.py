@@ -53,7 +53,8 @@ class Rollout:
     n = len(self.completion_ids)
     for name in ("loss_mask", "behaviour_logprobs", "token_versions"):
       if len(getattr(self, name)) != n:
-        raise ValueError(f"Rollout.{name} has length {len(getattr(self, name))}, completion has {n}")
+        raise ValueError(
+            f"Rollout.{name} has length {len(getattr(self, name))}, completion has {n}")
     sampled = self.token_versions[self.loss_mask > 0]
     if np.any(sampled < 0):
       raise ValueError(f"Rollout of group {self.group_id}: a sampled token has no version")

@@ -17,11 +17,9 @@ import jax
 import ml_collections
 import numpy as np
 
-from arl_jax import config_lib
-from arl_jax import evaluation
+from arl_jax import config_lib, evaluation
 from arl_jax import train_batch as train_batch_lib
-from arl_jax.envs import arith
-from arl_jax.envs import prompt_data
+from arl_jax.envs import arith, prompt_data
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib
@@ -114,8 +112,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   if spec.warmup.steps:
     evaluate(0, "warmup")
     w = spec.warmup
-    rng = np.random.default_rng(spec.seed)
-    subset = rng.permutation(len(train_prompts))[: max(1, int(w.fraction * len(train_prompts)))]
+    num_chosen = max(1, int(w.fraction * len(train_prompts)))
+    subset = np.random.default_rng((spec.seed, 0)).permutation(len(train_prompts))[:num_chosen]
     chosen = [train_prompts[i] for i in subset]
 
     def log_warmup(step, metrics):
@@ -184,6 +182,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       if keep_batches:
         batches.append({"batch_version": cut.batch_version, "lag": host_batch.lag.copy(),
                         "token_versions": host_batch.token_versions.copy(),
+                        "tokens": host_batch.tokens.copy(),
+                        "behaviour_logprobs": host_batch.behaviour_logprobs.copy(),
                         "loss_mask": host_batch.loss_mask.copy(),
                         "dispatch_versions": [g.dispatch_version for g in cut.groups],
                         "group_ids": [g.group_id for g in cut.groups]})

@@ -1,6 +1,7 @@
 r"""Synchronous GRPO in one file: the readable definition of the algorithm.
 
-No threads, no buffer, no meshes, no KV cache. Each step samples a batch of
+No threads, no buffer, no meshes, no KV cache. After the same supervised
+warm-up as the package's (`learner/warmup.py`), each step samples a batch of
 groups with the current params, scores them, computes group-normalised
 advantages and applies one clipped-ratio update against the recorded
 behaviour log-probs (which at zero lag equal the current ones up to float
@@ -28,8 +29,7 @@ import optax
 from flax import nnx
 
 from arl_jax import config_lib
-from arl_jax.envs import arith
-from arl_jax.envs import prompt_data
+from arl_jax.envs import arith, prompt_data
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.models import decoder as decoder_lib
@@ -85,16 +85,52 @@ def grpo_loss(params, graphdef, tokens, mask, behaviour, loss_mask, advantages, 
   return jnp.sum(per_token * loss_mask) / jnp.maximum(jnp.sum(loss_mask), 1.0)
 
 
-def train(config, num_steps: int | None = None, log=print) -> list[float]:
-  """Runs synchronous GRPO as configured; returns the loss of every step."""
+def warm_up(graphdef, params, spec, env, train_prompts, log):
+  """Supervised steps on the correct answers of a fixed subset of the prompts."""
+  w = spec.warmup
+  num_chosen = max(1, int(w.fraction * len(train_prompts)))
+  subset = np.random.default_rng((spec.seed, 0)).permutation(len(train_prompts))[:num_chosen]
+  chosen = [train_prompts[i] for i in subset]
+  optimizer = optim_lib.make_optimizer(optim_lib.OptimConfig(lr=w.lr))
+  opt_state = optimizer.init(params)
+  p_len, n_new = spec.engine.prompt_len, spec.engine.max_new_tokens
+  rng = np.random.default_rng((spec.seed, 1))
+
+  @jax.jit
+  def step(params, opt_state, tokens, mask, target_mask):
+    def nll(params):
+      logp = logprobs_of(nnx.merge(graphdef, params), tokens, mask, 1.0)
+      return -jnp.sum(logp * target_mask) / jnp.sum(target_mask)
+    loss, grads = jax.value_and_grad(nll)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  for i in range(w.steps):
+    rows = [chosen[j] for j in rng.integers(0, len(chosen), w.batch_size)]
+    tokens = np.full((len(rows), p_len + n_new), spec.sampling.pad_id, np.int32)
+    mask = np.zeros(tokens.shape, bool)
+    target_mask = np.zeros(tokens.shape, np.float32)
+    for r, prompt in enumerate(rows):
+      ids, target = env.encode_prompt(prompt), env.encode_target(prompt)
+      tokens[r, p_len - len(ids):p_len + len(target)] = ids + target
+      mask[r, p_len - len(ids):p_len + len(target)] = True
+      target_mask[r, p_len:p_len + len(target)] = 1.0
+    params, opt_state, loss = step(params, opt_state, tokens, mask, target_mask)
+    if i % 50 == 0 or i == w.steps - 1:
+      log(f"warmup {i:>4d} | loss {float(loss):.4f}")
+  return params
+
+
+def train(config, num_steps: int | None = None, log=print) -> list[dict]:
+  """Runs warm-up then synchronous GRPO as configured; returns per-step records."""
   spec = config_lib.build(config)
-  if spec.warmup.steps:
-    raise ValueError("minimal_grpo has no warm-up phase: set warmup.steps=0")
   tokenizer = tokenizer_lib.ByteTokenizer()
   env = arith.ArithEnv(tokenizer)
-  prompts = prompt_data.prompt_iterator(arith.make_prompts(spec.env, "train"), spec.seed)
+  train_prompts = arith.make_prompts(spec.env, "train")
+  prompts = prompt_data.prompt_iterator(train_prompts, spec.seed)
   model = decoder_lib.Decoder(spec.model, rngs=nnx.Rngs(spec.seed))
   graphdef, params = nnx.split(model)
+  params = warm_up(graphdef, params, spec, env, train_prompts, log)
   optimizer = optim_lib.make_optimizer(spec.optim)
   opt_state = optimizer.init(params)
   loss_kwargs = dict(eps_low=spec.loss.eps_low, eps_high=spec.loss.eps_high,
@@ -103,7 +139,7 @@ def train(config, num_steps: int | None = None, log=print) -> list[float]:
                     static_argnames=tuple(loss_kwargs))
   g, groups = spec.dispatch.group_size, spec.dispatch.groups_per_batch
   group_ids = itertools.count()
-  losses = []
+  records = []
   for step in range(spec.num_steps if num_steps is None else num_steps):
     batch_prompts = [next(prompts) for _ in range(groups)]
     ids = [next(group_ids) for _ in range(groups)]
@@ -125,9 +161,10 @@ def train(config, num_steps: int | None = None, log=print) -> list[float]:
                           **loss_kwargs)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    losses.append(float(loss))
+    records.append({"step": step, "loss": float(loss), "reward_mean": float(rewards.mean()),
+                    "tokens": tokens, "behaviour_logprobs": behaviour})
     log(f"step {step:>4d} | reward {rewards.mean():.3f} | loss {float(loss):+.6f}")
-  return losses
+  return records
 
 
 if __name__ == "__main__":
@@ -138,9 +175,6 @@ if __name__ == "__main__":
 
   def _main(argv):
     del argv
-    config = _CONFIG.value
-    with config.unlocked():
-      config.warmup.steps = 0
-    train(config)
+    train(_CONFIG.value)
 
   app.run(_main)

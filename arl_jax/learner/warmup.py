@@ -38,7 +38,8 @@ def sft_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBatc
 
 
 def supervised_batch(prompt_ids: list[list[int]], target_ids: list[list[int]], *,
-                     prompt_len: int, max_new_tokens: int, pad_id: int) -> train_batch_lib.TrainBatch:
+                     prompt_len: int, max_new_tokens: int,
+                     pad_id: int) -> train_batch_lib.TrainBatch:
   """A TrainBatch whose completions are the given targets (loss on targets only)."""
   b, length = len(prompt_ids), prompt_len + max_new_tokens
   tokens = np.full((b, length), pad_id, np.int32)
@@ -69,7 +70,8 @@ def run_warmup(*, params, graphdef, mesh, optimizer, steps: int, batch_size: int
   step_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer, settings=None,
                                       state_shardings=state_shardings, mesh=mesh,
                                       step_fn=sft_step)
-  rng = np.random.default_rng(seed)
+  # Stream 1 of the seed; stream 0 chose the warm-up subset (run_lib).
+  rng = np.random.default_rng((seed, 1))
   for step in range(steps):
     idx = rng.integers(0, len(prompt_ids), batch_size)
     batch = supervised_batch([prompt_ids[i] for i in idx], [target_ids[i] for i in idx],

@@ -30,8 +30,7 @@ from jax.sharding import PartitionSpec as P
 
 from arl_jax import rollout as rollout_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
-from arl_jax.sampler import param_swap
-from arl_jax.sampler import sampling
+from arl_jax.sampler import param_swap, sampling
 
 WEIGHT_UPDATE_MODES = ("in_flight", "drain")
 

@@ -1,6 +1,5 @@
 """Sampler log-probs, the sampling distribution and compile counts."""
 
-import chex
 import jax
 import jax.numpy as jnp
 import numpy as np

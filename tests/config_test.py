@@ -1,0 +1,82 @@
+"""Bad configuration is rejected, naming the problem, before anything compiles."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from arl_jax import config_lib, run_lib
+from arl_jax.testing import tiny
+
+
+def _config(**overrides):
+  config = tiny.load_config("arith", "tiny")
+  for dotted, value in overrides.items():
+    section, key = dotted.split("__") if "__" in dotted else (None, dotted)
+    (config[section] if section else config)[key] = value
+  return config
+
+
+def test_tiny_and_default_configs_build():
+  for arg in ("tiny", None, "sync"):
+    spec = config_lib.build(tiny.load_config("arith", arg))
+    assert spec.dispatch.groups_per_batch * spec.dispatch.group_size > 0
+  sync = config_lib.build(tiny.load_config("arith", "sync"))
+  assert (sync.dispatch.max_async_level, sync.dispatch.max_off_policy_steps,
+          sync.engine.weight_update) == (0, 0, "drain")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"orchestrator__max_off_policy_steps": -1}, r"orchestrator.max_off_policy_steps: K must be >= 0"),
+    ({"orchestrator__max_async_level": -2}, r"orchestrator.max_async_level"),
+    ({"orchestrator__batch_size": 30}, r"orchestrator.batch_size: 30 rollouts is not a positive multiple of orchestrator.group_size=4"),
+    ({"orchestrator__assembly": "lifo"}, r"orchestrator.assembly: must be one of"),
+    ({"sampler__prompt_len": 4}, r"sampler.prompt_len: a prompt of env 'arith' has 5 tokens"),
+    ({"sampler__max_new_tokens": 40}, r"exceeds the model context model.max_seq_len=32"),
+    ({"sampler__num_slots": 30}, r"sampler.num_slots: 30 must be a positive multiple"),
+    ({"sampler__weight_update": "sometimes"}, r"sampler.weight_update"),
+    ({"learner__loss": "ppo2"}, r"learner.loss: unknown loss 'ppo2'"),
+    ({"model__num_kv_heads": 3}, r"config.model: model.num_heads=2 must be a multiple"),
+    ({"env__name": "chess"}, r"env.name: unknown environment 'chess'"),
+    ({"mesh__learner": (("fsdp", 16), ("tp", 1))}, r"mesh.learner=.*needs 16 devices but the role has 4"),
+    ({"mesh__placement": "everywhere"}, r"mesh.placement must be one of"),
+    ({"mesh__learner_devices": 8}, r"mesh.learner_devices=8 must leave at least one device"),
+])
+def test_bad_config_is_rejected_with_a_message_naming_it(overrides, message):
+  with pytest.raises(config_lib.ConfigError, match=message):
+    config_lib.build(_config(**overrides))
+
+
+def test_unknown_key_is_rejected():
+  config = _config()
+  config.learner.lrr = 1e-3
+  with pytest.raises(config_lib.ConfigError, match=r"config.learner: unknown key\(s\) \['lrr'\]"):
+    config_lib.build(config)
+  config = _config()
+  config.stepz = 3
+  with pytest.raises(config_lib.ConfigError, match=r"unknown key\(s\) \['stepz'\]"):
+    config_lib.build(config)
+
+
+def test_mesh_needing_more_devices_than_exist():
+  config = _config(mesh__placement="colocated", mesh__learner=(("fsdp", 16), ("tp", 1)))
+  with pytest.raises(config_lib.ConfigError, match="needs 16 devices but the role has 8"):
+    config_lib.build(config)
+
+
+def test_run_rejects_bad_config_before_writing_or_compiling(tmp_path):
+  with pytest.raises(config_lib.ConfigError, match="orchestrator.batch_size"):
+    run_lib.run(_config(orchestrator__batch_size=6), str(tmp_path))
+  assert not os.listdir(tmp_path)
+
+
+def test_launch_rejects_unknown_override_on_the_command_line(tmp_path):
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run(
+      [sys.executable, "-m", "arl_jax.launch", "--config=configs/arith.py:tiny",
+       f"--workdir={tmp_path}", "--config.learner.lrr=1"],
+      cwd=repo, capture_output=True, text=True, timeout=120)
+  assert proc.returncode != 0
+  assert "lrr" in proc.stderr
+  assert not os.listdir(tmp_path)
