@@ -88,7 +88,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   evaluator = None
   if spec.eval_size and spec.eval_every:
     evaluator = evaluation.Evaluator(
-        graphdef=graphdef, env=env, tokenizer=tokenizer, prompts=eval_prompts,
+        graphdef=graphdef, params_like=params, env=env, tokenizer=tokenizer, prompts=eval_prompts,
         mesh=meshes.learner, prompt_len=spec.engine.prompt_len,
         max_new_tokens=spec.engine.max_new_tokens)
   eval_history: list[dict] = []

@@ -18,9 +18,11 @@ sum, so RL would have no signal. The warm-up teaches the answer on a subset of
 the pairs; RL then has to generalise to the rest (JAX_NOTES.md: a warm-up on
 the answer format alone made RL collapse onto one answer).
 
-What to expect (measured, see the closing note of the foundation issue): greedy
-accuracy on held-out pairs rises from ~0 at initialisation to roughly 0.2-0.4
-after the warm-up and to well above that after RL, within about 5 minutes.
+What to expect (measured on a 2-core CPU, one JAX device, so learner and
+sampler are colocated): greedy exact-match accuracy on 300 held-out pairs is 0
+at initialisation, 0.18 after the warm-up, ~0.5 after 500 RL updates, ~0.78
+after 1000 and ~0.90 after 3000; the whole run (warm-up included) takes about
+3 minutes (185 s measured). Lag is 1 for most batches (max_async_level=1).
 """
 
 import ml_collections
@@ -29,9 +31,9 @@ import ml_collections
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
-  config.num_steps = 1500
+  config.num_steps = 3000
   config.log_every = 1
-  config.eval_every = 100
+  config.eval_every = 250
   config.eval_size = 300
 
   config.model = ml_collections.ConfigDict(dict(

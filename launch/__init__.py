@@ -1,0 +1,1 @@
+"""Launchers that run many `arl_jax.launch` jobs: local sweeps (and, later, XManager)."""
