@@ -11,6 +11,10 @@ It also implements the batch assembly policies:
 - `first_done`: completion order (biased toward short, easy tasks; kept for
   comparison).
 
+Bounded by admission control rather than by a size of its own: the dispatcher
+never lets more than `(max_async_level + 1) * groups_per_batch` groups be in
+the system, and every group in the buffer is one of them.
+
 Thread-safe: the env workers put groups, the learner cuts batches.
 """
 
