@@ -180,11 +180,19 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   _require(context <= model.max_seq_len, "sampler.prompt_len",
            f"prompt_len + max_new_tokens = {context} exceeds the model context "
            f"model.max_seq_len={model.max_seq_len}")
-  longest = max(len(tokenizer.encode(p.text, add_bos=True))
-                for split in arith.SPLITS for p in arith.make_prompts(env, split))
+  # Measure prompts and answers the way the environment encodes them, so the
+  # check cannot drift from what the sampler and warm-up actually receive.
+  env_instance = arith.ArithEnv(tokenizer)
+  all_prompts = [p for split in arith.SPLITS for p in arith.make_prompts(env, split)]
+  longest = max(len(env_instance.encode_prompt(p)) for p in all_prompts)
   _require(longest <= s["prompt_len"], "sampler.prompt_len",
            f"a prompt of env {env_cfg['name']!r} has {longest} tokens, longer than "
            f"sampler.prompt_len={s['prompt_len']}")
+  longest_answer = max(len(env_instance.encode_target(p)) for p in all_prompts)
+  _require(longest_answer <= s["max_new_tokens"], "sampler.max_new_tokens",
+           f"the longest correct answer of env {env_cfg['name']!r} needs {longest_answer} "
+           f"tokens (EOS included), more than sampler.max_new_tokens={s['max_new_tokens']}: "
+           "it could never be rewarded")
   engine = engine_lib.EngineConfig(
       num_slots=s["num_slots"], group_size=g, prompt_len=s["prompt_len"],
       max_new_tokens=s["max_new_tokens"], weight_update=s["weight_update"], seed=cfg["seed"])

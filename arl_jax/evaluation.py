@@ -35,16 +35,15 @@ class Evaluator:
     self._prompts = list(prompts)
     self._max_new_tokens = max_new_tokens
     self._prompt_len = prompt_len
-    # Pad the eval set to a multiple of the mesh size so rows split evenly.
-    n = len(self._prompts)
-    rows = -(-n // mesh.size) * mesh.size
+    # Rows are replicated over the learner mesh (it has no `data` axis).
+    rows = len(self._prompts)
     tokens = np.full((rows, prompt_len), tokenizer.pad_id, np.int32)
     mask = np.zeros((rows, prompt_len), bool)
     for i, prompt in enumerate(self._prompts):
       ids = env.encode_prompt(prompt)
       tokens[i, prompt_len - len(ids):] = ids
       mask[i, prompt_len - len(ids):] = True
-    self._inputs = (tokens, mask, np.arange(rows) < n,
+    self._inputs = (tokens, mask, np.ones((rows,), bool),
                     np.asarray(sampling.row_keys(0, np.arange(rows), np.zeros(rows))))
     self._no_stop = np.zeros((rows,), bool)
     settings = sampling.SamplingSettings(greedy=True, eos_id=tokenizer.eos_id,

@@ -67,9 +67,6 @@ class Rollout:
       return (self.dispatch_version, self.dispatch_version)
     return (int(sampled.min()), int(sampled.max()))
 
-  @property
-  def num_sampled_tokens(self) -> int:
-    return int(np.sum(self.loss_mask > 0))
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -93,15 +90,7 @@ class Group:
     return min(r.version_span[0] for r in self.rollouts)
 
   @property
-  def newest_version(self) -> int:
-    return max(r.version_span[1] for r in self.rollouts)
-
-  @property
   def rewards(self) -> np.ndarray:
     if any(r.reward is None for r in self.rollouts):
       raise ValueError(f"group {self.group_id} has unscored rollouts")
     return np.array([r.reward for r in self.rollouts], np.float32)
-
-  @property
-  def max_completion_length(self) -> int:
-    return max(len(r.completion_ids) for r in self.rollouts)

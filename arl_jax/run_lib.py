@@ -158,7 +158,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   last_time = rl_start
   try:
     for step in range(spec.num_steps):
-      cut = _cut_batch(buffer, engine, version, spec.dispatch.groups_per_batch)
+      cut = _cut_batch(buffer, (engine, env_runner), version, spec.dispatch.groups_per_batch)
       drops["stale"] += len(cut.stale)
       dispatcher.retire([g.group_id for g in cut.stale])
       host_batch = train_batch_lib.assemble(
@@ -195,11 +195,15 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       if spec.log_every and (step % spec.log_every == 0 or is_last or "eval_reward" in record):
         print_fn(writer_lib.progress_line(record))
   finally:
+    # Stop everything first; a sampler or env failure is raised afterwards
+    # (below), so cleanup always runs and never masks the learner's own error.
     dispatcher.close()
     buffer.close()
-    engine.stop()
+    engine.stop(raise_errors=False)
     env_runner.close()
     writer.close()
+  engine.raise_if_failed()
+  env_runner.raise_if_failed()
   wall = time.monotonic() - start_time
   print_fn(f"done: {spec.num_steps} updates, final version {version}, {groups_trained} groups "
            f"trained, {drops['stale']} stale drops, {dispatcher.num_cancelled} cancelled, "
@@ -208,13 +212,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
                    final_version=version, trained_batches=batches, wall_seconds=wall)
 
 
-def _cut_batch(buffer, engine, version, groups_per_batch):
-  """Waits for a batch, surfacing a sampler failure instead of waiting forever."""
+def _cut_batch(buffer, workers, version, groups_per_batch):
+  """Waits for a batch, surfacing a sampler or env failure instead of waiting forever."""
   while True:
     try:
       return buffer.cut(version, groups_per_batch, timeout=1.0)
     except TimeoutError:
-      engine.raise_if_failed()
+      for worker in workers:
+        worker.raise_if_failed()
 
 
 def _step_record(step, version, batch, cut, metrics, drops, dispatcher, engine, env_runner,

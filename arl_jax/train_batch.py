@@ -54,7 +54,11 @@ def assemble(groups: list[rollout_lib.Group], *, batch_version: int, prompt_len:
   behaviour = np.zeros((b, length), np.float32)
   versions = np.full((b, length), -1, np.int32)
   rewards = np.stack([g.rewards for g in groups])  # [num_groups, G]
-  advantages = advantages_lib.group_advantages(rewards, advantage_estimator).reshape(-1)
+  # Environment faults are never trained on and do not shift their group's
+  # baseline: their tokens and rewards carry no signal.
+  valid = np.array([[r.finish_reason != "error" for r in g.rollouts] for g in groups])
+  advantages = advantages_lib.group_advantages(rewards, advantage_estimator,
+                                               valid=valid).reshape(-1)
   lag = np.zeros((b,), np.int32)
   group_ids = np.zeros((b,), np.int32)
   i = 0
@@ -69,7 +73,6 @@ def assemble(groups: list[rollout_lib.Group], *, batch_version: int, prompt_len:
       token_mask[i, prompt_len - p:prompt_len + c] = True
       cols = slice(prompt_len, prompt_len + c)
       tokens[i, cols] = r.completion_ids
-      # Environment faults are never trained on: their tokens carry no signal.
       loss_mask[i, cols] = 0.0 if r.finish_reason == "error" else r.loss_mask
       behaviour[i, cols] = r.behaviour_logprobs
       versions[i, cols] = r.token_versions

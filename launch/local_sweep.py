@@ -51,7 +51,8 @@ def expand(axes: list[tuple[str, list[str]]]) -> list[Point]:
   points = []
   for values in itertools.product(*(v for _, v in axes)):
     overrides = tuple(zip(keys, values))
-    name = "_".join(f"{k.split('.')[-1]}={v}" for k, v in overrides) or "default"
+    # Full dotted keys: `learner.lr` and `warmup.lr` must not share a workdir.
+    name = ",".join(f"{k}={v}" for k, v in overrides) or "default"
     points.append(Point(name=name, overrides=overrides))
   return points
 

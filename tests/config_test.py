@@ -34,6 +34,7 @@ def test_tiny_and_default_configs_build():
     ({"orchestrator__assembly": "lifo"}, r"orchestrator.assembly: must be one of"),
     ({"sampler__prompt_len": 4}, r"sampler.prompt_len: a prompt of env 'arith' has 5 tokens"),
     ({"sampler__max_new_tokens": 40}, r"exceeds the model context model.max_seq_len=32"),
+    ({"sampler__max_new_tokens": 2}, r"sampler.max_new_tokens: the longest correct answer of env 'arith' needs 3 tokens"),
     ({"sampler__num_slots": 30}, r"sampler.num_slots: 30 must be a positive multiple"),
     ({"sampler__weight_update": "sometimes"}, r"sampler.weight_update"),
     ({"learner__loss": "ppo2"}, r"learner.loss: unknown loss 'ppo2'"),

@@ -7,7 +7,8 @@ import numpy as np
 ADVANTAGE_ESTIMATORS = ("grpo", "grpo_no_std")
 
 
-def group_advantages(rewards: np.ndarray, estimator: str = "grpo", eps: float = 1e-6) -> np.ndarray:
+def group_advantages(rewards: np.ndarray, estimator: str = "grpo", eps: float = 1e-6,
+                     valid: np.ndarray | None = None) -> np.ndarray:
   """Advantages of the rollouts of groups.
 
   `grpo`: `(r - mean(r_group)) / (std(r_group) + eps)`; `grpo_no_std` drops the
@@ -18,16 +19,25 @@ def group_advantages(rewards: np.ndarray, estimator: str = "grpo", eps: float = 
     rewards: `[num_groups, G]` float.
     estimator: one of ADVANTAGE_ESTIMATORS.
     eps: added to the std so a constant-reward group gets advantage 0, not NaN.
+    valid: optional `[num_groups, G]` bool; invalid rollouts (environment
+      errors) neither enter their group's statistics nor get an advantage.
 
   Returns:
-    `[num_groups, G]` float32 advantages.
+    `[num_groups, G]` float32 advantages (0 where invalid).
   """
+  if estimator not in ADVANTAGE_ESTIMATORS:
+    raise ValueError(
+        f"advantage estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
   rewards = np.asarray(rewards, np.float32)
   if rewards.ndim != 2:
     raise ValueError(f"rewards must be [num_groups, G], got shape {rewards.shape}")
-  centred = rewards - rewards.mean(axis=1, keepdims=True)
+  valid = np.ones(rewards.shape, bool) if valid is None else np.asarray(valid, bool)
+  if valid.shape != rewards.shape:
+    raise ValueError(f"valid has shape {valid.shape}, rewards {rewards.shape}")
+  count = np.maximum(valid.sum(axis=1, keepdims=True), 1)
+  mean = np.where(valid, rewards, 0.0).sum(axis=1, keepdims=True) / count
+  centred = np.where(valid, rewards - mean, 0.0)
   if estimator == "grpo":
-    return (centred / (rewards.std(axis=1, keepdims=True) + eps)).astype(np.float32)
-  if estimator == "grpo_no_std":
-    return centred.astype(np.float32)
-  raise ValueError(f"advantage estimator must be one of {ADVANTAGE_ESTIMATORS}, got {estimator!r}")
+    std = np.sqrt((centred ** 2).sum(axis=1, keepdims=True) / count)
+    centred = centred / (std + eps)
+  return centred.astype(np.float32)

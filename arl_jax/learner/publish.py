@@ -66,9 +66,3 @@ class WeightPublisher:
     """`(version, params)` of the newest publish, or `(None, None)`."""
     with self._cond:
       return self._version, self._params
-
-  def wait_for(self, version: int, timeout: float | None = None) -> bool:
-    """Blocks until `version` (or newer) is published."""
-    with self._cond:
-      return self._cond.wait_for(
-          lambda: self._version is not None and self._version >= version, timeout)

@@ -59,8 +59,9 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     log_ratio = (logp - batch.behaviour_logprobs) * batch.loss_mask
     lag0 = batch.loss_mask * (batch.lag[:, None] == 0)
     metrics["abs_log_ratio_lag0"] = losses_lib.masked_mean(jnp.abs(log_ratio), lag0)
-    # k3 estimator of KL(mu || pi_theta) (Schulman, 2020): unbiased and >= 0.
-    metrics["kl_behaviour"] = losses_lib.masked_mean(jnp.exp(-log_ratio) - 1 + log_ratio,
+    # k3 estimator of KL(mu || pi_theta) from tokens drawn from mu (Schulman,
+    # 2020): with r = pi/mu, E_mu[r - 1 - log r] = KL(mu || pi), each term >= 0.
+    metrics["kl_behaviour"] = losses_lib.masked_mean(jnp.exp(log_ratio) - 1 - log_ratio,
                                                      batch.loss_mask)
     return loss, metrics
 

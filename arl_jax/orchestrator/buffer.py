@@ -77,9 +77,12 @@ class RolloutBuffer:
       self._dispatch_queue[group_id] = dispatch_version
 
   def forget(self, group_id: int) -> None:
-    """Removes a cancelled group from the dispatch queue (it will not arrive)."""
+    """Removes a cancelled group, whether it is still to arrive or already here."""
     with self._cond:
       self._dispatch_queue.pop(group_id, None)
+      if self._finished.pop(group_id, None) is not None:
+        self._completion_order.remove(group_id)
+        self._arrival_time.pop(group_id)
       self._cond.notify_all()
 
   def put(self, group: rollout_lib.Group) -> None:

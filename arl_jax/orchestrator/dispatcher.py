@@ -88,14 +88,16 @@ class Dispatcher:
         return []
       while (not self._closed and len(requests) < max_groups
              and len(self._in_system) < self._cfg.capacity):
+        # Fetch and encode first: if that raises, no group is left registered.
         prompt = next(self._prompts)
+        prompt_ids = tuple(self._encode_fn(prompt))
         group_id = next(self._next_group_id)
         self._in_system.add(group_id)
         self._generating[group_id] = live_version
         self._buffer.register_dispatch(group_id, live_version)
         self.num_started += 1
         requests.append(GroupRequest(
-            group_id=group_id, prompt=prompt, prompt_ids=tuple(self._encode_fn(prompt)),
+            group_id=group_id, prompt=prompt, prompt_ids=prompt_ids,
             dispatch_version=live_version, group_size=self._cfg.group_size,
             dispatch_time=time.monotonic()))
     return requests

@@ -26,18 +26,24 @@ class EnvRunner:
     self._pool = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="env")
     self._lock = threading.Lock()
     self.errors: collections.Counter[str] = collections.Counter()
-    self._futures: set[concurrent.futures.Future] = set()
+    self._failure: BaseException | None = None
 
   def submit(self, request: dispatcher_lib.GroupRequest,
              rollouts: list[rollout_lib.Rollout]) -> None:
-    future = self._pool.submit(self._score_group, request, rollouts)
-    with self._lock:
-      self._futures.add(future)
-    future.add_done_callback(self._discard)
+    self._pool.submit(self._score_group, request, rollouts).add_done_callback(self._check)
 
-  def _discard(self, future) -> None:
+  def _check(self, future: concurrent.futures.Future) -> None:
+    # A failure outside `env.score` (a bug, not an environment fault) would
+    # lose the group and stall the batch it belongs to: keep it for the
+    # learner, which raises it instead of waiting forever.
+    if not future.cancelled() and future.exception() is not None:
+      with self._lock:
+        self._failure = self._failure or future.exception()
+
+  def raise_if_failed(self) -> None:
     with self._lock:
-      self._futures.discard(future)
+      if self._failure is not None:
+        raise RuntimeError("environment worker failed") from self._failure
 
   def _score_group(self, request, rollouts) -> None:
     for r in rollouts:

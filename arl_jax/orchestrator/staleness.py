@@ -36,8 +36,11 @@ def can_still_ship(dispatch_version: int, live_version: int, max_off_policy_step
   """Whether a group still generating may train in some future batch.
 
   Once `live_version` is published the earliest batch the group can join is
-  `B_{live_version}`. Its oldest token is at least its dispatch version, so
-  when `live_version - dispatch_version > K` it can never ship, under either
-  reference, and generating it further only wastes compute.
+  `B_{live_version}`. The sampler samples a group's first token with the
+  params live at dispatch, so its oldest token version equals its dispatch
+  version and the lag is the same under either reference: when
+  `live_version - dispatch_version > K` it can never ship, and generating it
+  further only wastes compute. (A sampler that re-admits work under newer
+  weights must cancel on the oldest recorded version instead.)
   """
   return live_version - dispatch_version <= max_off_policy_steps

@@ -164,11 +164,12 @@ class SamplerEngine:
     self._thread = threading.Thread(target=self._run, name="sampler-engine", daemon=True)
     self._thread.start()
 
-  def stop(self) -> None:
+  def stop(self, raise_errors: bool = True) -> None:
     self._stop.set()
     if self._thread is not None:
       self._thread.join()
-    self.raise_if_failed()
+    if raise_errors:
+      self.raise_if_failed()
 
   def raise_if_failed(self) -> None:
     if self._error is not None:
@@ -216,6 +217,9 @@ class SamplerEngine:
     row_group = []  # (request, sample index) per used row
     for req in requests:
       ids = np.asarray(req.prompt_ids, np.int32)
+      if not 0 < len(ids) <= p:
+        raise ValueError(f"group {req.group_id}: prompt has {len(ids)} tokens; the sampler "
+                         f"takes 1 to sampler.prompt_len={p}")
       for s in range(req.group_size):
         r = len(row_group)
         tokens[r, p - len(ids):] = ids
@@ -231,6 +235,8 @@ class SamplerEngine:
     state = self._prefill_fn(self._params, jnp.int32(self.version), self._rows(tokens),
                              self._rows(mask), self._rows(active), self._rows(keys))
     row_cancelled = np.zeros((b,), bool)
+    # Most steps cancel nothing: reuse one device array instead of a transfer.
+    no_stop = self._rows(row_cancelled)
     for _ in range(cfg.max_new_tokens - 1):
       if self._stop.is_set():
         return
@@ -242,7 +248,8 @@ class SamplerEngine:
         row_cancelled |= newly
         break
       row_cancelled |= newly
-      state = self._decode_fn(self._params, jnp.int32(self.version), state, self._rows(newly))
+      stop_rows = self._rows(newly) if newly.any() else no_stop
+      state = self._decode_fn(self._params, jnp.int32(self.version), state, stop_rows)
     self._finish_wave(requests, row_group, state, row_cancelled, start)
 
   def _newly_cancelled(self, row_group, row_cancelled) -> np.ndarray:
@@ -281,8 +288,9 @@ class SamplerEngine:
           finish_reason="stop" if host["stopped"][r] else "length",
           timings={"queued": start - req.dispatch_time, "generating": gen_seconds}))
     with self._lock:
-      for req in requests:
-        self._cancelled.discard(req.group_id)
+      # Only groups of this wave can be generating, so nothing else can be
+      # pending; a late cancel for a finished group is dropped here too.
+      self._cancelled.clear()
     for req in requests:
       self._dispatcher.finished_generating(req.group_id)
       rollouts = by_group.get(req.group_id)

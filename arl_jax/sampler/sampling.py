@@ -98,7 +98,9 @@ def sample_from_logits(logits, keys, index, settings: SamplingSettings):
     # log_softmax in float32 (logits are float32 already): the recorded
     # behaviour log-prob is the denominator of every importance ratio.
     logp = jax.nn.log_softmax(logits / settings.temperature, axis=-1)
-    uniforms = jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, index)))(keys)
+    # 1 - U lies in (0, 1]: a draw of exactly 0 would pick token 0 even when
+    # its probability is 0, and record a log-prob of -inf.
+    uniforms = 1.0 - jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, index)))(keys)
     cdf = jnp.cumsum(jnp.exp(logp), axis=-1)
     tokens = jnp.sum(cdf < uniforms[:, None] * cdf[:, -1:], axis=-1).astype(jnp.int32)
     tokens = jnp.minimum(tokens, logits.shape[-1] - 1)

@@ -10,8 +10,8 @@ from launch import local_sweep
 def test_expand_is_the_cartesian_product_with_readable_names():
   points = local_sweep.expand(local_sweep.parse_sweep(["orchestrator.max_off_policy_steps=0,8",
                                                        "learner.lr=1e-4"]))
-  assert [p.name for p in points] == ["max_off_policy_steps=0_lr=1e-4",
-                                      "max_off_policy_steps=8_lr=1e-4"]
+  assert [p.name for p in points] == ["orchestrator.max_off_policy_steps=0,learner.lr=1e-4",
+                                      "orchestrator.max_off_policy_steps=8,learner.lr=1e-4"]
   assert points[1].overrides == (("orchestrator.max_off_policy_steps", "8"),
                                  ("learner.lr", "1e-4"))
   with pytest.raises(ValueError, match="expected KEY=V1,V2"):

@@ -70,3 +70,12 @@ def test_grpo_advantages():
   with pytest.raises(ValueError, match="rewards must be"):
     advantages_lib.group_advantages(rewards[0], "grpo")
 
+
+
+def test_grpo_advantages_ignore_errored_rollouts():
+  rewards = np.array([[1.0, 0.0, 1.0, 0.0]], np.float32)
+  valid = np.array([[True, False, True, True]])
+  adv = advantages_lib.group_advantages(rewards, "grpo", valid=valid)
+  # Statistics over [1, 1, 0] only: mean 2/3, std sqrt(2)/3.
+  np.testing.assert_allclose(adv[0], [1 / np.sqrt(2), 0.0, 1 / np.sqrt(2), -np.sqrt(2)],
+                             rtol=1e-5)

@@ -85,3 +85,14 @@ def test_groups_swept_during_a_timed_out_cut_are_reported_by_the_next_cut():
   result = buffer.cut(2, 1, timeout=0.05)
   assert [g.group_id for g in result.groups] == [3]
   assert sorted(g.group_id for g in result.stale) == [0, 1]
+
+
+def test_cancelling_a_group_that_already_arrived_removes_it():
+  buffer = _buffer("first_done")
+  _dispatch(buffer, 2)
+  buffer.put(make_group(0, 0, [[0], [0]]))
+  buffer.put(make_group(1, 0, [[0], [0]]))
+  buffer.forget(0)
+  assert len(buffer) == 1
+  result = buffer.cut(0, 1, timeout=0.05)
+  assert [g.group_id for g in result.groups] == [1] and result.stale == []

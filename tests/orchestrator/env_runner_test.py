@@ -3,6 +3,7 @@
 import time
 
 import numpy as np
+import pytest
 
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.orchestrator import buffer as buffer_lib
@@ -63,3 +64,17 @@ def test_assemble_lays_out_rows_like_the_sampler():
   np.testing.assert_array_equal(batch.token_versions[0], [-1, -1, -1, -1, 5, 6, -1])
   np.testing.assert_array_equal(batch.lag, [2, 2])
   np.testing.assert_allclose(batch.advantages, [-1, 1], atol=1e-5)  # rewards 0 and 1
+
+
+def test_a_worker_bug_is_surfaced_not_swallowed():
+  buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig())
+  buffer.register_dispatch(0, 0)
+  runner = env_runner_lib.EnvRunner(FlakyEnv(), buffer, num_workers=1)
+  group = make_group(0, 0, [[0], [0]])
+  request = dispatcher_lib.GroupRequest(group_id=0, prompt=object(),  # no prompt_id
+                                        prompt_ids=(1,), dispatch_version=0, group_size=2,
+                                        dispatch_time=time.monotonic())
+  runner.submit(request, group.rollouts)
+  runner.close()
+  with pytest.raises(RuntimeError, match="environment worker failed"):
+    runner.raise_if_failed()

@@ -4,6 +4,7 @@ import itertools
 import time
 
 import numpy as np
+import pytest
 
 from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import publish as publish_lib
@@ -40,13 +41,14 @@ def _published(meshes, sampler_shardings, params):
   return publisher.latest()[1]
 
 
-def _engine(publisher, graphdef, meshes, weight_update, on_group, take_hook=None):
+def _engine(publisher, graphdef, meshes, weight_update, on_group, take_hook=None,
+            prompt_tokens=4):
   cfg = dispatcher_lib.DispatchConfig(group_size=4, groups_per_batch=2, max_async_level=0,
                                       max_off_policy_steps=4)
   buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig())
   rng = np.random.default_rng(0)
   prompts = (_Prompt(i) for i in itertools.count())
-  encode = lambda p: rng.integers(0, 256, 4).tolist()
+  encode = lambda p: rng.integers(0, 256, prompt_tokens).tolist()
   dispatcher = dispatcher_lib.Dispatcher(cfg, prompts, encode, buffer)
   if take_hook is not None:
     original = dispatcher.take
@@ -143,3 +145,18 @@ def test_cancelled_group_is_not_emitted_and_its_compute_is_saved():
   assert engine.stats.cancelled_rollouts == 4
   # Each cancelled row sampled only its prefill token before being stopped.
   assert engine.stats.cancelled_tokens == 4 * (NEW - 1)
+
+
+def test_a_prompt_longer_than_the_bucket_fails_with_a_clear_error():
+  meshes, graphdef, _, v0, _ = _setup()
+  engine = _engine(ScriptedPublisher(v0, None, 0), graphdef, meshes, "in_flight",
+                   lambda *_: None, prompt_tokens=PROMPT_LEN + 3)
+  engine.start()
+  deadline = time.monotonic() + 60
+  with pytest.raises(RuntimeError, match="sampler engine failed") as info:
+    while time.monotonic() < deadline:
+      engine.raise_if_failed()
+      time.sleep(0.02)
+  engine.stop(raise_errors=False)
+  assert "prompt has 9 tokens; the sampler takes 1 to sampler.prompt_len=6" in str(
+      info.value.__cause__)
