@@ -37,7 +37,8 @@ _SECTIONS = {
               "max_seq_len", "rope_theta", "tie_embeddings", "param_dtype"),
     "mesh": ("placement", "learner_devices", "learner", "sampler"),
     "env": ("name", "max_operand", "operator", "heldout_fraction", "num_workers"),
-    "sampler": ("num_slots", "prompt_len", "max_new_tokens", "temperature", "weight_update"),
+    "sampler": ("num_slots", "prompt_len", "prompt_buckets", "max_new_tokens", "temperature",
+                "top_k", "top_p", "weight_update", "kv_policy"),
     "orchestrator": ("batch_size", "group_size", "max_async_level", "max_off_policy_steps",
                      "staleness_reference", "assembly", "window_fraction"),
     "learner": ("loss", "eps_low", "eps_high", "dual_clip", "advantage", "lr", "b1", "b2",
@@ -172,6 +173,14 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   # Sampler.
   _require(s["weight_update"] in engine_lib.WEIGHT_UPDATE_MODES, "sampler.weight_update",
            f"must be one of {engine_lib.WEIGHT_UPDATE_MODES}, got {s['weight_update']!r}")
+  _require(s["kv_policy"] in engine_lib.KV_POLICIES, "sampler.kv_policy",
+           f"must be one of {engine_lib.KV_POLICIES}, got {s['kv_policy']!r}")
+  _require(s["top_k"] >= 0, "sampler.top_k", f"must be >= 0 (0: off), got {s['top_k']}")
+  _require(0.0 < s["top_p"] <= 1.0, "sampler.top_p", f"must be in (0, 1], got {s['top_p']}")
+  buckets = tuple(int(b) for b in s["prompt_buckets"])
+  _require(all(0 < b <= s["prompt_len"] for b in buckets), "sampler.prompt_buckets",
+           f"{buckets}: every bucket must be in [1, sampler.prompt_len={s['prompt_len']}]")
+  buckets = tuple(sorted(set(buckets) | {int(s["prompt_len"])}))
   _require(s["num_slots"] >= g and s["num_slots"] % g == 0, "sampler.num_slots",
            f"{s['num_slots']} must be a positive multiple of orchestrator.group_size={g}")
   _require(s["max_new_tokens"] >= 1, "sampler.max_new_tokens", "must be >= 1")
@@ -194,10 +203,12 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
            f"tokens (EOS included), more than sampler.max_new_tokens={s['max_new_tokens']}: "
            "it could never be rewarded")
   engine = engine_lib.EngineConfig(
-      num_slots=s["num_slots"], group_size=g, prompt_len=s["prompt_len"],
-      max_new_tokens=s["max_new_tokens"], weight_update=s["weight_update"], seed=cfg["seed"])
+      num_slots=s["num_slots"], group_size=g, prompt_buckets=buckets,
+      max_new_tokens=s["max_new_tokens"], weight_update=s["weight_update"],
+      kv_policy=s["kv_policy"], seed=cfg["seed"])
   sampling_settings = sampling.SamplingSettings(
-      temperature=float(s["temperature"]), eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+      temperature=float(s["temperature"]), top_k=int(s["top_k"]), top_p=float(s["top_p"]),
+      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
 
   # Learner.
   _require(lc["loss"] in losses_lib.LOSSES, "learner.loss",

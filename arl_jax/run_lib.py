@@ -88,7 +88,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   evaluator = None
   if spec.eval_size and spec.eval_every:
     evaluator = evaluation.Evaluator(
-        graphdef=graphdef, params_like=params, env=env, tokenizer=tokenizer, prompts=eval_prompts,
+        graphdef=graphdef, model_cfg=spec.model, env=env, tokenizer=tokenizer, prompts=eval_prompts,
         mesh=meshes.learner, prompt_len=spec.engine.prompt_len,
         max_new_tokens=spec.engine.max_new_tokens)
   eval_history: list[dict] = []
@@ -143,7 +143,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       buffer)
   env_runner = env_runner_lib.EnvRunner(env, buffer, num_workers=spec.num_env_workers)
   engine = engine_lib.SamplerEngine(
-      cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, mesh=meshes.sampler,
+      cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, model_cfg=spec.model,
+      mesh=meshes.sampler,
       publisher=publisher, dispatcher=dispatcher, on_group_fn=env_runner.submit)
 
   version = 0

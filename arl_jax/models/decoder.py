@@ -80,7 +80,8 @@ class Attention(nnx.Module):
     self.head_dim = dh
     self.rope_theta = cfg.rope_theta
 
-  def __call__(self, x, positions, attn_mask, layer_cache=None, cache_index=None):
+  def __call__(self, x, positions, attn_mask, layer_cache=None, cache_index=None,
+               write_mask=None):
     """Attends `x` `[B, T, D]` to itself, or to the cache when one is given.
 
     Args:
@@ -90,6 +91,7 @@ class Attention(nnx.Module):
         (S = T without a cache, the cache length with one).
       layer_cache: optional `(keys, values)`, each `[B, K, S, Dh]`.
       cache_index: `[B]` int32 cache offset of this call's first token.
+      write_mask: optional `[B]` bool, rows whose cache entries may change.
 
     Returns:
       `([B, T, D] output, updated (keys, values) or None)`.
@@ -103,8 +105,8 @@ class Attention(nnx.Module):
     v = v.transpose(0, 2, 1, 3)
     new_cache = None
     if layer_cache is not None:
-      keys = kv_cache_lib.write(layer_cache[0], k, cache_index)
-      values = kv_cache_lib.write(layer_cache[1], v, cache_index)
+      keys = kv_cache_lib.write(layer_cache[0], k, cache_index, write_mask)
+      values = kv_cache_lib.write(layer_cache[1], v, cache_index, write_mask)
       new_cache = (keys, values)
       k, v = keys, values
     b, t, h, dh = q.shape
@@ -142,9 +144,9 @@ class Block(nnx.Module):
     self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps, dtype)
     self.mlp = SwiGLU(cfg, rngs, dtype)
 
-  def __call__(self, x, positions, attn_mask, layer_cache, cache_index):
+  def __call__(self, x, positions, attn_mask, layer_cache, cache_index, write_mask):
     attn_out, layer_cache = self.attn(self.attn_norm(x), positions, attn_mask, layer_cache,
-                                      cache_index)
+                                      cache_index, write_mask)
     x = x + attn_out
     x = x + self.mlp(self.mlp_norm(x))
     return x, layer_cache
@@ -164,7 +166,8 @@ class Decoder(nnx.Module):
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype,
                             1.0 / math.sqrt(cfg.d_model))
 
-  def __call__(self, tokens, positions, attn_mask, cache=None, cache_index=None):
+  def __call__(self, tokens, positions, attn_mask, cache=None, cache_index=None,
+               write_mask=None):
     """Runs the decoder.
 
     Args:
@@ -174,6 +177,8 @@ class Decoder(nnx.Module):
       cache: optional `KVCache`; when given, this call's keys/values are written
         at `cache_index` and attention runs over the whole cache.
       cache_index: `[B]` int32, required with a cache.
+      write_mask: optional `[B]` bool; rows where it is False leave the cache
+        as it was (their outputs are still computed, and ignored).
 
     Returns:
       `(logits [B, T, V] float32, updated KVCache or None)`.
@@ -182,7 +187,7 @@ class Decoder(nnx.Module):
     new_keys, new_values = [], []
     for i, block in enumerate(self.blocks):
       layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
-      x, layer_cache = block(x, positions, attn_mask, layer_cache, cache_index)
+      x, layer_cache = block(x, positions, attn_mask, layer_cache, cache_index, write_mask)
       if layer_cache is not None:
         new_keys.append(layer_cache[0])
         new_values.append(layer_cache[1])

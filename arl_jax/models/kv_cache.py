@@ -41,8 +41,19 @@ class KVCache:
     return self.valid.shape[1]
 
 
-def write(cache_layer: jax.Array, new: jax.Array, index: jax.Array) -> jax.Array:
-  """Writes `new` `[B, KVH, T, Dh]` into `cache_layer` at per-row offsets `index` `[B]`."""
+def write(cache_layer: jax.Array, new: jax.Array, index: jax.Array,
+          write_mask: jax.Array | None = None) -> jax.Array:
+  """Writes `new` `[B, KVH, T, Dh]` into `cache_layer` at per-row offsets `index` `[B]`.
+
+  Rows where `write_mask` `[B]` is False keep their old entries (the engine
+  decodes only some slots per call when it serves several pinned versions).
+  """
+  if write_mask is not None:
+    # Re-write what is there rather than select between whole caches: the
+    # select would copy the full cache on every decode step.
+    old = jax.vmap(lambda c, i: jax.lax.dynamic_slice_in_dim(c, i, new.shape[2], axis=1))(
+        cache_layer, index)
+    new = jnp.where(write_mask[:, None, None, None], new, old)
   # vmap over rows so that every row may sit at its own offset (continuous
   # batching refills slots at different positions).
   return jax.vmap(lambda c, n, i: jax.lax.dynamic_update_slice_in_dim(c, n, i, axis=1))(

@@ -1,21 +1,29 @@
 """The sampler engine: a thread that turns group requests into rollouts.
 
-It runs *waves*: up to `num_slots` rows (whole groups) are admitted, prefilled
-together and decoded step by step. Between two decode steps it
+Continuous batching: `num_slots` rows share one preallocated KV cache. When a
+slot finishes (EOS, length limit, cancellation) it is refilled with the next
+waiting request (`sampling.insert`) while the other slots keep decoding, so a
+long completion never holds a batch. Prompts are left-padded to the smallest
+configured prompt bucket and inserts are padded to a power-of-two row count,
+so nothing recompiles in steady state.
 
-- swaps to the newest published params when `weight_update = "in_flight"`
-  (active sequences continue; their KV entries stay as computed, the `keep`
-  policy; later tokens record the new version), and
-- ends the rows of cancelled groups, freeing their compute at once.
+Weight updates (`weight_update`), checked between two decode steps:
 
-With `weight_update = "drain"` the swap waits until the wave is finished.
-Shapes are fixed (`num_slots` x prompt bucket + `max_new_tokens`), so neither
-prefill nor decode recompiles in steady state. Continuous slot refill is the
-sampler engine issue's next step.
+- `in_flight`: swap to the newest published params; active slots continue.
+  KV policy `keep` leaves their cache as computed; `recompute` re-prefills it
+  under the new params. Later tokens record the new version either way.
+- `pinned`: every slot finishes on the version it started with; the engine
+  holds each version still referenced (at most K + 1, since older groups are
+  cancelled) and decodes each version's slots with its own params.
+- `drain`: once a newer version is published, admit nothing new, let the
+  active slots finish, then swap.
+
+Cancelled groups lose their waiting rows and their slots at once.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import threading
@@ -32,37 +40,90 @@ from arl_jax import rollout as rollout_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import param_swap, sampling
 
-WEIGHT_UPDATE_MODES = ("in_flight", "drain")
+WEIGHT_UPDATE_MODES = ("in_flight", "pinned", "drain")
+KV_POLICIES = ("keep", "recompute")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
   """Attributes:
-    num_slots: rows decoded together (a multiple of the group size and of the
+    num_slots: rows decoded together (>= the group size, a multiple of the
       sampler mesh's data axis).
-    group_size: G, rollouts per group (a group is admitted whole).
-    prompt_len: P, the prompt bucket; prompts are left-padded to it.
+    group_size: G, rollouts per group.
+    prompt_buckets: ascending prompt lengths prompts are padded to; the
+      largest is the longest prompt accepted.
     max_new_tokens: N, completion budget.
-    weight_update: `in_flight` or `drain`.
+    weight_update: one of WEIGHT_UPDATE_MODES.
+    kv_policy: one of KV_POLICIES (used by `in_flight`).
     seed: base of the per-rollout PRNG keys.
   """
 
   num_slots: int
   group_size: int
-  prompt_len: int
+  prompt_buckets: tuple[int, ...]
   max_new_tokens: int
   weight_update: str = "in_flight"
+  kv_policy: str = "keep"
   seed: int = 0
+
+  def __post_init__(self):
+    if self.weight_update not in WEIGHT_UPDATE_MODES:
+      raise ValueError(f"weight_update must be one of {WEIGHT_UPDATE_MODES}, "
+                       f"got {self.weight_update!r}")
+    if self.kv_policy not in KV_POLICIES:
+      raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")
+    if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
+      raise ValueError(f"prompt_buckets must be ascending and distinct, got {self.prompt_buckets}")
+
+  @property
+  def prompt_len(self) -> int:
+    """The longest prompt accepted (the largest bucket)."""
+    return self.prompt_buckets[-1]
+
+  @property
+  def length(self) -> int:
+    """L: columns of a slot (longest prompt bucket + max new tokens)."""
+    return self.prompt_buckets[-1] + self.max_new_tokens
 
 
 @dataclasses.dataclass
 class EngineStats:
-  waves: int = 0
+  """Counters; seconds are wall time of the engine thread."""
+
+  steps: int = 0
+  inserts: int = 0
   swaps: int = 0
   sampled_tokens: int = 0
+  finished_rollouts: int = 0
   cancelled_rollouts: int = 0
   cancelled_tokens: int = 0
-  busy_seconds: float = 0.0
+  decode_seconds: float = 0.0
+  prefill_seconds: float = 0.0
+  swap_seconds: float = 0.0
+  queue_wait_seconds: float = 0.0
+  occupied_slot_steps: int = 0
+  slot_steps: int = 0
+  max_versions_held: int = 1
+
+  @property
+  def busy_seconds(self) -> float:
+    return self.decode_seconds + self.prefill_seconds + self.swap_seconds
+
+  @property
+  def occupancy(self) -> float:
+    """Mean fraction of slots holding a live sequence per decode step."""
+    return self.occupied_slot_steps / max(self.slot_steps, 1)
+
+
+@dataclasses.dataclass
+class _Row:
+  """A rollout waiting for, or occupying, a slot."""
+
+  request: dispatcher_lib.GroupRequest
+  sample_index: int
+  version: int = -1  # version it started on (pinned mode decodes it with that)
+  start_time: float = 0.0
+  sampled: int = 0  # tokens sampled so far (host estimate, for cancellation stats)
 
 
 def _batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
@@ -70,93 +131,112 @@ def _batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
   return NamedSharding(mesh, P(data, *([None] * (ndim - 1))))
 
 
-def _decode_state_shardings(mesh: Mesh, abstract_state: sampling.DecodeState):
+def _state_shardings(mesh: Mesh, abstract_state: sampling.SlotState):
   """Slots over the `data` axis; KV heads over `tp` (like the attention weights)."""
   tp = "tp" if "tp" in mesh.axis_names else None
   data = "data" if "data" in mesh.axis_names else None
 
-  def spec(path, leaf):
-    if leaf.ndim == 0:
-      return NamedSharding(mesh, P())
+  def spec(leaf):
     if leaf.ndim == 4:  # cache keys / values [B, K, S, Dh]
       return NamedSharding(mesh, P(data, tp, None, None))
     return _batch_sharding(mesh, leaf.ndim)
 
-  return jax.tree_util.tree_map_with_path(spec, abstract_state)
+  return jax.tree.map(spec, abstract_state)
 
 
-def make_sampler_fns(*, graphdef, params_like, mesh: Mesh,
-                     settings: sampling.SamplingSettings, num_slots: int, prompt_len: int,
-                     max_new_tokens: int):
-  """Jitted `(prefill_fn, decode_fn)` for fixed shapes, params as an argument.
+@dataclasses.dataclass(frozen=True)
+class SamplerFns:
+  """The jitted slot functions for one engine geometry (see `make_sampler_fns`)."""
 
-  Both pin their output to one DecodeState layout: otherwise the first decode
-  step sees prefill's layout and every later one decode's, and compiles twice.
-  The decode step donates the state (the KV cache is updated in place).
+  init: Callable
+  insert: Callable
+  decode: Callable
+  recompute: Callable
+  take_rows: Callable
 
-  Args:
-    graphdef: decoder graph definition.
-    params_like: params or their ShapeDtypeStructs (only shapes are read).
-    mesh: the mesh the slots live on (rows over its `data` axis if it has one).
-    settings: static sampling settings.
-    num_slots: B.
-    prompt_len: P.
-    max_new_tokens: N.
+
+def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.SamplingSettings,
+                     num_slots: int, length: int) -> SamplerFns:
+  """Jits the slot functions with params as an argument and one pinned layout.
+
+  Every function returns the SlotState in the same sharding (else the first
+  decode after an insert would see a different layout and compile again), and
+  donates the state it consumes (the KV cache is updated in place).
 
   Returns:
-    `prefill_fn(params, version, tokens, mask, active, keys)` and
-    `decode_fn(params, version, state, stop_rows)`.
+    `init()`, `insert(params, version, state, slots, tokens, mask, keys, max_new)`,
+    `decode(params, version, state, stop_rows, rows)`,
+    `recompute(params, state, rows)` and `take_rows(state, slots)`.
   """
-  b = num_slots
-  prefill = functools.partial(sampling.prefill, graphdef, settings=settings,
-                              max_new_tokens=max_new_tokens)
+  init = functools.partial(sampling.init_slots, model_cfg, num_slots=num_slots, length=length,
+                           pad_id=settings.pad_id)
+  shardings = _state_shardings(mesh, jax.eval_shape(init))
+  insert = functools.partial(sampling.insert, graphdef, settings=settings)
   decode = functools.partial(sampling.decode_step, graphdef, settings=settings)
-  abstract_state = jax.eval_shape(
-      prefill, params_like, jax.ShapeDtypeStruct((), jnp.int32),
-      jax.ShapeDtypeStruct((b, prompt_len), jnp.int32),
-      jax.ShapeDtypeStruct((b, prompt_len), jnp.bool_), jax.ShapeDtypeStruct((b,), jnp.bool_),
-      jax.ShapeDtypeStruct((b, 2), jnp.uint32))
-  state_shardings = _decode_state_shardings(mesh, abstract_state)
-  prefill_fn = jax.jit(prefill, out_shardings=state_shardings)
-  decode_fn = jax.jit(decode, out_shardings=state_shardings, donate_argnums=2)
-  return prefill_fn, decode_fn
+  recompute = functools.partial(sampling.recompute_cache, graphdef)
+
+  def take_rows(state, slots):
+    fields = ("tokens", "token_mask", "logprobs", "versions", "prompt_end", "stopped")
+    return {name: getattr(state, name)[slots] for name in fields}
+
+  return SamplerFns(
+      init=jax.jit(init, out_shardings=shardings),
+      insert=jax.jit(insert, out_shardings=shardings, donate_argnums=2),
+      decode=jax.jit(decode, out_shardings=shardings, donate_argnums=2),
+      recompute=jax.jit(recompute, out_shardings=shardings, donate_argnums=1),
+      take_rows=jax.jit(take_rows),
+  )
+
+
+def _bucket(n: int, limit: int) -> int:
+  """Smallest power of two >= n, capped at `limit`."""
+  return min(1 << max(n - 1, 0).bit_length(), limit)
 
 
 class SamplerEngine:
   """Generates rollouts on the sampler mesh in its own thread."""
 
   def __init__(self, *, cfg: EngineConfig, settings: sampling.SamplingSettings, graphdef,
-               mesh: Mesh, publisher, dispatcher: dispatcher_lib.Dispatcher,
+               model_cfg, mesh: Mesh, publisher, dispatcher: dispatcher_lib.Dispatcher,
                on_group_fn: Callable[[dispatcher_lib.GroupRequest, list[rollout_lib.Rollout]],
                                      None]):
     """Args:
       cfg: engine settings.
-      settings: sampling settings (temperature, eos).
+      settings: sampling settings (temperature, top-k/p, eos).
       graphdef: decoder graph definition.
+      model_cfg: the decoder's ModelConfig (cache geometry).
       mesh: the sampler mesh.
-      publisher: a WeightPublisher (source of `(version, params)`).
+      publisher: source of `(version, params)` (a WeightPublisher).
       dispatcher: source of group requests.
       on_group_fn: called with each finished (not cancelled) group's rollouts.
     """
-    if cfg.weight_update not in WEIGHT_UPDATE_MODES:
-      raise ValueError(f"weight_update must be one of {WEIGHT_UPDATE_MODES}")
+    if cfg.num_slots < cfg.group_size:
+      raise ValueError(f"num_slots={cfg.num_slots} must be >= group_size={cfg.group_size}")
     self._cfg = cfg
     self._settings = settings
     self._mesh = mesh
     self._publisher = publisher
     self._dispatcher = dispatcher
     self._on_group_fn = on_group_fn
-    self._cancelled: set[int] = set()
+    self._fns = make_sampler_fns(graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
+                                 settings=settings, num_slots=cfg.num_slots, length=cfg.length)
     self._lock = threading.Lock()
+    self._cancel_requests: set[int] = set()
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self.stats = EngineStats()
-    self.version: int | None = None
-    self._params = None
-    self._graphdef = graphdef
-    self._rows = lambda x: jax.device_put(x, _batch_sharding(mesh, np.ndim(x)))
-    self._prefill_fn = self._decode_fn = None  # built from the first published params
+    # Host mirror of the slots; the device SlotState is built at the first publish.
+    self._state = None
+    self._slots: list[_Row | None] = [None] * cfg.num_slots
+    self._pending: collections.deque[_Row] = collections.deque()
+    self._partial: dict[int, list[rollout_lib.Rollout]] = {}
+    self._stop_rows = np.zeros((cfg.num_slots,), bool)
+    self._no_rows = None
+    self._done = np.zeros((cfg.num_slots,), bool)
+    self._params_by_version: dict[int, object] = {}
+    self.version: int | None = None  # newest version held
+    self._draining = False
 
   # -- control ---------------------------------------------------------------
 
@@ -176,123 +256,218 @@ class SamplerEngine:
       raise RuntimeError("sampler engine failed") from self._error
 
   def cancel(self, group_ids) -> None:
+    """Cancels every sequence of the given groups (thread-safe; applied before the next step)."""
     with self._lock:
-      self._cancelled.update(group_ids)
+      self._cancel_requests.update(group_ids)
+
+  @property
+  def active_slots(self) -> int:
+    return sum(row is not None for row in self._slots)
 
   # -- loop --------------------------------------------------------------------
 
   def _run(self) -> None:
     try:
       while not self._stop.is_set():
-        self._maybe_swap()
+        self._sync_version()
         if self.version is None:
           time.sleep(0.01)
           continue
-        max_groups = self._cfg.num_slots // self._cfg.group_size
-        requests = self._dispatcher.take(max_groups, self.version, timeout=0.05)
-        if requests:
-          self._run_wave(requests)
+        self._apply_cancellations()
+        self._take_requests()
+        self._admit()
+        if self.active_slots:
+          self._step()
+          self._harvest()
     except BaseException as e:  # surfaced to the learner thread by raise_if_failed
       self._error = e
 
-  def _maybe_swap(self) -> bool:
+  def _rows_array(self, mask: np.ndarray):
+    return jax.device_put(mask, _batch_sharding(self._mesh, 1))
+
+  # -- versions ----------------------------------------------------------------
+
+  def _sync_version(self) -> None:
     version, params = self._publisher.latest()
     if version is None or version == self.version:
-      return False
-    if self._params is not None:
-      param_swap.check_swap_compatible(self._params, params)
-      self.stats.swaps += 1
-    self.version, self._params = version, params
-    return True
-
-  def _run_wave(self, requests: list[dispatcher_lib.GroupRequest]) -> None:
-    cfg, settings = self._cfg, self._settings
+      return
     start = time.monotonic()
-    b, p = cfg.num_slots, cfg.prompt_len
-    tokens = np.full((b, p), settings.pad_id, np.int32)
-    mask = np.zeros((b, p), bool)
-    active = np.zeros((b,), bool)
-    group_ids = np.zeros((b,), np.int64)
-    sample_idx = np.zeros((b,), np.int64)
-    row_group = []  # (request, sample index) per used row
+    if self._state is None:  # first publish: allocate the slots
+      self._state = self._fns.init()
+      self._no_rows = self._rows_array(np.zeros((self._cfg.num_slots,), bool))
+    else:
+      param_swap.check_swap_compatible(self._params_by_version[self.version], params)
+    mode = self._cfg.weight_update
+    if mode == "drain" and self.active_slots and self.version is not None:
+      # Admit nothing new; swap once the active slots have finished.
+      self._draining = True
+      return
+    if mode == "pinned":
+      self._params_by_version[version] = params
+    else:
+      self._params_by_version = {version: params}
+    if self.version is not None:
+      self.stats.swaps += 1
+      if mode == "in_flight" and self._cfg.kv_policy == "recompute" and self.active_slots:
+        occupied = np.array([row is not None for row in self._slots])
+        self._state = self._fns.recompute(params, self._state, self._rows_array(occupied))
+        jax.block_until_ready(self._state.cache.valid)
+    self.version = version
+    self._draining = False
+    self._forget_unused_versions()
+    self.stats.swap_seconds += time.monotonic() - start
+
+  def _forget_unused_versions(self) -> None:
+    used = {row.version for row in self._slots if row is not None} | {self.version}
+    self._params_by_version = {v: p for v, p in self._params_by_version.items() if v in used}
+    self.stats.max_versions_held = max(self.stats.max_versions_held,
+                                       len(self._params_by_version))
+
+  # -- admission ---------------------------------------------------------------
+
+  def _free_slots(self) -> list[int]:
+    return [i for i, row in enumerate(self._slots) if row is None]
+
+  def _take_requests(self) -> None:
+    if self._draining:
+      return
+    free = len(self._free_slots()) - len(self._pending)
+    max_groups = max(free, 0) // self._cfg.group_size
+    if max_groups == 0:
+      return
+    # Block briefly only when there is nothing to decode.
+    idle = not self.active_slots and not self._pending
+    requests = self._dispatcher.take(max_groups, self.version, timeout=0.05 if idle else 0.0)
     for req in requests:
-      ids = np.asarray(req.prompt_ids, np.int32)
-      if not 0 < len(ids) <= p:
-        raise ValueError(f"group {req.group_id}: prompt has {len(ids)} tokens; the sampler "
-                         f"takes 1 to sampler.prompt_len={p}")
-      for s in range(req.group_size):
-        r = len(row_group)
-        tokens[r, p - len(ids):] = ids
-        mask[r, p - len(ids):] = True
-        active[r] = True
-        group_ids[r], sample_idx[r] = req.group_id, s
-        row_group.append((req, s))
-    keys = sampling.row_keys(cfg.seed, group_ids, sample_idx)
-    if self._prefill_fn is None:
-      self._prefill_fn, self._decode_fn = make_sampler_fns(
-          graphdef=self._graphdef, params_like=self._params, mesh=self._mesh,
-          settings=settings, num_slots=b, prompt_len=p, max_new_tokens=cfg.max_new_tokens)
-    state = self._prefill_fn(self._params, jnp.int32(self.version), self._rows(tokens),
-                             self._rows(mask), self._rows(active), self._rows(keys))
-    row_cancelled = np.zeros((b,), bool)
-    # Most steps cancel nothing: reuse one device array instead of a transfer.
-    no_stop = self._rows(row_cancelled)
-    for _ in range(cfg.max_new_tokens - 1):
-      if self._stop.is_set():
-        return
-      if cfg.weight_update == "in_flight":
-        self._maybe_swap()
-      newly = self._newly_cancelled(row_group, row_cancelled)
-      # One small host sync per step: stop as soon as every slot is done.
-      if bool(np.all(np.asarray(state.done) | newly)):
-        row_cancelled |= newly
-        break
-      row_cancelled |= newly
-      stop_rows = self._rows(newly) if newly.any() else no_stop
-      state = self._decode_fn(self._params, jnp.int32(self.version), state, stop_rows)
-    self._finish_wave(requests, row_group, state, row_cancelled, start)
+      if not 0 < len(req.prompt_ids) <= self._cfg.prompt_buckets[-1]:
+        raise ValueError(f"group {req.group_id}: prompt has {len(req.prompt_ids)} tokens; the "
+                         f"sampler takes 1 to {self._cfg.prompt_buckets[-1]} "
+                         "(sampler.prompt_len)")
+      self._partial[req.group_id] = []
+      self._pending.extend(_Row(request=req, sample_index=s) for s in range(req.group_size))
 
-  def _newly_cancelled(self, row_group, row_cancelled) -> np.ndarray:
+  def _admit(self) -> None:
+    if self._draining or not self._pending:
+      return
+    free = self._free_slots()
+    rows = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
+    by_bucket = collections.defaultdict(list)
+    for slot, row in zip(free, rows):
+      n = len(row.request.prompt_ids)
+      bucket = next(b for b in self._cfg.prompt_buckets if b >= n)
+      by_bucket[bucket].append((slot, row))
+    for bucket, items in by_bucket.items():
+      self._insert(bucket, items)
+
+  def _insert(self, bucket: int, items: list[tuple[int, _Row]]) -> None:
+    start = time.monotonic()
+    r = _bucket(len(items), self._cfg.num_slots)
+    padded = items + [items[-1]] * (r - len(items))  # duplicates rewrite the same slot
+    tokens = np.full((r, bucket), self._settings.pad_id, np.int32)
+    mask = np.zeros((r, bucket), bool)
+    for i, (_, row) in enumerate(padded):
+      ids = row.request.prompt_ids
+      tokens[i, bucket - len(ids):] = ids
+      mask[i, bucket - len(ids):] = True
+    slots = np.array([slot for slot, _ in padded], np.int32)
+    keys = sampling.row_keys(self._cfg.seed, [row.request.group_id for _, row in padded],
+                             [row.sample_index for _, row in padded])
+    max_new = np.full((r,), self._cfg.max_new_tokens, np.int32)
+    self._state = self._fns.insert(self._params_by_version[self.version],
+                                   jnp.int32(self.version), self._state, slots, tokens, mask,
+                                   keys, max_new)
+    for slot, row in items:
+      row.version, row.start_time, row.sampled = self.version, time.monotonic(), 1
+      # A cancelled occupant's pending stop must not end the new sequence.
+      self._stop_rows[slot] = False
+      self.stats.queue_wait_seconds += row.start_time - row.request.dispatch_time
+      self._slots[slot] = row
+    self.stats.inserts += len(items)
+    self.stats.prefill_seconds += time.monotonic() - start
+
+  # -- cancellation ------------------------------------------------------------
+
+  def _apply_cancellations(self) -> None:
     with self._lock:
-      cancelled = set(self._cancelled)
-    newly = np.zeros(row_cancelled.shape, bool)
-    for r, (req, _) in enumerate(row_group):
-      newly[r] = req.group_id in cancelled and not row_cancelled[r]
-    return newly
-
-  def _finish_wave(self, requests, row_group, state, row_cancelled, start) -> None:
-    cfg = self._cfg
-    host = jax.device_get({"tokens": state.tokens, "token_mask": state.token_mask,
-                           "logprobs": state.logprobs, "versions": state.versions,
-                           "stopped": state.stopped})
-    gen_seconds = time.monotonic() - start
-    self.stats.waves += 1
-    self.stats.busy_seconds += gen_seconds
-    by_group: dict[int, list[rollout_lib.Rollout]] = {}
-    for r, (req, s) in enumerate(row_group):
-      comp = slice(cfg.prompt_len, None)
-      n = int(host["token_mask"][r, comp].sum())
-      completion = host["tokens"][r, comp][:n]
-      if row_cancelled[r]:
+      cancelled, self._cancel_requests = self._cancel_requests, set()
+    if not cancelled:
+      return
+    kept = collections.deque(r for r in self._pending if r.request.group_id not in cancelled)
+    self.stats.cancelled_rollouts += len(self._pending) - len(kept)
+    self.stats.cancelled_tokens += (len(self._pending) - len(kept)) * self._cfg.max_new_tokens
+    self._pending = kept
+    for slot, row in enumerate(self._slots):
+      if row is not None and row.request.group_id in cancelled:
+        self._slots[slot] = None  # free at once; the next decode ends the sequence
+        self._stop_rows[slot] = True
         self.stats.cancelled_rollouts += 1
-        self.stats.cancelled_tokens += cfg.max_new_tokens - n
-        continue
-      self.stats.sampled_tokens += n
-      by_group.setdefault(req.group_id, []).append(rollout_lib.Rollout(
-          group_id=req.group_id, sample_index=s, prompt_ids=np.asarray(req.prompt_ids, np.int32),
-          completion_ids=completion.astype(np.int32),
+        self.stats.cancelled_tokens += max(self._cfg.max_new_tokens - row.sampled, 0)
+    for gid in cancelled:
+      self._partial.pop(gid, None)
+
+  # -- decoding ----------------------------------------------------------------
+
+  def _step(self) -> None:
+    start = time.monotonic()
+    occupied = np.array([row is not None for row in self._slots])
+    stop_rows = self._rows_array(self._stop_rows) if self._stop_rows.any() else self._no_rows
+    if self._cfg.weight_update == "pinned":
+      versions = sorted({row.version for row in self._slots if row is not None})
+    else:
+      versions = [self.version]
+    for i, version in enumerate(versions):
+      if len(versions) == 1:
+        rows = self._rows_array(np.ones_like(occupied))
+      else:
+        rows = self._rows_array(np.array(
+            [row is not None and row.version == version for row in self._slots]))
+      self._state = self._fns.decode(self._params_by_version[version], jnp.int32(version),
+                                     self._state, stop_rows if i == 0 else self._no_rows, rows)
+    self._stop_rows[:] = False
+    for row in self._slots:
+      if row is not None:
+        row.sampled += 1
+    # One small host sync per step: which slots finished.
+    self._done = np.asarray(self._state.done)
+    self.stats.steps += 1
+    self.stats.slot_steps += self._cfg.num_slots
+    self.stats.occupied_slot_steps += int(occupied.sum())
+    self.stats.decode_seconds += time.monotonic() - start
+
+  def _harvest(self) -> None:
+    finished = [i for i, row in enumerate(self._slots) if row is not None and self._done[i]]
+    if not finished:
+      return
+    r = _bucket(len(finished), self._cfg.num_slots)
+    idx = np.array(finished + [finished[-1]] * (r - len(finished)), np.int32)
+    host = jax.device_get(self._fns.take_rows(self._state, idx))
+    now = time.monotonic()
+    for j, slot in enumerate(finished):
+      row = self._slots[slot]
+      self._slots[slot] = None
+      start = int(host["prompt_end"][j])
+      n = int(host["token_mask"][j, start:].sum())
+      cols = slice(start, start + n)
+      rollout = rollout_lib.Rollout(
+          group_id=row.request.group_id, sample_index=row.sample_index,
+          prompt_ids=np.asarray(row.request.prompt_ids, np.int32),
+          completion_ids=host["tokens"][j, cols].astype(np.int32),
           loss_mask=np.ones((n,), np.float32),
-          behaviour_logprobs=host["logprobs"][r, comp][:n].astype(np.float32),
-          token_versions=host["versions"][r, comp][:n].astype(np.int32),
-          dispatch_version=req.dispatch_version,
-          finish_reason="stop" if host["stopped"][r] else "length",
-          timings={"queued": start - req.dispatch_time, "generating": gen_seconds}))
-    with self._lock:
-      # Only groups of this wave can be generating, so nothing else can be
-      # pending; a late cancel for a finished group is dropped here too.
-      self._cancelled.clear()
-    for req in requests:
-      self._dispatcher.finished_generating(req.group_id)
-      rollouts = by_group.get(req.group_id)
-      if rollouts is not None and len(rollouts) == req.group_size:
-        self._on_group_fn(req, rollouts)
+          behaviour_logprobs=host["logprobs"][j, cols].astype(np.float32),
+          token_versions=host["versions"][j, cols].astype(np.int32),
+          dispatch_version=row.request.dispatch_version,
+          finish_reason="stop" if host["stopped"][j] else "length",
+          timings={"queued": row.start_time - row.request.dispatch_time,
+                   "generating": now - row.start_time})
+      self.stats.sampled_tokens += n
+      self.stats.finished_rollouts += 1
+      group = self._partial.get(row.request.group_id)
+      if group is None:  # cancelled meanwhile
+        continue
+      group.append(rollout)
+      if len(group) == row.request.group_size:
+        del self._partial[row.request.group_id]
+        group.sort(key=lambda x: x.sample_index)
+        self._dispatcher.finished_generating(row.request.group_id)
+        self._on_group_fn(row.request, group)
+    self._forget_unused_versions()

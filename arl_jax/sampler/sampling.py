@@ -1,4 +1,4 @@
-"""Pure prefill and decode-step functions of the sampler (no threads, no state).
+"""Pure functions of the sampler's slot state (no threads, no host state).
 
 The engine (`engine.py`) jits these with params passed as an argument, so that
 a newly published version is picked up between two decode steps without
@@ -7,7 +7,14 @@ with and the version of the params that produced its logits: a decode step
 first runs the model under the params it is given, then samples from those
 logits, so the recorded version is exactly the one behind the probability.
 
-Shapes: B slots, P prompt bucket, N max new tokens, L = P + N = cache length.
+Slots are independent rows (continuous batching): each has its own prompt
+bucket, write column, position and length limit, so a slot can be refilled
+(`insert`) while the others keep decoding, and nothing a slot computes depends
+on its neighbours.
+
+Row layout: the prompt is left-padded into columns `[0, Pb)` of its row (Pb =
+its prompt bucket) and the completion follows from column Pb. Shapes: B slots,
+L = longest prompt bucket + max new tokens = cache length, R rows inserted.
 """
 
 from __future__ import annotations
@@ -33,30 +40,39 @@ class SamplingSettings:
   Attributes:
     temperature: softmax temperature; the behaviour log-prob is that of the
       tempered distribution, and the learner uses the same temperature.
+    top_k: keep only the k most likely tokens (0: off).
+    top_p: keep the smallest set of tokens whose probability reaches p (1: off).
     greedy: argmax decoding (evaluation); log-probs are then untempered.
     eos_id: token that ends a completion (kept, and trained on).
     pad_id: filler for positions after the end.
+
+  With top-k or top-p the recorded behaviour log-prob is that of the truncated
+  distribution actually sampled from, so the importance ratio stays honest.
   """
 
   temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
   greedy: bool = False
   eos_id: int
   pad_id: int
 
 
 @flax.struct.dataclass
-class DecodeState:
-  """Everything a wave of slots carries between decode steps.
+class SlotState:
+  """Everything the slots carry between decode steps.
 
   Attributes:
-    tokens: `[B, L]` int32, left-padded prompt in `[:, :P]`, completion after.
+    tokens: `[B, L]` int32, left-padded prompt then completion then pad.
     token_mask: `[B, L]` bool, real tokens (prompt and sampled, EOS included).
     logprobs: `[B, L]` float32 behaviour log-prob of sampled tokens, else 0.
     versions: `[B, L]` int32 policy version of sampled tokens, else -1.
     cache: the KV cache, length L.
+    prompt_end: `[B]` int32 first completion column (the slot's prompt bucket).
+    index: `[B]` int32 column of the last sampled token.
+    limit: `[B]` int32 last column the slot may sample (max new tokens or L).
     positions: `[B]` int32 RoPE position of the last sampled token.
-    index: `[]` int32 column of the last sampled token (same for all slots).
-    done: `[B]` bool, slot finished (EOS, length, cancelled or never used).
+    done: `[B]` bool, slot finished (EOS, limit, cancelled or never used).
     stopped: `[B]` bool, slot finished by sampling EOS.
     keys: `[B, 2]` uint32 per-slot PRNG keys (fold_in with the column index).
   """
@@ -66,14 +82,32 @@ class DecodeState:
   logprobs: jax.Array
   versions: jax.Array
   cache: kv_cache_lib.KVCache
-  positions: jax.Array
+  prompt_end: jax.Array
   index: jax.Array
+  limit: jax.Array
+  positions: jax.Array
   done: jax.Array
   stopped: jax.Array
   keys: jax.Array
 
 
-def sample_from_logits(logits, keys, index, settings: SamplingSettings):
+def _truncate(logits, settings: SamplingSettings):
+  """Applies top-k / top-p by setting excluded logits to -inf."""
+  if settings.top_k:
+    kth = jax.lax.top_k(logits, settings.top_k)[0][:, -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if settings.top_p < 1.0:
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), order, axis=-1)
+    # Keep a token if the mass strictly before it is < p (the top token always).
+    keep_sorted = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < settings.top_p
+    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
+        keep_sorted)
+    logits = jnp.where(keep, logits, -jnp.inf)
+  return logits
+
+
+def sample_from_logits(logits, keys, columns, settings: SamplingSettings):
   """Draws one token per row and returns it with its log-probability.
 
   Inverse-CDF sampling: one uniform per row against the cumulative softmax.
@@ -84,8 +118,9 @@ def sample_from_logits(logits, keys, index, settings: SamplingSettings):
   Args:
     logits: `[B, V]` float32.
     keys: `[B, 2]` uint32 per-row keys.
-    index: `[]` int32 column being sampled, folded into the keys so that the
-      draw depends only on (row key, column), not on batching or timing.
+    columns: `[B]` (or `[]`) int32 column being sampled, folded into the keys
+      so that a draw depends only on (row key, column), not on slot, batching
+      or timing.
     settings: static sampling settings.
 
   Returns:
@@ -97,10 +132,12 @@ def sample_from_logits(logits, keys, index, settings: SamplingSettings):
   else:
     # log_softmax in float32 (logits are float32 already): the recorded
     # behaviour log-prob is the denominator of every importance ratio.
-    logp = jax.nn.log_softmax(logits / settings.temperature, axis=-1)
+    logp = jax.nn.log_softmax(_truncate(logits / settings.temperature, settings), axis=-1)
+    columns = jnp.broadcast_to(columns, keys.shape[:1])
+    draw = lambda k, c: jax.random.uniform(jax.random.fold_in(k, c))
     # 1 - U lies in (0, 1]: a draw of exactly 0 would pick token 0 even when
     # its probability is 0, and record a log-prob of -inf.
-    uniforms = 1.0 - jax.vmap(lambda k: jax.random.uniform(jax.random.fold_in(k, index)))(keys)
+    uniforms = 1.0 - jax.vmap(draw)(keys, columns)
     cdf = jnp.cumsum(jnp.exp(logp), axis=-1)
     tokens = jnp.sum(cdf < uniforms[:, None] * cdf[:, -1:], axis=-1).astype(jnp.int32)
     tokens = jnp.minimum(tokens, logits.shape[-1] - 1)
@@ -108,101 +145,158 @@ def sample_from_logits(logits, keys, index, settings: SamplingSettings):
   return tokens, token_logp
 
 
-def _record(state: DecodeState, column, tokens, logp, version, settings, max_index):
-  """Writes freshly sampled tokens at `column` for live slots and updates `done`."""
-  live = ~state.done
+def init_slots(cfg, *, num_slots: int, length: int, pad_id: int) -> SlotState:
+  """All slots empty (done), with a zeroed cache of `length` columns."""
+  b = num_slots
+  cache = kv_cache_lib.KVCache.zeros(
+      batch=b, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, length=length,
+      head_dim=cfg.head_dim, dtype=jnp.dtype(cfg.param_dtype))
+  zeros = jnp.zeros((b,), jnp.int32)
+  return SlotState(
+      tokens=jnp.full((b, length), pad_id, jnp.int32),
+      token_mask=jnp.zeros((b, length), jnp.bool_),
+      logprobs=jnp.zeros((b, length), jnp.float32),
+      versions=jnp.full((b, length), NO_VERSION, jnp.int32),
+      cache=cache, prompt_end=zeros, index=zeros, limit=zeros, positions=zeros,
+      done=jnp.ones((b,), jnp.bool_), stopped=jnp.zeros((b,), jnp.bool_),
+      keys=jnp.zeros((b, 2), jnp.uint32))
+
+
+def _set_rows(arr, rows, values):
+  return arr.at[rows].set(values)
+
+
+def _record(state: SlotState, live, columns, tokens, logp, version, settings):
+  """Writes freshly sampled tokens at per-row `columns` for `live` rows."""
+  rows = jnp.arange(state.tokens.shape[0])
+  put = lambda arr, val: arr.at[rows, columns].set(jnp.where(live, val, arr[rows, columns]))
   tokens = jnp.where(live, tokens, settings.pad_id)
-  set_col = lambda arr, val: arr.at[:, column].set(val)
   is_eos = live & (tokens == settings.eos_id)
   return state.replace(
-      tokens=set_col(state.tokens, tokens),
-      token_mask=set_col(state.token_mask, live),
-      logprobs=set_col(state.logprobs, jnp.where(live, logp, 0.0)),
-      versions=set_col(state.versions, jnp.where(live, version, NO_VERSION)),
-      index=column,
-      done=state.done | is_eos | (column >= max_index),
+      tokens=put(state.tokens, tokens),
+      token_mask=put(state.token_mask, live),
+      logprobs=put(state.logprobs, logp),
+      versions=put(state.versions, jnp.full_like(columns, version)),
+      index=jnp.where(live, columns, state.index),
+      done=state.done | is_eos | (live & (columns >= state.limit)),
       stopped=state.stopped | is_eos,
   )
 
 
-def prefill(graphdef, params, version, prompt_tokens, prompt_mask, active, keys, *,
-            settings: SamplingSettings, max_new_tokens: int) -> DecodeState:
-  """Runs the prompts through the model and samples the first completion token.
+def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, prompt_mask, keys,
+           max_new_tokens, *, settings: SamplingSettings) -> SlotState:
+  """Prefills R prompts into the given slots and samples their first tokens.
+
+  The other slots are untouched. Duplicate entries in `slots` must carry
+  identical rows (the engine pads R up to a bucket by repeating a row).
 
   Args:
     graphdef: nnx graph definition of the decoder (static).
     params: nnx.State of the decoder params (an argument, never closed over).
     version: `[]` int32 policy version of `params`.
-    prompt_tokens: `[B, P]` int32, left-padded.
-    prompt_mask: `[B, P]` bool, True on real prompt tokens.
-    active: `[B]` bool, False for unused slots (they start done).
-    keys: `[B, 2]` uint32 per-slot keys.
+    state: the slot state.
+    slots: `[R]` int32 slot indices to fill.
+    prompt_tokens: `[R, Pb]` int32, left-padded to the prompt bucket Pb.
+    prompt_mask: `[R, Pb]` bool, True on real prompt tokens.
+    keys: `[R, 2]` uint32 per-rollout keys.
+    max_new_tokens: `[R]` int32 completion budget of each row.
     settings: static sampling settings.
-    max_new_tokens: N, static.
 
   Returns:
-    The DecodeState after sampling column P.
+    The SlotState with the R slots live (or done, if their first token ended them).
   """
   model = nnx.merge(graphdef, params)
-  b, p = prompt_tokens.shape
-  length = p + max_new_tokens
+  r, pb = prompt_tokens.shape
+  length = state.tokens.shape[1]
   cfg = model.cfg
-  cache = kv_cache_lib.KVCache.zeros(
-      batch=b, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, length=length,
+  small = kv_cache_lib.KVCache.zeros(
+      batch=r, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, length=pb,
       head_dim=cfg.head_dim, dtype=jnp.dtype(cfg.param_dtype))
-  zero_index = jnp.zeros((b,), jnp.int32)
-  cache = cache.replace(valid=kv_cache_lib.write_valid(cache.valid, prompt_mask, zero_index))
+  small = small.replace(valid=prompt_mask)
   positions = decoder_lib.positions_from_mask(prompt_mask)
-  key_ids = jnp.arange(length)
-  attn_mask = cache.valid[:, None, :] & (key_ids[None, None, :] <= jnp.arange(p)[None, :, None])
-  logits, cache = model(prompt_tokens, positions, attn_mask, cache, zero_index)
-  pad_tail = lambda fill, dtype: jnp.full((b, max_new_tokens), fill, dtype)
-  state = DecodeState(
-      tokens=jnp.concatenate([prompt_tokens, pad_tail(settings.pad_id, jnp.int32)], axis=1),
-      token_mask=jnp.concatenate([prompt_mask, pad_tail(False, jnp.bool_)], axis=1),
-      logprobs=jnp.zeros((b, length), jnp.float32),
-      versions=jnp.full((b, length), NO_VERSION, jnp.int32),
+  attn = prompt_mask[:, None, :] & (jnp.arange(pb)[None, None, :] <= jnp.arange(pb)[None, :, None])
+  logits, small = model(prompt_tokens, positions, attn, small, jnp.zeros((r,), jnp.int32))
+
+  cache = state.cache
+  tail = lambda fill, dtype: jnp.full((r, length - pb), fill, dtype)
+  cache = cache.replace(
+      keys=tuple(k.at[slots, :, :pb].set(s) for k, s in zip(cache.keys, small.keys)),
+      values=tuple(v.at[slots, :, :pb].set(s) for v, s in zip(cache.values, small.values)),
+      valid=_set_rows(cache.valid, slots, jnp.concatenate([prompt_mask, tail(False, jnp.bool_)],
+                                                          axis=1)))
+  state = state.replace(
       cache=cache,
-      positions=jnp.sum(prompt_mask, axis=1).astype(jnp.int32),
-      index=jnp.int32(p - 1),
-      done=~active,
-      stopped=jnp.zeros((b,), jnp.bool_),
-      keys=keys,
-  )
-  column = jnp.int32(p)
+      tokens=_set_rows(state.tokens, slots, jnp.concatenate(
+          [prompt_tokens, tail(settings.pad_id, jnp.int32)], axis=1)),
+      token_mask=_set_rows(state.token_mask, slots, jnp.concatenate(
+          [prompt_mask, tail(False, jnp.bool_)], axis=1)),
+      logprobs=_set_rows(state.logprobs, slots, jnp.zeros((r, length), jnp.float32)),
+      versions=_set_rows(state.versions, slots, jnp.full((r, length), NO_VERSION, jnp.int32)),
+      prompt_end=_set_rows(state.prompt_end, slots, jnp.full((r,), pb, jnp.int32)),
+      limit=_set_rows(state.limit, slots, jnp.minimum(pb + max_new_tokens - 1, length - 1)),
+      positions=_set_rows(state.positions, slots, jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)),
+      done=_set_rows(state.done, slots, False),
+      stopped=_set_rows(state.stopped, slots, False),
+      keys=_set_rows(state.keys, slots, keys))
+  # Sample the first completion token of the inserted rows only.
+  column = jnp.full((r,), pb, jnp.int32)
   tokens, logp = sample_from_logits(logits[:, -1], keys, column, settings)
-  return _record(state, column, tokens, logp, version, settings, length - 1)
+  b = state.tokens.shape[0]
+  live = jnp.zeros((b,), jnp.bool_).at[slots].set(True)
+  full = lambda x, fill: jnp.full((b,), fill, x.dtype).at[slots].set(x)
+  return _record(state, live, full(column, 0), full(tokens, settings.pad_id), full(logp, 0.0),
+                 version, settings)
 
 
-def decode_step(graphdef, params, version, state: DecodeState, stop_rows, *,
-                settings: SamplingSettings) -> DecodeState:
-  """Feeds the last sampled token and samples the next one.
+def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
+                settings: SamplingSettings) -> SlotState:
+  """Feeds each live slot's last sampled token and samples its next one.
 
   Args:
     graphdef: nnx graph definition (static).
-    params: decoder params now live in the sampler.
+    params: decoder params now live for `rows`.
     version: `[]` int32 version of `params`; recorded on the new tokens.
-    state: DecodeState of the wave.
+    state: the slot state.
     stop_rows: `[B]` bool, slots to end before this step (cancelled groups).
+    rows: `[B]` bool, slots this call decodes (all of them, except when the
+      engine serves several pinned versions and calls once per version).
     settings: static sampling settings.
 
   Returns:
-    The DecodeState with one more column sampled.
+    The SlotState with one more column sampled in every live slot of `rows`.
   """
   model = nnx.merge(graphdef, params)
   state = state.replace(done=state.done | stop_rows)
-  last = state.index
   b, length = state.tokens.shape
-  last_tokens = jax.lax.dynamic_slice_in_dim(state.tokens, last, 1, axis=1)  # [B, 1]
-  last_index = jnp.full((b,), last, jnp.int32)
-  live = ~state.done
-  cache = state.cache.replace(
-      valid=kv_cache_lib.write_valid(state.cache.valid, live[:, None], last_index))
-  attn_mask = cache.valid[:, None, :] & (jnp.arange(length)[None, None, :] <= last)
-  logits, cache = model(last_tokens, state.positions[:, None], attn_mask, cache, last_index)
+  live = ~state.done & rows
+  batch_rows = jnp.arange(b)
+  last = state.index
+  last_tokens = state.tokens[batch_rows, last][:, None]  # [B, 1]
+  valid = state.cache.valid.at[batch_rows, last].set(state.cache.valid[batch_rows, last] | live)
+  attn = valid[:, None, :] & (jnp.arange(length)[None, None, :] <= last[:, None, None])
+  logits, cache = model(last_tokens, state.positions[:, None], attn,
+                        state.cache.replace(valid=valid), last, write_mask=live)
   state = state.replace(cache=cache, positions=state.positions + live.astype(jnp.int32))
-  tokens, logp = sample_from_logits(logits[:, 0], state.keys, last + 1, settings)
-  return _record(state, last + 1, tokens, logp, version, settings, length - 1)
+  columns = jnp.minimum(last + 1, length - 1)
+  tokens, logp = sample_from_logits(logits[:, 0], state.keys, columns, settings)
+  return _record(state, live, columns, tokens, logp, version, settings)
+
+
+def recompute_cache(graphdef, params, state: SlotState, rows) -> SlotState:
+  """Re-prefills the KV cache of `rows` under `params` (the `recompute` KV policy).
+
+  Every token already fed to the model (columns before each slot's last
+  sampled token) gets keys/values from `params`, as a fresh prefill would;
+  recorded tokens, log-probs and versions stay as sampled.
+  """
+  model = nnx.merge(graphdef, params)
+  b, length = state.tokens.shape
+  fed = state.token_mask & (jnp.arange(length)[None, :] < state.index[:, None])
+  positions = decoder_lib.positions_from_mask(fed)
+  live = rows & ~state.done
+  _, cache = model(state.tokens, positions, decoder_lib.causal_mask(fed), state.cache,
+                   jnp.zeros((b,), jnp.int32), write_mask=live)
+  return state.replace(cache=cache)
 
 
 def row_keys(seed: int, group_ids, sample_indices):

@@ -38,6 +38,11 @@ def role_meshes(placement: str = "auto") -> mesh_lib.RoleMeshes:
   return mesh_lib.make_role_meshes(mesh_lib.MeshConfig(placement=placement))
 
 
+def single_device_meshes() -> mesh_lib.RoleMeshes:
+  """Both roles on the first device (any slot count fits)."""
+  return mesh_lib.make_role_meshes(mesh_lib.MeshConfig(), devices=jax.devices()[:1])
+
+
 def learner_and_sampler_params(cfg: model_config_lib.ModelConfig, meshes: mesh_lib.RoleMeshes,
                                seed: int = 0):
   """`(graphdef, learner_params, sampler_shardings)` for a model on `meshes`."""

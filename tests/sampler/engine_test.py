@@ -1,4 +1,4 @@
-"""The sampler engine thread: in-flight weight swaps, drain, and cancellation."""
+"""The sampler engine thread: continuous batching, weight-update modes, cancellation."""
 
 import itertools
 import time
@@ -6,12 +6,12 @@ import time
 import numpy as np
 import pytest
 
-from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import publish as publish_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import sampling
+from arl_jax.testing import slots as slots_lib
 from arl_jax.testing import tiny
 
 PAD, EOS = 256, 258
@@ -24,133 +24,182 @@ class _Prompt:
 
 
 class ScriptedPublisher:
-  """Serves version 0 for the first `switch_after` calls of `latest()`, then version 1."""
+  """Serves version 0 for the first `switch_after` calls of `latest()`, then version 1.
+
+  The engine calls `latest()` once per loop iteration (before inserting and
+  decoding), which makes the moment of the swap deterministic.
+  """
 
   def __init__(self, v0, v1, switch_after):
     self._v0, self._v1, self._switch_after = v0, v1, switch_after
-    self._calls = 0
+    self.calls = 0
 
   def latest(self):
-    self._calls += 1
-    return (0, self._v0) if self._calls <= self._switch_after or self._v1 is None else (1, self._v1)
+    self.calls += 1
+    if self._v1 is None or self.calls <= self._switch_after:
+      return 0, self._v0
+    return 1, self._v1
 
 
-def _published(meshes, sampler_shardings, params):
-  publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings)
-  publisher.publish(params, 0)
-  return publisher.latest()[1]
-
-
-def _engine(publisher, graphdef, meshes, weight_update, on_group, take_hook=None,
-            prompt_tokens=4):
-  cfg = dispatcher_lib.DispatchConfig(group_size=4, groups_per_batch=2, max_async_level=0,
-                                      max_off_policy_steps=4)
+def _engine(publisher, setup, weight_update, on_group, *, kv_policy="keep", take_hook=None,
+            prompt_tokens=(4, 4), max_async_level=0):
+  meshes, graphdef, cfg = setup["meshes"], setup["graphdef"], setup["cfg"]
+  dispatch = dispatcher_lib.DispatchConfig(group_size=4, groups_per_batch=2,
+                                           max_async_level=max_async_level,
+                                           max_off_policy_steps=4)
   buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig())
   rng = np.random.default_rng(0)
   prompts = (_Prompt(i) for i in itertools.count())
-  encode = lambda p: rng.integers(0, 256, prompt_tokens).tolist()
-  dispatcher = dispatcher_lib.Dispatcher(cfg, prompts, encode, buffer)
+  encode = lambda p: rng.integers(0, 256, rng.integers(prompt_tokens[0],
+                                                       prompt_tokens[1] + 1)).tolist()
+  dispatcher = dispatcher_lib.Dispatcher(dispatch, prompts, encode, buffer)
   if take_hook is not None:
     original = dispatcher.take
     dispatcher.take = lambda *a, **k: take_hook(original(*a, **k))
-  engine = engine_lib.SamplerEngine(
-      cfg=engine_lib.EngineConfig(num_slots=8, group_size=4, prompt_len=PROMPT_LEN,
-                                  max_new_tokens=NEW, weight_update=weight_update),
+  return engine_lib.SamplerEngine(
+      cfg=engine_lib.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(PROMPT_LEN,),
+                                  max_new_tokens=NEW, weight_update=weight_update,
+                                  kv_policy=kv_policy),
       settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=graphdef,
-      mesh=meshes.sampler, publisher=publisher, dispatcher=dispatcher, on_group_fn=on_group)
-  return engine
+      model_cfg=cfg, mesh=meshes.sampler, publisher=publisher, dispatcher=dispatcher,
+      on_group_fn=on_group)
 
 
-def _run_until(engine, groups, count, timeout=60.0):
+def _run_until(engine, condition, timeout=60.0):
   engine.start()
   deadline = time.monotonic() + timeout
-  while len(groups) < count and time.monotonic() < deadline:
+  while not condition() and time.monotonic() < deadline:
     engine.raise_if_failed()
-    time.sleep(0.05)
+    time.sleep(0.02)
   engine.stop()
-  assert len(groups) >= count, f"engine produced {len(groups)} groups, wanted {count}"
+  assert condition(), "the engine did not get there in time"
 
 
-def _setup():
+@pytest.fixture(scope="module")
+def setup():
   meshes = tiny.role_meshes()
-  graphdef, params, sampler_shardings = tiny.learner_and_sampler_params(
-      tiny.tiny_model_config(), meshes)
+  cfg = tiny.tiny_model_config()
+  graphdef, params, sampler_shardings = tiny.learner_and_sampler_params(cfg, meshes)
   params_v1 = tiny.perturb(params, 0.05, seed=3)
-  return (meshes, graphdef, params, _published(meshes, sampler_shardings, params),
-          _published(meshes, sampler_shardings, params_v1))
+  published = []
+  for p in (params, params_v1):
+    publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings)
+    publisher.publish(p, 0)
+    published.append(publisher.latest()[1])
+  return dict(meshes=meshes, cfg=cfg, graphdef=graphdef, params=(params, params_v1),
+              sampler_params=tuple(published))
 
 
-def _full_sequences(rollout):
-  tokens = np.full((PROMPT_LEN + NEW,), PAD, np.int32)
-  mask = np.zeros(tokens.shape, bool)
-  p, c = len(rollout.prompt_ids), len(rollout.completion_ids)
-  tokens[PROMPT_LEN - p:PROMPT_LEN] = rollout.prompt_ids
-  tokens[PROMPT_LEN:PROMPT_LEN + c] = rollout.completion_ids
-  mask[PROMPT_LEN - p:PROMPT_LEN + c] = True
-  return tokens, mask
+def _teacher_forced(setup, rollout, version):
+  tokens = np.concatenate([rollout.prompt_ids, rollout.completion_ids])
+  logp = slots_lib.teacher_forced_logprobs(setup["graphdef"], setup["params"][version], tokens,
+                                           np.ones(tokens.shape, bool))[0]
+  return logp[len(rollout.prompt_ids):]
 
 
-def test_in_flight_swap_between_decode_steps_records_exact_versions():
-  meshes, graphdef, learner_params, v0, v1 = _setup()
-  # latest() calls: 1 at the loop top, then 1 per decode step: steps 0 and 1
-  # decode under v0, step 2 onwards under v1.
+@pytest.mark.parametrize("kv_policy", ["keep", "recompute"])
+def test_in_flight_swap_between_decode_steps_records_exact_versions(setup, kv_policy):
+  v0, v1 = setup["sampler_params"]
+  # Iterations 1-3 decode under v0 (insert + 3 steps = 4 tokens), then v1.
   publisher = ScriptedPublisher(v0, v1, switch_after=3)
   groups = []
-  engine = _engine(publisher, graphdef, meshes, "in_flight", lambda req, rs: groups.append(rs))
-  _run_until(engine, groups, 2)
-  assert engine.stats.swaps >= 1
-  rollouts = [r for g in groups[:2] for r in g]
-  assert len(rollouts) == 8
-  for r in rollouts:
-    n = len(r.completion_ids)
-    expected = np.array([0, 0, 0, 1, 1, 1, 1, 1][:n])
-    np.testing.assert_array_equal(r.token_versions, expected)
-    assert r.dispatch_version == 0
-    if n > 3:
-      assert r.version_span == (0, 1)
-    # Tokens sampled under v0 (all of their prefix was v0 too) carry v0's probability.
-    tokens, mask = _full_sequences(r)
-    logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, learner_params, tokens[None],
-                                                      mask[None], 1.0)
-    v0_cols = slice(PROMPT_LEN, PROMPT_LEN + min(n, 3))
-    np.testing.assert_allclose(np.asarray(logp)[0, v0_cols], r.behaviour_logprobs[:min(n, 3)],
-                               atol=1e-5)
-
-
-def test_drain_finishes_the_wave_on_its_starting_version():
-  meshes, graphdef, _, v0, v1 = _setup()
-  publisher = ScriptedPublisher(v0, v1, switch_after=1)
-  groups = []
-  engine = _engine(publisher, graphdef, meshes, "drain", lambda req, rs: groups.append(rs))
-  _run_until(engine, groups, 2)
+  engine = _engine(publisher, setup, "in_flight", lambda req, rs: groups.append(rs),
+                   kv_policy=kv_policy)
+  _run_until(engine, lambda: len(groups) >= 2)
+  assert engine.stats.swaps == 1
   for r in (r for g in groups[:2] for r in g):
-    assert np.all(r.token_versions == 0)
+    n = len(r.completion_ids)
+    np.testing.assert_array_equal(r.token_versions, [0, 0, 0, 0, 1, 1, 1, 1][:n])
+    assert r.dispatch_version == 0 and (n <= 4 or r.version_span == (0, 1))
+    before = min(n, 4)
+    # Tokens sampled under v0 (their whole prefix was v0 too) carry v0's probability.
+    np.testing.assert_allclose(_teacher_forced(setup, r, 0)[:before],
+                               r.behaviour_logprobs[:before], atol=1e-5)
+    if kv_policy == "recompute" and n > 4:
+      # After a recompute the cache is what a fresh prefill under v1 gives.
+      np.testing.assert_allclose(_teacher_forced(setup, r, 1)[4:], r.behaviour_logprobs[4:],
+                                 atol=1e-5)
 
 
-def test_cancelled_group_is_not_emitted_and_its_compute_is_saved():
-  meshes, graphdef, _, v0, _ = _setup()
-  publisher = ScriptedPublisher(v0, None, switch_after=0)
-  groups, engine_box = [], {}
+@pytest.mark.parametrize("mode", ["pinned", "in_flight"])
+def test_pinned_rollouts_keep_their_start_version_and_later_ones_use_the_new(setup, mode):
+  v0, v1 = setup["sampler_params"]
+  publisher = ScriptedPublisher(v0, v1, switch_after=3)
+  groups = {}
+  engine = _engine(publisher, setup, mode, lambda req, rs: groups.setdefault(req.group_id, rs),
+                   max_async_level=1)
+  _run_until(engine, lambda: len(groups) >= 4)
+  for gid in (0, 1):  # started before the swap
+    for r in groups[gid]:
+      if mode == "pinned":
+        assert np.all(r.token_versions == 0)
+        np.testing.assert_allclose(_teacher_forced(setup, r, 0), r.behaviour_logprobs,
+                                   atol=1e-5)
+      else:
+        assert r.version_span == (0, 1)
+  for gid in (2, 3):  # started after it
+    for r in groups[gid]:
+      assert np.all(r.token_versions == 1)
+      np.testing.assert_allclose(_teacher_forced(setup, r, 1), r.behaviour_logprobs, atol=1e-5)
+
+
+def test_drain_finishes_active_slots_on_their_version_then_swaps(setup):
+  v0, v1 = setup["sampler_params"]
+  publisher = ScriptedPublisher(v0, v1, switch_after=1)
+  groups = {}
+  engine = _engine(publisher, setup, "drain", lambda req, rs: groups.setdefault(req.group_id, rs),
+                   max_async_level=1)
+  _run_until(engine, lambda: len(groups) >= 4)
+  for gid, rollouts in groups.items():
+    want = 0 if gid < 2 else 1
+    assert all(np.all(r.token_versions == want) for r in rollouts), gid
+  assert engine.stats.swaps == 1
+
+
+def test_cancellation_frees_slots_at_once(setup):
+  v0, _ = setup["sampler_params"]
+  groups, seen, box = [], {}, {}
 
   def cancel_first(requests):
     if requests and requests[0].group_id == 0:
-      engine_box["engine"].cancel([0])
+      box["engine"].cancel([0])
     return requests
 
-  engine = _engine(publisher, graphdef, meshes, "in_flight",
-                   lambda req, rs: groups.append((req.group_id, rs)), take_hook=cancel_first)
-  engine_box["engine"] = engine
-  _run_until(engine, groups, 1)
-  assert [gid for gid, _ in groups][:1] == [1]
+  def on_group(req, rollouts):
+    groups.append(req.group_id)
+    seen.setdefault(req.group_id, box["engine"].stats.inserts)
+
+  engine = _engine(ScriptedPublisher(v0, None, 0), setup, "in_flight", on_group,
+                   take_hook=cancel_first, max_async_level=1)
+  box["engine"] = engine
+  _run_until(engine, lambda: len(groups) >= 2)
+  assert 0 not in groups
   assert engine.stats.cancelled_rollouts == 4
-  # Each cancelled row sampled only its prefill token before being stopped.
-  assert engine.stats.cancelled_tokens == 4 * (NEW - 1)
+  # Group 0 was cancelled after its insert and one decode step.
+  assert engine.stats.cancelled_tokens == 4 * (NEW - 2)
+  # Its four slots were refilled (group 2) while group 1 was still decoding.
+  assert seen[1] == 12
 
 
-def test_a_prompt_longer_than_the_bucket_fails_with_a_clear_error():
-  meshes, graphdef, _, v0, _ = _setup()
-  engine = _engine(ScriptedPublisher(v0, None, 0), graphdef, meshes, "in_flight",
-                   lambda *_: None, prompt_tokens=PROMPT_LEN + 3)
+def test_mixed_prompt_lengths_in_one_bucket_compile_once(setup):
+  v0, _ = setup["sampler_params"]
+  groups = []
+  engine = _engine(ScriptedPublisher(v0, None, 0), setup, "in_flight",
+                   lambda req, rs: groups.append(rs), prompt_tokens=(1, PROMPT_LEN),
+                   max_async_level=3)
+  _run_until(engine, lambda: len(groups) >= 6)
+  lengths = {len(r.prompt_ids) for g in groups for r in g}
+  assert len(lengths) > 2
+  assert engine._fns.decode._cache_size() == 1  # noqa: SLF001
+  # One insert program per power-of-two row count at most (1, 2, 4, 8 rows).
+  assert engine._fns.insert._cache_size() <= 4  # noqa: SLF001
+  assert 0 < engine.stats.occupancy <= 1
+
+
+def test_a_prompt_longer_than_the_bucket_fails_with_a_clear_error(setup):
+  v0, _ = setup["sampler_params"]
+  engine = _engine(ScriptedPublisher(v0, None, 0), setup, "in_flight", lambda *_: None,
+                   prompt_tokens=(PROMPT_LEN + 3, PROMPT_LEN + 3))
   engine.start()
   deadline = time.monotonic() + 60
   with pytest.raises(RuntimeError, match="sampler engine failed") as info:
@@ -158,5 +207,4 @@ def test_a_prompt_longer_than_the_bucket_fails_with_a_clear_error():
       engine.raise_if_failed()
       time.sleep(0.02)
   engine.stop(raise_errors=False)
-  assert "prompt has 9 tokens; the sampler takes 1 to sampler.prompt_len=6" in str(
-      info.value.__cause__)
+  assert "prompt has 9 tokens; the sampler takes 1 to 6" in str(info.value.__cause__)

@@ -1,0 +1,59 @@
+"""Helpers to drive the sampler's slot functions directly in tests and benchmarks."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from arl_jax.learner import logprobs as logprobs_lib
+from arl_jax.sampler import engine as engine_lib
+from arl_jax.sampler import sampling
+
+
+class SlotDriver:
+  """Inserts prompts into chosen slots and decodes, with explicit versions."""
+
+  def __init__(self, *, graphdef, model_cfg, mesh, settings, num_slots, bucket, max_new_tokens,
+               seed=0):
+    self.fns = engine_lib.make_sampler_fns(
+        graphdef=graphdef, model_cfg=model_cfg, mesh=mesh, settings=settings,
+        num_slots=num_slots, length=bucket + max_new_tokens)
+    self.state = self.fns.init()
+    self.num_slots, self.bucket, self.max_new, self.seed = num_slots, bucket, max_new_tokens, seed
+    self.pad_id = settings.pad_id
+
+  def insert(self, params, version, slots, prompts, group_ids, sample_indices=None):
+    r = len(slots)
+    tokens = np.full((r, self.bucket), self.pad_id, np.int32)
+    mask = np.zeros((r, self.bucket), bool)
+    for i, ids in enumerate(prompts):
+      tokens[i, self.bucket - len(ids):] = ids
+      mask[i, self.bucket - len(ids):] = True
+    sample_indices = np.zeros(r) if sample_indices is None else sample_indices
+    keys = sampling.row_keys(self.seed, group_ids, sample_indices)
+    self.state = self.fns.insert(params, jnp.int32(version), self.state,
+                                 np.asarray(slots, np.int32), tokens, mask, keys,
+                                 np.full((r,), self.max_new, np.int32))
+
+  def decode(self, params, version, rows=None, stop=None):
+    rows = np.ones((self.num_slots,), bool) if rows is None else np.asarray(rows, bool)
+    stop = np.zeros((self.num_slots,), bool) if stop is None else np.asarray(stop, bool)
+    self.state = self.fns.decode(params, jnp.int32(version), self.state, stop, rows)
+
+  def recompute(self, params, rows=None):
+    rows = np.ones((self.num_slots,), bool) if rows is None else np.asarray(rows, bool)
+    self.state = self.fns.recompute(params, self.state, rows)
+
+  def row(self, slot):
+    """Host copy of one slot: tokens, mask, logprobs, versions (full rows)."""
+    s = self.state
+    return {name: np.asarray(getattr(s, name))[slot]
+            for name in ("tokens", "token_mask", "logprobs", "versions")}
+
+
+def teacher_forced_logprobs(graphdef, params, tokens, token_mask, temperature=1.0):
+  """Learner log-probs of one or more host rows `[B, L]` (or `[L]`)."""
+  tokens, token_mask = np.atleast_2d(tokens), np.atleast_2d(token_mask)
+  logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, params, tokens, token_mask,
+                                                    temperature)
+  return np.asarray(logp)
