@@ -38,7 +38,7 @@ _SECTIONS = {
     "mesh": ("placement", "learner_devices", "learner", "sampler"),
     "env": ("name", "max_operand", "operator", "heldout_fraction", "num_workers"),
     "sampler": ("num_slots", "prompt_len", "prompt_buckets", "max_new_tokens", "temperature",
-                "top_k", "top_p", "weight_update", "kv_policy"),
+                "top_k", "top_p", "weight_update", "kv_policy", "param_dtype"),
     "orchestrator": ("batch_size", "group_size", "max_async_level", "max_off_policy_steps",
                      "staleness_reference", "assembly", "window_fraction"),
     "learner": ("loss", "eps_low", "eps_high", "dual_clip", "advantage", "lr", "b1", "b2",
@@ -72,6 +72,7 @@ class RunSpec:
   env: arith.ArithConfig
   num_env_workers: int
   engine: engine_lib.EngineConfig
+  sampler_model: model_config_lib.ModelConfig  # the model as the sampler runs it (dtype)
   sampling: sampling.SamplingSettings
   dispatch: dispatcher_lib.DispatchConfig
   buffer: buffer_lib.BufferConfig
@@ -175,6 +176,8 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
            f"must be one of {engine_lib.WEIGHT_UPDATE_MODES}, got {s['weight_update']!r}")
   _require(s["kv_policy"] in engine_lib.KV_POLICIES, "sampler.kv_policy",
            f"must be one of {engine_lib.KV_POLICIES}, got {s['kv_policy']!r}")
+  _require(s["param_dtype"] in ("float32", "bfloat16"), "sampler.param_dtype",
+           f"must be float32 or bfloat16, got {s['param_dtype']!r}")
   _require(s["top_k"] >= 0, "sampler.top_k", f"must be >= 0 (0: off), got {s['top_k']}")
   _require(0.0 < s["top_p"] <= 1.0, "sampler.top_p", f"must be in (0, 1], got {s['top_p']}")
   buckets = tuple(int(b) for b in s["prompt_buckets"])
@@ -255,6 +258,7 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
       seed=cfg["seed"], num_steps=cfg["num_steps"], log_every=cfg["log_every"],
       eval_every=cfg["eval_every"], eval_size=cfg["eval_size"], model=model, mesh=mesh,
       env_name=env_cfg["name"], env=env, num_env_workers=env_cfg["num_workers"], engine=engine,
+      sampler_model=dataclasses.replace(model, param_dtype=s["param_dtype"]),
       sampling=sampling_settings, dispatch=dispatch, buffer=buffer, loss=loss,
       advantage_estimator=lc["advantage"], optim=optim,
       warmup=WarmupConfig(steps=w["steps"], batch_size=w["batch_size"], lr=w["lr"],

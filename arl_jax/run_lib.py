@@ -136,14 +136,15 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   holder["params"] = state.params
   evaluate(0, "rl")
 
-  publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings)
+  publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings,
+                                          dtype=spec.sampler_model.param_dtype)
   buffer = buffer_lib.RolloutBuffer(spec.buffer)
   dispatcher = dispatcher_lib.Dispatcher(
       spec.dispatch, prompt_data.prompt_iterator(train_prompts, spec.seed), env.encode_prompt,
       buffer)
   env_runner = env_runner_lib.EnvRunner(env, buffer, num_workers=spec.num_env_workers)
   engine = engine_lib.SamplerEngine(
-      cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, model_cfg=spec.model,
+      cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, model_cfg=spec.sampler_model,
       mesh=meshes.sampler,
       publisher=publisher, dispatcher=dispatcher, on_group_fn=env_runner.submit)
 
@@ -251,6 +252,13 @@ def _step_record(step, version, batch, cut, metrics, drops, dispatcher, engine, 
       "in_system_groups": dispatcher.in_system,
       "sampler_busy_s": engine.stats.busy_seconds,
       "sampler_swaps": engine.stats.swaps,
+      "sampler_occupancy": engine.stats.occupancy,
+      "sampler_tokens_per_s": engine.stats.sampled_tokens / max(engine.stats.busy_seconds, 1e-9),
+      "sampler_prefill_s": engine.stats.prefill_seconds,
+      "sampler_decode_s": engine.stats.decode_seconds,
+      "sampler_swap_pause_s": engine.stats.swap_seconds,
+      "sampler_queue_wait_s": engine.stats.queue_wait_seconds / max(engine.stats.inserts, 1),
+      "sampler_versions_held": engine.stats.max_versions_held,
   }
   record.update({k: float(v) for k, v in metrics.items()})
   return record

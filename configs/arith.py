@@ -52,7 +52,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   config.sampler = ml_collections.ConfigDict(dict(
       num_slots=128, prompt_len=8, prompt_buckets=(), max_new_tokens=5, temperature=1.0,
-      top_k=0, top_p=1.0, weight_update="in_flight", kv_policy="keep"))
+      top_k=0, top_p=1.0, weight_update="in_flight", kv_policy="keep", param_dtype="float32"))
 
   config.orchestrator = ml_collections.ConfigDict(dict(
       batch_size=128, group_size=8, max_async_level=1, max_off_policy_steps=8,

@@ -37,6 +37,10 @@ def test_tiny_and_default_configs_build():
     ({"sampler__max_new_tokens": 2}, r"sampler.max_new_tokens: the longest correct answer of env 'arith' needs 3 tokens"),
     ({"sampler__num_slots": 30}, r"sampler.num_slots: 30 must be a positive multiple"),
     ({"sampler__weight_update": "sometimes"}, r"sampler.weight_update"),
+    ({"sampler__kv_policy": "forget"}, r"sampler.kv_policy: must be one of \('keep', 'recompute'\)"),
+    ({"sampler__top_p": 0.0}, r"sampler.top_p: must be in \(0, 1\]"),
+    ({"sampler__top_k": -1}, r"sampler.top_k: must be >= 0"),
+    ({"sampler__prompt_buckets": (4, 99)}, r"sampler.prompt_buckets: \(4, 99\): every bucket must be in \[1, sampler.prompt_len=6\]"),
     ({"learner__loss": "ppo2"}, r"learner.loss: unknown loss 'ppo2'"),
     ({"model__num_kv_heads": 3}, r"config.model: model.num_heads=2 must be a multiple"),
     ({"env__name": "chess"}, r"env.name: unknown environment 'chess'"),
@@ -47,6 +51,12 @@ def test_tiny_and_default_configs_build():
 def test_bad_config_is_rejected_with_a_message_naming_it(overrides, message):
   with pytest.raises(config_lib.ConfigError, match=message):
     config_lib.build(_config(**overrides))
+
+
+def test_prompt_buckets_always_include_prompt_len():
+  spec = config_lib.build(_config(sampler__prompt_buckets=(4, 2)))
+  assert spec.engine.prompt_buckets == (2, 4, 6)
+  assert spec.engine.length == 6 + spec.engine.max_new_tokens
 
 
 def test_unknown_key_is_rejected():

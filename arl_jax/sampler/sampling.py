@@ -211,7 +211,7 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
   cfg = model.cfg
   small = kv_cache_lib.KVCache.zeros(
       batch=r, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, length=pb,
-      head_dim=cfg.head_dim, dtype=jnp.dtype(cfg.param_dtype))
+      head_dim=cfg.head_dim, dtype=state.cache.keys[0].dtype)
   small = small.replace(valid=prompt_mask)
   positions = decoder_lib.positions_from_mask(prompt_mask)
   attn = prompt_mask[:, None, :] & (jnp.arange(pb)[None, None, :] <= jnp.arange(pb)[None, :, None])

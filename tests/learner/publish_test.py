@@ -3,6 +3,7 @@
 import contextlib
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import NamedSharding
@@ -98,3 +99,15 @@ def test_swap_check_names_the_mismatching_parameter():
   with pytest.raises(ValueError, match="tree structure"):
     param_swap.check_swap_compatible(params, deeper)
   param_swap.check_swap_compatible(params, tiny.perturb(params, 0.1, 0))
+
+
+def test_publish_with_a_dtype_casts_on_the_learner_side_without_host_staging():
+  meshes, params, sampler_shardings = _setup()
+  publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings, dtype=jnp.bfloat16)
+  with no_host_staging():
+    publisher.publish(params, 0)
+    jax.block_until_ready(publisher.latest()[1])
+  _, published = publisher.latest()
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(published)):
+    assert b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16)), np.asarray(b))
