@@ -236,6 +236,7 @@ class SamplerEngine:
     self._done = np.zeros((cfg.num_slots,), bool)
     self._params_by_version: dict[int, object] = {}
     self.version: int | None = None  # newest version held
+    self._checked_version: int | None = None
     self._draining = False
 
   # -- control ---------------------------------------------------------------
@@ -295,8 +296,9 @@ class SamplerEngine:
     if self._state is None:  # first publish: allocate the slots
       self._state = self._fns.init()
       self._no_rows = self._rows_array(np.zeros((self._cfg.num_slots,), bool))
-    else:
+    elif version != self._checked_version:  # checked once, even if a drain defers it
       param_swap.check_swap_compatible(self._params_by_version[self.version], params)
+      self._checked_version = version
     mode = self._cfg.weight_update
     if mode == "drain" and self.active_slots and self.version is not None:
       # Admit nothing new; swap once the active slots have finished.

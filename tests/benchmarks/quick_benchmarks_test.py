@@ -1,0 +1,27 @@
+"""The benchmarks keep running: each in its --quick mode (numbers are not checked)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.mark.parametrize("script, parts", [
+    ("benchmarks/sampler.py", {"machine", "kv_vs_no_cache", "continuous_vs_static",
+                               "swap_pause"}),
+    ("benchmarks/async_vs_sync.py", None),
+])
+def test_benchmark_quick_mode_writes_json_rows(tmp_path, script, parts):
+  out = tmp_path / "rows.jsonl"
+  env = dict(os.environ, XLA_FLAGS="")  # one CPU device, as a user's machine
+  proc = subprocess.run([sys.executable, script, "--quick", f"--out={out}"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  rows = [json.loads(line) for line in out.read_text().splitlines()]
+  assert rows
+  if parts is not None:
+    assert {r["part"] for r in rows} == parts
