@@ -97,7 +97,7 @@ def no_cache_decode(graphdef, params, prompts, new_tokens, bucket=16):
     logits, _ = model(tokens, decoder_lib.positions_from_mask(mask),
                       decoder_lib.causal_mask(mask))
     last = jnp.take_along_axis(logits, (column - 1)[None, None, None].repeat(b, 0), axis=1)[:, 0]
-    return sampling.sample_from_logits(last, keys, column, SETTINGS)
+    return sampling.sample_from_logits(last, keys, column - p, SETTINGS)
 
   keys = sampling.row_keys(0, np.arange(b), np.zeros(b))
   tokens = np.full((b, total), PAD, np.int32)

@@ -44,14 +44,15 @@ def logprobs_of(model, tokens, mask, temperature):
   return jnp.concatenate([jnp.zeros_like(picked[:, :1]), picked], axis=1)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 4))
-def _next_token(graphdef, params, tokens, mask, settings, keys, column):
+@functools.partial(jax.jit, static_argnums=(0, 4, 7))
+def _next_token(graphdef, params, tokens, mask, settings, keys, column, prompt_len):
   """Samples column `column` by a full forward over the whole (masked) sequence."""
   model = nnx.merge(graphdef, params)
   logits, _ = model(tokens, decoder_lib.positions_from_mask(mask), decoder_lib.causal_mask(mask))
   last = jnp.take_along_axis(logits, (column - 1)[None, None, None].repeat(tokens.shape[0], 0),
                              axis=1)[:, 0]
-  return sampling.sample_from_logits(last, keys, column, settings)
+  # Draws are keyed by the offset within the completion, as in the sampler.
+  return sampling.sample_from_logits(last, keys, column - prompt_len, settings)
 
 
 def sample(graphdef, params, prompt_ids, keys, *, prompt_len, max_new_tokens, settings):
@@ -66,7 +67,7 @@ def sample(graphdef, params, prompt_ids, keys, *, prompt_len, max_new_tokens, se
   done = np.zeros((b,), bool)
   for col in range(prompt_len, length):
     tok, logp = jax.device_get(_next_token(graphdef, params, tokens, mask, settings, keys,
-                                           jnp.int32(col)))
+                                           jnp.int32(col), prompt_len))
     live = ~done
     tokens[live, col] = tok[live]
     mask[live, col] = True

@@ -167,7 +167,7 @@ class Decoder(nnx.Module):
                             1.0 / math.sqrt(cfg.d_model))
 
   def __call__(self, tokens, positions, attn_mask, cache=None, cache_index=None,
-               write_mask=None):
+               write_mask=None, last_only=False):
     """Runs the decoder.
 
     Args:
@@ -179,6 +179,8 @@ class Decoder(nnx.Module):
       cache_index: `[B]` int32, required with a cache.
       write_mask: optional `[B]` bool; rows where it is False leave the cache
         as it was (their outputs are still computed, and ignored).
+      last_only: return logits for the last position only (`[B, 1, V]`): a
+        prefill needs no others, and at a large vocabulary they dominate memory.
 
     Returns:
       `(logits [B, T, V] float32, updated KVCache or None)`.
@@ -191,6 +193,8 @@ class Decoder(nnx.Module):
       if layer_cache is not None:
         new_keys.append(layer_cache[0])
         new_values.append(layer_cache[1])
+    if last_only:
+      x = x[:, -1:]
     x = self.final_norm(x)
     head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
     # Logits in float32 whatever the parameter dtype: log-softmax of bfloat16

@@ -102,6 +102,7 @@ class EngineStats:
   swap_seconds: float = 0.0
   queue_wait_seconds: float = 0.0
   occupied_slot_steps: int = 0
+  model_passes: int = 0  # decode forwards; > steps when pinned serves several versions
   slot_steps: int = 0
   max_versions_held: int = 1
 
@@ -235,6 +236,8 @@ class SamplerEngine:
     self._no_rows = None
     self._done = np.zeros((cfg.num_slots,), bool)
     self._params_by_version: dict[int, object] = {}
+    self._all_rows = None
+    self._version_scalar = None
     self.version: int | None = None  # newest version held
     self._checked_version: int | None = None
     self._draining = False
@@ -270,11 +273,13 @@ class SamplerEngine:
   def _run(self) -> None:
     try:
       while not self._stop.is_set():
+        # Cancel first: a swap must not re-prefill, nor keep params alive for,
+        # sequences that are about to be cancelled.
+        self._apply_cancellations()
         self._sync_version()
         if self.version is None:
           time.sleep(0.01)
           continue
-        self._apply_cancellations()
         self._take_requests()
         self._admit()
         if self.active_slots:
@@ -296,6 +301,7 @@ class SamplerEngine:
     if self._state is None:  # first publish: allocate the slots
       self._state = self._fns.init()
       self._no_rows = self._rows_array(np.zeros((self._cfg.num_slots,), bool))
+      self._all_rows = self._rows_array(np.ones((self._cfg.num_slots,), bool))
     elif version != self._checked_version:  # checked once, even if a drain defers it
       param_swap.check_swap_compatible(self._params_by_version[self.version], params)
       self._checked_version = version
@@ -313,8 +319,9 @@ class SamplerEngine:
       if mode == "in_flight" and self._cfg.kv_policy == "recompute" and self.active_slots:
         occupied = np.array([row is not None for row in self._slots])
         self._state = self._fns.recompute(params, self._state, self._rows_array(occupied))
-        jax.block_until_ready(self._state.cache.valid)
+        jax.block_until_ready(self._state.cache.valid)  # so swap_seconds is the real pause
     self.version = version
+    self._version_scalar = jnp.int32(version)
     self._draining = False
     self._forget_unused_versions()
     self.stats.swap_seconds += time.monotonic() - start
@@ -341,6 +348,9 @@ class SamplerEngine:
     idle = not self.active_slots and not self._pending
     requests = self._dispatcher.take(max_groups, self.version, timeout=0.05 if idle else 0.0)
     for req in requests:
+      if req.group_size != self._cfg.group_size:
+        raise ValueError(f"group {req.group_id} has {req.group_size} rollouts; the engine was "
+                         f"configured for groups of {self._cfg.group_size}")
       if not 0 < len(req.prompt_ids) <= self._cfg.prompt_buckets[-1]:
         raise ValueError(f"group {req.group_id}: prompt has {len(req.prompt_ids)} tokens; the "
                          f"sampler takes 1 to {self._cfg.prompt_buckets[-1]} "
@@ -376,8 +386,11 @@ class SamplerEngine:
                              [row.sample_index for _, row in padded])
     max_new = np.full((r,), self._cfg.max_new_tokens, np.int32)
     self._state = self._fns.insert(self._params_by_version[self.version],
-                                   jnp.int32(self.version), self._state, slots, tokens, mask,
+                                   self._version_scalar, self._state, slots, tokens, mask,
                                    keys, max_new)
+    # Wait for the prefill so that its time is not billed to the next decode
+    # step (dispatch is asynchronous); inserts are rarer than decode steps.
+    jax.block_until_ready(self._state.done)
     for slot, row in items:
       row.version, row.start_time, row.sampled = self.version, time.monotonic(), 1
       # A cancelled occupant's pending stop must not end the new sequence.
@@ -406,6 +419,8 @@ class SamplerEngine:
         self.stats.cancelled_tokens += max(self._cfg.max_new_tokens - row.sampled, 0)
     for gid in cancelled:
       self._partial.pop(gid, None)
+    if self._state is not None:
+      self._forget_unused_versions()
 
   # -- decoding ----------------------------------------------------------------
 
@@ -419,12 +434,15 @@ class SamplerEngine:
       versions = [self.version]
     for i, version in enumerate(versions):
       if len(versions) == 1:
-        rows = self._rows_array(np.ones_like(occupied))
+        rows = self._all_rows
       else:
         rows = self._rows_array(np.array(
             [row is not None and row.version == version for row in self._slots]))
-      self._state = self._fns.decode(self._params_by_version[version], jnp.int32(version),
+      version_scalar = self._version_scalar if version == self.version else jnp.int32(version)
+      # Pinned mode runs one model pass per version held (counted below).
+      self._state = self._fns.decode(self._params_by_version[version], version_scalar,
                                      self._state, stop_rows if i == 0 else self._no_rows, rows)
+    self.stats.model_passes += len(versions)
     self._stop_rows[:] = False
     for row in self._slots:
       if row is not None:

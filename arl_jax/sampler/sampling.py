@@ -118,9 +118,9 @@ def sample_from_logits(logits, keys, columns, settings: SamplingSettings):
   Args:
     logits: `[B, V]` float32.
     keys: `[B, 2]` uint32 per-row keys.
-    columns: `[B]` (or `[]`) int32 column being sampled, folded into the keys
-      so that a draw depends only on (row key, column), not on slot, batching
-      or timing.
+    columns: `[B]` (or `[]`) int32 offset of the token within its completion
+      (0 for the first), folded into the keys so that a draw depends only on
+      (row key, offset): not on slot, prompt bucket, batching or timing.
     settings: static sampling settings.
 
   Returns:
@@ -138,9 +138,14 @@ def sample_from_logits(logits, keys, columns, settings: SamplingSettings):
     # 1 - U lies in (0, 1]: a draw of exactly 0 would pick token 0 even when
     # its probability is 0, and record a log-prob of -inf.
     uniforms = 1.0 - jax.vmap(draw)(keys, columns)
-    cdf = jnp.cumsum(jnp.exp(logp), axis=-1)
-    tokens = jnp.sum(cdf < uniforms[:, None] * cdf[:, -1:], axis=-1).astype(jnp.int32)
-    tokens = jnp.minimum(tokens, logits.shape[-1] - 1)
+    probs = jnp.exp(logp)
+    cdf = jnp.cumsum(probs, axis=-1)
+    # The first token whose cumulative mass reaches the draw, among tokens of
+    # non-zero probability: a parallel cumsum may dip by one rounding unit, and
+    # a token outside top-k/top-p must never be picked (its log-prob is -inf).
+    hit = (cdf >= uniforms[:, None] * cdf[:, -1:]) & (probs > 0)
+    tokens = jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1),
+                       jnp.argmax(probs, axis=-1)).astype(jnp.int32)
   token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
   return tokens, token_logp
 
@@ -215,7 +220,8 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
   small = small.replace(valid=prompt_mask)
   positions = decoder_lib.positions_from_mask(prompt_mask)
   attn = prompt_mask[:, None, :] & (jnp.arange(pb)[None, None, :] <= jnp.arange(pb)[None, :, None])
-  logits, small = model(prompt_tokens, positions, attn, small, jnp.zeros((r,), jnp.int32))
+  logits, small = model(prompt_tokens, positions, attn, small, jnp.zeros((r,), jnp.int32),
+                        last_only=True)
 
   cache = state.cache
   tail = lambda fill, dtype: jnp.full((r, length - pb), fill, dtype)
@@ -240,7 +246,7 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
       keys=_set_rows(state.keys, slots, keys))
   # Sample the first completion token of the inserted rows only.
   column = jnp.full((r,), pb, jnp.int32)
-  tokens, logp = sample_from_logits(logits[:, -1], keys, column, settings)
+  tokens, logp = sample_from_logits(logits[:, -1], keys, jnp.zeros((r,), jnp.int32), settings)
   b = state.tokens.shape[0]
   live = jnp.zeros((b,), jnp.bool_).at[slots].set(True)
   full = lambda x, fill: jnp.full((b,), fill, x.dtype).at[slots].set(x)
@@ -278,7 +284,8 @@ def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
                         state.cache.replace(valid=valid), last, write_mask=live)
   state = state.replace(cache=cache, positions=state.positions + live.astype(jnp.int32))
   columns = jnp.minimum(last + 1, length - 1)
-  tokens, logp = sample_from_logits(logits[:, 0], state.keys, columns, settings)
+  tokens, logp = sample_from_logits(logits[:, 0], state.keys, columns - state.prompt_end,
+                                    settings)
   return _record(state, live, columns, tokens, logp, version, settings)
 
 
