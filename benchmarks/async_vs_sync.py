@@ -19,8 +19,8 @@ meant to win big.
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import sys
 import tempfile
 import time
 
@@ -28,6 +28,9 @@ import numpy as np
 
 from arl_jax import run_lib
 from arl_jax.testing import tiny
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (benchmarks/report.py, run as a script)
 
 MODES = {
     "sync": dict(max_async_level=0, max_off_policy_steps=0, weight_update="drain"),
@@ -80,17 +83,9 @@ def main() -> None:
   # Steady-state trained tokens per second (compilation steps excluded).
   rows[1]["speedup_vs_sync"] = round(
       rows[1]["trained_tokens_per_s"] / rows[0]["trained_tokens_per_s"], 3)
-  columns = ["mode", "updates", "wall_s", "median_step_s", "trained_tokens_per_s", "mean_lag",
-             "sampler_busy_s", "final_batch_reward"]
-  print(" | ".join(f"{c:>20s}" for c in columns))
-  for row in rows:
-    print(" | ".join(f"{str(row[c]):>20s}" for c in columns))
+  report.print_table(rows, skip=("benchmark",))
   print(f"async / sync steady-state trained tokens per second: {rows[1]['speedup_vs_sync']}x")
-  if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "a", encoding="utf-8") as f:
-      for row in rows:
-        f.write(json.dumps(row) + "\n")
+  report.append_jsonl(rows, args.out)
 
 
 if __name__ == "__main__":

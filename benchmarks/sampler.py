@@ -15,6 +15,7 @@ import argparse
 import collections
 import json
 import os
+import sys
 import threading
 import time
 
@@ -33,6 +34,9 @@ from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import sampling
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (benchmarks/report.py, run as a script)
 
 PAD, EOS = 256, 258
 MODELS = {
@@ -311,18 +315,8 @@ def main() -> None:
                   stats["swap_seconds"] / max(stats["decode_seconds"], 1e-9), 4)})
   print()
   for part in dict.fromkeys(r["part"] for r in rows):
-    part_rows = [r for r in rows if r["part"] == part]
-    cols = list(dict.fromkeys(k for r in part_rows for k in r if k not in ("benchmark", "part")))
-    print(f"## {part}")
-    print(" | ".join(cols))
-    for r in part_rows:
-      print(" | ".join(str(r.get(c, "")) for c in cols))
-    print()
-  if args.out:
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "a", encoding="utf-8") as f:
-      for r in rows:
-        f.write(json.dumps(r) + "\n")
+    report.print_table([r for r in rows if r["part"] == part], title=part)
+  report.append_jsonl(rows, args.out)
 
 
 if __name__ == "__main__":
