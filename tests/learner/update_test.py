@@ -4,6 +4,7 @@ import jax
 import numpy as np
 
 from arl_jax import train_batch as train_batch_lib
+from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import update as update_lib
@@ -80,3 +81,16 @@ def test_update_moves_logprobs_in_the_direction_of_the_advantage():
     metrics_0 = metrics_0 or metrics
   # Loss is -mean(rho A): it must go down as rho grows on A>0 and shrinks on A<0.
   assert float(metrics["loss"]) < float(metrics_0["loss"])
+
+
+def test_kl_metric_is_the_k3_estimator_of_kl_behaviour_to_policy():
+  state, update_fn, _ = _setup()
+  batch = _random_batch(np.random.default_rng(3))
+  graphdef, _, _ = tiny.learner_and_sampler_params(tiny.tiny_model_config(), tiny.role_meshes())
+  logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, state.params, batch.tokens,
+                                                    batch.token_mask, 1.0)
+  log_ratio = (np.asarray(logp) - batch.behaviour_logprobs) * batch.loss_mask
+  # Tokens were drawn from mu: E_mu[r - 1 - log r] with r = pi / mu is KL(mu || pi).
+  expected = np.sum((np.exp(log_ratio) - 1 - log_ratio) * batch.loss_mask) / batch.loss_mask.sum()
+  _, metrics = update_fn(state, batch)
+  np.testing.assert_allclose(float(metrics["kl_behaviour"]), expected, rtol=1e-4)
