@@ -36,10 +36,6 @@ class KVCache:
         valid=jnp.zeros((batch, length), jnp.bool_),
     )
 
-  @property
-  def length(self) -> int:
-    return self.valid.shape[1]
-
 
 def write(cache_layer: jax.Array, new: jax.Array, index: jax.Array,
           write_mask: jax.Array | None = None) -> jax.Array:

@@ -17,8 +17,6 @@ from jax.sharding import Mesh
 
 MeshShape = Sequence[tuple[str, int]]
 
-LEARNER_AXES = ("fsdp", "tp")
-SAMPLER_AXES = ("data", "tp")
 PLACEMENTS = ("auto", "disaggregated", "colocated")
 
 

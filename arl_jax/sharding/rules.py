@@ -37,8 +37,6 @@ SAMPLER_RULES: Rules = {
     "norm": None,
 }
 
-ROLE_RULES: Mapping[str, Rules] = {"learner": LEARNER_RULES, "sampler": SAMPLER_RULES}
-
 
 def _is_variable(x) -> bool:
   return isinstance(x, nnx.Variable)

@@ -86,13 +86,19 @@ def test_refilling_slots_never_changes_another_slots_tokens_or_logprobs():
     np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-5)
 
 
-def test_pinned_versions_decode_each_slot_with_its_own_params():
+def _two_versions_on_one_device(seed):
+  """`(graphdef, params_v0, params_v1, driver)` with 4 slots on a single device."""
   cfg = tiny.tiny_model_config()
   meshes = tiny.single_device_meshes()
   graphdef, params_v0, _ = tiny.learner_and_sampler_params(cfg, meshes)
-  params_v1 = tiny.perturb(params_v0, 0.05, seed=1)
+  params_v1 = tiny.perturb(params_v0, 0.05, seed=seed)
   driver = slots_lib.SlotDriver(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
                                 settings=SETTINGS, num_slots=4, bucket=BUCKET, max_new_tokens=NEW)
+  return graphdef, params_v0, params_v1, driver
+
+
+def test_pinned_versions_decode_each_slot_with_its_own_params():
+  graphdef, params_v0, params_v1, driver = _two_versions_on_one_device(seed=1)
   prompts = _prompts(4, seed=5)
   driver.insert(params_v0, 0, [0, 1], prompts[:2], group_ids=[0, 1])
   driver.decode(params_v0, 0)
@@ -113,12 +119,7 @@ def test_pinned_versions_decode_each_slot_with_its_own_params():
 
 @pytest.mark.parametrize("recompute", [True, False])
 def test_recompute_gives_logprobs_of_a_fresh_prefill_under_new_weights(recompute):
-  cfg = tiny.tiny_model_config()
-  meshes = tiny.single_device_meshes()
-  graphdef, params_v0, _ = tiny.learner_and_sampler_params(cfg, meshes)
-  params_v1 = tiny.perturb(params_v0, 0.05, seed=2)
-  driver = slots_lib.SlotDriver(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
-                                settings=SETTINGS, num_slots=4, bucket=BUCKET, max_new_tokens=NEW)
+  graphdef, params_v0, params_v1, driver = _two_versions_on_one_device(seed=2)
   driver.insert(params_v0, 0, [0, 1, 2, 3], _prompts(4, seed=7), group_ids=[0, 1, 2, 3])
   for _ in range(3):
     driver.decode(params_v0, 0)
