@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import ml_collections
 
-from arl_jax.envs import arith
+from arl_jax.envs import env_api, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import advantages as advantages_lib
 from arl_jax.learner import losses as losses_lib
@@ -27,16 +27,14 @@ from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import sampling
 from arl_jax.sharding import mesh_lib
 
-# Environments by name; `env.name` is validated against this same dict.
-ENV_CONFIGS = {"arith": arith.ArithConfig}
-
 # The schema: each section and its keys. Unknown keys are errors.
 _TOP_KEYS = ("seed", "num_steps", "log_every", "eval_every", "eval_size")
 _SECTIONS = {
     "model": ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
               "max_seq_len", "rope_theta", "tie_embeddings", "param_dtype"),
     "mesh": ("placement", "learner_devices", "learner", "sampler"),
-    "env": ("name", "max_operand", "operator", "heldout_fraction", "num_workers"),
+    # Plus the fields of the chosen environment's config (registry.ENVS).
+    "env": ("name", "num_workers", "timeout_s"),
     "sampler": ("num_slots", "prompt_len", "prompt_buckets", "max_new_tokens", "temperature",
                 "top_k", "top_p", "weight_update", "kv_policy", "param_dtype"),
     "orchestrator": ("batch_size", "group_size", "max_async_level", "max_off_policy_steps",
@@ -69,8 +67,9 @@ class RunSpec:
   model: model_config_lib.ModelConfig
   mesh: mesh_lib.MeshConfig
   env_name: str
-  env: arith.ArithConfig
+  env: object  # the environment's config dataclass (registry.ENVS[env_name].config_cls)
   num_env_workers: int
+  env_timeout_s: float
   engine: engine_lib.EngineConfig
   sampler_model: model_config_lib.ModelConfig  # the model as the sampler runs it (dtype)
   sampling: sampling.SamplingSettings
@@ -122,9 +121,18 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   """
   cfg = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
   _check_keys(cfg, "<top level>", _TOP_KEYS + tuple(_SECTIONS))
+  _require("env" in cfg and "name" in cfg["env"], "env.name", "missing")
+  env_name = cfg["env"]["name"]
+  _require(env_name in registry.ENVS, "env.name",
+           f"unknown environment {env_name!r}; known: {sorted(registry.ENVS)}")
+  env_entry = registry.ENVS[env_name]
+  env_fields = tuple(f.name for f in dataclasses.fields(env_entry.config_cls))
   for name, keys in _SECTIONS.items():
     _require(name in cfg, name, "missing section")
-    _check_keys(cfg[name], name, keys)
+    if name == "env":  # the env's own fields have defaults; the common keys do not
+      _check_keys(cfg[name], name, keys + env_fields)
+    else:
+      _check_keys(cfg[name], name, keys)
     missing = sorted(set(keys) - set(cfg[name]))
     _require(not missing, name, f"missing key(s) {missing}")
   for key in _TOP_KEYS:
@@ -140,11 +148,11 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   model = _wrap("model", model_config_lib.ModelConfig, vocab_size=tokenizer.vocab_size, **m)
 
   env_cfg = cfg["env"]
-  _require(env_cfg["name"] in ENV_CONFIGS, "env.name",
-           f"unknown environment {env_cfg['name']!r}; known: {sorted(ENV_CONFIGS)}")
-  env_kwargs = {k: v for k, v in env_cfg.items() if k not in ("name", "num_workers")}
-  env = _wrap("env", ENV_CONFIGS[env_cfg["name"]], **env_kwargs)
+  env_kwargs = {k: v for k, v in env_cfg.items() if k not in _SECTIONS["env"]}
+  env = _wrap("env", env_entry.config_cls, **env_kwargs)
   _require(env_cfg["num_workers"] >= 1, "env.num_workers", "must be >= 1")
+  _require(env_cfg["timeout_s"] >= 0, "env.timeout_s",
+           f"must be >= 0 (0: no limit), got {env_cfg['timeout_s']}")
 
   # Orchestration.
   g, batch = o["group_size"], o["batch_size"]
@@ -194,24 +202,30 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
            f"model.max_seq_len={model.max_seq_len}")
   # Measure prompts and answers the way the environment encodes them, so the
   # check cannot drift from what the sampler and warm-up actually receive.
-  env_instance = arith.ArithEnv(tokenizer)
-  all_prompts = [p for split in arith.SPLITS for p in arith.make_prompts(env, split)]
+  env_instance = env_entry.make_env_fn(env, tokenizer, for_eval=True)
+  all_prompts = [p for split in registry.SPLITS for p in env_entry.make_prompts_fn(env, split)]
+  for split in registry.SPLITS:
+    _require(any(True for _ in env_entry.make_prompts_fn(env, split)), "env",
+             f"env {env_name!r} has no {split!r} prompts with these settings")
   longest = max(len(env_instance.encode_prompt(p)) for p in all_prompts)
   _require(longest <= s["prompt_len"], "sampler.prompt_len",
            f"a prompt of env {env_cfg['name']!r} has {longest} tokens, longer than "
            f"sampler.prompt_len={s['prompt_len']}")
-  longest_answer = max(len(env_instance.encode_target(p)) for p in all_prompts)
+  longest_answer = max(len(env_instance.demonstration(p).completion_ids) for p in all_prompts)
   _require(longest_answer <= s["max_new_tokens"], "sampler.max_new_tokens",
            f"the longest correct answer of env {env_cfg['name']!r} needs {longest_answer} "
            f"tokens (EOS included), more than sampler.max_new_tokens={s['max_new_tokens']}: "
            "it could never be rewarded")
+  engine_multi_turn = env_api.is_multi_turn(env_instance)
   engine = engine_lib.EngineConfig(
       num_slots=s["num_slots"], group_size=g, prompt_buckets=buckets,
       max_new_tokens=s["max_new_tokens"], weight_update=s["weight_update"],
-      kv_policy=s["kv_policy"], seed=cfg["seed"])
+      kv_policy=s["kv_policy"], seed=cfg["seed"],
+      multi_turn=engine_multi_turn)
   sampling_settings = sampling.SamplingSettings(
       temperature=float(s["temperature"]), top_k=int(s["top_k"]), top_p=float(s["top_p"]),
-      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id)
+      eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+      stop_ids=tuple(env_instance.stop_ids) if engine_multi_turn else ())
 
   # Learner.
   _require(lc["loss"] in losses_lib.LOSSES, "learner.loss",
@@ -257,7 +271,8 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   return RunSpec(
       seed=cfg["seed"], num_steps=cfg["num_steps"], log_every=cfg["log_every"],
       eval_every=cfg["eval_every"], eval_size=cfg["eval_size"], model=model, mesh=mesh,
-      env_name=env_cfg["name"], env=env, num_env_workers=env_cfg["num_workers"], engine=engine,
+      env_name=env_name, env=env, num_env_workers=env_cfg["num_workers"],
+      env_timeout_s=float(env_cfg["timeout_s"]), engine=engine,
       sampler_model=dataclasses.replace(model, param_dtype=s["param_dtype"]),
       sampling=sampling_settings, dispatch=dispatch, buffer=buffer, loss=loss,
       advantage_estimator=lc["advantage"], optim=optim,

@@ -2,7 +2,10 @@
 
 It runs the sampler's own slot functions (`engine.make_sampler_fns`) on the
 learner mesh, so evaluation measures exactly what the sampler would generate
-greedily, without waiting for a publish.
+greedily, without waiting for a publish. Multi-turn environments are played
+turn by turn: all episodes sample a segment together, the environment answers,
+and the still-running episodes are re-prefilled with their whole context, as
+the engine re-admits them.
 """
 
 from __future__ import annotations
@@ -14,8 +17,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from arl_jax.envs import env_api
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import sampling
+
+# Decode steps between two checks whether every episode's segment has ended.
+_DONE_CHECK_EVERY = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,38 +36,86 @@ class Evaluator:
   """Compiles greedy insert/decode once for a fixed eval set and reuses them."""
 
   def __init__(self, *, graphdef, model_cfg, env, tokenizer, prompts, mesh: Mesh,
-               prompt_len: int, max_new_tokens: int):
+               engine_cfg: engine_lib.EngineConfig):
+    """Args:
+      graphdef: decoder graph definition.
+      model_cfg: the decoder's ModelConfig.
+      env: the environment (without simulated latency: evaluation waits on it).
+      tokenizer: decodes the examples.
+      prompts: the evaluation prompt records.
+      mesh: where to run (the learner mesh; slots are replicated over it).
+      engine_cfg: prompt buckets, budget and multi-turn geometry (as the sampler's).
+    """
     self._env = env
     self._tokenizer = tokenizer
     self._prompts = list(prompts)
-    self._max_new_tokens = max_new_tokens
-    rows = len(self._prompts)  # one slot per prompt, replicated over the learner mesh
-    tokens = np.full((rows, prompt_len), tokenizer.pad_id, np.int32)
-    mask = np.zeros((rows, prompt_len), bool)
-    for i, prompt in enumerate(self._prompts):
-      ids = env.encode_prompt(prompt)
-      tokens[i, prompt_len - len(ids):] = ids
-      mask[i, prompt_len - len(ids):] = True
-    self._prompt_len = prompt_len
-    self._inputs = (np.arange(rows, dtype=np.int32), tokens, mask,
-                    np.asarray(sampling.row_keys(0, np.arange(rows), np.zeros(rows))),
-                    np.full((rows,), max_new_tokens, np.int32))
-    self._all_rows = np.ones((rows,), bool)
+    self._cfg = engine_cfg
+    self._multi_turn = env_api.is_multi_turn(env)
+    self._prompt_ids = [env.encode_prompt(p) for p in self._prompts]
+    rows = len(self._prompts)  # one slot per prompt
+    self._slots = np.arange(rows, dtype=np.int32)
+    self._keys = np.asarray(sampling.row_keys(0, np.arange(rows), np.zeros(rows)))
     self._no_stop = np.zeros((rows,), bool)
-    settings = sampling.SamplingSettings(greedy=True, eos_id=tokenizer.eos_id,
-                                         pad_id=tokenizer.pad_id)
+    settings = sampling.SamplingSettings(
+        greedy=True, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+        stop_ids=tuple(env.stop_ids) if self._multi_turn else ())
     self._fns = engine_lib.make_sampler_fns(
         graphdef=graphdef, model_cfg=model_cfg, mesh=mesh, settings=settings, num_slots=rows,
-        length=prompt_len + max_new_tokens)
+        length=engine_cfg.length)
+
+  def _play_segment(self, params, state, contexts: dict[int, list[int]], budgets: dict[int, int],
+                    buckets: tuple[int, ...]):
+    """Samples one segment in each given slot, contexts bucketed as the engine
+    buckets them; returns the state and the host rows of every slot."""
+    version = jnp.int32(0)  # versions are not recorded for evaluation
+    by_bucket = {}
+    for i, ids in contexts.items():
+      by_bucket.setdefault(next(b for b in buckets if b >= len(ids)), []).append(i)
+    for bucket, rows in by_bucket.items():
+      r = engine_lib.row_bucket(len(rows), len(self._prompts))
+      rows = rows + [rows[-1]] * (r - len(rows))  # duplicates rewrite the same slot
+      tokens = np.full((r, bucket), self._tokenizer.pad_id, np.int32)
+      mask = np.zeros((r, bucket), bool)
+      for j, i in enumerate(rows):
+        tokens[j, bucket - len(contexts[i]):] = contexts[i]
+        mask[j, bucket - len(contexts[i]):] = True
+      state = self._fns.insert(params, version, state, np.asarray(rows, np.int32), tokens, mask,
+                               self._keys[rows], np.asarray([budgets[i] for i in rows], np.int32))
+    live = np.zeros((len(self._prompts),), bool)
+    live[list(contexts)] = True
+    for step in range(max(budgets.values()) - 1):
+      if step % _DONE_CHECK_EVERY == 0 and bool(jnp.all(state.done)):
+        break
+      state = self._fns.decode(params, version, state, self._no_stop, live)
+    host = jax.device_get(self._fns.take_rows(state, self._slots))
+    return state, host
 
   def __call__(self, params) -> EvalResult:
-    version = jnp.int32(0)  # versions are not recorded for evaluation
-    state = self._fns.insert(params, version, self._fns.init(), *self._inputs)
-    for _ in range(self._max_new_tokens - 1):
-      state = self._fns.decode(params, version, state, self._no_stop, self._all_rows)
-    completions = np.asarray(jax.device_get(state.tokens))[:, self._prompt_len:]
-    rewards = [self._env.score(p, completions[i]) for i, p in enumerate(self._prompts)]
-    examples = tuple((p.text, self._tokenizer.decode(completions[i]))
-                     for i, p in enumerate(self._prompts[:3]))
+    n_max = self._cfg.max_new_tokens
+    completions = [[] for _ in self._prompts]
+    active = list(range(len(self._prompts)))
+    state = self._fns.init()
+    buckets = self._cfg.prompt_buckets
+    while active:
+      contexts = {i: [*self._prompt_ids[i], *completions[i]] for i in active}
+      budgets = {i: n_max - len(completions[i]) for i in active}
+      state, host = self._play_segment(params, state, contexts, budgets, buckets)
+      still = []
+      for i in active:
+        start = int(host["prompt_end"][i])
+        n = int(host["token_mask"][i, start:].sum())
+        completions[i].extend(int(t) for t in host["tokens"][i, start:start + n])
+        room = n_max - len(completions[i])
+        if not (self._multi_turn and host["stopped"][i] and room > 0):
+          continue
+        observation = self._env.step(self._prompts[i], list(completions[i]))
+        if observation is not None and len(observation) < room:
+          completions[i].extend(int(t) for t in observation)
+          still.append(i)
+      active = still
+      buckets = self._cfg.continuation_buckets
+    rewards = [self._env.score(p, c) for p, c in zip(self._prompts, completions)]
+    examples = tuple((p.text, self._tokenizer.decode(c))
+                     for p, c in zip(self._prompts[:3], completions[:3]))
     return EvalResult(reward=float(np.mean(rewards)), num_prompts=len(rewards),
                       examples=examples)

@@ -19,7 +19,7 @@ import numpy as np
 
 from arl_jax import config_lib, evaluation
 from arl_jax import train_batch as train_batch_lib
-from arl_jax.envs import arith, prompt_data
+from arl_jax.envs import prompt_data, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib
@@ -68,9 +68,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   spec = config_lib.build(config)
   meshes = mesh_lib.make_role_meshes(spec.mesh)
   tokenizer = tokenizer_lib.ByteTokenizer()
-  env = arith.ArithEnv(tokenizer)
-  train_prompts = arith.make_prompts(spec.env, "train")
-  heldout = arith.make_prompts(spec.env, "heldout")
+  env_entry = registry.ENVS[spec.env_name]
+  env = env_entry.make_env_fn(spec.env, tokenizer)
+  train_prompts = env_entry.make_prompts_fn(spec.env, "train")
+  heldout = env_entry.make_prompts_fn(spec.env, "heldout")
   eval_prompts = heldout[:: max(1, len(heldout) // max(spec.eval_size, 1))][: spec.eval_size]
   writer = writer_lib.JsonlWriter(workdir)
   print_fn(f"arl_jax: {spec.model.num_params / 1e6:.2f}M params | learner mesh "
@@ -88,9 +89,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   evaluator = None
   if spec.eval_size and spec.eval_every:
     evaluator = evaluation.Evaluator(
-        graphdef=graphdef, model_cfg=spec.model, env=env, tokenizer=tokenizer, prompts=eval_prompts,
-        mesh=meshes.learner, prompt_len=spec.engine.prompt_len,
-        max_new_tokens=spec.engine.max_new_tokens)
+        graphdef=graphdef, model_cfg=spec.model, tokenizer=tokenizer, prompts=eval_prompts,
+        env=env_entry.make_env_fn(spec.env, tokenizer, for_eval=True), mesh=meshes.learner,
+        engine_cfg=spec.engine)
   eval_history: list[dict] = []
 
   def evaluate(step: int, phase: str) -> float | None:
@@ -124,7 +125,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
         params=params, graphdef=graphdef, mesh=meshes.learner,
         optimizer=optim_lib.make_optimizer(optim_lib.OptimConfig(lr=w.lr)), steps=w.steps,
         batch_size=w.batch_size, prompt_ids=[env.encode_prompt(p) for p in chosen],
-        target_ids=[env.encode_target(p) for p in chosen], prompt_len=spec.engine.prompt_len,
+        demonstrations=[env.demonstration(p) for p in chosen], prompt_len=spec.engine.prompt_len,
         max_new_tokens=spec.engine.max_new_tokens, pad_id=tokenizer.pad_id, seed=spec.seed,
         log_fn=log_warmup)
 
@@ -142,11 +143,19 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   dispatcher = dispatcher_lib.Dispatcher(
       spec.dispatch, prompt_data.prompt_iterator(train_prompts, spec.seed), env.encode_prompt,
       buffer)
-  env_runner = env_runner_lib.EnvRunner(env, buffer, num_workers=spec.num_env_workers)
+
+  def on_group(group):
+    dispatcher.finished_generating(group.group_id)
+    buffer.put(group)
+
+  env_runner = env_runner_lib.EnvRunner(
+      env, on_group_fn=on_group, max_new_tokens=spec.engine.max_new_tokens,
+      num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s)
   engine = engine_lib.SamplerEngine(
       cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, model_cfg=spec.sampler_model,
-      mesh=meshes.sampler,
-      publisher=publisher, dispatcher=dispatcher, on_group_fn=env_runner.submit)
+      mesh=meshes.sampler, publisher=publisher, dispatcher=dispatcher,
+      on_segment_fn=env_runner.submit)
+  env_runner.connect(engine.resume)
 
   version = 0
   publisher.publish(state.params, version)
@@ -174,6 +183,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       publisher.publish(state.params, version)
       cancelled = dispatcher.on_publish(version)
       engine.cancel(cancelled)
+      env_runner.cancel(cancelled)
       dispatcher.retire([g.group_id for g in cut.groups])
       groups_trained += len(cut.groups)
       metrics = jax.device_get(metrics)
@@ -185,6 +195,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
         batches.append({"batch_version": cut.batch_version, "lag": host_batch.lag.copy(),
                         "token_versions": host_batch.token_versions.copy(),
                         "tokens": host_batch.tokens.copy(),
+                        "token_mask": host_batch.token_mask.copy(),
                         "behaviour_logprobs": host_batch.behaviour_logprobs.copy(),
                         "loss_mask": host_batch.loss_mask.copy(),
                         "dispatch_versions": [g.dispatch_version for g in cut.groups],

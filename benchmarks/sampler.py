@@ -217,7 +217,7 @@ def swap_pause(cfg, meshes, graphdef, params, num_slots, kv_policy, seconds, pub
       cfg=engine_lib.EngineConfig(num_slots=num_slots, group_size=group, prompt_buckets=(16,),
                                   max_new_tokens=128, kv_policy=kv_policy),
       settings=SETTINGS, graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
-      publisher=publisher, dispatcher=dispatcher, on_group_fn=lambda *_: None)
+      publisher=publisher, dispatcher=dispatcher, on_segment_fn=lambda _: None)
   stop = threading.Event()
 
   def publish_loop():

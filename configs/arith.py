@@ -48,7 +48,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       learner=(("fsdp", -1), ("tp", 1)), sampler=(("data", -1), ("tp", 1))))
 
   config.env = ml_collections.ConfigDict(dict(
-      name="arith", max_operand=99, operator="+", heldout_fraction=0.1, num_workers=2))
+      name="arith", max_operand=99, operator="+", heldout_fraction=0.1, num_workers=2,
+      timeout_s=30.0))
 
   config.sampler = ml_collections.ConfigDict(dict(
       num_slots=128, prompt_len=8, prompt_buckets=(), max_new_tokens=5, temperature=1.0,

@@ -53,6 +53,31 @@ def test_bad_config_is_rejected_with_a_message_naming_it(overrides, message):
     config_lib.build(_config(**overrides))
 
 
+def test_tool_agent_configs_build_a_multi_turn_sampler():
+  for arg in ("tiny", None, "sync"):
+    spec = config_lib.build(tiny.load_config("tool_agent", arg))
+    assert spec.env_name == "tool_agent" and spec.engine.multi_turn
+    assert spec.sampling.stop_ids == (ord("]"),)
+    # Spare columns so that re-admitted contexts round up without eating the budget.
+    assert spec.engine.length == (spec.engine.prompt_len + spec.engine.max_new_tokens
+                                  + spec.engine.context_bucket)
+  assert not config_lib.build(_config()).engine.multi_turn
+
+
+def test_env_keys_are_those_of_the_chosen_environment():
+  config = _config()
+  config.env.latency_median_s = 0.1  # a tool_agent key on an arith run
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"config.env: unknown key\(s\) \['latency_median_s'\]"):
+    config_lib.build(config)
+  with pytest.raises(config_lib.ConfigError, match=r"env.timeout_s: must be >= 0"):
+    config_lib.build(_config(env__timeout_s=-1.0))
+  config = tiny.load_config("tool_agent", "tiny")
+  config.env.latency_p99_s = 0.01
+  with pytest.raises(config_lib.ConfigError, match=r"config.env: env.latency_p99_s"):
+    config_lib.build(config)
+
+
 def test_prompt_buckets_always_include_prompt_len():
   spec = config_lib.build(_config(sampler__prompt_buckets=(4, 2)))
   assert spec.engine.prompt_buckets == (2, 4, 6)

@@ -66,3 +66,42 @@ def test_tight_staleness_bound_drops_or_cancels_and_still_trains(tmp_path):
     assert np.all(b["lag"] == 0)
   last = result.history[-1]
   assert last["drops_total"] + last["cancelled_total"] > 0
+
+
+def test_tool_agent_episodes_span_policy_versions_while_tools_are_slow(tmp_path):
+  """Multi-turn end to end: tool latency outlives weight updates, so episodes
+  are re-admitted under newer weights and their segments record several versions."""
+  config = tiny.load_config("tool_agent", "tiny")
+  config.num_steps = 10
+  config.eval_every = 0
+  # Tools slower than a tiny update step: episodes wait across publishes.
+  config.env.update(latency_median_s=0.3, latency_p99_s=1.0, latency_max_s=1.5)
+  result = run_lib.run(config, str(tmp_path), print_fn=lambda _: None, keep_batches=True)
+  k = config.orchestrator.max_off_policy_steps
+  spans, observed_rows = [0], 0
+  for b in result.trained_batches:
+    sampled = b["loss_mask"] > 0
+    versions = b["token_versions"]
+    assert np.all(versions[sampled] >= 0) and np.all(versions[sampled] <= b["batch_version"])
+    assert np.all(b["lag"] <= k)
+    # Observation tokens are real tokens of the row but never trained on.
+    prompt_len = config.sampler.prompt_len
+    completion = b["tokens"][:, prompt_len:]
+    observation = b["token_mask"][:, prompt_len:] & ~sampled[:, prompt_len:]
+    observed_rows += int(observation.any(axis=1).sum())
+    assert np.all(versions[:, prompt_len:][observation] == -1)
+    assert np.all(b["behaviour_logprobs"][:, prompt_len:][observation] == 0)
+    # Every observation starts with "=" right after a "]" the policy sampled.
+    starts = observation & ~np.roll(observation, 1, axis=1)
+    assert np.all(completion[starts] == ord("="))
+    assert np.all(completion[np.roll(starts, -1, axis=1)] == ord("]"))
+    for row in np.flatnonzero(observation.any(axis=1)):
+      # The segment after the tool answered was sampled by a newer policy
+      # than every token before it: the episode waited across a publish.
+      first = prompt_len + int(np.argmax(observation[row]))
+      before = versions[row, :first][sampled[row, :first]]
+      after = versions[row, first:][sampled[row, first:]]
+      if after.size:
+        spans.append(int(after.min() - before.max()))
+  assert observed_rows > 0, "no episode called the tool"
+  assert max(spans) >= 1, "no episode was re-admitted under newer weights"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import zlib
 
+from arl_jax.envs import env_api
 from arl_jax.envs import tokenizer as tokenizer_lib
 
 SPLITS = ("train", "heldout")
@@ -87,5 +88,9 @@ class ArithEnv:
     return self._tokenizer.encode(prompt.text, add_bos=True)
 
   def encode_target(self, prompt: Prompt) -> list[int]:
-    """The correct completion (for supervised warm-up)."""
+    """The correct completion."""
     return [*self._tokenizer.encode(prompt.answer), self._tokenizer.eos_id]
+
+  def demonstration(self, prompt: Prompt) -> env_api.Demonstration:
+    target = self.encode_target(prompt)
+    return env_api.Demonstration(completion_ids=tuple(target), loss_mask=(1.0,) * len(target))

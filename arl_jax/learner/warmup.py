@@ -37,19 +37,21 @@ def sft_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBatc
   return new_state, {"loss": loss.astype(jnp.float32), "grad_norm": optax.global_norm(grads)}
 
 
-def supervised_batch(prompt_ids: list[list[int]], target_ids: list[list[int]], *,
+def supervised_batch(prompt_ids: list[list[int]], demonstrations: list, *,
                      prompt_len: int, max_new_tokens: int,
                      pad_id: int) -> train_batch_lib.TrainBatch:
-  """A TrainBatch whose completions are the given targets (loss on targets only)."""
+  """A TrainBatch whose completions are the given `env_api.Demonstration`s
+  (loss on their policy tokens only, never on prompts or observations)."""
   b, length = len(prompt_ids), prompt_len + max_new_tokens
   tokens = np.full((b, length), pad_id, np.int32)
   token_mask = np.zeros((b, length), bool)
   loss_mask = np.zeros((b, length), np.float32)
-  for i, (p, t) in enumerate(zip(prompt_ids, target_ids)):
+  for i, (p, demo) in enumerate(zip(prompt_ids, demonstrations)):
+    t = demo.completion_ids
     tokens[i, prompt_len - len(p):prompt_len] = p
     tokens[i, prompt_len:prompt_len + len(t)] = t
     token_mask[i, prompt_len - len(p):prompt_len + len(t)] = True
-    loss_mask[i, prompt_len:prompt_len + len(t)] = 1.0
+    loss_mask[i, prompt_len:prompt_len + len(t)] = demo.loss_mask
   zeros_f = np.zeros((b,), np.float32)
   return train_batch_lib.TrainBatch(
       tokens=tokens, token_mask=token_mask, loss_mask=loss_mask,
@@ -59,9 +61,9 @@ def supervised_batch(prompt_ids: list[list[int]], target_ids: list[list[int]], *
 
 
 def run_warmup(*, params, graphdef, mesh, optimizer, steps: int, batch_size: int, prompt_ids,
-               target_ids, prompt_len: int, max_new_tokens: int, pad_id: int, seed: int,
+               demonstrations, prompt_len: int, max_new_tokens: int, pad_id: int, seed: int,
                log_fn=None):
-  """Runs `steps` supervised updates on random minibatches of (prompt, target) pairs.
+  """Runs `steps` supervised updates on random minibatches of (prompt, demonstration) pairs.
 
   Returns:
     The updated params (same shardings as given).
@@ -74,7 +76,7 @@ def run_warmup(*, params, graphdef, mesh, optimizer, steps: int, batch_size: int
   rng = np.random.default_rng((seed, 1))
   for step in range(steps):
     idx = rng.integers(0, len(prompt_ids), batch_size)
-    batch = supervised_batch([prompt_ids[i] for i in idx], [target_ids[i] for i in idx],
+    batch = supervised_batch([prompt_ids[i] for i in idx], [demonstrations[i] for i in idx],
                              prompt_len=prompt_len, max_new_tokens=max_new_tokens, pad_id=pad_id)
     state, metrics = step_fn(state, batch)
     if log_fn is not None and (step % 50 == 0 or step == steps - 1):

@@ -1,8 +1,15 @@
-"""Scores finished groups in a worker pool, off the sampler thread.
+"""Runs environments on finished segments in a worker pool, off the sampler thread.
 
-Environments are plain Python. A fault in one (an exception) marks that rollout
-`error` with reward 0, is counted per environment, and never stops the run; the
-learner masks errored rollouts out of the loss (see `train_batch.py`).
+For every segment the engine hands over, a worker either asks a multi-turn
+environment for its next observation and hands the episode back to the engine
+(`resume_fn`), or ends the episode: scores it, and once all G episodes of a
+group have ended, passes the `Group` on (`on_group_fn`).
+
+Environment faults are data, not crashes: an exception or a call that outlives
+`timeout_s` marks the rollout `error` with reward 0, is counted per environment
+(timeouts also separately), and the run goes on; the learner masks errored
+rollouts out of the loss (see `train_batch.py`). A timed-out call is abandoned
+on a daemon thread (Python cannot kill a thread) and its late answer ignored.
 """
 
 from __future__ import annotations
@@ -11,32 +18,74 @@ import collections
 import concurrent.futures
 import threading
 import time
+from collections.abc import Callable
 
+from arl_jax import episode as episode_lib
 from arl_jax import rollout as rollout_lib
-from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.envs import env_api
+
+
+class EnvFault(Exception):
+  """An environment call raised or timed out."""
+
+
+class EnvTimeout(EnvFault):
+  """An environment call took longer than the configured timeout."""
+
+
+class _Closing(Exception):
+  """The runner is closing: the episode is abandoned, not counted as a fault."""
 
 
 class EnvRunner:
-  """Thread pool that scores each group's rollouts and hands the group to the buffer."""
+  """Thread pool that advances episodes through their environment."""
 
-  def __init__(self, env, buffer: buffer_lib.RolloutBuffer, num_workers: int = 2):
+  def __init__(self, env, *, on_group_fn: Callable[[rollout_lib.Group], None],
+               max_new_tokens: int, num_workers: int = 2, timeout_s: float = 0.0):
+    """Args:
+      env: an `env_api.Environment` (or `MultiTurnEnvironment`).
+      on_group_fn: receives each group once all its rollouts are scored.
+      max_new_tokens: completion budget of an episode (observations included).
+      num_workers: concurrent environment calls (slow tools need many).
+      timeout_s: per-call limit in seconds (0: none).
+    """
     self._env = env
-    self._buffer = buffer
+    self._multi_turn = env_api.is_multi_turn(env)
+    self._on_group_fn = on_group_fn
+    self._max_new_tokens = max_new_tokens
+    self._timeout_s = timeout_s
+    self._resume_fn: Callable[[episode_lib.Episode], None] | None = None
     self._pool = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="env")
     self._lock = threading.Lock()
+    self._closing = threading.Event()
+    self._finished: dict[int, list[rollout_lib.Rollout]] = {}
+    self._cancelled: set[int] = set()
     self.errors: collections.Counter[str] = collections.Counter()
+    self.timeouts: collections.Counter[str] = collections.Counter()
+    self.turns = 0  # observations handed back to the engine
     self._failure: BaseException | None = None
 
-  def submit(self, request: dispatcher_lib.GroupRequest,
-             rollouts: list[rollout_lib.Rollout]) -> None:
-    self._pool.submit(self._score_group, request, rollouts).add_done_callback(self._check)
+  def connect(self, resume_fn: Callable[[episode_lib.Episode], None]) -> None:
+    """Where continuing episodes go (the engine's `resume`)."""
+    self._resume_fn = resume_fn
+
+  def submit(self, episode: episode_lib.Episode) -> None:
+    """Takes an episode whose segment ended (the engine's `on_segment_fn`)."""
+    self._pool.submit(self._advance, episode).add_done_callback(self._check)
+
+  def cancel(self, group_ids) -> None:
+    """Drops the given groups: their episodes are discarded when they come back."""
+    with self._lock:
+      self._cancelled.update(group_ids)
+      for gid in group_ids:
+        self._finished.pop(gid, None)
 
   def _check(self, future: concurrent.futures.Future) -> None:
-    # A failure outside `env.score` (a bug, not an environment fault) would
-    # lose the group and stall the batch it belongs to: keep it for the
-    # learner, which raises it instead of waiting forever.
-    if not future.cancelled() and future.exception() is not None:
+    # A failure outside the environment's own calls (a bug, not an
+    # environment fault) would lose the group and stall the batch it belongs
+    # to: keep it for the learner, which raises it instead of waiting forever.
+    if (not future.cancelled() and future.exception() is not None
+        and not isinstance(future.exception(), _Closing)):
       with self._lock:
         self._failure = self._failure or future.exception()
 
@@ -45,21 +94,101 @@ class EnvRunner:
       if self._failure is not None:
         raise RuntimeError("environment worker failed") from self._failure
 
-  def _score_group(self, request, rollouts) -> None:
-    for r in rollouts:
-      start = time.monotonic()
-      r.env_name = self._env.name
+  # -- one episode ---------------------------------------------------------------
+
+  def _advance(self, episode: episode_lib.Episode) -> None:
+    if self._is_cancelled(episode.group_id):
+      return
+    prompt = episode.request.prompt
+    room = self._max_new_tokens - len(episode.completion_ids)
+    if self._multi_turn and episode.last_stopped and room > 0:
       try:
-        r.reward = float(self._env.score(request.prompt, r.completion_ids))
-      except Exception:  # noqa: BLE001 - an environment fault is data, not a crash
-        r.reward = 0.0
-        r.finish_reason = "error"
-        with self._lock:
-          self.errors[self._env.name] += 1
-      r.timings["in_env"] = time.monotonic() - start
-    self._buffer.put(rollout_lib.Group(
+        observation = self._call(self._env.step, prompt, list(episode.completion_ids),
+                                 episode=episode)
+      except EnvFault:
+        self._end(episode, "error")
+        return
+      if observation is not None:
+        if len(observation) < room:  # the policy must still be able to sample a token
+          episode.add_observation(observation)
+          with self._lock:
+            self.turns += 1
+          self._resume_fn(episode)
+          return
+        self._end(episode, "length")  # the answer does not fit the completion budget
+        return
+    self._end(episode, "stop" if episode.last_stopped else "length")
+
+  def _end(self, episode: episode_lib.Episode, finish_reason: str) -> None:
+    reward = 0.0
+    if finish_reason != "error":
+      try:
+        reward = float(self._call(self._env.score, episode.request.prompt,
+                                  list(episode.completion_ids), episode=episode))
+      except EnvFault:
+        finish_reason = "error"
+    rollout = episode.to_rollout(finish_reason=finish_reason, reward=reward,
+                                 env_name=self._env.name)
+    request = episode.request
+    with self._lock:
+      if episode.group_id in self._cancelled:
+        return
+      group = self._finished.setdefault(episode.group_id, [])
+      group.append(rollout)
+      if len(group) < request.group_size:
+        return
+      del self._finished[episode.group_id]
+    group.sort(key=lambda r: r.sample_index)
+    self._on_group_fn(rollout_lib.Group(
         group_id=request.group_id, prompt_id=request.prompt.prompt_id,
-        dispatch_version=request.dispatch_version, rollouts=rollouts))
+        dispatch_version=request.dispatch_version, rollouts=group))
+
+  def _is_cancelled(self, group_id: int) -> bool:
+    with self._lock:
+      return group_id in self._cancelled
+
+  def _call(self, fn, *args, episode: episode_lib.Episode):
+    """Calls an environment method; raises EnvFault on an exception or timeout."""
+    start = time.monotonic()
+    try:
+      if self._timeout_s > 0:
+        return self._call_with_timeout(fn, args)
+      return fn(*args)
+    except (EnvFault, _Closing):
+      raise
+    except Exception as e:  # noqa: BLE001 - an environment fault is data, not a crash
+      with self._lock:
+        self.errors[self._env.name] += 1
+      raise EnvFault(f"{self._env.name}.{fn.__name__} raised {e!r}") from e
+    finally:
+      episode.timings["in_env"] += time.monotonic() - start
+
+  def _call_with_timeout(self, fn, args):
+    box = {}
+
+    def target():
+      try:
+        box["value"] = fn(*args)
+      except BaseException as e:  # noqa: BLE001 - re-raised on the worker below
+        box["error"] = e
+
+    thread = threading.Thread(target=target, name=f"env-call-{self._env.name}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + self._timeout_s
+    # Join in short slices so that `close` does not wait for a slow tool.
+    while thread.is_alive() and time.monotonic() < deadline and not self._closing.is_set():
+      thread.join(min(0.05, max(deadline - time.monotonic(), 0.0)))
+    if thread.is_alive() and self._closing.is_set():
+      raise _Closing()
+    if thread.is_alive():
+      with self._lock:
+        self.errors[self._env.name] += 1
+        self.timeouts[self._env.name] += 1
+      raise EnvTimeout(f"{self._env.name}.{fn.__name__} took longer than {self._timeout_s}s")
+    if "error" in box:
+      raise box["error"]
+    return box["value"]
 
   def close(self) -> None:
+    self._closing.set()
     self._pool.shutdown(wait=True, cancel_futures=True)

@@ -18,7 +18,16 @@ Weight updates (`weight_update`), checked between two decode steps:
 - `drain`: once a newer version is published, admit nothing new, let the
   active slots finish, then swap.
 
-Cancelled groups lose their waiting rows and their slots at once.
+Multi-turn episodes (`multi_turn`): when a segment ends, the episode leaves its
+slot and goes to `on_segment_fn`; an environment may append observation tokens
+and hand it back with `resume`. It then waits for a slot like a new request
+(ahead of them) and is re-admitted by prefilling its whole context under the
+params live at that moment. Contexts are padded to `continuation_buckets`, and
+each slot has `context_bucket` spare columns so that the rounding never eats
+into the completion budget (`max_new_tokens` counts every completion token,
+observations included: a rollout always fits its TrainBatch row).
+
+Cancelled groups lose their waiting rows, their slots and any later resume at once.
 """
 
 from __future__ import annotations
@@ -36,7 +45,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from arl_jax import rollout as rollout_lib
+from arl_jax import episode as episode_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import param_swap, sampling
 
@@ -56,6 +65,8 @@ class EngineConfig:
     weight_update: one of WEIGHT_UPDATE_MODES.
     kv_policy: one of KV_POLICIES (used by `in_flight`).
     seed: base of the per-rollout PRNG keys.
+    multi_turn: episodes may be resumed after an environment turn.
+    context_bucket: granularity of re-admitted context lengths (multi-turn).
   """
 
   num_slots: int
@@ -65,6 +76,8 @@ class EngineConfig:
   weight_update: str = "in_flight"
   kv_policy: str = "keep"
   seed: int = 0
+  multi_turn: bool = False
+  context_bucket: int = 16
 
   def __post_init__(self):
     if self.weight_update not in WEIGHT_UPDATE_MODES:
@@ -74,6 +87,8 @@ class EngineConfig:
       raise ValueError(f"kv_policy must be one of {KV_POLICIES}, got {self.kv_policy!r}")
     if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
       raise ValueError(f"prompt_buckets must be ascending and distinct, got {self.prompt_buckets}")
+    if self.context_bucket < 1:
+      raise ValueError(f"context_bucket must be >= 1, got {self.context_bucket}")
 
   @property
   def prompt_len(self) -> int:
@@ -82,8 +97,22 @@ class EngineConfig:
 
   @property
   def length(self) -> int:
-    """L: columns of a slot (longest prompt bucket + max new tokens)."""
-    return self.prompt_buckets[-1] + self.max_new_tokens
+    """L: columns of a slot (longest prompt bucket + max new tokens, plus the
+    spare columns that continuation buckets may round into)."""
+    spare = self.context_bucket if self.multi_turn else 0
+    return self.prompt_buckets[-1] + self.max_new_tokens + spare
+
+  @property
+  def continuation_buckets(self) -> tuple[int, ...]:
+    """Lengths a re-admitted context is padded to: the prompt buckets, then
+    multiples of `context_bucket` up to the longest context that can still
+    sample a token (prompt_len + max_new_tokens - 1)."""
+    if not self.multi_turn:
+      return self.prompt_buckets
+    longest = self.prompt_len + self.max_new_tokens - 1
+    g = self.context_bucket
+    more = range((self.prompt_len // g + 1) * g, longest + g, g)
+    return self.prompt_buckets + tuple(more)
 
 
 @dataclasses.dataclass
@@ -92,9 +121,10 @@ class EngineStats:
 
   steps: int = 0
   inserts: int = 0
+  resumes: int = 0  # re-admissions of multi-turn episodes (counted in inserts too)
   swaps: int = 0
   sampled_tokens: int = 0
-  finished_rollouts: int = 0
+  finished_segments: int = 0
   cancelled_rollouts: int = 0
   cancelled_tokens: int = 0
   decode_seconds: float = 0.0
@@ -118,13 +148,18 @@ class EngineStats:
 
 @dataclasses.dataclass
 class _Row:
-  """A rollout waiting for, or occupying, a slot."""
+  """An episode's segment waiting for, or occupying, a slot."""
 
-  request: dispatcher_lib.GroupRequest
-  sample_index: int
-  version: int = -1  # version it started on (pinned mode decodes it with that)
+  episode: episode_lib.Episode
+  ready_time: float  # when it started waiting for a slot
+  version: int = -1  # version the segment started on (pinned mode decodes it with that)
   start_time: float = 0.0
+  budget: int = 0  # tokens this segment may sample
   sampled: int = 0  # tokens sampled so far (host estimate, for cancellation stats)
+
+  @property
+  def group_id(self) -> int:
+    return self.episode.group_id
 
 
 def _batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
@@ -189,27 +224,29 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
   )
 
 
-def _bucket(n: int, limit: int) -> int:
-  """Smallest power of two >= n, capped at `limit`."""
+def row_bucket(n: int, limit: int) -> int:
+  """Rows an insert of `n` is padded to: the smallest power of two >= n, capped
+  at `limit` (so a handful of insert shapes cover every admission)."""
   return min(1 << max(n - 1, 0).bit_length(), limit)
 
 
 class SamplerEngine:
-  """Generates rollouts on the sampler mesh in its own thread."""
+  """Generates episode segments on the sampler mesh in its own thread."""
 
   def __init__(self, *, cfg: EngineConfig, settings: sampling.SamplingSettings, graphdef,
                model_cfg, mesh: Mesh, publisher, dispatcher: dispatcher_lib.Dispatcher,
-               on_group_fn: Callable[[dispatcher_lib.GroupRequest, list[rollout_lib.Rollout]],
-                                     None]):
+               on_segment_fn: Callable[[episode_lib.Episode], None]):
     """Args:
       cfg: engine settings.
-      settings: sampling settings (temperature, top-k/p, eos).
+      settings: sampling settings (temperature, top-k/p, stop tokens).
       graphdef: decoder graph definition.
       model_cfg: the decoder's ModelConfig (cache geometry).
       mesh: the sampler mesh.
       publisher: source of `(version, params)` (a WeightPublisher).
       dispatcher: source of group requests.
-      on_group_fn: called with each finished (not cancelled) group's rollouts.
+      on_segment_fn: called (on the engine thread) with each episode whose
+        segment just ended, unless its group was cancelled; the episode then
+        belongs to the callee, which may hand it back with `resume`.
     """
     if cfg.num_slots < cfg.group_size:
       raise ValueError(f"num_slots={cfg.num_slots} must be >= group_size={cfg.group_size}")
@@ -218,11 +255,12 @@ class SamplerEngine:
     self._mesh = mesh
     self._publisher = publisher
     self._dispatcher = dispatcher
-    self._on_group_fn = on_group_fn
+    self._on_segment_fn = on_segment_fn
     self._fns = make_sampler_fns(graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
                                  settings=settings, num_slots=cfg.num_slots, length=cfg.length)
     self._lock = threading.Lock()
     self._cancel_requests: set[int] = set()
+    self._resumed: list[_Row] = []  # handed back by env workers, under _lock
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
@@ -231,7 +269,8 @@ class SamplerEngine:
     self._state = None
     self._slots: list[_Row | None] = [None] * cfg.num_slots
     self._pending: collections.deque[_Row] = collections.deque()
-    self._partial: dict[int, list[rollout_lib.Rollout]] = {}
+    # Cancelled group ids: an episode of one may still come back from an env worker.
+    self._cancelled: set[int] = set()
     self._stop_rows = np.zeros((cfg.num_slots,), bool)
     self._no_rows = None
     self._done = np.zeros((cfg.num_slots,), bool)
@@ -263,6 +302,19 @@ class SamplerEngine:
     """Cancels every sequence of the given groups (thread-safe; applied before the next step)."""
     with self._lock:
       self._cancel_requests.update(group_ids)
+
+  def resume(self, episode: episode_lib.Episode) -> None:
+    """Hands back an episode whose environment appended observation tokens
+    (thread-safe); it samples its next segment under the weights live when
+    it is re-admitted."""
+    if not self._cfg.multi_turn:
+      raise ValueError("resume() needs an engine configured with multi_turn=True")
+    used = len(episode.completion_ids)
+    if used >= self._cfg.max_new_tokens:
+      raise ValueError(f"group {episode.group_id}: the episode has {used} completion tokens; "
+                       f"nothing is left of max_new_tokens={self._cfg.max_new_tokens}")
+    with self._lock:
+      self._resumed.append(_Row(episode=episode, ready_time=time.monotonic()))
 
   @property
   def active_slots(self) -> int:
@@ -337,7 +389,19 @@ class SamplerEngine:
   def _free_slots(self) -> list[int]:
     return [i for i, row in enumerate(self._slots) if row is None]
 
+  def _take_resumed(self) -> None:
+    """Queues resumed episodes ahead of new requests: they are older work,
+    and finishing them first keeps their lag down."""
+    with self._lock:
+      resumed, self._resumed = self._resumed, []
+    for row in reversed(resumed):
+      if row.group_id in self._cancelled:
+        self._count_cancelled(row)
+      else:
+        self._pending.appendleft(row)
+
   def _take_requests(self) -> None:
+    self._take_resumed()
     if self._draining:
       return
     free = len(self._free_slots()) - len(self._pending)
@@ -351,12 +415,13 @@ class SamplerEngine:
       if req.group_size != self._cfg.group_size:
         raise ValueError(f"group {req.group_id} has {req.group_size} rollouts; the engine was "
                          f"configured for groups of {self._cfg.group_size}")
-      if not 0 < len(req.prompt_ids) <= self._cfg.prompt_buckets[-1]:
+      if not 0 < len(req.prompt_ids) <= self._cfg.prompt_len:
         raise ValueError(f"group {req.group_id}: prompt has {len(req.prompt_ids)} tokens; the "
-                         f"sampler takes 1 to {self._cfg.prompt_buckets[-1]} "
-                         "(sampler.prompt_len)")
-      self._partial[req.group_id] = []
-      self._pending.extend(_Row(request=req, sample_index=s) for s in range(req.group_size))
+                         f"sampler takes 1 to {self._cfg.prompt_len} (sampler.prompt_len)")
+      self._pending.extend(
+          _Row(episode=episode_lib.Episode(request=req, sample_index=s),
+               ready_time=req.dispatch_time)
+          for s in range(req.group_size))
 
   def _admit(self) -> None:
     if self._draining or not self._pending:
@@ -364,61 +429,75 @@ class SamplerEngine:
     free = self._free_slots()
     rows = [self._pending.popleft() for _ in range(min(len(free), len(self._pending)))]
     by_bucket = collections.defaultdict(list)
+    buckets = self._cfg.continuation_buckets
     for slot, row in zip(free, rows):
-      n = len(row.request.prompt_ids)
-      bucket = next(b for b in self._cfg.prompt_buckets if b >= n)
+      n = len(row.episode.prompt_ids) + len(row.episode.completion_ids)
+      bucket = next(b for b in buckets if b >= n)
       by_bucket[bucket].append((slot, row))
     for bucket, items in by_bucket.items():
       self._insert(bucket, items)
 
   def _insert(self, bucket: int, items: list[tuple[int, _Row]]) -> None:
     start = time.monotonic()
-    r = _bucket(len(items), self._cfg.num_slots)
+    r = row_bucket(len(items), self._cfg.num_slots)
     padded = items + [items[-1]] * (r - len(items))  # duplicates rewrite the same slot
     tokens = np.full((r, bucket), self._settings.pad_id, np.int32)
     mask = np.zeros((r, bucket), bool)
     for i, (_, row) in enumerate(padded):
-      ids = row.request.prompt_ids
+      ids = row.episode.context_ids()
       tokens[i, bucket - len(ids):] = ids
       mask[i, bucket - len(ids):] = True
     slots = np.array([slot for slot, _ in padded], np.int32)
-    keys = sampling.row_keys(self._cfg.seed, [row.request.group_id for _, row in padded],
-                             [row.sample_index for _, row in padded])
-    max_new = np.full((r,), self._cfg.max_new_tokens, np.int32)
+    episodes = [row.episode for _, row in padded]
+    keys = sampling.row_keys(self._cfg.seed, [e.group_id for e in episodes],
+                             [e.sample_index for e in episodes], [e.turns for e in episodes])
+    # Every completion token counts against max_new_tokens, observations included.
+    max_new = np.array([self._cfg.max_new_tokens - len(e.completion_ids) for e in episodes],
+                       np.int32)
     self._state = self._fns.insert(self._params_by_version[self.version],
                                    self._version_scalar, self._state, slots, tokens, mask,
                                    keys, max_new)
     # Wait for the prefill so that its time is not billed to the next decode
     # step (dispatch is asynchronous); inserts are rarer than decode steps.
     jax.block_until_ready(self._state.done)
-    for slot, row in items:
-      row.version, row.start_time, row.sampled = self.version, time.monotonic(), 1
+    now = time.monotonic()
+    for (slot, row), budget in zip(items, max_new):
+      row.version, row.start_time, row.budget, row.sampled = self.version, now, int(budget), 1
+      row.episode.timings["queued"] += now - row.ready_time
+      self.stats.queue_wait_seconds += now - row.ready_time
+      self.stats.resumes += row.episode.turns > 0
       # A cancelled occupant's pending stop must not end the new sequence.
       self._stop_rows[slot] = False
-      self.stats.queue_wait_seconds += row.start_time - row.request.dispatch_time
       self._slots[slot] = row
     self.stats.inserts += len(items)
     self.stats.prefill_seconds += time.monotonic() - start
 
   # -- cancellation ------------------------------------------------------------
 
+  def _count_cancelled(self, row: _Row) -> None:
+    self.stats.cancelled_rollouts += 1
+    budget = row.budget or self._cfg.max_new_tokens - len(row.episode.completion_ids)
+    self.stats.cancelled_tokens += max(budget - row.sampled, 0)
+
   def _apply_cancellations(self) -> None:
     with self._lock:
       cancelled, self._cancel_requests = self._cancel_requests, set()
     if not cancelled:
       return
-    kept = collections.deque(r for r in self._pending if r.request.group_id not in cancelled)
-    self.stats.cancelled_rollouts += len(self._pending) - len(kept)
-    self.stats.cancelled_tokens += (len(self._pending) - len(kept)) * self._cfg.max_new_tokens
+    self._cancelled |= cancelled
+    self._take_resumed()  # drops resumed episodes of cancelled groups
+    kept = collections.deque()
+    for row in self._pending:
+      if row.group_id in cancelled:
+        self._count_cancelled(row)
+      else:
+        kept.append(row)
     self._pending = kept
     for slot, row in enumerate(self._slots):
-      if row is not None and row.request.group_id in cancelled:
+      if row is not None and row.group_id in cancelled:
         self._slots[slot] = None  # free at once; the next decode ends the sequence
         self._stop_rows[slot] = True
-        self.stats.cancelled_rollouts += 1
-        self.stats.cancelled_tokens += max(self._cfg.max_new_tokens - row.sampled, 0)
-    for gid in cancelled:
-      self._partial.pop(gid, None)
+        self._count_cancelled(row)
     if self._state is not None:
       self._forget_unused_versions()
 
@@ -458,36 +537,24 @@ class SamplerEngine:
     finished = [i for i, row in enumerate(self._slots) if row is not None and self._done[i]]
     if not finished:
       return
-    r = _bucket(len(finished), self._cfg.num_slots)
+    r = row_bucket(len(finished), self._cfg.num_slots)
     idx = np.array(finished + [finished[-1]] * (r - len(finished)), np.int32)
     host = jax.device_get(self._fns.take_rows(self._state, idx))
     now = time.monotonic()
+    ended = []
     for j, slot in enumerate(finished):
       row = self._slots[slot]
       self._slots[slot] = None
       start = int(host["prompt_end"][j])
       n = int(host["token_mask"][j, start:].sum())
       cols = slice(start, start + n)
-      rollout = rollout_lib.Rollout(
-          group_id=row.request.group_id, sample_index=row.sample_index,
-          prompt_ids=np.asarray(row.request.prompt_ids, np.int32),
-          completion_ids=host["tokens"][j, cols].astype(np.int32),
-          loss_mask=np.ones((n,), np.float32),
-          behaviour_logprobs=host["logprobs"][j, cols].astype(np.float32),
-          token_versions=host["versions"][j, cols].astype(np.int32),
-          dispatch_version=row.request.dispatch_version,
-          finish_reason="stop" if host["stopped"][j] else "length",
-          timings={"queued": row.start_time - row.request.dispatch_time,
-                   "generating": now - row.start_time})
+      row.episode.add_segment(host["tokens"][j, cols], host["logprobs"][j, cols],
+                              host["versions"][j, cols], stopped=bool(host["stopped"][j]))
+      row.episode.timings["generating"] += now - row.start_time
       self.stats.sampled_tokens += n
-      self.stats.finished_rollouts += 1
-      group = self._partial.get(row.request.group_id)
-      if group is None:  # cancelled meanwhile
-        continue
-      group.append(rollout)
-      if len(group) == row.request.group_size:
-        del self._partial[row.request.group_id]
-        group.sort(key=lambda x: x.sample_index)
-        self._dispatcher.finished_generating(row.request.group_id)
-        self._on_group_fn(row.request, group)
+      self.stats.finished_segments += 1
+      ended.append(row.episode)
     self._forget_unused_versions()
+    # Handed over last: from here on the episodes belong to the callee.
+    for episode in ended:
+      self._on_segment_fn(episode)

@@ -24,6 +24,7 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from arl_jax.models import decoder as decoder_lib
@@ -45,6 +46,8 @@ class SamplingSettings:
     greedy: argmax decoding (evaluation); log-probs are then untempered.
     eos_id: token that ends a completion (kept, and trained on).
     pad_id: filler for positions after the end.
+    stop_ids: further tokens that end a segment (kept and trained on), e.g.
+      the end of a tool call, after which a multi-turn environment answers.
 
   With top-k or top-p the recorded behaviour log-prob is that of the truncated
   distribution actually sampled from, so the importance ratio stays honest.
@@ -56,6 +59,7 @@ class SamplingSettings:
   greedy: bool = False
   eos_id: int
   pad_id: int
+  stop_ids: tuple[int, ...] = ()
 
 
 @flax.struct.dataclass
@@ -73,7 +77,7 @@ class SlotState:
     limit: `[B]` int32 last column the slot may sample (max new tokens or L).
     positions: `[B]` int32 RoPE position of the last sampled token.
     done: `[B]` bool, slot finished (EOS, limit, cancelled or never used).
-    stopped: `[B]` bool, slot finished by sampling EOS.
+    stopped: `[B]` bool, slot finished by sampling EOS or another stop token.
     keys: `[B, 2]` uint32 per-slot PRNG keys (fold_in with the column index).
   """
 
@@ -176,15 +180,15 @@ def _record(state: SlotState, live, columns, tokens, logp, version, settings):
   rows = jnp.arange(state.tokens.shape[0])
   put = lambda arr, val: arr.at[rows, columns].set(jnp.where(live, val, arr[rows, columns]))
   tokens = jnp.where(live, tokens, settings.pad_id)
-  is_eos = live & (tokens == settings.eos_id)
+  is_stop = live & jnp.isin(tokens, jnp.asarray((settings.eos_id, *settings.stop_ids)))
   return state.replace(
       tokens=put(state.tokens, tokens),
       token_mask=put(state.token_mask, live),
       logprobs=put(state.logprobs, logp),
       versions=put(state.versions, jnp.full_like(columns, version)),
       index=jnp.where(live, columns, state.index),
-      done=state.done | is_eos | (live & (columns >= state.limit)),
-      stopped=state.stopped | is_eos,
+      done=state.done | is_stop | (live & (columns >= state.limit)),
+      stopped=state.stopped | is_stop,
   )
 
 
@@ -306,12 +310,21 @@ def recompute_cache(graphdef, params, state: SlotState, rows) -> SlotState:
   return state.replace(cache=cache)
 
 
-def row_keys(seed: int, group_ids, sample_indices):
-  """Per-rollout PRNG keys `[B, 2]`: a function of (seed, group id, sample index) only.
+def row_keys(seed: int, group_ids, sample_indices, turns=None):
+  """Per-segment PRNG keys `[B, 2]`: a function of (seed, group id, sample index, turn) only.
 
   Keeping draws independent of slot assignment and batching lets the
   asynchronous pipeline and the synchronous reference sample identical tokens.
+  A multi-turn episode samples each segment (turn) with its own key, since
+  draws are keyed by the offset inside the segment.
   """
   base = jax.random.PRNGKey(seed)
-  fold = lambda g, s: jax.random.fold_in(jax.random.fold_in(base, g), s)
-  return jax.vmap(fold)(jnp.asarray(group_ids, jnp.uint32), jnp.asarray(sample_indices, jnp.uint32))
+  turns = np.zeros(len(group_ids), np.uint32) if turns is None else turns
+
+  def fold(g, s, t):
+    key = jax.random.fold_in(jax.random.fold_in(base, g), s)
+    # Turn 0 keeps the single-turn key, so adding turns changes no earlier draw.
+    return jnp.where(t == 0, key, jax.random.fold_in(key, t))
+
+  return jax.vmap(fold)(jnp.asarray(group_ids, jnp.uint32),
+                        jnp.asarray(sample_indices, jnp.uint32), jnp.asarray(turns, jnp.uint32))

@@ -41,6 +41,22 @@ class ScriptedPublisher:
     return 1, self._v1
 
 
+def single_turn_groups(on_group_fn):
+  """An `on_segment_fn` that ends every episode after one segment and calls
+  `on_group_fn(request, rollouts)` once a group's G rollouts are in."""
+  partial = {}
+
+  def on_segment(episode):
+    rollouts = partial.setdefault(episode.group_id, [])
+    rollouts.append(episode.to_rollout(
+        finish_reason="stop" if episode.last_stopped else "length"))
+    if len(rollouts) == episode.request.group_size:
+      del partial[episode.group_id]
+      on_group_fn(episode.request, sorted(rollouts, key=lambda r: r.sample_index))
+
+  return on_segment
+
+
 def _engine(publisher, setup, weight_update, on_group, *, kv_policy="keep", take_hook=None,
             prompt_tokens=(4, 4), max_async_level=0):
   meshes, graphdef, cfg = setup["meshes"], setup["graphdef"], setup["cfg"]
@@ -62,7 +78,7 @@ def _engine(publisher, setup, weight_update, on_group, *, kv_policy="keep", take
                                   kv_policy=kv_policy),
       settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=graphdef,
       model_cfg=cfg, mesh=meshes.sampler, publisher=publisher, dispatcher=dispatcher,
-      on_group_fn=on_group)
+      on_segment_fn=single_turn_groups(on_group))
 
 
 def _run_until(engine, condition, timeout=60.0):

@@ -1,0 +1,75 @@
+"""What an environment is: plain Python (no JAX), called from env worker threads.
+
+Single-turn: the engine samples one segment (prompt -> completion) and the
+environment scores it. Multi-turn: after every segment that ends on a stop
+token, `step` may answer with observation tokens (a tool result, the other
+side of a dialogue); the episode then continues from the whole transcript, and
+`score` is called once the episode ends. Observation tokens are part of the
+completion with loss mask 0; `max_new_tokens` bounds the whole completion.
+
+Calls may block (a real tool call takes seconds to minutes): the env runner
+runs them in a worker pool with a per-call timeout, and an exception or a
+timeout marks the rollout `error` (counted, never trained on, never fatal).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Protocol
+
+
+@dataclasses.dataclass(frozen=True)
+class Demonstration:
+  """A correct completion, for supervised warm-up.
+
+  Attributes:
+    completion_ids: the tokens after the prompt (observations included).
+    loss_mask: 1.0 on tokens the policy should produce, 0.0 on observations.
+  """
+
+  completion_ids: tuple[int, ...]
+  loss_mask: tuple[float, ...]
+
+  def __post_init__(self):
+    if len(self.completion_ids) != len(self.loss_mask):
+      raise ValueError(f"demonstration has {len(self.completion_ids)} tokens and "
+                       f"{len(self.loss_mask)} loss-mask entries")
+
+
+class Environment(Protocol):
+  """A task: prompts are the env's own records; completions are token ids."""
+
+  name: str
+
+  def encode_prompt(self, prompt) -> list[int]:
+    """Prompt token ids (what the sampler prefills)."""
+
+  def score(self, prompt, completion_ids: Sequence[int]) -> float:
+    """Reward of a finished episode (observation tokens included in the completion)."""
+
+  def demonstration(self, prompt) -> Demonstration:
+    """A correct completion for `prompt` (only needed by the supervised warm-up)."""
+
+
+class MultiTurnEnvironment(Environment, Protocol):
+  """An environment that answers between segments.
+
+  Attributes:
+    stop_ids: tokens besides EOS that end a segment (e.g. the end of a tool
+      call), so the environment can answer.
+  """
+
+  stop_ids: tuple[int, ...]
+
+  def step(self, prompt, completion_ids: Sequence[int]) -> list[int] | None:
+    """Observation tokens to append before the episode continues, or None to end it.
+
+    Called after each segment that ended on a stop token (EOS included), with
+    the completion so far; the last token is the stop token.
+    """
+
+
+def is_multi_turn(env) -> bool:
+  """Whether `env` answers between segments (has `step` and `stop_ids`)."""
+  return callable(getattr(env, "step", None)) and hasattr(env, "stop_ids")

@@ -1,0 +1,37 @@
+"""Environments by name: the one dict that config validation and runs both read.
+
+An entry says how to build an environment's config (a frozen dataclass whose
+fields are the keys of the config's `env` section), the environment itself,
+and its prompt splits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from arl_jax.envs import arith, tool_agent
+
+SPLITS = ("train", "heldout")
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvEntry:
+  """Attributes:
+    config_cls: frozen dataclass of the environment's settings.
+    make_env_fn: `(config, tokenizer, for_eval) -> environment`; `for_eval`
+      asks for a copy without simulated latency (evaluation waits on it).
+    make_prompts_fn: `(config, split) -> list of prompt records` for SPLITS.
+  """
+
+  config_cls: type
+  make_env_fn: Callable
+  make_prompts_fn: Callable
+
+
+ENVS = {
+    "arith": EnvEntry(arith.ArithConfig, lambda cfg, tok, for_eval=False: arith.ArithEnv(tok),
+                      arith.make_prompts),
+    "tool_agent": EnvEntry(tool_agent.ToolAgentConfig, tool_agent.ToolAgentEnv,
+                           tool_agent.make_prompts),
+}

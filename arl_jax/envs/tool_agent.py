@@ -1,0 +1,173 @@
+"""`tool_agent`: a multi-turn task whose tool answers after a heavy-tailed delay.
+
+The prompt names a key (`"<bos>k37?"`); its value lives only behind a lookup
+tool. The policy calls the tool by writing `[37]` (the `]` ends the segment),
+the environment answers `=482;` (observation tokens, loss mask 0) after a
+latency drawn from a lognormal distribution, and the policy then writes the
+value and EOS: `[37]=482;482<eos>`. The reward is 1 for the exact value, so it
+is verifiable, and held-out keys can only be answered through the tool.
+
+This is the workload asynchronous RL exists for: tool latency has a long tail
+(minutes in real agents, scaled down here for CPU runs), so an episode outlives
+weight updates and its segments are sampled by different policy versions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import threading
+import time
+import zlib
+
+import numpy as np
+
+from arl_jax.envs import env_api
+from arl_jax.envs import tokenizer as tokenizer_lib
+
+SPLITS = ("train", "heldout")
+CALL_OPEN, CALL_CLOSE, ANSWER_OPEN, ANSWER_CLOSE = "[", "]", "=", ";"
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ToolAgentConfig:
+  """Attributes:
+    num_keys: keys are 0..num_keys-1.
+    max_value: values are drawn from [0, max_value].
+    table_seed: seed of the key -> value table.
+    heldout_fraction: share of keys reserved for evaluation.
+    max_calls: tool calls answered per episode; later calls end it.
+    latency_median_s: median tool latency (seconds).
+    latency_p99_s: 99th percentile of the latency; with the median it sets
+      the lognormal's sigma. Equal to the median: a constant latency.
+    latency_max_s: latencies are capped here (a tool-side timeout).
+  """
+
+  num_keys: int = 100
+  max_value: int = 999
+  table_seed: int = 0
+  heldout_fraction: float = 0.1
+  max_calls: int = 2
+  latency_median_s: float = 0.05
+  latency_p99_s: float = 0.5
+  latency_max_s: float = 2.0
+
+  def __post_init__(self):
+    if self.num_keys < 2:
+      raise ValueError(f"env.num_keys must be >= 2, got {self.num_keys}")
+    if self.max_value < 0:
+      raise ValueError(f"env.max_value must be >= 0, got {self.max_value}")
+    if not 0.0 < self.heldout_fraction < 1.0:
+      raise ValueError(f"env.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+    if self.max_calls < 1:
+      raise ValueError(f"env.max_calls must be >= 1, got {self.max_calls}")
+    if self.latency_median_s < 0 or self.latency_p99_s < self.latency_median_s:
+      raise ValueError("env.latency_p99_s must be >= env.latency_median_s >= 0, got "
+                       f"{self.latency_p99_s} and {self.latency_median_s}")
+    if self.latency_max_s < self.latency_median_s:
+      raise ValueError(f"env.latency_max_s={self.latency_max_s} is below "
+                       f"env.latency_median_s={self.latency_median_s}")
+
+
+class LognormalLatency:
+  """Tool latency: lognormal with a given median and 99th percentile, capped."""
+
+  def __init__(self, median_s: float, p99_s: float, max_s: float, seed: int = 0):
+    self.median_s, self.max_s = median_s, max_s
+    z99 = statistics.NormalDist().inv_cdf(0.99)
+    self.sigma = math.log(p99_s / median_s) / z99 if median_s > 0 and p99_s > median_s else 0.0
+    self._rng = np.random.default_rng(seed)
+    self._lock = threading.Lock()  # tool calls come from many worker threads
+
+  def quantile(self, q: float) -> float:
+    """The configured q-quantile (after the cap)."""
+    if self.median_s == 0:
+      return 0.0
+    z = statistics.NormalDist().inv_cdf(q)
+    return min(self.median_s * math.exp(self.sigma * z), self.max_s)
+
+  def sample(self, size: int | None = None):
+    with self._lock:
+      draws = self._rng.lognormal(math.log(self.median_s), self.sigma, size) \
+          if self.median_s > 0 else np.zeros(size or ())
+    capped = np.minimum(draws, self.max_s)
+    return float(capped) if size is None else capped
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompt:
+  """One task instance; `prompt_id` is the key, stable across runs."""
+
+  prompt_id: int
+  text: str
+  answer: str
+
+
+def value_of(cfg: ToolAgentConfig, key: int) -> int:
+  """The table: a hash, so it needs no storage and no RNG state."""
+  return zlib.crc32(f"{cfg.table_seed}:{key}".encode()) % (cfg.max_value + 1)
+
+
+def _is_heldout(key: int, fraction: float) -> bool:
+  return zlib.crc32(f"heldout:{key}".encode()) % 10_000 < fraction * 10_000
+
+
+def make_prompts(cfg: ToolAgentConfig, split: str) -> list[Prompt]:
+  if split not in SPLITS:
+    raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+  want_heldout = split == "heldout"
+  return [Prompt(prompt_id=k, text=f"k{k}?", answer=str(value_of(cfg, k)))
+          for k in range(cfg.num_keys) if _is_heldout(k, cfg.heldout_fraction) == want_heldout]
+
+
+class ToolAgentEnv:
+  """The lookup-tool agent task (see the module docstring)."""
+
+  name = "tool_agent"
+
+  def __init__(self, cfg: ToolAgentConfig, tokenizer: tokenizer_lib.ByteTokenizer,
+               for_eval: bool = False):
+    self._cfg = cfg
+    self._tokenizer = tokenizer
+    self.stop_ids = tuple(tokenizer.encode(CALL_CLOSE))
+    median = 0.0 if for_eval else cfg.latency_median_s  # evaluation does not wait on tools
+    self.latency = LognormalLatency(median, max(cfg.latency_p99_s, median), cfg.latency_max_s,
+                                    seed=cfg.table_seed)
+
+  def encode_prompt(self, prompt: Prompt) -> list[int]:
+    return self._tokenizer.encode(prompt.text, add_bos=True)
+
+  def _text(self, completion_ids) -> str:
+    return self._tokenizer.decode(completion_ids)
+
+  def step(self, prompt: Prompt, completion_ids) -> list[int] | None:
+    ids = [int(i) for i in completion_ids]
+    if not ids or ids[-1] != self.stop_ids[0]:
+      return None  # EOS (the answer) or anything else ends the episode
+    text = self._text(ids)
+    if text.count(CALL_CLOSE) > self._cfg.max_calls:
+      return None
+    call = text[text.rfind(CALL_OPEN) + 1:-1] if CALL_OPEN in text else ""
+    time.sleep(self.latency.sample())  # the tool works (a blocking call, as a real one)
+    result = str(value_of(self._cfg, int(call))) if call.isdigit() and \
+        int(call) < self._cfg.num_keys else "?"
+    return self._tokenizer.encode(f"{ANSWER_OPEN}{result}{ANSWER_CLOSE}")
+
+  def score(self, prompt: Prompt, completion_ids) -> float:
+    ids = [int(i) for i in completion_ids]
+    # An answer cut off by the length limit is wrong even if its digits match.
+    if self._tokenizer.eos_id not in ids:
+      return 0.0
+    text = self._text(ids)
+    answer = text[text.rfind(ANSWER_CLOSE) + 1:] if ANSWER_CLOSE in text else text
+    return float(answer.strip() == prompt.answer)
+
+  def demonstration(self, prompt: Prompt) -> env_api.Demonstration:
+    """The ideal episode, for supervised warm-up (observation tokens masked)."""
+    call = self._tokenizer.encode(f"{CALL_OPEN}{prompt.prompt_id}{CALL_CLOSE}")
+    observation = self._tokenizer.encode(f"{ANSWER_OPEN}{prompt.answer}{ANSWER_CLOSE}")
+    answer = [*self._tokenizer.encode(prompt.answer), self._tokenizer.eos_id]
+    return env_api.Demonstration(
+        completion_ids=(*call, *observation, *answer),
+        loss_mask=(1.0,) * len(call) + (0.0,) * len(observation) + (1.0,) * len(answer))
