@@ -13,14 +13,23 @@ versions and the learner corrects each token against its own behaviour
 log-prob.
 
 Variants (the `:ARG` after the file name):
-  (none)  ~0.5M-parameter decoder, 100 supervised warm-up steps on the ideal
-          episodes of 30% of the training keys, then asynchronous RL
-          (max_async_level=2, K=4, in-flight weight updates). 2 CPU cores.
+  (none)  ~0.5M-parameter decoder, 1000 keys, 100 supervised warm-up steps on
+          the ideal episodes of half of the training keys, then 300 steps of
+          asynchronous RL (max_async_level=2, K=4, in-flight weight updates).
+          Hardware: 2 CPU cores.
   sync    the synchronous on-policy baseline (max_async_level=0, K=0, drain).
   tiny    a few steps of a tiny model, for tests (seconds).
 
 Held-out keys can only be answered by calling the tool and copying its answer,
 so evaluation measures whether the agent behaviour generalises.
+
+What to expect (measured on a 2-core CPU, one JAX device, colocated): greedy
+reward on 64 held-out keys is 0 at initialisation, 0.81 after the warm-up and
+0.86 after 300 RL updates (+-0.04 at this eval size); the mean training reward
+rises from 0.88 (first 50 updates) to 0.93 (last 150). Lag is 2 for most
+batches. The whole run takes about 2 minutes (108 s measured). The warm-up
+does most of the work here; RL mainly fixes copying slips. A longer warm-up
+(400 steps) reached 0.89 before RL, and RL at lr 3e-4 then drifted to 0.80.
 """
 
 import ml_collections
@@ -45,7 +54,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Many workers: each waiting tool call holds one (a blocking call, as in a
   # real agent), and up to (max_async_level + 1) batches of episodes wait at once.
   config.env = ml_collections.ConfigDict(dict(
-      name="tool_agent", num_workers=64, timeout_s=10.0, num_keys=100, max_value=999,
+      name="tool_agent", num_workers=64, timeout_s=10.0, num_keys=1000, max_value=999,
       table_seed=0, heldout_fraction=0.1, max_calls=2, latency_median_s=0.05,
       latency_p99_s=0.5, latency_max_s=2.0))
 
@@ -59,10 +68,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   config.learner = ml_collections.ConfigDict(dict(
       loss="clipped_ratio", eps_low=0.2, eps_high=0.2, dual_clip=0.0, advantage="grpo",
-      lr=3e-4, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0))
+      lr=1e-4, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0))
 
   config.warmup = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=1e-3,
-                                                 fraction=0.3))
+                                                 fraction=0.5))
 
   if arg == "sync":
     config.orchestrator.max_async_level = 0
