@@ -9,6 +9,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from arl_jax.learner import publish as publish_lib
 from arl_jax.models import init_lib
 from arl_jax.models import model_config as model_config_lib
 from arl_jax.sharding import mesh_lib
@@ -71,3 +72,20 @@ def perturb(params, scale: float, seed: int):
   new = [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)]
   new = [jax.device_put(n, x.sharding) for n, x in zip(new, leaves)]
   return jax.tree.unflatten(treedef, new)
+
+
+def two_published_versions() -> dict:
+  """A tiny model on the role meshes in two versions, as learner params and as
+  the sampler receives them: keys `meshes, cfg, graphdef, params (v0, v1),
+  sampler_params (v0, v1)`."""
+  meshes = role_meshes()
+  cfg = tiny_model_config()
+  graphdef, params, sampler_shardings = learner_and_sampler_params(cfg, meshes)
+  params_v1 = perturb(params, 0.05, seed=3)
+  published = []
+  for p in (params, params_v1):
+    publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings)
+    publisher.publish(p, 0)
+    published.append(publisher.latest()[1])
+  return dict(meshes=meshes, cfg=cfg, graphdef=graphdef, params=(params, params_v1),
+              sampler_params=tuple(published))

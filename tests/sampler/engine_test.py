@@ -6,7 +6,6 @@ import time
 import numpy as np
 import pytest
 
-from arl_jax.learner import publish as publish_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import engine as engine_lib
@@ -93,20 +92,10 @@ def _run_until(engine, condition, timeout=60.0):
 
 @pytest.fixture(scope="module")
 def setup():
-  meshes = tiny.role_meshes()
-  cfg = tiny.tiny_model_config()
-  graphdef, params, sampler_shardings = tiny.learner_and_sampler_params(cfg, meshes)
-  params_v1 = tiny.perturb(params, 0.05, seed=3)
-  published = []
-  for p in (params, params_v1):
-    publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings)
-    publisher.publish(p, 0)
-    published.append(publisher.latest()[1])
-  return dict(meshes=meshes, cfg=cfg, graphdef=graphdef, params=(params, params_v1),
-              sampler_params=tuple(published))
+  return tiny.two_published_versions()
 
 
-def _teacher_forced(setup, rollout, version):
+def teacher_forced(setup, rollout, version):
   tokens = np.concatenate([rollout.prompt_ids, rollout.completion_ids])
   logp = slots_lib.teacher_forced_logprobs(setup["graphdef"], setup["params"][version], tokens,
                                            np.ones(tokens.shape, bool))[0]
@@ -129,11 +118,11 @@ def test_in_flight_swap_between_decode_steps_records_exact_versions(setup, kv_po
     assert r.dispatch_version == 0 and (n <= 4 or r.version_span == (0, 1))
     before = min(n, 4)
     # Tokens sampled under v0 (their whole prefix was v0 too) carry v0's probability.
-    np.testing.assert_allclose(_teacher_forced(setup, r, 0)[:before],
+    np.testing.assert_allclose(teacher_forced(setup, r, 0)[:before],
                                r.behaviour_logprobs[:before], atol=1e-5)
     if kv_policy == "recompute" and n > 4:
       # After a recompute the cache is what a fresh prefill under v1 gives.
-      np.testing.assert_allclose(_teacher_forced(setup, r, 1)[4:], r.behaviour_logprobs[4:],
+      np.testing.assert_allclose(teacher_forced(setup, r, 1)[4:], r.behaviour_logprobs[4:],
                                  atol=1e-5)
 
 
@@ -149,14 +138,14 @@ def test_pinned_rollouts_keep_their_start_version_and_later_ones_use_the_new(set
     for r in groups[gid]:
       if mode == "pinned":
         assert np.all(r.token_versions == 0)
-        np.testing.assert_allclose(_teacher_forced(setup, r, 0), r.behaviour_logprobs,
+        np.testing.assert_allclose(teacher_forced(setup, r, 0), r.behaviour_logprobs,
                                    atol=1e-5)
       else:
         assert r.version_span == (0, 1)
   for gid in (2, 3):  # started after it
     for r in groups[gid]:
       assert np.all(r.token_versions == 1)
-      np.testing.assert_allclose(_teacher_forced(setup, r, 1), r.behaviour_logprobs, atol=1e-5)
+      np.testing.assert_allclose(teacher_forced(setup, r, 1), r.behaviour_logprobs, atol=1e-5)
 
 
 def test_drain_finishes_active_slots_on_their_version_then_swaps(setup):

@@ -9,15 +9,13 @@ import time
 import numpy as np
 import pytest
 
-from arl_jax.learner import publish as publish_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import env_runner as env_runner_lib
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import sampling
-from arl_jax.testing import slots as slots_lib
 from arl_jax.testing import tiny
-from tests.sampler.engine_test import ScriptedPublisher
+from tests.sampler.engine_test import ScriptedPublisher, teacher_forced
 
 PAD, EOS = 256, 258
 PROMPT_LEN, NEW, G = 6, 16, 4
@@ -56,17 +54,7 @@ class SlowToolEnv:
 
 @pytest.fixture(scope="module")
 def setup():
-  meshes = tiny.role_meshes()
-  cfg = tiny.tiny_model_config()
-  graphdef, params, sampler_shardings = tiny.learner_and_sampler_params(cfg, meshes)
-  params_v1 = tiny.perturb(params, 0.05, seed=3)
-  published = []
-  for p in (params, params_v1):
-    publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings)
-    publisher.publish(p, 0)
-    published.append(publisher.latest()[1])
-  return dict(meshes=meshes, cfg=cfg, graphdef=graphdef, params=(params, params_v1),
-              sampler_params=tuple(published))
+  return tiny.two_published_versions()
 
 
 def _run(setup, publisher, weight_update, latency_s, num_groups, context_bucket=8):
@@ -116,13 +104,6 @@ def _segments(rollout):
   return [slice(a, b) for a, b in zip(edges[::2], edges[1::2])]
 
 
-def _teacher_forced(setup, rollout, version):
-  tokens = np.concatenate([rollout.prompt_ids, rollout.completion_ids])
-  logp = slots_lib.teacher_forced_logprobs(setup["graphdef"], setup["params"][version], tokens,
-                                           np.ones(tokens.shape, bool))[0]
-  return logp[len(rollout.prompt_ids):]
-
-
 @pytest.mark.parametrize("weight_update", ["pinned", "drain"])
 def test_readmitted_segments_are_sampled_under_the_weights_live_at_readmission(
     setup, weight_update):
@@ -144,7 +125,7 @@ def test_readmitted_segments_are_sampled_under_the_weights_live_at_readmission(
       # re-prefills the whole context: its log-probs are a fresh prefill's.
       (version,) = set(r.token_versions[cols].tolist())
       np.testing.assert_allclose(r.behaviour_logprobs[cols],
-                                 _teacher_forced(setup, r, version)[cols], atol=1e-5)
+                                 teacher_forced(setup, r, version)[cols], atol=1e-5)
     spans.add(r.version_span)
   assert (0, 1) in spans, spans  # some episodes span the swap
   # Re-admissions compile one insert per (context bucket, power-of-two row count) at most.
@@ -165,7 +146,7 @@ def test_in_flight_versions_never_decrease_within_an_episode(setup):
     for cols in _segments(r):
       if np.all(r.token_versions[cols] == 1):  # admitted after the swap
         np.testing.assert_allclose(r.behaviour_logprobs[cols],
-                                   _teacher_forced(setup, r, 1)[cols], atol=1e-5)
+                                   teacher_forced(setup, r, 1)[cols], atol=1e-5)
 
 
 def test_continuation_buckets_cover_every_context_without_eating_the_budget():
