@@ -235,6 +235,15 @@ def _cut_batch(buffer, workers, version, groups_per_batch):
         worker.raise_if_failed()
 
 
+def _version_spread(batch) -> np.ndarray:
+  """`[B]` newest minus oldest version among each row's trained tokens (0 if none)."""
+  sampled = batch.loss_mask > 0
+  big = np.iinfo(np.int32).max
+  newest = np.where(sampled, batch.token_versions, -1).max(axis=1)
+  oldest = np.where(sampled, batch.token_versions, big).min(axis=1)
+  return np.where(sampled.any(axis=1), newest - oldest, 0)
+
+
 def _step_record(step, version, batch, cut, metrics, drops, dispatcher, engine, env_runner,
                  buffer, step_seconds, rl_seconds) -> dict:
   trained_tokens = float(metrics["trained_tokens"])
@@ -259,6 +268,11 @@ def _step_record(step, version, batch, cut, metrics, drops, dispatcher, engine, 
       "cancelled_total": dispatcher.num_cancelled,
       "cancelled_tokens_saved": engine.stats.cancelled_tokens,
       "env_errors": int(sum(env_runner.errors.values())),
+      "env_timeouts": int(sum(env_runner.timeouts.values())),
+      "env_turns": env_runner.turns,
+      "sampler_resumes": engine.stats.resumes,
+      # Rows whose trained tokens were sampled by more than one policy version.
+      "multi_version_fraction": float(np.mean(_version_spread(batch) > 0)),
       "buffer_size": len(buffer),
       "in_system_groups": dispatcher.in_system,
       "sampler_busy_s": engine.stats.busy_seconds,

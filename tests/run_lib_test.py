@@ -105,3 +105,9 @@ def test_tool_agent_episodes_span_policy_versions_while_tools_are_slow(tmp_path)
         spans.append(int(after.min() - before.max()))
   assert observed_rows > 0, "no episode called the tool"
   assert max(spans) >= 1, "no episode was re-admitted under newer weights"
+  # ... and the logged metrics say so.
+  records = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
+  rl = [r for r in records if r.get("phase") == "rl" and "loss" in r]
+  assert rl[-1]["env_turns"] >= rl[-1]["sampler_resumes"] > 0
+  assert max(r["multi_version_fraction"] for r in rl) > 0
+  assert rl[-1]["env_errors"] == rl[-1]["env_timeouts"] == 0
