@@ -27,7 +27,10 @@ What to expect (measured on a 2-core CPU, one JAX device, colocated): greedy
 reward on 64 held-out keys is 0 at initialisation, 0.81 after the warm-up and
 0.86 after 300 RL updates (+-0.04 at this eval size); the mean training reward
 rises from 0.88 (first 50 updates) to 0.93 (last 150). Lag is 2 for most
-batches. The whole run takes about 2 minutes (108 s measured). The warm-up
+batches, and about 47% of the trained rows hold tokens of two or more policy
+versions (`multi_version_fraction`: episodes re-admitted after their tool
+answered, or swapped in flight); no tool call timed out. The whole run takes
+about 2 minutes (108 and 112 s in two runs). The warm-up
 does most of the work here; RL mainly fixes copying slips. A longer warm-up
 (400 steps) reached 0.89 before RL, and RL at lr 3e-4 then drifted to 0.80.
 """
