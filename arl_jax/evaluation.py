@@ -51,6 +51,8 @@ class Evaluator:
     self._prompts = list(prompts)
     self._cfg = engine_cfg
     self._multi_turn = env_api.is_multi_turn(env)
+    if self._multi_turn and not engine_cfg.multi_turn:
+      raise ValueError(f"env {env.name!r} is multi-turn but engine_cfg.multi_turn is False")
     self._prompt_ids = [env.encode_prompt(p) for p in self._prompts]
     rows = len(self._prompts)  # one slot per prompt
     self._slots = np.arange(rows, dtype=np.int32)
@@ -90,6 +92,14 @@ class Evaluator:
     host = jax.device_get(self._fns.take_rows(state, self._slots))
     return state, host
 
+  @staticmethod
+  def _safe(fn, *args):
+    """An environment fault ends the episode with reward 0, as in the env runner."""
+    try:
+      return fn(*args)
+    except Exception:  # noqa: BLE001 - an environment fault is data, not a crash
+      return None
+
   def __call__(self, params) -> EvalResult:
     n_max = self._cfg.max_new_tokens
     completions = [[] for _ in self._prompts]
@@ -108,13 +118,14 @@ class Evaluator:
         room = n_max - len(completions[i])
         if not (self._multi_turn and host["stopped"][i] and room > 0):
           continue
-        observation = self._env.step(self._prompts[i], list(completions[i]))
+        observation = self._safe(self._env.step, self._prompts[i], list(completions[i]))
         if observation is not None and len(observation) < room:
           completions[i].extend(int(t) for t in observation)
           still.append(i)
       active = still
       buckets = self._cfg.continuation_buckets
-    rewards = [self._env.score(p, c) for p, c in zip(self._prompts, completions)]
+    rewards = [self._safe(self._env.score, p, c) or 0.0
+               for p, c in zip(self._prompts, completions)]
     examples = tuple((p.text, self._tokenizer.decode(c))
                      for p, c in zip(self._prompts[:3], completions[:3]))
     return EvalResult(reward=float(np.mean(rewards)), num_prompts=len(rewards),

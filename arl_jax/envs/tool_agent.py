@@ -150,8 +150,8 @@ class ToolAgentEnv:
       return None
     call = text[text.rfind(CALL_OPEN) + 1:-1] if CALL_OPEN in text else ""
     time.sleep(self.latency.sample())  # the tool works (a blocking call, as a real one)
-    result = str(value_of(self._cfg, int(call))) if call.isdigit() and \
-        int(call) < self._cfg.num_keys else "?"
+    known = call.isascii() and call.isdigit() and int(call) < self._cfg.num_keys
+    result = str(value_of(self._cfg, int(call))) if known else "?"
     return self._tokenizer.encode(f"{ANSWER_OPEN}{result}{ANSWER_CLOSE}")
 
   def score(self, prompt: Prompt, completion_ids) -> float:

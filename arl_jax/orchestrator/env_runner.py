@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import math
+import operator
 import threading
 import time
 from collections.abc import Callable
@@ -104,7 +106,7 @@ class EnvRunner:
     if self._multi_turn and episode.last_stopped and room > 0:
       try:
         observation = self._call(self._env.step, prompt, list(episode.completion_ids),
-                                 episode=episode)
+                                 episode=episode, convert_fn=_to_observation)
       except EnvFault:
         self._end(episode, "error")
         return
@@ -120,11 +122,14 @@ class EnvRunner:
     self._end(episode, "stop" if episode.last_stopped else "length")
 
   def _end(self, episode: episode_lib.Episode, finish_reason: str) -> None:
+    if self._is_cancelled(episode.group_id):
+      return  # do not spend a worker (or count a timeout) on discarded work
     reward = 0.0
     if finish_reason != "error":
       try:
-        reward = float(self._call(self._env.score, episode.request.prompt,
-                                  list(episode.completion_ids), episode=episode))
+        reward = self._call(self._env.score, episode.request.prompt,
+                            list(episode.completion_ids), episode=episode,
+                            convert_fn=_to_reward)
       except EnvFault:
         finish_reason = "error"
     rollout = episode.to_rollout(finish_reason=finish_reason, reward=reward,
@@ -147,13 +152,14 @@ class EnvRunner:
     with self._lock:
       return group_id in self._cancelled
 
-  def _call(self, fn, *args, episode: episode_lib.Episode):
-    """Calls an environment method; raises EnvFault on an exception or timeout."""
+  def _call(self, fn, *args, episode: episode_lib.Episode, convert_fn):
+    """Calls an environment method and checks its answer with `convert_fn`;
+    raises EnvFault on an exception, a timeout or a malformed answer."""
     start = time.monotonic()
     try:
       if self._timeout_s > 0:
-        return self._call_with_timeout(fn, args)
-      return fn(*args)
+        return convert_fn(self._call_with_timeout(fn, args))
+      return convert_fn(fn(*args))
     except (EnvFault, _Closing):
       raise
     except Exception as e:  # noqa: BLE001 - an environment fault is data, not a crash
@@ -192,3 +198,19 @@ class EnvRunner:
   def close(self) -> None:
     self._closing.set()
     self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _to_reward(value) -> float:
+  reward = float(value)
+  if not math.isfinite(reward):
+    raise ValueError(f"reward {reward} is not finite")
+  return reward
+
+
+def _to_observation(value) -> list[int] | None:
+  if value is None:
+    return None
+  tokens = [operator.index(t) for t in value]  # ints only (no floats, no strings)
+  if any(t < 0 for t in tokens):
+    raise ValueError(f"observation has negative token ids: {tokens}")
+  return tokens

@@ -36,6 +36,7 @@ def test_the_tool_answers_a_call_and_the_episode_ends_at_eos():
   assert TOK.decode(env.step(prompt, call)) == f"={prompt.answer};"
   assert TOK.decode(env.step(prompt, _ids("[x1]"))) == "=?;"  # a malformed key
   assert TOK.decode(env.step(prompt, _ids("[100000]"))) == "=?;"  # no such key
+  assert TOK.decode(env.step(prompt, _ids("[\u00b2]"))) == "=?;"  # a non-ASCII digit
   assert env.step(prompt, _ids("12", eos=True)) is None
   # A third call exceeds max_calls=2: the episode ends.
   assert env.step(prompt, _ids("[1]=5;[2]=7;[3]")) is None

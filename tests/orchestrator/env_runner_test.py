@@ -157,6 +157,32 @@ def test_cancelled_groups_are_dropped_when_their_episodes_come_back():
   assert not collector.groups
 
 
+class MalformedEnv(CalculatorEnv):
+  """Answers with a non-token observation, and scores with a non-number."""
+
+  name = "malformed"
+
+  def step(self, prompt, completion_ids):
+    return ["=", "4"] if completion_ids[-1] == CALL_END else None
+
+  def score(self, prompt, completion_ids):
+    return None
+
+
+def test_malformed_answers_are_environment_faults_not_crashes():
+  collector = Collector()
+  runner = env_runner_lib.EnvRunner(MalformedEnv(), on_group_fn=collector, max_new_tokens=16)
+  runner.connect(lambda episode: pytest.fail("must not resume"))
+  request = _request(group_size=2)
+  runner.submit(_episode(request, 0, [91, CALL_END]))
+  runner.submit(_episode(request, 1, [52, EOS]))
+  assert collector.arrived.wait(5)
+  runner.close()
+  runner.raise_if_failed()
+  assert [r.finish_reason for r in collector.groups[0].rollouts] == ["error", "error"]
+  assert runner.errors == {"malformed": 2}
+
+
 def test_assemble_lays_out_rows_like_the_sampler():
   group = make_group(3, 5, [[5, 6], [6]])
   batch = train_batch_lib.assemble([group], batch_version=7, prompt_len=4, max_new_tokens=3,
