@@ -203,10 +203,10 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   # Measure prompts and answers the way the environment encodes them, so the
   # check cannot drift from what the sampler and warm-up actually receive.
   env_instance = env_entry.make_env_fn(env, tokenizer, for_eval=True)
-  all_prompts = [p for split in registry.SPLITS for p in env_entry.make_prompts_fn(env, split)]
-  for split in registry.SPLITS:
-    _require(any(True for _ in env_entry.make_prompts_fn(env, split)), "env",
-             f"env {env_name!r} has no {split!r} prompts with these settings")
+  prompts_by_split = {split: env_entry.make_prompts_fn(env, split) for split in env_api.SPLITS}
+  for split, prompts in prompts_by_split.items():
+    _require(bool(prompts), "env", f"env {env_name!r} has no {split!r} prompts with these settings")
+  all_prompts = [p for prompts in prompts_by_split.values() for p in prompts]
   longest = max(len(env_instance.encode_prompt(p)) for p in all_prompts)
   _require(longest <= s["prompt_len"], "sampler.prompt_len",
            f"a prompt of env {env_cfg['name']!r} has {longest} tokens, longer than "

@@ -19,9 +19,6 @@ import numpy as np
 
 from arl_jax import rollout as rollout_lib
 
-# Version and log-prob recorded for tokens the policy did not sample.
-NO_VERSION = -1
-
 
 @dataclasses.dataclass(eq=False, kw_only=True)
 class Episode:
@@ -31,7 +28,7 @@ class Episode:
     completion_ids: every token after the prompt so far (segments and observations).
     loss_mask: 1.0 for sampled tokens, 0.0 for observation tokens.
     logprobs: behaviour log-prob of sampled tokens, 0.0 for observations.
-    versions: version that sampled each token, NO_VERSION for observations.
+    versions: version that sampled each token, rollout.NO_VERSION for observations.
     turns: segments sampled so far.
     last_stopped: whether the last segment ended on a stop token (EOS or
       another stop id), as opposed to running out of budget.
@@ -83,7 +80,7 @@ class Episode:
     self.completion_ids.extend(int(t) for t in tokens)
     self.loss_mask.extend([0.0] * n)
     self.logprobs.extend([0.0] * n)
-    self.versions.extend([NO_VERSION] * n)
+    self.versions.extend([rollout_lib.NO_VERSION] * n)
 
   def to_rollout(self, *, finish_reason: str, reward: float | None = None,
                  env_name: str = "") -> rollout_lib.Rollout:

@@ -10,6 +10,8 @@ import dataclasses
 import numpy as np
 
 FINISH_REASONS = ("stop", "length", "cancelled", "error")
+# Version recorded for tokens the policy did not sample (prompt, observations, padding).
+NO_VERSION = -1
 
 
 @dataclasses.dataclass(kw_only=True)

@@ -13,8 +13,6 @@ import zlib
 from arl_jax.envs import env_api
 from arl_jax.envs import tokenizer as tokenizer_lib
 
-SPLITS = ("train", "heldout")
-
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ArithConfig:
@@ -56,8 +54,8 @@ def _is_heldout(a: int, b: int, fraction: float) -> bool:
 
 def make_prompts(cfg: ArithConfig, split: str) -> list[Prompt]:
   """All prompts of one split, in a fixed order."""
-  if split not in SPLITS:
-    raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+  if split not in env_api.SPLITS:
+    raise ValueError(f"split must be one of {env_api.SPLITS}, got {split!r}")
   want_heldout = split == "heldout"
   n = cfg.max_operand + 1
   prompts = []

@@ -18,6 +18,9 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
+# Prompt splits every environment provides (`make_prompts(config, split)`).
+SPLITS = ("train", "heldout")
+
 
 @dataclasses.dataclass(frozen=True)
 class Demonstration:

@@ -12,8 +12,6 @@ from collections.abc import Callable
 
 from arl_jax.envs import arith, tool_agent
 
-SPLITS = ("train", "heldout")
-
 
 @dataclasses.dataclass(frozen=True)
 class EnvEntry:
@@ -21,7 +19,7 @@ class EnvEntry:
     config_cls: frozen dataclass of the environment's settings.
     make_env_fn: `(config, tokenizer, for_eval) -> environment`; `for_eval`
       asks for a copy without simulated latency (evaluation waits on it).
-    make_prompts_fn: `(config, split) -> list of prompt records` for SPLITS.
+    make_prompts_fn: `(config, split) -> list of prompt records` for `env_api.SPLITS`.
   """
 
   config_cls: type

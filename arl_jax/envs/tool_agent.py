@@ -26,7 +26,6 @@ import numpy as np
 from arl_jax.envs import env_api
 from arl_jax.envs import tokenizer as tokenizer_lib
 
-SPLITS = ("train", "heldout")
 CALL_OPEN, CALL_CLOSE, ANSWER_OPEN, ANSWER_CLOSE = "[", "]", "=", ";"
 
 
@@ -114,8 +113,8 @@ def _is_heldout(key: int, fraction: float) -> bool:
 
 
 def make_prompts(cfg: ToolAgentConfig, split: str) -> list[Prompt]:
-  if split not in SPLITS:
-    raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
+  if split not in env_api.SPLITS:
+    raise ValueError(f"split must be one of {env_api.SPLITS}, got {split!r}")
   want_heldout = split == "heldout"
   return [Prompt(prompt_id=k, text=f"k{k}?", answer=str(value_of(cfg, k)))
           for k in range(cfg.num_keys) if _is_heldout(k, cfg.heldout_fraction) == want_heldout]

@@ -27,11 +27,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from arl_jax import rollout as rollout_lib
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import kv_cache as kv_cache_lib
 
-# Version recorded for positions that were not sampled (prompt, padding).
-NO_VERSION = -1
+NO_VERSION = rollout_lib.NO_VERSION  # positions that were not sampled (prompt, padding)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
