@@ -38,7 +38,8 @@ _SECTIONS = {
     "sampler": ("num_slots", "prompt_len", "prompt_buckets", "max_new_tokens", "temperature",
                 "top_k", "top_p", "weight_update", "kv_policy", "param_dtype"),
     "orchestrator": ("batch_size", "group_size", "max_async_level", "max_off_policy_steps",
-                     "staleness_reference", "assembly", "window_fraction"),
+                     "staleness_reference", "assembly", "window_fraction", "requeue_dropped",
+                     "mask_truncated_completions"),
     "learner": ("loss", "eps_low", "eps_high", "dual_clip", "advantage", "lr", "b1", "b2",
                 "weight_decay", "max_grad_norm"),
     "warmup": ("steps", "batch_size", "lr", "fraction"),
@@ -75,6 +76,7 @@ class RunSpec:
   sampling: sampling.SamplingSettings
   dispatch: dispatcher_lib.DispatchConfig
   buffer: buffer_lib.BufferConfig
+  mask_truncated_completions: bool
   loss: update_lib.LossSettings
   advantage_estimator: str
   optim: optim_lib.OptimConfig
@@ -170,10 +172,18 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
            f"must be one of {buffer_lib.ASSEMBLY_POLICIES}, got {o['assembly']!r}")
   _require(0.0 < o["window_fraction"] <= 1.0, "orchestrator.window_fraction",
            f"must be in (0, 1], got {o['window_fraction']}")
+  _require(isinstance(o["requeue_dropped"], int) and o["requeue_dropped"] >= 0,
+           "orchestrator.requeue_dropped",
+           f"must be an int >= 0 (times a dropped prompt is dispatched again), "
+           f"got {o['requeue_dropped']!r}")
+  _require(isinstance(o["mask_truncated_completions"], bool),
+           "orchestrator.mask_truncated_completions",
+           f"must be True or False, got {o['mask_truncated_completions']!r}")
   groups_per_batch = batch // g
   dispatch = dispatcher_lib.DispatchConfig(
       group_size=g, groups_per_batch=groups_per_batch, max_async_level=o["max_async_level"],
-      max_off_policy_steps=k)
+      max_off_policy_steps=k, staleness_reference=o["staleness_reference"],
+      requeue_dropped=o["requeue_dropped"])
   buffer = buffer_lib.BufferConfig(
       max_off_policy_steps=k, staleness_reference=o["staleness_reference"],
       assembly=o["assembly"],
@@ -274,7 +284,8 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
       env_name=env_name, env=env, num_env_workers=env_cfg["num_workers"],
       env_timeout_s=float(env_cfg["timeout_s"]), engine=engine,
       sampler_model=dataclasses.replace(model, param_dtype=s["param_dtype"]),
-      sampling=sampling_settings, dispatch=dispatch, buffer=buffer, loss=loss,
+      sampling=sampling_settings, dispatch=dispatch, buffer=buffer,
+      mask_truncated_completions=o["mask_truncated_completions"], loss=loss,
       advantage_estimator=lc["advantage"], optim=optim,
       warmup=WarmupConfig(steps=w["steps"], batch_size=w["batch_size"], lr=w["lr"],
                           fraction=w["fraction"]))

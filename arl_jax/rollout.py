@@ -69,6 +69,11 @@ class Rollout:
       return (self.dispatch_version, self.dispatch_version)
     return (int(sampled.min()), int(sampled.max()))
 
+  def is_masked(self, mask_truncated_completions: bool) -> bool:
+    """Whether the learner keeps this rollout out of the loss and of its group's
+    baseline: environment faults always, truncated completions on request."""
+    return self.finish_reason == "error" or (
+        mask_truncated_completions and self.finish_reason == "length")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -80,12 +85,16 @@ class Group:
     prompt_id: id of the prompt in its data source.
     dispatch_version: live version when the group was created.
     rollouts: the G rollouts, in sample-index order.
+    arrival_version: the live version when the group entered the rollout
+      buffer (set by the buffer); splits its lag into versions that passed
+      while it was in flight and while it waited to be cut.
   """
 
   group_id: int
   prompt_id: int
   dispatch_version: int
   rollouts: list[Rollout]
+  arrival_version: int | None = None
 
   @property
   def oldest_version(self) -> int:

@@ -9,8 +9,9 @@ device, and cancels groups that can no longer ship.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import json
+import os
 import time
 
 import jax
@@ -28,9 +29,8 @@ from arl_jax.learner import update as update_lib
 from arl_jax.learner import warmup as warmup_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import init_lib
-from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import env_runner as env_runner_lib
+from arl_jax.orchestrator import orchestrator as orchestrator_lib
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
@@ -46,11 +46,6 @@ class RunResult:
   final_version: int
   trained_batches: list[dict] = dataclasses.field(default_factory=list)
   wall_seconds: float = 0.0
-
-
-def _lag_histogram(lags: np.ndarray) -> dict[str, int]:
-  values, counts = np.unique(lags, return_counts=True)
-  return {str(int(v)): int(c) for v, c in zip(values, counts)}
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.print_line,
@@ -139,67 +134,60 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
 
   publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings,
                                           dtype=spec.sampler_model.param_dtype)
-  buffer = buffer_lib.RolloutBuffer(spec.buffer)
-  dispatcher = dispatcher_lib.Dispatcher(
-      spec.dispatch, prompt_data.prompt_iterator(train_prompts, spec.seed), env.encode_prompt,
-      buffer)
-
-  def on_group(group):
-    dispatcher.finished_generating(group.group_id)
-    buffer.put(group)
-
+  orchestrator = orchestrator_lib.Orchestrator(
+      dispatch_cfg=spec.dispatch, buffer_cfg=spec.buffer,
+      prompts=prompt_data.prompt_iterator(train_prompts, spec.seed), encode_fn=env.encode_prompt,
+      env_name=env.name, max_new_tokens=spec.engine.max_new_tokens,
+      mask_truncated_completions=spec.mask_truncated_completions)
   env_runner = env_runner_lib.EnvRunner(
-      env, on_group_fn=on_group, max_new_tokens=spec.engine.max_new_tokens,
+      env, on_group_fn=orchestrator.group_finished, max_new_tokens=spec.engine.max_new_tokens,
       num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s)
   engine = engine_lib.SamplerEngine(
       cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, model_cfg=spec.sampler_model,
-      mesh=meshes.sampler, publisher=publisher, dispatcher=dispatcher,
+      mesh=meshes.sampler, publisher=publisher, dispatcher=orchestrator.dispatcher,
       on_segment_fn=env_runner.submit)
   env_runner.connect(engine.resume)
 
   version = 0
   publisher.publish(state.params, version)
-  dispatcher.on_publish(version)
+  orchestrator.publish(version, trained=[])
   engine.start()
   history: list[dict] = []
   batches: list[dict] = []
   groups_trained = 0
-  drops = collections.Counter()
   rl_start = time.monotonic()
   last_time = rl_start
   try:
     for step in range(spec.num_steps):
-      cut = _cut_batch(buffer, (engine, env_runner), version, spec.dispatch.groups_per_batch)
-      drops["stale"] += len(cut.stale)
-      dispatcher.retire([g.group_id for g in cut.stale])
+      batch = _cut_batch(orchestrator, (engine, env_runner), version)
       host_batch = train_batch_lib.assemble(
-          cut.groups, batch_version=version, prompt_len=spec.engine.prompt_len,
+          batch.groups, batch_version=version, prompt_len=spec.engine.prompt_len,
           max_new_tokens=spec.engine.max_new_tokens, pad_id=tokenizer.pad_id,
           advantage_estimator=spec.advantage_estimator,
-          staleness_reference=spec.buffer.staleness_reference)
+          staleness_reference=spec.buffer.staleness_reference,
+          mask_truncated_completions=spec.mask_truncated_completions)
       state, metrics = update_fn(state, host_batch)
       version += 1
       holder["params"] = state.params
       publisher.publish(state.params, version)
-      cancelled = dispatcher.on_publish(version)
+      cancelled = orchestrator.publish(version, trained=batch.groups)
       engine.cancel(cancelled)
       env_runner.cancel(cancelled)
-      dispatcher.retire([g.group_id for g in cut.groups])
-      groups_trained += len(cut.groups)
+      groups_trained += len(batch.groups)
       metrics = jax.device_get(metrics)
       now = time.monotonic()
-      record = _step_record(step, version, host_batch, cut, metrics, drops, dispatcher, engine,
-                            env_runner, buffer, now - last_time, now - rl_start)
+      record = _step_record(step, version, host_batch, batch, metrics, orchestrator, engine,
+                            env_runner, now - last_time, now - rl_start)
       last_time = now
       if keep_batches:
-        batches.append({"batch_version": cut.batch_version, "lag": host_batch.lag.copy(),
+        batches.append({"batch_version": batch.batch_version, "lag": host_batch.lag.copy(),
                         "token_versions": host_batch.token_versions.copy(),
                         "tokens": host_batch.tokens.copy(),
                         "token_mask": host_batch.token_mask.copy(),
                         "behaviour_logprobs": host_batch.behaviour_logprobs.copy(),
                         "loss_mask": host_batch.loss_mask.copy(),
-                        "dispatch_versions": [g.dispatch_version for g in cut.groups],
-                        "group_ids": [g.group_id for g in cut.groups]})
+                        "dispatch_versions": [g.dispatch_version for g in batch.groups],
+                        "group_ids": [g.group_id for g in batch.groups]})
       is_last = step == spec.num_steps - 1
       if spec.eval_every and ((step + 1) % spec.eval_every == 0 or is_last):
         record["eval_reward"] = evaluate(step + 1, "rl")
@@ -210,29 +198,38 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   finally:
     # Stop everything first; a sampler or env failure is raised afterwards
     # (below), so cleanup always runs and never masks the learner's own error.
-    dispatcher.close()
-    buffer.close()
+    orchestrator.close()
     engine.stop(raise_errors=False)
     env_runner.close()
     writer.close()
   engine.raise_if_failed()
   env_runner.raise_if_failed()
   wall = time.monotonic() - start_time
+  _write_task_drops(workdir, orchestrator.ledger)
+  drops = orchestrator.ledger.metrics()
   print_fn(f"done: {spec.num_steps} updates, final version {version}, {groups_trained} groups "
-           f"trained, {drops['stale']} stale drops, {dispatcher.num_cancelled} cancelled, "
-           f"{wall:.1f}s wall")
+           f"trained; dropped rollouts: {drops['dropped_stale']} stale, "
+           f"{drops['dropped_cancelled']} cancelled in flight, {drops['dropped_env_error']} env "
+           f"errors, {drops['dropped_truncated']} truncated; {drops['tasks_lost']} of "
+           f"{drops['tasks_seen']} tasks never trained; {wall:.1f}s wall")
   return RunResult(history=history, eval_history=eval_history, groups_trained=groups_trained,
                    final_version=version, trained_batches=batches, wall_seconds=wall)
 
 
-def _cut_batch(buffer, workers, version, groups_per_batch):
+def _cut_batch(orchestrator, workers, version):
   """Waits for a batch, surfacing a sampler or env failure instead of waiting forever."""
   while True:
     try:
-      return buffer.cut(version, groups_per_batch, timeout=1.0)
+      return orchestrator.cut(version, timeout=1.0)
     except TimeoutError:
       for worker in workers:
         worker.raise_if_failed()
+
+
+def _write_task_drops(workdir: str, ledger) -> None:
+  """`task_drops.json`: every task that lost a group, worst drop rate first."""
+  with open(os.path.join(workdir, "task_drops.json"), "w", encoding="utf-8") as f:
+    json.dump(ledger.task_table(), f, indent=1)
 
 
 def _version_spread(batch) -> np.ndarray:
@@ -244,36 +241,41 @@ def _version_spread(batch) -> np.ndarray:
   return np.where(sampled.any(axis=1), newest - oldest, 0)
 
 
-def _step_record(step, version, batch, cut, metrics, drops, dispatcher, engine, env_runner,
-                 buffer, step_seconds, rl_seconds) -> dict:
+def _step_record(step, version, host_batch, batch, metrics, orchestrator, engine, env_runner,
+                 step_seconds, rl_seconds) -> dict:
   trained_tokens = float(metrics["trained_tokens"])
-  lags = batch.lag
-  in_flight = [r.timings.get("generating", 0.0) + r.timings.get("queued", 0.0)
-               for g in cut.groups for r in g.rollouts]
-  in_buffer = [r.timings.get("in_buffer", 0.0) for g in cut.groups for r in g.rollouts]
+  rollouts = [r for g in batch.groups for r in g.rollouts]
+  in_flight = [sum(r.timings.get(k, 0.0) for k in ("queued", "generating", "in_env"))
+               for r in rollouts]
+  in_buffer = [r.timings.get("in_buffer", 0.0) for r in rollouts]
+  dispatcher = orchestrator.dispatcher
   record = {
       "step": step,
       "version": version,
-      "reward_mean": float(np.mean(batch.rewards)),
-      "lag_mean": float(np.mean(lags)),
-      "lag_max": int(np.max(lags)),
-      "lag_histogram": _lag_histogram(lags),
+      "reward_mean": float(np.mean(host_batch.rewards)),
+      **batch.lag_metrics(),
       "seconds_in_flight": float(np.mean(in_flight)),
       "seconds_in_buffer": float(np.mean(in_buffer)),
       "tokens_per_s": trained_tokens / max(step_seconds, 1e-9),
       "step_seconds": step_seconds,
       "wall_s": rl_seconds,
-      "drops_stale": len(cut.stale),
-      "drops_total": int(drops["stale"]),
-      "cancelled_total": dispatcher.num_cancelled,
+      # This batch: groups swept as stale before it, rows masked in it.
+      "stale_groups_swept": len(batch.stale),
+      "masked_env_error": int(batch.masked["env_error"]),
+      "masked_truncated": int(batch.masked["truncated"]),
+      # Cumulative, in rollouts (drop_ledger.py).
+      **orchestrator.ledger.metrics(),
+      "cancelled_groups": dispatcher.num_cancelled,
+      "requeued_groups": dispatcher.num_requeued,
       "cancelled_tokens_saved": engine.stats.cancelled_tokens,
+      "cancelled_tokens_discarded": engine.stats.cancelled_sampled_tokens,
       "env_errors": int(sum(env_runner.errors.values())),
       "env_timeouts": int(sum(env_runner.timeouts.values())),
       "env_turns": env_runner.turns,
       "sampler_resumes": engine.stats.resumes,
       # Rows whose trained tokens were sampled by more than one policy version.
-      "multi_version_fraction": float(np.mean(_version_spread(batch) > 0)),
-      "buffer_size": len(buffer),
+      "multi_version_fraction": float(np.mean(_version_spread(host_batch) > 0)),
+      "buffer_size": len(orchestrator.buffer),
       "in_system_groups": dispatcher.in_system,
       "sampler_busy_s": engine.stats.busy_seconds,
       "sampler_swaps": engine.stats.swaps,

@@ -44,8 +44,14 @@ class TrainBatch:
 
 def assemble(groups: list[rollout_lib.Group], *, batch_version: int, prompt_len: int,
              max_new_tokens: int, pad_id: int, advantage_estimator: str,
-             staleness_reference: str) -> TrainBatch:
-  """Builds a host (numpy) TrainBatch from whole groups."""
+             staleness_reference: str, mask_truncated_completions: bool = False) -> TrainBatch:
+  """Builds a host (numpy) TrainBatch from whole groups.
+
+  Masked rollouts (`Rollout.is_masked`: environment faults, and truncated
+  completions when `mask_truncated_completions`) keep their tokens for the
+  record but get loss mask 0 and do not shift their group's baseline: they
+  carry no signal.
+  """
   rows = [r for g in groups for r in g.rollouts]
   b, length = len(rows), prompt_len + max_new_tokens
   tokens = np.full((b, length), pad_id, np.int32)
@@ -54,9 +60,8 @@ def assemble(groups: list[rollout_lib.Group], *, batch_version: int, prompt_len:
   behaviour = np.zeros((b, length), np.float32)
   versions = np.full((b, length), -1, np.int32)
   rewards = np.stack([g.rewards for g in groups])  # [num_groups, G]
-  # Environment faults are never trained on and do not shift their group's
-  # baseline: their tokens and rewards carry no signal.
-  valid = np.array([[r.finish_reason != "error" for r in g.rollouts] for g in groups])
+  valid = np.array([[not r.is_masked(mask_truncated_completions) for r in g.rollouts]
+                    for g in groups])
   advantages = advantages_lib.group_advantages(rewards, advantage_estimator,
                                                valid=valid).reshape(-1)
   lag = np.zeros((b,), np.int32)
@@ -73,7 +78,7 @@ def assemble(groups: list[rollout_lib.Group], *, batch_version: int, prompt_len:
       token_mask[i, prompt_len - p:prompt_len + c] = True
       cols = slice(prompt_len, prompt_len + c)
       tokens[i, cols] = r.completion_ids
-      loss_mask[i, cols] = 0.0 if r.finish_reason == "error" else r.loss_mask
+      loss_mask[i, cols] = 0.0 if r.is_masked(mask_truncated_completions) else r.loss_mask
       behaviour[i, cols] = r.behaviour_logprobs
       versions[i, cols] = r.token_versions
       lag[i] = group_lag

@@ -57,7 +57,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   config.orchestrator = ml_collections.ConfigDict(dict(
       batch_size=128, group_size=8, max_async_level=1, max_off_policy_steps=8,
-      staleness_reference="dispatch", assembly="fifo", window_fraction=0.3))
+      staleness_reference="dispatch", assembly="fifo", window_fraction=0.3,
+      requeue_dropped=0, mask_truncated_completions=False))
 
   config.learner = ml_collections.ConfigDict(dict(
       loss="clipped_ratio", eps_low=0.2, eps_high=0.2, dual_clip=0.0, advantage="grpo",

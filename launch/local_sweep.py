@@ -24,7 +24,7 @@ import subprocess
 import sys
 import time
 
-SUMMARY_KEYS = ("step", "version", "reward_mean", "lag_mean", "tokens_per_s", "drops_total",
+SUMMARY_KEYS = ("step", "version", "reward_mean", "lag_mean", "tokens_per_s", "drop_rate",
                 "wall_s")
 
 

@@ -4,6 +4,7 @@ import json
 import os
 
 import numpy as np
+import pytest
 
 from arl_jax import run_lib
 from arl_jax.testing import tiny
@@ -46,9 +47,14 @@ def test_tiny_async_run_end_to_end(tmp_path):
   records = [json.loads(line) for line in open(os.path.join(tmp_path, "metrics.jsonl"))]
   rl = [r for r in records if r.get("phase") == "rl" and "loss" in r]
   assert [r["step"] for r in rl] == list(range(6))
-  for key in ("version", "reward_mean", "lag_mean", "lag_histogram", "tokens_per_s",
-              "drops_total", "ratio_max", "clip_fraction", "grad_norm", "entropy"):
+  for key in ("version", "reward_mean", "lag_mean", "lag_histogram", "lag_in_flight_histogram",
+              "lag_in_queue_histogram", "tokens_per_s", "drop_rate", "dropped_stale",
+              "dropped_cancelled", "dropped_env_error", "dropped_truncated", "drops_by_env",
+              "drops_by_length", "drop_rate_by_length", "tasks_lost", "task_drop_rate_mean",
+              "cancelled_tokens_saved", "ratio_max", "clip_fraction", "grad_norm", "entropy"):
     assert key in rl[0], key
+  for r in rl:  # the lag of every group splits into versions in flight + in the queue
+    assert r["lag_mean"] == pytest.approx(r["lag_in_flight_mean"] + r["lag_in_queue_mean"])
   assert any(line.startswith("step") and "v6" in line for line in lines)
   assert any(line.startswith("eval") for line in lines)
 
@@ -65,7 +71,11 @@ def test_tight_staleness_bound_drops_or_cancels_and_still_trains(tmp_path):
   for b in result.trained_batches:
     assert np.all(b["lag"] == 0)
   last = result.history[-1]
-  assert last["drops_total"] + last["cancelled_total"] > 0
+  assert last["dropped_stale"] + last["dropped_cancelled"] > 0
+  assert last["drop_rate"] > 0
+  # Per-task outcomes of every task that lost a group are on disk.
+  tasks = json.load(open(os.path.join(tmp_path, "task_drops.json")))
+  assert tasks and all(t["groups_dropped"] > 0 for t in tasks)
 
 
 def test_tool_agent_episodes_span_policy_versions_while_tools_are_slow(tmp_path):

@@ -20,7 +20,8 @@ def group_advantages(rewards: np.ndarray, estimator: str = "grpo", eps: float = 
     estimator: one of ADVANTAGE_ESTIMATORS.
     eps: added to the std so a constant-reward group gets advantage 0, not NaN.
     valid: optional `[num_groups, G]` bool; invalid rollouts (environment
-      errors) neither enter their group's statistics nor get an advantage.
+      errors; truncated completions when masked) neither enter their group's
+      statistics nor get an advantage.
 
   Returns:
     `[num_groups, G]` float32 advantages (0 where invalid).

@@ -34,15 +34,19 @@ class JsonlWriter:
 
 
 def progress_line(record: Mapping) -> str:
-  """`step 12 | v12 | reward 0.41 | lag 0.9/1 | 1.2k tok/s | drops 0 (+0)`, plus eval."""
+  """`step 12 | v12 | reward 0.410 | lag 0.92/1 (queue 0.10) | 1200 tok/s | drops 3.1%
+  s24 c8 e0 t0 | ...`, plus eval. Drops are cumulative rollouts by reason: stale,
+  cancelled in flight, env error, truncated (masked)."""
   parts = [
       f"step {record['step']:>4d}",
       f"v{record['version']}",
       f"reward {record['reward_mean']:.3f}",
-      f"lag {record['lag_mean']:.2f}/{record['lag_max']:d}",
+      f"lag {record['lag_mean']:.2f}/{record['lag_max']:d} "
+      f"(queue {record['lag_in_queue_mean']:.2f})",
       f"{record['tokens_per_s']:.0f} tok/s",
-      f"drops {record['drops_total']:d} (+{record['drops_stale']:d})",
-      f"cancel {record['cancelled_total']:d}",
+      f"drops {100 * record['drop_rate']:.1f}% s{record['dropped_stale']:d} "
+      f"c{record['dropped_cancelled']:d} e{record['dropped_env_error']:d} "
+      f"t{record['dropped_truncated']:d}",
       f"loss {record['loss']:+.4f}",
       f"ratio max {record['ratio_max']:.3f}",
   ]

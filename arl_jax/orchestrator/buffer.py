@@ -1,8 +1,8 @@
 """The rollout buffer: finished groups wait here until a batch is cut.
 
-It enforces the staleness guarantee: immediately before every batch cut it
-drops each group whose lag in that batch would exceed K, and counts the drop.
-It also implements the batch assembly policies:
+It enforces the staleness guarantee: every attempt to cut a batch first drops
+each group whose lag in that batch would exceed K. It also implements the batch
+assembly policies:
 
 - `fifo`: dispatch order; the batch waits for the oldest dispatched group.
 - `windowed_fifo`: a finished group may be taken out of dispatch order only
@@ -15,7 +15,10 @@ Bounded by admission control rather than by a size of its own: the dispatcher
 never lets more than `(max_async_level + 1) * groups_per_batch` groups be in
 the system, and every group in the buffer is one of them.
 
-Thread-safe: the env workers put groups, the learner cuts batches.
+Thread-safe (env workers put groups, the learner cuts) and deterministic given
+the order of calls: cuts never block here (`try_cut`); the caller waits with
+`wait_for_change` (see `orchestrator.Orchestrator.cut`). Time comes from an
+injectable clock so tests can drive the buffer with a fake one.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import collections
 import dataclasses
 import threading
 import time
+from collections.abc import Callable
 
 from arl_jax import rollout as rollout_lib
 from arl_jax.orchestrator import staleness
@@ -41,40 +45,41 @@ class BufferConfig:
 
 @dataclasses.dataclass
 class CutResult:
-  """A batch's groups plus the groups dropped by the sweep before it."""
+  """One cut attempt: the batch's groups (`None` if no full batch was
+  eligible) and the groups the sweep before it dropped as stale."""
 
   batch_version: int
-  groups: list[rollout_lib.Group]
+  groups: list[rollout_lib.Group] | None
   stale: list[rollout_lib.Group]
 
 
 class BufferClosed(Exception):
-  """Raised by `cut` when the buffer is closed while a batch is awaited."""
+  """Raised when the buffer is closed while a batch is awaited."""
 
 
 class RolloutBuffer:
   """Finished groups, the dispatch queue, and the batch cut."""
 
-  def __init__(self, cfg: BufferConfig):
+  def __init__(self, cfg: BufferConfig, clock: Callable[[], float] = time.monotonic):
     if cfg.assembly not in ASSEMBLY_POLICIES:
       raise ValueError(f"assembly must be one of {ASSEMBLY_POLICIES}, got {cfg.assembly!r}")
     if cfg.staleness_reference not in staleness.REFERENCES:
       raise ValueError(f"staleness_reference must be one of {staleness.REFERENCES}")
     self._cfg = cfg
+    self._clock = clock
     self._cond = threading.Condition()
     # group_id -> dispatch version, in dispatch order (dicts keep insertion order).
     self._dispatch_queue: dict[int, int] = {}
     self._finished: dict[int, rollout_lib.Group] = {}
     self._completion_order: collections.deque[int] = collections.deque()
     self._arrival_time: dict[int, float] = {}
-    # Groups swept as stale but not yet reported: a cut that times out keeps
-    # them here so that the next successful cut reports (and counts) them.
-    self._swept: list[rollout_lib.Group] = []
-    self._closed = False
+    self._generation = 0  # bumped by every change a waiting cut may care about
+    self.closed = False
 
   def register_dispatch(self, group_id: int, dispatch_version: int) -> None:
     with self._cond:
       self._dispatch_queue[group_id] = dispatch_version
+      self._changed_locked()
 
   def forget(self, group_id: int) -> None:
     """Removes a cancelled group, whether it is still to arrive or already here."""
@@ -83,54 +88,60 @@ class RolloutBuffer:
       if self._finished.pop(group_id, None) is not None:
         self._completion_order.remove(group_id)
         self._arrival_time.pop(group_id)
-      self._cond.notify_all()
+      self._changed_locked()
 
-  def put(self, group: rollout_lib.Group) -> None:
+  def put(self, group: rollout_lib.Group, live_version: int) -> bool:
+    """Adds a finished group, stamping the version live on arrival.
+
+    Returns False (and keeps nothing) when the group was cancelled while its
+    last rollout was being scored.
+    """
     with self._cond:
       if group.group_id not in self._dispatch_queue:
-        # Cancelled while its last rollout was being scored: nothing to train.
-        return
+        return False
+      group.arrival_version = live_version
       self._finished[group.group_id] = group
       self._completion_order.append(group.group_id)
-      self._arrival_time[group.group_id] = time.monotonic()
-      self._cond.notify_all()
+      self._arrival_time[group.group_id] = self._clock()
+      self._changed_locked()
+      return True
 
   def close(self) -> None:
     with self._cond:
-      self._closed = True
-      self._cond.notify_all()
+      self.closed = True
+      self._changed_locked()
 
   def __len__(self) -> int:
     with self._cond:
       return len(self._finished)
 
-  def cut(self, batch_version: int, num_groups: int, timeout: float | None = None) -> CutResult:
-    """Blocks until `num_groups` eligible groups exist, then returns them.
-
-    Right before each attempt to assemble the batch, every finished group whose
-    lag in `B_{batch_version}` exceeds K is removed; the successful cut returns
-    all groups swept since the previous one as `stale` (none is lost when an
-    attempt times out).
-
-    Raises:
-      BufferClosed: if `close()` is called while waiting.
-      TimeoutError: if `timeout` seconds pass without a full batch.
-    """
-    deadline = None if timeout is None else time.monotonic() + timeout
+  @property
+  def generation(self) -> int:
     with self._cond:
-      while True:
-        self._swept.extend(self._sweep_locked(batch_version))
-        chosen = self._select_locked(num_groups)
-        if chosen is not None:
-          groups = [self._pop_locked(gid) for gid in chosen]
-          stale, self._swept = self._swept, []
-          return CutResult(batch_version=batch_version, groups=groups, stale=stale)
-        if self._closed:
-          raise BufferClosed()
-        remaining = None if deadline is None else deadline - time.monotonic()
-        if remaining is not None and remaining <= 0:
-          raise TimeoutError(f"no full batch of {num_groups} groups for B_{batch_version}")
-        self._cond.wait(timeout=0.5 if remaining is None else min(remaining, 0.5))
+      return self._generation
+
+  def wait_for_change(self, generation: int, timeout: float) -> None:
+    """Blocks until something changed since `generation` (or `timeout` passed)."""
+    with self._cond:
+      self._cond.wait_for(lambda: self._generation != generation, timeout)
+
+  def try_cut(self, batch_version: int, num_groups: int) -> CutResult:
+    """Sweeps stale groups, then takes a batch if the policy has one ready.
+
+    The sweep runs on every attempt, so a batch never contains a group whose
+    lag in `B_{batch_version}` exceeds K, however long it waited.
+    """
+    with self._cond:
+      stale = self._sweep_locked(batch_version)
+      chosen = self._select_locked(num_groups)
+      groups = None if chosen is None else [self._pop_locked(gid) for gid in chosen]
+      if stale or groups:
+        self._changed_locked()
+      return CutResult(batch_version=batch_version, groups=groups, stale=stale)
+
+  def _changed_locked(self) -> None:
+    self._generation += 1
+    self._cond.notify_all()
 
   def _sweep_locked(self, batch_version: int) -> list[rollout_lib.Group]:
     cfg = self._cfg
@@ -143,7 +154,7 @@ class RolloutBuffer:
     group = self._finished.pop(group_id)
     self._dispatch_queue.pop(group_id, None)
     self._completion_order.remove(group_id)
-    waited = time.monotonic() - self._arrival_time.pop(group_id)
+    waited = self._clock() - self._arrival_time.pop(group_id)
     for r in group.rollouts:
       r.timings["in_buffer"] = waited
     return group

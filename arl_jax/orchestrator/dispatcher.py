@@ -1,5 +1,5 @@
 """The dispatcher: creates groups, stamps their dispatch version, and applies
-flow control and cancellation.
+flow control, cancellation and requeueing.
 
 Admission follows the AReaL capacity rule: a new group may start only while the
 number of groups started and not yet retired (trained, dropped or cancelled)
@@ -7,17 +7,24 @@ stays within `(max_async_level + 1) * groups_per_batch`. With
 `max_async_level = 0` the sampler can produce exactly one batch ahead of the
 learner: the synchronous baseline.
 
-Cancellation: when version `w` is published, every group still generating that
-could only ever train with lag > K is cancelled (see `staleness.can_still_ship`).
+Cancellation: when version `w` is published, every group still in flight that
+could only ever train with lag > K is cancelled (see `staleness.can_still_ship`;
+under `oldest_token` the sampler reports each group's first sampled version
+through `note_sampling`).
+
+Requeueing (`requeue_dropped = n`): the prompt of a group dropped as stale or
+cancelled is dispatched again, ahead of new prompts, up to `n` times, so that
+slow (often hard) tasks are not silently lost from training.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import staleness
@@ -29,6 +36,8 @@ class DispatchConfig:
   groups_per_batch: int
   max_async_level: int = 1
   max_off_policy_steps: int = 8
+  staleness_reference: str = "dispatch"
+  requeue_dropped: int = 0
 
   @property
   def capacity(self) -> int:
@@ -45,31 +54,41 @@ class GroupRequest:
   dispatch_version: int
   group_size: int
   dispatch_time: float
+  attempt: int = 0  # how many dropped groups of this prompt were dispatched before it
 
 
 class Dispatcher:
   """Thread-safe source of group requests under admission control."""
 
   def __init__(self, cfg: DispatchConfig, prompts: Iterator, encode_fn,
-               buffer: buffer_lib.RolloutBuffer):
+               buffer: buffer_lib.RolloutBuffer, clock: Callable[[], float] = time.monotonic):
     """Args:
       cfg: dispatch settings.
       prompts: iterator of prompt records (e.g. from a grain pipeline).
       encode_fn: prompt record -> list of token ids.
       buffer: receives each group's dispatch registration (for FIFO order).
+      clock: time source for dispatch timestamps (tests pass a fake one).
     """
+    if cfg.staleness_reference not in staleness.REFERENCES:
+      raise ValueError(f"staleness_reference must be one of {staleness.REFERENCES}")
     self._cfg = cfg
     self._prompts = prompts
     self._encode_fn = encode_fn
     self._buffer = buffer
+    self._clock = clock
     self._cond = threading.Condition()
     self._next_group_id = itertools.count()
-    self._in_system: set[int] = set()  # started, not yet retired
-    self._generating: dict[int, int] = {}  # group_id -> dispatch version
+    self._in_system: dict[int, GroupRequest] = {}  # started, not yet retired
+    self._generating: set[int] = set()  # in flight: sampler or environment
+    self._oldest_sampled: dict[int, int] = {}  # group_id -> first sampled version
+    # Prompts of dropped groups, dispatched before new ones: (prompt, ids, attempt).
+    self._requeued: collections.deque[tuple[object, tuple[int, ...], int]] = (
+        collections.deque())
     self._closed = False
     self._live_version = 0
     self.num_started = 0
     self.num_cancelled = 0
+    self.num_requeued = 0
 
   def take(self, max_groups: int, live_version: int, timeout: float) -> list[GroupRequest]:
     """Starts up to `max_groups` groups at `live_version`.
@@ -88,42 +107,65 @@ class Dispatcher:
         return []
       while (not self._closed and len(requests) < max_groups
              and len(self._in_system) < self._cfg.capacity):
-        # Fetch and encode first: if that raises, no group is left registered.
-        prompt = next(self._prompts)
-        prompt_ids = tuple(self._encode_fn(prompt))
-        group_id = next(self._next_group_id)
-        self._in_system.add(group_id)
-        self._generating[group_id] = live_version
-        self._buffer.register_dispatch(group_id, live_version)
-        self.num_started += 1
-        requests.append(GroupRequest(
-            group_id=group_id, prompt=prompt, prompt_ids=prompt_ids,
+        if self._requeued:
+          prompt, prompt_ids, attempt = self._requeued.popleft()
+        else:
+          # Fetch and encode first: if that raises, no group is left registered.
+          prompt = next(self._prompts)
+          prompt_ids, attempt = tuple(self._encode_fn(prompt)), 0
+        request = GroupRequest(
+            group_id=next(self._next_group_id), prompt=prompt, prompt_ids=prompt_ids,
             dispatch_version=live_version, group_size=self._cfg.group_size,
-            dispatch_time=time.monotonic()))
+            dispatch_time=self._clock(), attempt=attempt)
+        self._in_system[request.group_id] = request
+        self._generating.add(request.group_id)
+        self._buffer.register_dispatch(request.group_id, live_version)
+        self.num_started += 1
+        requests.append(request)
     return requests
+
+  def note_sampling(self, group_id: int, version: int) -> None:
+    """The sampler sampled a token of `group_id` with params of `version`."""
+    with self._cond:
+      if group_id in self._generating:
+        old = self._oldest_sampled.get(group_id, version)
+        self._oldest_sampled[group_id] = min(old, version)
 
   def finished_generating(self, group_id: int) -> None:
     with self._cond:
-      self._generating.pop(group_id, None)
+      self._generating.discard(group_id)
+      self._oldest_sampled.pop(group_id, None)
 
-  def retire(self, group_ids) -> None:
-    """Frees capacity for groups that were trained, dropped or cancelled."""
+  def retire(self, group_ids, dropped: bool = False) -> None:
+    """Frees capacity for groups that were trained, or dropped (`dropped=True`:
+    stale or cancelled), requeueing dropped prompts as configured."""
     with self._cond:
       for gid in group_ids:
-        self._in_system.discard(gid)
-        self._generating.pop(gid, None)
+        request = self._in_system.pop(gid, None)
+        self._generating.discard(gid)
+        self._oldest_sampled.pop(gid, None)
+        if dropped and request is not None and request.attempt < self._cfg.requeue_dropped:
+          self._requeued.append((request.prompt, request.prompt_ids, request.attempt + 1))
+          self.num_requeued += 1
       self._cond.notify_all()
 
-  def on_publish(self, live_version: int) -> list[int]:
-    """Announces a newly published version; cancels and returns the generating
-    groups that can no longer ship."""
+  def on_publish(self, live_version: int) -> list[GroupRequest]:
+    """Announces a newly published version; cancels, retires and returns the
+    in-flight groups that can no longer ship."""
+    cfg = self._cfg
     with self._cond:
       self._live_version = live_version
-      doomed = [gid for gid, dv in self._generating.items()
-                if not staleness.can_still_ship(dv, live_version, self._cfg.max_off_policy_steps)]
-    for gid in doomed:
-      self._buffer.forget(gid)
-    self.retire(doomed)
+      doomed = []
+      for gid in self._generating:
+        request = self._in_system[gid]
+        reference = staleness.in_flight_reference(
+            request.dispatch_version, self._oldest_sampled.get(gid), cfg.staleness_reference)
+        if not staleness.can_still_ship(reference, live_version, cfg.max_off_policy_steps):
+          doomed.append(request)
+      doomed.sort(key=lambda r: r.group_id)
+    for request in doomed:
+      self._buffer.forget(request.group_id)
+    self.retire([r.group_id for r in doomed], dropped=True)
     with self._cond:
       self.num_cancelled += len(doomed)
     return doomed

@@ -32,15 +32,32 @@ def is_stale(batch_version: int, group: rollout_lib.Group, max_off_policy_steps:
   return lag(batch_version, group, reference) > max_off_policy_steps
 
 
-def can_still_ship(dispatch_version: int, live_version: int, max_off_policy_steps: int) -> bool:
-  """Whether a group still generating may train in some future batch.
+def can_still_ship(reference: int | None, live_version: int, max_off_policy_steps: int) -> bool:
+  """Whether a group still in flight (generating or in its environment) may
+  train in some future batch.
 
   Once `live_version` is published the earliest batch the group can join is
-  `B_{live_version}`. The sampler samples a group's first token with the
-  params live at dispatch, so its oldest token version equals its dispatch
-  version and the lag is the same under either reference: when
-  `live_version - dispatch_version > K` it can never ship, and generating it
-  further only wastes compute. (A sampler that re-admits work under newer
-  weights must cancel on the oldest recorded version instead.)
+  `B_{live_version}`, and its lag there is `live_version - reference`, where
+  `reference` is the version its lag counts from (`in_flight_reference`). The
+  lag only grows, so when it already exceeds K the group can never ship and
+  generating it further only wastes compute. `reference=None` means the group
+  has no sampled token yet under `oldest_token`: its first token will carry the
+  live version or a newer one, so it can always still ship.
   """
-  return live_version - dispatch_version <= max_off_policy_steps
+  return reference is None or live_version - reference <= max_off_policy_steps
+
+
+def in_flight_reference(dispatch_version: int, oldest_sampled: int | None,
+                        reference: str) -> int | None:
+  """The version an in-flight group's lag counts from, as far as known now.
+
+  Under `dispatch` that is fixed at dispatch. Under `oldest_token` it is the
+  oldest version among the tokens sampled so far: versions only grow, so every
+  later token is at least as new, and the final oldest version is this one
+  (`None` while nothing is sampled).
+  """
+  if reference == "dispatch":
+    return dispatch_version
+  if reference == "oldest_token":
+    return oldest_sampled
+  raise ValueError(f"staleness_reference must be one of {REFERENCES}, got {reference!r}")

@@ -126,7 +126,11 @@ class EngineStats:
   sampled_tokens: int = 0
   finished_segments: int = 0
   cancelled_rollouts: int = 0
+  # Of cancelled rollouts: completion budget left unsampled (the compute
+  # cancellation saved, an upper bound: a rollout may have stopped earlier),
+  # and tokens already sampled (work thrown away).
   cancelled_tokens: int = 0
+  cancelled_sampled_tokens: int = 0
   decode_seconds: float = 0.0
   prefill_seconds: float = 0.0
   swap_seconds: float = 0.0
@@ -463,6 +467,8 @@ class SamplerEngine:
     now = time.monotonic()
     for (slot, row), budget in zip(items, max_new):
       row.version, row.start_time, row.budget, row.sampled = self.version, now, int(budget), 1
+      # The first token is sampled here: under `oldest_token` cancellation counts from it.
+      self._dispatcher.note_sampling(row.group_id, self.version)
       row.episode.timings["queued"] += now - row.ready_time
       self.stats.queue_wait_seconds += now - row.ready_time
       self.stats.resumes += row.episode.turns > 0
@@ -478,6 +484,7 @@ class SamplerEngine:
     self.stats.cancelled_rollouts += 1
     budget = row.budget or self._cfg.max_new_tokens - len(row.episode.completion_ids)
     self.stats.cancelled_tokens += max(budget - row.sampled, 0)
+    self.stats.cancelled_sampled_tokens += row.sampled
 
   def _apply_cancellations(self) -> None:
     with self._lock:

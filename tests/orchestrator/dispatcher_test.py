@@ -11,10 +11,14 @@ class _Prompt:
     self.prompt_id = i
 
 
-def _dispatcher(max_async_level=1, groups_per_batch=2, k=2):
-  buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig(max_off_policy_steps=k))
+def _dispatcher(max_async_level=1, groups_per_batch=2, k=2, reference="dispatch",
+                requeue_dropped=0):
+  buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig(max_off_policy_steps=k,
+                                                            staleness_reference=reference))
   cfg = dispatcher_lib.DispatchConfig(group_size=2, groups_per_batch=groups_per_batch,
-                                      max_async_level=max_async_level, max_off_policy_steps=k)
+                                      max_async_level=max_async_level, max_off_policy_steps=k,
+                                      staleness_reference=reference,
+                                      requeue_dropped=requeue_dropped)
   prompts = (_Prompt(i) for i in itertools.count())
   return dispatcher_lib.Dispatcher(cfg, prompts, lambda p: [1, 2, 3], buffer), buffer
 
@@ -57,7 +61,38 @@ def test_publish_cancels_generating_groups_that_can_no_longer_ship():
   dispatcher.finished_generating(old[1].group_id)  # finished: the buffer sweep handles it
   assert dispatcher.on_publish(2) == []
   cancelled = dispatcher.on_publish(3)  # 3 - 0 > K=2
-  assert cancelled == [old[0].group_id]
+  assert cancelled == [old[0]]
   assert dispatcher.num_cancelled == 1
   assert dispatcher.in_system == 3  # cancelled groups free their capacity
-  assert dispatcher.on_publish(4) == [r.group_id for r in newer]
+  assert dispatcher.on_publish(4) == newer
+
+
+def test_oldest_token_cancellation_counts_from_the_first_sampled_version():
+  dispatcher, _ = _dispatcher(max_async_level=3, k=2, reference="oldest_token")
+  queued, started_late, started = dispatcher.take(3, live_version=0, timeout=0.01)
+  dispatcher.note_sampling(started.group_id, 0)
+  dispatcher.note_sampling(started_late.group_id, 2)  # waited for a slot until v2
+  dispatcher.note_sampling(started_late.group_id, 3)  # later tokens do not move it
+  # At v3: 3 - 0 > 2 for `started`; `started_late` counts from 2; `queued` has no token.
+  assert dispatcher.on_publish(3) == [started]
+  assert dispatcher.on_publish(4) == []
+  assert dispatcher.on_publish(5) == [started_late]
+  assert dispatcher.on_publish(50) == []  # a group with no token can always still ship
+  dispatcher.note_sampling(queued.group_id, 50)
+  assert dispatcher.on_publish(53) == [queued]
+
+
+def test_dropped_prompts_are_requeued_ahead_of_new_ones_up_to_the_limit():
+  dispatcher, _ = _dispatcher(max_async_level=0, groups_per_batch=2, requeue_dropped=1)
+  first = dispatcher.take(2, live_version=0, timeout=0.01)
+  dispatcher.retire([first[0].group_id], dropped=True)  # stale: requeued
+  dispatcher.retire([first[1].group_id])  # trained: not requeued
+  again = dispatcher.take(2, live_version=0, timeout=0.01)
+  assert [r.prompt.prompt_id for r in again] == [first[0].prompt.prompt_id, 2]
+  assert [r.attempt for r in again] == [1, 0]
+  assert again[0].group_id not in (first[0].group_id, first[1].group_id)
+  dispatcher.retire([r.group_id for r in again], dropped=True)
+  # The requeued prompt used its one requeue; the new one is requeued.
+  third = dispatcher.take(2, live_version=0, timeout=0.01)
+  assert [r.prompt.prompt_id for r in third] == [2, 3]
+  assert dispatcher.num_requeued == 2

@@ -26,8 +26,8 @@ def _cut(buffer, groups, batch_version, num_groups):
   for g in groups:
     buffer.register_dispatch(g.group_id, g.dispatch_version)
   for g in groups:
-    buffer.put(g)
-  return buffer.cut(batch_version, num_groups, timeout=0.5)
+    buffer.put(g, live_version=batch_version)
+  return buffer.try_cut(batch_version, num_groups)
 
 
 # The coding rollout: 3,000 tokens under pi_9, 4,500 under pi_10, the rest
@@ -84,18 +84,24 @@ def test_time_waiting_in_the_buffer_counts():
   group = make_group(0, 3, [[3], [3]])
   buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig(max_off_policy_steps=2))
   buffer.register_dispatch(0, 3)
-  buffer.put(group)
+  buffer.put(group, live_version=4)
   # Not cut at B_4 (a batch of 2 groups was wanted), still waiting at B_6.
-  with pytest.raises(TimeoutError):
-    buffer.cut(4, 2, timeout=0.05)
-  result = buffer.cut(6, 0, timeout=0.05)
+  assert buffer.try_cut(4, 2).groups is None
+  result = buffer.try_cut(6, 2)
   assert [g.group_id for g in result.stale] == [0]
 
 
 def test_can_still_ship():
-  assert staleness.can_still_ship(dispatch_version=10, live_version=18, max_off_policy_steps=8)
-  assert not staleness.can_still_ship(dispatch_version=10, live_version=19,
-                                      max_off_policy_steps=8)
+  assert staleness.can_still_ship(10, live_version=18, max_off_policy_steps=8)
+  assert not staleness.can_still_ship(10, live_version=19, max_off_policy_steps=8)
+  # Nothing sampled yet under oldest_token: its tokens will be new enough.
+  assert staleness.can_still_ship(None, live_version=100, max_off_policy_steps=0)
+
+
+def test_in_flight_reference():
+  assert staleness.in_flight_reference(3, 5, "dispatch") == 3
+  assert staleness.in_flight_reference(3, 5, "oldest_token") == 5
+  assert staleness.in_flight_reference(3, None, "oldest_token") is None
 
 
 def test_rollout_rejects_sampled_token_without_version():

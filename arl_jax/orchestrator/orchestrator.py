@@ -1,0 +1,155 @@
+"""The orchestrator: the learner's side of asynchronous control (DESIGN.md section 4).
+
+It owns the dispatcher (admission, cancellation, requeueing), the rollout
+buffer (staleness sweep, assembly policy) and the drop ledger, and applies
+them in one fixed order:
+
+- env workers hand in finished groups (`group_finished`), stamped with the
+  version live on arrival;
+- the learner cuts `B_u` (`cut`): every attempt sweeps stale groups first,
+  retires them at once (so they never hold admission capacity while the
+  learner waits) and counts them;
+- after the update the learner publishes `u + 1` (`publish`): in-flight groups
+  that can no longer ship are cancelled, then the trained groups are retired,
+  so the capacity they free is spent on the new version.
+
+Every decision depends only on the order of these calls and on the injected
+clock, so `testing.fake_sampler` replays whole runs deterministically with a
+fake sampler and a fake clock, through exactly this code.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import numpy as np
+
+from arl_jax import rollout as rollout_lib
+from arl_jax.orchestrator import buffer as buffer_lib
+from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import drop_ledger as drop_ledger_lib
+from arl_jax.orchestrator import staleness
+
+
+def histogram(values) -> dict[str, int]:
+  """`{"value": count}` of integer values, for JSON lines."""
+  keys, counts = np.unique(np.asarray(values, np.int64), return_counts=True)
+  return {str(int(k)): int(c) for k, c in zip(keys, counts)}
+
+
+@dataclasses.dataclass
+class Batch:
+  """A cut batch: its groups, the groups swept as stale since the previous
+  batch, and this batch's masked rollouts by reason (`env_error`, `truncated`)."""
+
+  batch_version: int
+  groups: list[rollout_lib.Group]
+  stale: list[rollout_lib.Group]
+  masked: collections.Counter
+  staleness_reference: str
+
+  def lag_metrics(self) -> dict:
+    """Per-group lag and its split into versions that passed while the group
+    was in flight (reference -> arrival in the buffer) and while it waited in
+    the buffer (arrival -> this batch); one entry per group."""
+    lags, in_flight, in_queue = [], [], []
+    for g in self.groups:
+      reference = staleness.reference_version(g, self.staleness_reference)
+      lags.append(self.batch_version - reference)
+      in_flight.append(g.arrival_version - reference)
+      in_queue.append(self.batch_version - g.arrival_version)
+    return {
+        "lag_mean": float(np.mean(lags)), "lag_max": int(np.max(lags)),
+        "lag_histogram": histogram(lags),
+        "lag_in_flight_mean": float(np.mean(in_flight)),
+        "lag_in_flight_histogram": histogram(in_flight),
+        "lag_in_queue_mean": float(np.mean(in_queue)),
+        "lag_in_queue_histogram": histogram(in_queue),
+    }
+
+
+class Orchestrator:
+  """Dispatcher + buffer + drop ledger, driven by the learner thread."""
+
+  def __init__(self, *, dispatch_cfg: dispatcher_lib.DispatchConfig,
+               buffer_cfg: buffer_lib.BufferConfig, prompts: Iterator, encode_fn,
+               env_name: str, max_new_tokens: int, mask_truncated_completions: bool = False,
+               clock: Callable[[], float] = time.monotonic):
+    if dispatch_cfg.staleness_reference != buffer_cfg.staleness_reference:
+      raise ValueError("the dispatcher and the buffer must use the same staleness_reference")
+    self.dispatch_cfg = dispatch_cfg
+    self.buffer_cfg = buffer_cfg
+    self.buffer = buffer_lib.RolloutBuffer(buffer_cfg, clock)
+    self.dispatcher = dispatcher_lib.Dispatcher(dispatch_cfg, prompts, encode_fn, self.buffer,
+                                                clock)
+    self.ledger = drop_ledger_lib.DropLedger(max_new_tokens, mask_truncated_completions)
+    self._env_name = env_name
+    self._lock = threading.Lock()
+    self._live_version = 0
+    self._stale_since_cut: list[rollout_lib.Group] = []
+
+  @property
+  def live_version(self) -> int:
+    with self._lock:
+      return self._live_version
+
+  def group_finished(self, group: rollout_lib.Group) -> None:
+    """A group's last rollout was scored (env worker threads)."""
+    self.dispatcher.finished_generating(group.group_id)
+    self.buffer.put(group, self.live_version)
+
+  def try_cut(self, batch_version: int) -> Batch | None:
+    """One attempt at `B_{batch_version}`: sweep, count and retire stale groups,
+    then take a batch if the assembly policy has one ready."""
+    result = self.buffer.try_cut(batch_version, self.dispatch_cfg.groups_per_batch)
+    if result.stale:
+      self.ledger.record_stale(result.stale)
+      self.dispatcher.retire([g.group_id for g in result.stale], dropped=True)
+      self._stale_since_cut.extend(result.stale)
+    if result.groups is None:
+      return None
+    masked = self.ledger.record_trained(result.groups)
+    stale, self._stale_since_cut = self._stale_since_cut, []
+    return Batch(batch_version=batch_version, groups=result.groups, stale=stale, masked=masked,
+                 staleness_reference=self.buffer_cfg.staleness_reference)
+
+  def cut(self, batch_version: int, timeout: float | None = None) -> Batch:
+    """Blocks until `B_{batch_version}` can be cut.
+
+    Raises:
+      buffer.BufferClosed: if the buffer is closed while waiting.
+      TimeoutError: if `timeout` seconds pass without a full batch.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+      generation = self.buffer.generation
+      batch = self.try_cut(batch_version)
+      if batch is not None:
+        return batch
+      if self.buffer.closed:
+        raise buffer_lib.BufferClosed()
+      remaining = None if deadline is None else deadline - time.monotonic()
+      if remaining is not None and remaining <= 0:
+        raise TimeoutError(f"no full batch of {self.dispatch_cfg.groups_per_batch} groups "
+                           f"for B_{batch_version}")
+      self.buffer.wait_for_change(generation, 0.5 if remaining is None else min(remaining, 0.5))
+
+  def publish(self, version: int, trained: list[rollout_lib.Group]) -> list[int]:
+    """Announces a published version: cancels the in-flight groups that can no
+    longer ship (returned, for the sampler and env workers to stop), then
+    retires the groups trained by the update that produced it."""
+    with self._lock:
+      self._live_version = version
+    cancelled = self.dispatcher.on_publish(version)
+    for request in cancelled:
+      self.ledger.record_cancelled(request.prompt.prompt_id, self._env_name, request.group_size)
+    self.dispatcher.retire([g.group_id for g in trained])
+    return [r.group_id for r in cancelled]
+
+  def close(self) -> None:
+    self.dispatcher.close()
+    self.buffer.close()
