@@ -40,7 +40,9 @@ _SECTIONS = {
     "orchestrator": ("batch_size", "group_size", "max_async_level", "max_off_policy_steps",
                      "staleness_reference", "assembly", "window_fraction", "requeue_dropped",
                      "mask_truncated_completions"),
-    "learner": ("loss", "eps_low", "eps_high", "dual_clip", "advantage", "lr", "b1", "b2",
+    "learner": ("loss", "eps_low", "eps_high", "dual_clip", "rho_bar", "tau", "tis_cap",
+                "age_decay", "decoupled", "aggregation", "kl_coef", "entropy_coef", "advantage",
+                "num_epochs", "num_minibatches", "num_microbatches", "lr", "b1", "b2",
                 "weight_decay", "max_grad_norm"),
     "warmup": ("steps", "batch_size", "lr", "fraction"),
 }
@@ -246,10 +248,32 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
            "clip ranges must satisfy 0 <= eps_low < 1 and eps_high >= 0")
   _require(lc["dual_clip"] == 0 or lc["dual_clip"] > 1, "learner.dual_clip",
            f"must be 0 (off) or > 1, got {lc['dual_clip']}")
-  loss = update_lib.LossSettings(
+  _require(lc["rho_bar"] >= 1, "learner.rho_bar", f"must be >= 1, got {lc['rho_bar']}")
+  _require(lc["tau"] > 0, "learner.tau", f"must be > 0, got {lc['tau']}")
+  _require(lc["tis_cap"] == 0 or lc["tis_cap"] >= 1, "learner.tis_cap",
+           f"must be 0 (off) or >= 1, got {lc['tis_cap']}")
+  for key in ("age_decay", "kl_coef", "entropy_coef"):
+    _require(lc[key] >= 0, f"learner.{key}", f"must be >= 0, got {lc[key]}")
+  _require(lc["aggregation"] in losses_lib.AGGREGATIONS, "learner.aggregation",
+           f"must be one of {losses_lib.AGGREGATIONS}, got {lc['aggregation']!r}")
+  for key in ("num_epochs", "num_minibatches", "num_microbatches"):
+    _require(isinstance(lc[key], int) and lc[key] >= 1, f"learner.{key}",
+             f"must be an int >= 1, got {lc[key]!r}")
+  slices = lc["num_minibatches"] * lc["num_microbatches"]
+  _require(batch % slices == 0, "learner.num_microbatches",
+           f"orchestrator.batch_size={batch} rows do not split into num_minibatches x "
+           f"num_microbatches = {slices} equal slices")
+  loss = _wrap(
+      "learner", update_lib.LossSettings,
       name=lc["loss"], eps_low=float(lc["eps_low"]), eps_high=float(lc["eps_high"]),
       dual_clip=float(lc["dual_clip"]) if lc["dual_clip"] else None,
-      temperature=float(s["temperature"]))
+      rho_bar=float(lc["rho_bar"]), tau=float(lc["tau"]),
+      tis_cap=float(lc["tis_cap"]) if lc["tis_cap"] else None,
+      age_decay=float(lc["age_decay"]), decoupled=bool(lc["decoupled"]),
+      aggregation=lc["aggregation"], norm_constant=float(s["max_new_tokens"]),
+      kl_coef=float(lc["kl_coef"]), entropy_coef=float(lc["entropy_coef"]),
+      temperature=float(s["temperature"]), num_epochs=lc["num_epochs"],
+      num_minibatches=lc["num_minibatches"], num_microbatches=lc["num_microbatches"])
   optim = _wrap("learner", optim_lib.OptimConfig, lr=lc["lr"], b1=lc["b1"], b2=lc["b2"],
                 weight_decay=lc["weight_decay"], max_grad_norm=lc["max_grad_norm"])
   _require(w["steps"] >= 0, "warmup.steps", "must be >= 0")

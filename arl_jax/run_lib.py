@@ -15,6 +15,7 @@ import os
 import time
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
@@ -126,9 +127,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
 
   optimizer = optim_lib.make_optimizer(spec.optim)
   state, state_shardings = train_state_lib.create(holder["params"], optimizer, meshes.learner)
+  # The KL penalty's reference policy: the params RL starts from (after any
+  # warm-up), a copy that the donated update step never touches.
+  reference = (jax.tree.map(jnp.copy, state.params) if spec.loss.kl_coef > 0 else None)
   update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
                                         settings=spec.loss, state_shardings=state_shardings,
-                                        mesh=meshes.learner)
+                                        mesh=meshes.learner, reference_params=reference)
   holder["params"] = state.params
   evaluate(0, "rl")
 

@@ -71,7 +71,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       requeue_dropped=0, mask_truncated_completions=False))
 
   config.learner = ml_collections.ConfigDict(dict(
-      loss="clipped_ratio", eps_low=0.2, eps_high=0.2, dual_clip=0.0, advantage="grpo",
+      loss="clipped_ratio", eps_low=0.2, eps_high=0.2, dual_clip=0.0, rho_bar=1.0, tau=0.04,
+      tis_cap=0.0, age_decay=0.0, decoupled=False, aggregation="token_mean", kl_coef=0.0,
+      entropy_coef=0.0, advantage="grpo", num_epochs=1, num_minibatches=1, num_microbatches=1,
       lr=1e-4, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0))
 
   config.warmup = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=1e-3,

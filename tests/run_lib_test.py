@@ -121,3 +121,26 @@ def test_tool_agent_episodes_span_policy_versions_while_tools_are_slow(tmp_path)
   assert rl[-1]["env_turns"] >= rl[-1]["sampler_resumes"] > 0
   assert max(r["multi_version_fraction"] for r in rl) > 0
   assert rl[-1]["env_errors"] == rl[-1]["env_timeouts"] == 0
+
+
+@pytest.mark.parametrize("learner, logged", [
+    (dict(loss="m2po", num_minibatches=2, num_microbatches=2, kl_coef=0.05),
+     ("masked_fraction", "kl_reference", "behaviour_weight_mean")),
+    (dict(loss="vtrace", rho_bar=2.0, aggregation="seq_sum_norm", entropy_coef=0.01),
+     ("clip_fraction",)),
+    (dict(loss="clipped_ratio", num_epochs=2, tis_cap=2.0, age_decay=0.5, advantage="rloo"),
+     ("tis_truncated_fraction", "behaviour_weight_mean")),
+])
+def test_every_loss_trains_end_to_end(tmp_path, learner, logged):
+  config = tiny.load_config("arith", "tiny")
+  config.num_steps = 3
+  config.eval_every = 0
+  config.learner.update(learner)
+  result = run_lib.run(config, str(tmp_path), print_fn=lambda *_: None)
+  assert result.final_version == 3
+  last = result.history[-1]
+  assert last["skipped_steps"] == 0 and np.isfinite(last["loss"]) and last["entropy"] > 0
+  assert last["optimizer_steps"] == learner.get("num_epochs", 1) * learner.get(
+      "num_minibatches", 1)
+  for key in logged:
+    assert np.isfinite(last[key]), key

@@ -1,10 +1,10 @@
-"""Group-relative advantages (GRPO; Shao et al., 2024, DeepSeekMath)."""
+"""Group-relative advantages: GRPO (Shao et al., 2024, DeepSeekMath) and RLOO."""
 
 from __future__ import annotations
 
 import numpy as np
 
-ADVANTAGE_ESTIMATORS = ("grpo", "grpo_no_std")
+ADVANTAGE_ESTIMATORS = ("grpo", "grpo_no_std", "rloo")
 
 
 def group_advantages(rewards: np.ndarray, estimator: str = "grpo", eps: float = 1e-6,
@@ -13,7 +13,9 @@ def group_advantages(rewards: np.ndarray, estimator: str = "grpo", eps: float = 
 
   `grpo`: `(r - mean(r_group)) / (std(r_group) + eps)`; `grpo_no_std` drops the
   std scaling (Dr. GRPO, Liu et al., 2025), which avoids up-weighting groups
-  that are almost all right or all wrong.
+  that are almost all right or all wrong. `rloo`: leave-one-out baseline
+  `r_i - mean_{j != i} r_j` (Kool et al., 2019; Ahmadian et al., 2024), unbiased
+  because a rollout's baseline does not depend on its own reward.
 
   Args:
     rewards: `[num_groups, G]` float.
@@ -38,6 +40,10 @@ def group_advantages(rewards: np.ndarray, estimator: str = "grpo", eps: float = 
   count = np.maximum(valid.sum(axis=1, keepdims=True), 1)
   mean = np.where(valid, rewards, 0.0).sum(axis=1, keepdims=True) / count
   centred = np.where(valid, rewards - mean, 0.0)
+  if estimator == "rloo":
+    # r_i - (sum - r_i) / (n - 1) = n / (n - 1) * (r_i - mean); 0 when n < 2.
+    n = valid.sum(axis=1, keepdims=True)
+    return np.where(n > 1, centred * n / np.maximum(n - 1, 1), 0.0).astype(np.float32)
   if estimator == "grpo":
     std = np.sqrt((centred ** 2).sum(axis=1, keepdims=True) / count)
     centred = centred / (std + eps)

@@ -1,14 +1,39 @@
 """Token-level policy losses against recorded behaviour log-probabilities.
 
 Pure functions of arrays (rlax style): shapes checked on entry, no model call,
-no config object. Each returns `(loss, metrics)` where metrics are scalars.
-Shapes: B rows, L columns; masks select the tokens the policy sampled.
+no config object. Every token loss has the same leading arguments and returns
+`(per_token_loss [B, L], metrics)`; the caller weighs tokens with
+`token_weights` (the aggregation) and sums, so a batch split into microbatches
+is aggregated exactly as the whole batch would be.
+
+Shapes: B rows, L columns. `loss_mask` selects the tokens the policy sampled;
+`advantages` are per token (a rollout's advantage broadcast over its tokens,
+or per-token V-trace advantages). Notation: `log_ratio_t = logp_theta_t -
+logp_mu_t`, `rho_t = exp(log_ratio_t)`, with mu the behaviour probability
+recorded when the token was sampled, so a rollout that spans several policy
+versions is corrected token by token.
+
+The decoupled objective (AReaL; Fu et al., 2025; Hilton et al., 2021): when a
+proximal policy `pi_prox` is given (recomputed at the start of a batch that
+takes several optimizer steps), the trust region is taken around `pi_prox`,
+`r_t = pi_theta / pi_prox`, and the off-policy correction is a separate
+constant weight `w_t = pi_prox / mu`, optionally truncated at `tis_cap`
+(truncated importance sampling for trainer/inference mismatch, Yao et al.,
+2025). Without a proximal policy, `r_t = rho_t` and `w_t = 1` (coupled).
+
+Age-aware trust region (`age_decay > 0`, off by default): a token sampled
+`lag_t` versions ago gets the clip range `eps / (1 + age_decay * lag_t)` (and
+V-trace truncation levels shrink the same way towards 1), so the oldest
+tokens may move the policy the least.
 """
 
 from __future__ import annotations
 
 import chex
+import jax
 import jax.numpy as jnp
+
+AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
 
 
 def masked_mean(x, mask):
@@ -16,15 +41,70 @@ def masked_mean(x, mask):
   return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
-def clipped_ratio(logprobs, behaviour_logprobs, advantages, loss_mask, *, eps_low: float = 0.2,
-                  eps_high: float = 0.2, dual_clip: float | None = None):
-  """PPO/GRPO clipped surrogate per token, aggregated as a token mean.
+def _check(logprobs, behaviour_logprobs, advantages, loss_mask, *optional):
+  arrays = [logprobs, behaviour_logprobs, advantages, loss_mask,
+            *(x for x in optional if x is not None)]
+  chex.assert_rank(arrays, 2)
+  chex.assert_equal_shape(arrays)
+  chex.assert_type([logprobs, behaviour_logprobs, advantages, loss_mask], float)
 
-  With `rho_t = exp(log pi_theta(a_t|s_t) - log mu(a_t|s_t))`, where mu is the
-  behaviour log-prob recorded when the token was sampled (so a rollout that
-  spans several versions is corrected token by token):
 
-    loss_t = -min(rho_t A, clip(rho_t, 1 - eps_low, 1 + eps_high) A)
+def token_weights(loss_mask, aggregation: str, norm_constant: float | None = None):
+  """`[B, L]` weights such that `sum(weights * per_token_loss)` is the loss.
+
+  - `token_mean`: every trained token of the batch counts the same (DAPO).
+  - `seq_mean_token_mean`: mean over each sequence's tokens, then over the
+    sequences with at least one trained token (GRPO as published).
+  - `seq_sum_norm`: each sequence's token sum divided by the constant
+    `norm_constant` (e.g. the completion budget), then the mean over
+    sequences (Dr. GRPO, Liu et al., 2025): no length bias.
+
+  Computed once over the whole batch and sliced with it into microbatches.
+  """
+  chex.assert_rank(loss_mask, 2)
+  per_row = jnp.sum(loss_mask, axis=1, keepdims=True)
+  num_rows = jnp.maximum(jnp.sum(per_row > 0), 1.0)
+  if aggregation == "token_mean":
+    return loss_mask / jnp.maximum(jnp.sum(loss_mask), 1.0)
+  if aggregation == "seq_mean_token_mean":
+    return loss_mask / (jnp.maximum(per_row, 1.0) * num_rows)
+  if aggregation == "seq_sum_norm":
+    if norm_constant is None or norm_constant <= 0:
+      raise ValueError(f"seq_sum_norm needs a positive norm_constant, got {norm_constant}")
+    return loss_mask / (norm_constant * num_rows)
+  raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
+
+
+def _age_scale(token_lag, age_decay: float):
+  """`1 / (1 + age_decay * lag)` per token (1 everywhere when off)."""
+  if not age_decay or token_lag is None:
+    return 1.0
+  return 1.0 / (1.0 + age_decay * jnp.maximum(token_lag, 0).astype(jnp.float32))
+
+
+def _trust_region_ratio(logprobs, behaviour_logprobs, loss_mask, proximal_logprobs,
+                        tis_cap: float | None):
+  """`(r, w, metrics)`: the ratio the trust region acts on, and the constant
+  off-policy weight (see the module docstring)."""
+  if proximal_logprobs is None:
+    return jnp.exp((logprobs - behaviour_logprobs) * loss_mask), 1.0, {}
+  r = jnp.exp((logprobs - proximal_logprobs) * loss_mask)
+  w = jnp.exp(jax.lax.stop_gradient((proximal_logprobs - behaviour_logprobs) * loss_mask))
+  metrics = {"behaviour_weight_mean": masked_mean(w, loss_mask)}
+  if tis_cap is not None:
+    metrics["tis_truncated_fraction"] = masked_mean((w > tis_cap).astype(jnp.float32),
+                                                    loss_mask)
+    w = jnp.minimum(w, tis_cap)
+  return r, w, metrics
+
+
+def clipped_ratio(logprobs, behaviour_logprobs, advantages, loss_mask, *,
+                  proximal_logprobs=None, token_lag=None, eps_low: float = 0.2,
+                  eps_high: float = 0.2, dual_clip: float | None = None,
+                  tis_cap: float | None = None, age_decay: float = 0.0):
+  """PPO/GRPO clipped surrogate per token.
+
+    loss_t = -w_t * min(r_t A_t, clip(r_t, 1 - eps_low_t, 1 + eps_high_t) A_t)
 
   (Schulman et al., 2017; asymmetric clip as DAPO, Yu et al., 2025). With
   `dual_clip = c > 1`, tokens with A < 0 have their loss capped at `-c A`
@@ -32,36 +112,112 @@ def clipped_ratio(logprobs, behaviour_logprobs, advantages, loss_mask, *, eps_lo
 
   Args:
     logprobs: `[B, L]` float32 log-probs under the params being trained.
-    behaviour_logprobs: `[B, L]` float32 recorded at sampling time.
-    advantages: `[B, L]` float32 (per-rollout advantages broadcast over L).
+    behaviour_logprobs: `[B, L]` recorded at sampling time.
+    advantages: `[B, L]`.
     loss_mask: `[B, L]` float32, 1 on trained tokens.
-    eps_low: lower clip range.
-    eps_high: upper clip range.
+    proximal_logprobs: optional `[B, L]`, the decoupled objective's pi_prox.
+    token_lag: optional `[B, L]` int, versions since each token was sampled.
+    eps_low, eps_high: clip ranges.
     dual_clip: optional c > 1.
+    tis_cap: optional truncation of the decoupled weight `pi_prox / mu`.
+    age_decay: age-aware trust region (0: off).
 
   Returns:
-    `(loss, metrics)`.
+    `(per_token_loss [B, L], metrics)`.
   """
-  chex.assert_rank([logprobs, behaviour_logprobs, advantages, loss_mask], 2)
-  chex.assert_equal_shape([logprobs, behaviour_logprobs, advantages, loss_mask])
-  chex.assert_type([logprobs, behaviour_logprobs, advantages, loss_mask], float)
-  log_ratio = (logprobs - behaviour_logprobs) * loss_mask
-  ratio = jnp.exp(log_ratio)
-  clipped = jnp.clip(ratio, 1.0 - eps_low, 1.0 + eps_high)
-  per_token = -jnp.minimum(ratio * advantages, clipped * advantages)
+  _check(logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag)
+  r, w, metrics = _trust_region_ratio(logprobs, behaviour_logprobs, loss_mask,
+                                      proximal_logprobs, tis_cap)
+  scale = _age_scale(token_lag, age_decay)
+  clipped = jnp.clip(r, 1.0 - eps_low * scale, 1.0 + eps_high * scale)
+  surrogate = jnp.minimum(r * advantages, clipped * advantages)
   if dual_clip is not None:
-    per_token = jnp.where(advantages < 0, jnp.minimum(per_token, -dual_clip * advantages),
-                          per_token)
-  loss = masked_mean(per_token, loss_mask)
+    surrogate = jnp.where(advantages < 0, jnp.maximum(surrogate, dual_clip * advantages),
+                          surrogate)
   # A token is "clipped" when the clipped branch is the active one.
-  is_clipped = (ratio * advantages > clipped * advantages).astype(jnp.float32)
-  metrics = {"clip_fraction": masked_mean(is_clipped, loss_mask)}
-  metrics.update(ratio_statistics(log_ratio, loss_mask))
-  return loss, metrics
+  is_clipped = (r * advantages > clipped * advantages).astype(jnp.float32)
+  metrics["clip_fraction"] = masked_mean(is_clipped, loss_mask)
+  return -w * surrogate * loss_mask, metrics
+
+
+def vtrace(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logprobs=None,
+           token_lag=None, rho_bar: float = 1.0, age_decay: float = 0.0):
+  """Truncated importance-sampled policy gradient (IMPALA's V-trace actor loss,
+  Espeholt et al., 2018):
+
+    loss_t = -sg(min(rho_t, rho_bar_t)) * A_t * logp_theta_t
+
+  Its gradient is `-min(rho_t, rho_bar) A_t grad log pi_theta`. With a critic,
+  `A_t` are the V-trace policy-gradient advantages
+  `min(rho_t, rho_bar) (r_t + v_{t+1} - V(s_t))` without the leading weight
+  (`vtrace_lib.vtrace_advantages`); without one, the group-relative advantage
+  of the rollout. V-trace corrects against mu directly, so it takes no
+  proximal policy.
+  """
+  _check(logprobs, behaviour_logprobs, advantages, loss_mask, token_lag)
+  if proximal_logprobs is not None:
+    raise ValueError("vtrace corrects against the behaviour policy; it takes no proximal policy")
+  rho = jnp.exp(jax.lax.stop_gradient((logprobs - behaviour_logprobs) * loss_mask))
+  level = 1.0 + (rho_bar - 1.0) * _age_scale(token_lag, age_decay)
+  truncated = jnp.minimum(rho, level)
+  metrics = {"clip_fraction": masked_mean((rho > level).astype(jnp.float32), loss_mask)}
+  return -truncated * advantages * logprobs * loss_mask, metrics
+
+
+def m2po_keep_mask(log_ratio, loss_mask, tau: float):
+  """Second-moment masking (M2PO, Zheng et al., 2025): drop the tokens with the
+  largest `log_ratio^2` until the mean of the rest is `<= tau`.
+
+  Sorting ascending, the prefix means of the squares never decrease, so the
+  kept set is the longest prefix whose mean is `<= tau`. Returns `[B, L]`
+  float32, 1 on kept tokens.
+  """
+  chex.assert_equal_shape([log_ratio, loss_mask])
+  sq = jnp.where(loss_mask > 0, jnp.square(log_ratio), jnp.inf).reshape(-1)
+  order = jnp.argsort(sq)
+  sorted_sq = sq[order]
+  valid = jnp.isfinite(sorted_sq)
+  count = jnp.arange(1, sq.shape[0] + 1, dtype=jnp.float32)
+  prefix_mean = jnp.cumsum(jnp.where(valid, sorted_sq, 0.0)) / count
+  num_kept = jnp.sum(valid & (prefix_mean <= tau))
+  rank = jnp.zeros_like(order).at[order].set(jnp.arange(sq.shape[0]))
+  return (rank < num_kept).reshape(log_ratio.shape).astype(jnp.float32) * loss_mask
+
+
+def m2po(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logprobs=None,
+         token_lag=None, tau: float = 0.04, tis_cap: float | None = None):
+  """M2PO (Zheng et al., 2025): second-moment masking, then an importance-weighted
+  policy gradient on the kept tokens, without ratio clipping:
+
+    loss_t = -keep_t * w_t * r_t * A_t
+
+  The mask is computed on `log(pi_theta / mu)` (stop-gradient) over the tokens
+  of this call (the whole batch, or one microbatch when accumulating).
+  """
+  _check(logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag)
+  r, w, metrics = _trust_region_ratio(logprobs, behaviour_logprobs, loss_mask,
+                                      proximal_logprobs, tis_cap)
+  log_ratio = jax.lax.stop_gradient((logprobs - behaviour_logprobs) * loss_mask)
+  keep = m2po_keep_mask(log_ratio, loss_mask, tau)
+  metrics["masked_fraction"] = masked_mean(1.0 - keep, loss_mask)
+  metrics["m2_kept"] = masked_mean(jnp.square(log_ratio), keep)
+  return -keep * w * r * advantages, metrics
+
+
+def kl_to_reference(logprobs, reference_logprobs, loss_mask):
+  """Per-token k3 estimate of KL(pi_theta || pi_ref) (Schulman, 2020), as GRPO:
+  with `log q = logp_ref - logp_theta`, `exp(log q) - log q - 1 >= 0`."""
+  chex.assert_equal_shape([logprobs, reference_logprobs, loss_mask])
+  log_q = (reference_logprobs - logprobs) * loss_mask
+  return (jnp.exp(log_q) - log_q - 1.0) * loss_mask
 
 
 def ratio_statistics(log_ratio, mask):
-  """Importance-ratio statistics over masked tokens: the signal to watch as lag grows."""
+  """Importance-ratio statistics over masked tokens: the signal to watch as lag grows.
+
+  `ratio_m2` is `E[rho^2]`; `ess` is the normalised effective sample size
+  `E[rho]^2 / E[rho^2]` (1 on-policy, toward 0 as the weights degenerate).
+  """
   ratio = jnp.exp(log_ratio)
   big = jnp.finfo(jnp.float32).max
   mean = masked_mean(ratio, mask)
@@ -72,8 +228,9 @@ def ratio_statistics(log_ratio, mask):
       "ratio_max": jnp.max(jnp.where(mask > 0, ratio, -big)),
       "ratio_min": jnp.min(jnp.where(mask > 0, ratio, big)),
       "ratio_m2": m2,
+      "ess": mean * mean / jnp.maximum(m2, 1e-30),
       "abs_log_ratio": masked_mean(jnp.abs(log_ratio), mask),
   }
 
 
-LOSSES = {"clipped_ratio": clipped_ratio}
+LOSSES = {"clipped_ratio": clipped_ratio, "vtrace": vtrace, "m2po": m2po}

@@ -1,5 +1,22 @@
 """The learner's update step: a module-level pure function, jitted where wired.
 
+One call consumes one TrainBatch `B_u` and may take several optimizer steps:
+`num_epochs` passes over `num_minibatches` minibatches, each the gradient
+accumulated over `num_microbatches` microbatches (so a big batch fits in
+memory). With more than one optimizer step per batch the policy at the start
+of the batch is recomputed as the proximal policy and the objective is
+decoupled (see `losses`); a single step may opt in with `decoupled=True` or
+`tis_cap`.
+
+Minibatch `i` of `n` takes rows `i, i + n, i + 2n, ...` (and microbatches
+split a minibatch the same way), so every slice stays spread over the `fsdp`
+axis the rows are sharded on. Every slice is aggregated with the token
+weights of its minibatch (`losses.token_weights`), so accumulation gives the
+same gradient as one pass over the minibatch.
+
+A non-finite loss or gradient skips that optimizer step: params and optimizer
+state stay as they were and `skipped_steps` counts it.
+
 `make_update_fn` applies `jax.jit` with explicit in/out shardings (outputs
 pinned to the inputs' layout, so a donated state never changes shape or
 placement between steps) and donates the old state.
@@ -9,7 +26,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
@@ -22,56 +38,213 @@ from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import losses as losses_lib
 from arl_jax.learner import train_state as train_state_lib
 
+# Token-lag buckets of the |log-ratio| metrics: (name, lowest lag, highest lag).
+LAG_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3_4", 3, 4), ("5_8", 5, 8),
+               ("9+", 9, 1 << 30))
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossSettings:
-  """Static loss settings: the loss name (a key of `losses.LOSSES`) and its knobs."""
+  """Static settings of the update: the loss (a key of `losses.LOSSES`), its
+  knobs, the aggregation, regularisers and the optimizer-step layout."""
 
   name: str = "clipped_ratio"
   eps_low: float = 0.2
   eps_high: float = 0.2
   dual_clip: float | None = None
+  rho_bar: float = 1.0  # vtrace
+  tau: float = 0.04  # m2po
+  tis_cap: float | None = None
+  age_decay: float = 0.0
+  decoupled: bool = False
+  aggregation: str = "token_mean"
+  norm_constant: float | None = None  # seq_sum_norm
+  kl_coef: float = 0.0  # KL to the reference policy (needs reference params)
+  entropy_coef: float = 0.0
   temperature: float = 1.0
+  num_epochs: int = 1
+  num_minibatches: int = 1
+  num_microbatches: int = 1
 
-  def loss_fn(self) -> Callable:
+  def __post_init__(self):
     if self.name not in losses_lib.LOSSES:
       raise ValueError(f"loss {self.name!r} unknown; known: {sorted(losses_lib.LOSSES)}")
-    return functools.partial(losses_lib.LOSSES[self.name], eps_low=self.eps_low,
-                             eps_high=self.eps_high, dual_clip=self.dual_clip)
+    if self.aggregation not in losses_lib.AGGREGATIONS:
+      raise ValueError(f"aggregation must be one of {losses_lib.AGGREGATIONS}")
+    for name in ("num_epochs", "num_minibatches", "num_microbatches"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.name == "vtrace" and (self.is_decoupled or self.tis_cap is not None):
+      raise ValueError("vtrace truncates its importance weights itself (rho_bar): it takes "
+                       "neither a decoupled objective nor tis_cap, so it runs one optimizer "
+                       "step per batch")
+    if self.name == "m2po" and self.age_decay:
+      raise ValueError("m2po has no clip range for an age-aware trust region to shrink")
+
+  @property
+  def optimizer_steps(self) -> int:
+    return self.num_epochs * self.num_minibatches
+
+  @property
+  def is_decoupled(self) -> bool:
+    return self.decoupled or self.tis_cap is not None or self.optimizer_steps > 1
+
+  def token_loss(self, logp, batch, advantages, proximal, token_lag):
+    if self.name == "clipped_ratio":
+      knobs = dict(eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip,
+                   tis_cap=self.tis_cap, age_decay=self.age_decay)
+    elif self.name == "vtrace":
+      knobs = dict(rho_bar=self.rho_bar, age_decay=self.age_decay)
+    else:
+      knobs = dict(tau=self.tau, tis_cap=self.tis_cap)
+    return losses_lib.LOSSES[self.name](
+        logp, batch.behaviour_logprobs, advantages, batch.loss_mask,
+        proximal_logprobs=proximal, token_lag=token_lag, **knobs)
 
 
-def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBatch, *,
-               graphdef, optimizer: optax.GradientTransformation, settings: LossSettings):
-  """One policy-gradient update on a batch of (possibly version-mixed) rollouts.
+def _split(tree, n: int):
+  """`[B, ...] -> [n, B / n, ...]`; slice `i` holds rows `i, i + n, ...`."""
+  def split(x):
+    if x.shape[0] % n:
+      raise ValueError(f"{x.shape[0]} rows do not split into {n} equal slices")
+    x = x.reshape(x.shape[0] // n, n, *x.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+  return jax.tree.map(split, tree)
+
+
+def _combine(metrics_list_tree):
+  """Reduces stacked per-slice metrics: `*_max` by max, `*_min` by min, else mean."""
+  def reduce(path, x):
+    name = jax.tree_util.keystr(path)
+    if name.endswith("_max']"):
+      return jnp.max(x)
+    if name.endswith("_min']"):
+      return jnp.min(x)
+    return jnp.mean(x)
+  return jax.tree_util.tree_map_with_path(reduce, metrics_list_tree)
+
+
+def staleness_metrics(log_ratio, loss_mask, token_lag):
+  """Ratio statistics of the policy at the start of the batch against the
+  behaviour policy, overall and per token-lag bucket (lag 0 is trainer/
+  inference mismatch alone); plus the fraction of tokens in each bucket."""
+  metrics = losses_lib.ratio_statistics(log_ratio, loss_mask)
+  metrics["kl_behaviour"] = losses_lib.masked_mean(jnp.exp(log_ratio) - 1 - log_ratio,
+                                                   loss_mask)
+  total = jnp.maximum(jnp.sum(loss_mask), 1.0)
+  for name, lo, hi in LAG_BUCKETS:
+    in_bucket = loss_mask * ((token_lag >= lo) & (token_lag <= hi))
+    metrics[f"abs_log_ratio_lag{name}"] = losses_lib.masked_mean(jnp.abs(log_ratio), in_bucket)
+    metrics[f"token_fraction_lag{name}"] = jnp.sum(in_bucket) / total
+  return metrics
+
+
+def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBatch,
+               reference_params=None, *, graphdef, optimizer: optax.GradientTransformation,
+               settings: LossSettings):
+  """Trains on one batch of (possibly version-mixed) rollouts.
+
+  Args:
+    state: the learner state; `state.step` is the version `u` being updated.
+    batch: `B_u`.
+    reference_params: params of the reference policy (needed iff kl_coef > 0).
 
   Returns:
     `(new_state, metrics)`; metrics are float32 scalars.
   """
-  loss_fn = settings.loss_fn()
+  s = settings
+  if (s.kl_coef > 0) != (reference_params is not None):
+    raise ValueError("reference_params must be given exactly when kl_coef > 0")
+
+  def logprobs(params, rows):
+    return logprobs_lib.token_logprobs_and_entropy(graphdef, params, rows.tokens,
+                                                   rows.token_mask, s.temperature)
+
+  # Versions since each token was sampled (prompt and observation tokens carry
+  # -1 and are masked out of every use).
+  token_lag = state.step - batch.token_versions
   advantages = jnp.broadcast_to(batch.advantages[:, None], batch.loss_mask.shape)
+  rows = {"batch": batch, "token_lag": token_lag, "advantages": advantages}
+  n_mb, n_micro = s.num_minibatches, s.num_microbatches
 
-  def objective(params):
-    logp, entropy = logprobs_lib.token_logprobs_and_entropy(
-        graphdef, params, batch.tokens, batch.token_mask, settings.temperature)
-    loss, metrics = loss_fn(logp, batch.behaviour_logprobs, advantages, batch.loss_mask)
-    metrics["entropy"] = losses_lib.masked_mean(entropy, batch.loss_mask)
-    # The same statistics on lag-0 rows isolate trainer/inference mismatch.
-    log_ratio = (logp - batch.behaviour_logprobs) * batch.loss_mask
-    lag0 = batch.loss_mask * (batch.lag[:, None] == 0)
-    metrics["abs_log_ratio_lag0"] = losses_lib.masked_mean(jnp.abs(log_ratio), lag0)
-    # k3 estimator of KL(mu || pi_theta) from tokens drawn from mu (Schulman,
-    # 2020): with r = pi/mu, E_mu[r - 1 - log r] = KL(mu || pi), each term >= 0.
-    metrics["kl_behaviour"] = losses_lib.masked_mean(jnp.exp(log_ratio) - 1 - log_ratio,
-                                                     batch.loss_mask)
-    return loss, metrics
+  # Log-probs of the policy at the start of the batch (proximal policy) and of
+  # the reference policy, in microbatch slices to bound memory.
+  def frozen_logprobs(params):
+    chunks = _split(batch, n_mb * n_micro)
+    logp = jax.lax.map(lambda chunk: logprobs(params, chunk)[0], chunks)
+    return jax.lax.stop_gradient(_unsplit(logp))
 
-  (loss, metrics), grads = jax.value_and_grad(objective, has_aux=True)(state.params)
-  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-  params = optax.apply_updates(state.params, updates)
-  metrics.update(loss=loss, grad_norm=optax.global_norm(grads),
+  start_logp = frozen_logprobs(state.params) if s.is_decoupled else None
+  if start_logp is not None:
+    rows["proximal"] = start_logp
+  if reference_params is not None:
+    rows["reference"] = frozen_logprobs(reference_params)
+
+  def objective(params, micro, weights):
+    mb = micro["batch"]
+    logp, entropy = logprobs(params, mb)
+    per_token, metrics = s.token_loss(logp, mb, micro["advantages"], micro.get("proximal"),
+                                      micro["token_lag"])
+    total = per_token - s.entropy_coef * entropy * mb.loss_mask
+    if "reference" in micro:
+      kl = losses_lib.kl_to_reference(logp, micro["reference"], mb.loss_mask)
+      total = total + s.kl_coef * kl
+      metrics["kl_reference"] = losses_lib.masked_mean(kl, mb.loss_mask)
+    metrics["entropy"] = losses_lib.masked_mean(entropy, mb.loss_mask)
+    if start_logp is None:  # one optimizer step: these are the start policy's log-probs
+      metrics["start_log_ratio"] = jax.lax.stop_gradient(
+          (logp - mb.behaviour_logprobs) * mb.loss_mask)
+    return jnp.sum(weights * total), metrics
+
+  grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+  minibatches = _split(rows, n_mb)
+
+  def optimizer_step(carry, step_index):
+    params, opt_state, skipped = carry
+    minibatch = jax.tree.map(lambda x: x[step_index % n_mb], minibatches)
+    weights = losses_lib.token_weights(minibatch["batch"].loss_mask, s.aggregation,
+                                       s.norm_constant)
+    micro = _split({**minibatch, "weights": weights}, n_micro)
+
+    def accumulate(acc, m):
+      (loss, metrics), grads = grad_fn(params, m, m["weights"])
+      return jax.tree.map(jnp.add, acc, (loss, grads)), metrics
+
+    zero = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+    (loss, grads), metrics = jax.lax.scan(accumulate, zero, micro)
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    finite = jnp.isfinite(loss) & jnp.all(jnp.array(
+        [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+    keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+    start_log_ratio = metrics.pop("start_log_ratio", None)
+    metrics = _combine(metrics)
+    metrics.update(loss=loss, grad_norm=optax.global_norm(grads),
+                   update_norm=jnp.where(finite, optax.global_norm(updates), 0.0))
+    carry = (keep(new_params, params), keep(new_opt_state, opt_state),
+             skipped + (~finite).astype(jnp.int32))
+    return carry, (metrics, start_log_ratio)
+
+  (params, opt_state, skipped), (metrics, start_log_ratios) = jax.lax.scan(
+      optimizer_step, (state.params, state.opt_state, jnp.zeros((), jnp.int32)),
+      jnp.arange(s.optimizer_steps))
+  metrics = _combine(metrics)
+  if start_logp is not None:
+    start_log_ratio = (start_logp - batch.behaviour_logprobs) * batch.loss_mask
+  else:  # the single optimizer step's microbatches, back in row order
+    start_log_ratio = _unsplit(start_log_ratios[0])
+  metrics.update(staleness_metrics(start_log_ratio, batch.loss_mask, token_lag))
+  metrics.update(skipped_steps=skipped, optimizer_steps=jnp.asarray(s.optimizer_steps),
                  trained_tokens=jnp.sum(batch.loss_mask))
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, jax.tree.map(lambda x: x.astype(jnp.float32), metrics)
+
+
+def _unsplit(x):
+  """Inverse of `_split` for one array `[n, B / n, ...] -> [B, ...]`."""
+  x = jnp.swapaxes(x, 0, 1)
+  return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
 
 
 def batch_shardings(mesh: Mesh) -> train_batch_lib.TrainBatch:
@@ -81,10 +254,21 @@ def batch_shardings(mesh: Mesh) -> train_batch_lib.TrainBatch:
   return train_batch_lib.TrainBatch(**fields)
 
 
-def make_update_fn(*, graphdef, optimizer, settings: LossSettings, state_shardings, mesh: Mesh,
-                   step_fn=train_step):
-  """Jits `step_fn` with explicit shardings and a donated state."""
+def make_update_fn(*, graphdef, optimizer, settings: LossSettings | None, state_shardings,
+                   mesh: Mesh, step_fn=train_step, reference_params=None):
+  """Jits `step_fn` with explicit shardings and a donated state.
+
+  Returns `update(state, batch) -> (state, metrics)`; `reference_params`
+  (laid out like the state's params) are passed to every step when given.
+  """
   step = functools.partial(step_fn, graphdef=graphdef, optimizer=optimizer, settings=settings)
-  return jax.jit(step, in_shardings=(state_shardings, batch_shardings(mesh)),
-                 out_shardings=(state_shardings, NamedSharding(mesh, P())),
-                 donate_argnums=0)
+  if reference_params is None:
+    return jax.jit(step, in_shardings=(state_shardings, batch_shardings(mesh)),
+                   out_shardings=(state_shardings, NamedSharding(mesh, P())),
+                   donate_argnums=0)
+  jitted = jax.jit(step, in_shardings=(state_shardings, batch_shardings(mesh),
+                                       state_shardings.params),
+                   out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
+  update = lambda state, batch: jitted(state, batch, reference_params)
+  update._cache_size = jitted._cache_size  # noqa: SLF001 - tests check it compiles once
+  return update

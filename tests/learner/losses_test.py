@@ -1,4 +1,7 @@
-"""Golden numbers for the token losses (hand-computed), jitted and not."""
+"""Golden numbers for the token losses, aggregation, V-trace and advantages
+(hand-computed in the comments), jitted and not."""
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -7,11 +10,17 @@ import pytest
 
 from arl_jax.learner import advantages as advantages_lib
 from arl_jax.learner import losses
+from arl_jax.learner import vtrace as vtrace_lib
 
 LOGP = np.array([[-1.0, -2.0, -0.5], [-0.5, -1.3, -9.0]], np.float32)
 BEHAVIOUR = np.array([[-1.2, -1.5, -0.5], [-1.0, -1.0, -1.0]], np.float32)
 ADV = np.array([[2.0, 2.0, 2.0], [-1.0, -1.0, -1.0]], np.float32)
-MASK = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
+MASK = np.array([[1, 1, 1], [1, 1, 0]], np.float32)  # the last token is padding
+
+
+def maybe_jit(fn, jit, **static):
+  fn = functools.partial(fn, **static)
+  return jax.jit(fn) if jit else fn
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -20,37 +29,130 @@ def test_clipped_ratio_golden(jit):
   # Per-token -min(rA, clip(r, 0.8, 1.2) A):
   #   row 0 (A=2):  -2.4, -2*e^-0.5 = -1.2130613, -2
   #   row 1 (A=-1): e^0.5 = 1.6487213, 0.8
-  expected = (-2.4 - 1.2130613 - 2.0 + 1.6487213 + 0.8) / 5
-  fn = jax.jit(losses.clipped_ratio) if jit else losses.clipped_ratio
-  loss, metrics = fn(LOGP, BEHAVIOUR, ADV, MASK)
-  np.testing.assert_allclose(loss, expected, rtol=1e-6)
+  per_token, metrics = maybe_jit(losses.clipped_ratio, jit)(LOGP, BEHAVIOUR, ADV, MASK)
+  np.testing.assert_allclose(per_token, [[-2.4, -1.2130613, -2.0], [1.6487213, 0.8, 0.0]],
+                             rtol=1e-6)
   np.testing.assert_allclose(metrics["clip_fraction"], 2 / 5, rtol=1e-6)
-  ratios = np.exp([0.2, -0.5, 0.0, 0.5, -0.3])
-  np.testing.assert_allclose(metrics["ratio_mean"], ratios.mean(), rtol=1e-6)
-  np.testing.assert_allclose(metrics["ratio_max"], np.exp(0.5), rtol=1e-6)
-  np.testing.assert_allclose(metrics["ratio_min"], np.exp(-0.5), rtol=1e-6)
-  np.testing.assert_allclose(metrics["ratio_m2"], (ratios ** 2).mean(), rtol=1e-6)
+
+
+def test_clipped_ratio_dual_clip_and_asymmetric_clip():
+  # Dual clip c = 1.5 caps the row-1 token with ratio e^0.5 at -c A = 1.5.
+  per_token, _ = losses.clipped_ratio(LOGP, BEHAVIOUR, ADV, MASK, dual_clip=1.5)
+  np.testing.assert_allclose(per_token[1], [1.5, 0.8, 0.0], rtol=1e-6)
+  # eps_high = 0.1: row 0 token 0 is clipped at 1.1 instead of 1.2.
+  per_token, _ = losses.clipped_ratio(LOGP, BEHAVIOUR, ADV, MASK, eps_high=0.1)
+  np.testing.assert_allclose(per_token[0], [-2.2, -1.2130613, -2.0], rtol=1e-6)
+
+
+def test_age_aware_trust_region_shrinks_the_clip_range_with_lag():
+  # Token lags 0, 1, 3 with age_decay 1: eps 0.2, 0.1, 0.05.
+  logp = np.array([[0.3, 0.3, 0.3]], np.float32)  # ratio e^0.3 = 1.3499 everywhere
+  lag = np.array([[0, 1, 3]], np.int32)
+  ones = np.ones((1, 3), np.float32)
+  per_token, metrics = losses.clipped_ratio(logp, 0 * ones, ones, ones, token_lag=lag,
+                                            age_decay=1.0)
+  np.testing.assert_allclose(per_token, [[-1.2, -1.1, -1.05]], rtol=1e-6)
+  off, _ = losses.clipped_ratio(logp, 0 * ones, ones, ones, token_lag=lag)
+  np.testing.assert_allclose(off, [[-1.2, -1.2, -1.2]], rtol=1e-6)
+  assert float(metrics["clip_fraction"]) == 1.0
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_clipped_ratio_dual_clip_caps_negative_advantage_loss(jit):
-  # With c = 1.5 the row-1 token with ratio e^0.5 is capped at -c A = 1.5.
-  expected = (-2.4 - 1.2130613 - 2.0 + 1.5 + 0.8) / 5
-  fn = jax.jit(losses.clipped_ratio, static_argnames=("dual_clip",)) if jit else losses.clipped_ratio
-  loss, _ = fn(LOGP, BEHAVIOUR, ADV, MASK, dual_clip=1.5)
-  np.testing.assert_allclose(loss, expected, rtol=1e-6)
+def test_decoupled_objective_and_truncated_importance_weight(jit):
+  # pi_prox / mu = e^{0.2} and e^{1.0}; the trust region is around pi_prox.
+  behaviour = np.array([[-1.2, -2.0]], np.float32)
+  proximal = np.array([[-1.0, -1.0]], np.float32)
+  logp = np.array([[-0.7, -1.0]], np.float32)  # r = e^0.3 (clipped at 1.2), 1
+  adv = np.ones((1, 2), np.float32)
+  mask = np.ones((1, 2), np.float32)
+  fn = maybe_jit(losses.clipped_ratio, jit)
+  per_token, metrics = fn(logp, behaviour, adv, mask, proximal_logprobs=proximal)
+  np.testing.assert_allclose(per_token, [[-1.2 * np.exp(0.2), -np.exp(1.0)]], rtol=1e-6)
+  per_token, metrics = fn(logp, behaviour, adv, mask, proximal_logprobs=proximal, tis_cap=2.0)
+  np.testing.assert_allclose(per_token, [[-1.2 * np.exp(0.2), -2.0]], rtol=1e-6)
+  np.testing.assert_allclose(metrics["tis_truncated_fraction"], 0.5)
 
 
-def test_clipped_ratio_asymmetric_clip():
-  # eps_high = 0.1: row 0 token 0 is clipped at 1.1 instead of 1.2.
-  loss, _ = losses.clipped_ratio(LOGP[:1], BEHAVIOUR[:1], ADV[:1], MASK[:1], eps_high=0.1)
-  np.testing.assert_allclose(loss, (-2.2 - 1.2130613 - 2.0) / 3, rtol=1e-6)
+def test_a_lagged_token_is_reweighted_by_its_own_recorded_probability():
+  """One rollout spanning versions: each token's gradient weight is exactly
+  pi_theta(a_t) / mu_t with mu_t the probability recorded when it was sampled."""
+  logp = jnp.log(jnp.array([[0.5, 0.4, 0.3]], jnp.float32))
+  recorded = np.log(np.array([[0.5, 0.2, 0.6]], np.float32))  # versions 9, 10, 11
+  adv = np.ones((1, 3), np.float32)
+  mask = np.ones((1, 3), np.float32)
+  # Inside the clip range (eps huge): d loss_t / d logp_t = -rho_t A.
+  grad = jax.grad(lambda lp: jnp.sum(losses.clipped_ratio(
+      lp, recorded, adv, mask, eps_low=0.99, eps_high=100.0)[0]))(logp)
+  np.testing.assert_allclose(grad, -np.array([[0.5 / 0.5, 0.4 / 0.2, 0.3 / 0.6]]), rtol=1e-6)
+  # V-trace weights the same tokens by min(rho, rho_bar).
+  grad = jax.grad(lambda lp: jnp.sum(losses.vtrace(lp, recorded, adv, mask, rho_bar=1.5)[0]))(
+      logp)
+  np.testing.assert_allclose(grad, -np.array([[1.0, 1.5, 0.5]]), rtol=1e-6)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_vtrace_policy_loss_golden(jit):
+  # rho = e^0.2, e^-0.5, 1 | e^0.5, e^-0.3; truncated at 1: 1, e^-0.5, 1 | 1, e^-0.3.
+  per_token, metrics = maybe_jit(losses.vtrace, jit)(LOGP, BEHAVIOUR, ADV, MASK)
+  expected = -np.array([[1.0, np.exp(-0.5), 1.0], [1.0, np.exp(-0.3), 0.0]]) * ADV * LOGP
+  np.testing.assert_allclose(per_token, expected * MASK, rtol=1e-6)
+  np.testing.assert_allclose(metrics["clip_fraction"], 2 / 5, rtol=1e-6)
+
+
+def test_m2po_mask_drops_the_largest_second_moments_until_the_mean_is_below_tau():
+  # log-ratios^2: 0.01, 0.04, 0.09, 0.25 (+ one padded). Prefix means ascending:
+  # 0.01, 0.025, 0.0467, 0.0975 -> with tau = 0.04 keep the two smallest.
+  log_ratio = jnp.array([[0.1, -0.3, 0.5], [0.2, 9.0, 0.0]], jnp.float32)
+  mask = jnp.array([[1, 1, 1], [1, 0, 0]], jnp.float32)
+  keep = losses.m2po_keep_mask(log_ratio, mask, 0.04)
+  np.testing.assert_array_equal(keep, [[1, 0, 0], [1, 0, 0]])
+  np.testing.assert_array_equal(losses.m2po_keep_mask(log_ratio, mask, 1.0), mask)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_m2po_golden(jit):
+  # log-ratios 0.2, -0.5, 0 | 0.5, -0.3; squares 0.04, 0.25, 0 | 0.25, 0.09.
+  # Ascending 0, 0.04, 0.09, 0.25, 0.25: prefix means 0, 0.02, 0.0433, ... -> keep 2
+  # (tau 0.04): tokens (0, 2) and (0, 0). Loss -r A on them: -2, -2 e^0.2.
+  per_token, metrics = maybe_jit(losses.m2po, jit)(LOGP, BEHAVIOUR, ADV, MASK)
+  np.testing.assert_allclose(per_token, [[-2 * np.exp(0.2), 0, -2.0], [0, 0, 0]], rtol=1e-6)
+  np.testing.assert_allclose(metrics["masked_fraction"], 3 / 5, rtol=1e-6)
+  np.testing.assert_allclose(metrics["m2_kept"], 0.02, rtol=1e-5)
+
+
+def test_token_weights_aggregations():
+  # Row 0 has 3 trained tokens, row 1 has 2, row 2 none.
+  mask = jnp.array([[1, 1, 1], [1, 1, 0], [0, 0, 0]], jnp.float32)
+  np.testing.assert_allclose(losses.token_weights(mask, "token_mean"), mask / 5)
+  np.testing.assert_allclose(losses.token_weights(mask, "seq_mean_token_mean"),
+                             [[1 / 6] * 3, [1 / 4, 1 / 4, 0], [0, 0, 0]], rtol=1e-6)
+  np.testing.assert_allclose(losses.token_weights(mask, "seq_sum_norm", norm_constant=10.0),
+                             mask / 20)
+  with pytest.raises(ValueError, match="norm_constant"):
+    losses.token_weights(mask, "seq_sum_norm")
 
 
 def test_on_policy_gradient_is_the_policy_gradient():
-  # At ratio 1 the gradient w.r.t. logp is -A / num_tokens on every token.
-  grad = jax.grad(lambda lp: losses.clipped_ratio(lp, LOGP, ADV, MASK)[0])(jnp.asarray(LOGP))
+  # At ratio 1 with token-mean weights the gradient is -A / num_tokens on every token.
+  weights = losses.token_weights(jnp.asarray(MASK), "token_mean")
+  grad = jax.grad(lambda lp: jnp.sum(weights * losses.clipped_ratio(lp, LOGP, ADV, MASK)[0]))(
+      jnp.asarray(LOGP))
   np.testing.assert_allclose(grad, -ADV * MASK / MASK.sum(), rtol=1e-6)
+
+
+def test_kl_to_reference_and_ratio_statistics():
+  ref = np.array([[-1.0, -1.0, -1.0], [-1.0, -1.0, -1.0]], np.float32)
+  kl = losses.kl_to_reference(LOGP, ref, MASK)
+  log_q = (ref - LOGP) * MASK
+  np.testing.assert_allclose(kl, (np.exp(log_q) - log_q - 1) * MASK, rtol=1e-6)
+  assert np.all(np.asarray(kl) >= 0)
+  stats = losses.ratio_statistics((LOGP - BEHAVIOUR) * MASK, MASK)
+  ratios = np.exp([0.2, -0.5, 0.0, 0.5, -0.3])
+  np.testing.assert_allclose(stats["ratio_mean"], ratios.mean(), rtol=1e-6)
+  np.testing.assert_allclose(stats["ratio_max"], np.exp(0.5), rtol=1e-6)
+  np.testing.assert_allclose(stats["ratio_min"], np.exp(-0.5), rtol=1e-6)
+  np.testing.assert_allclose(stats["ratio_m2"], (ratios ** 2).mean(), rtol=1e-6)
+  np.testing.assert_allclose(stats["ess"], ratios.mean() ** 2 / (ratios ** 2).mean(), rtol=1e-6)
 
 
 def test_shape_mismatch_is_rejected():
@@ -58,6 +160,53 @@ def test_shape_mismatch_is_rejected():
     losses.clipped_ratio(LOGP, BEHAVIOUR[:, :2], ADV, MASK)
   with pytest.raises(AssertionError):
     losses.clipped_ratio(LOGP[0], BEHAVIOUR[0], ADV[0], MASK[0])
+  with pytest.raises(ValueError, match="no proximal"):
+    losses.vtrace(LOGP, BEHAVIOUR, ADV, MASK, proximal_logprobs=LOGP)
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_vtrace_targets_hand_checked(jit):
+  """Three sampled tokens with an environment token and padding in between:
+  V = 0.5, 0.2, 0.9; rho = 2, 0.5, 1; R = 1; rho_bar = c_bar = 1; lambda 0.9.
+
+    i=3: delta = 1 * (1 + 0 - 0.9) = 0.1;  v3 = 1.0;  A3 = 1 + 0 - 0.9 = 0.1
+    i=2: delta = 0.5 * (0 + 0.9 - 0.2) = 0.35
+         v2 = 0.2 + 0.35 + 0.9 * 0.5 * (1.0 - 0.9) = 0.595;  A2 = 1.0 - 0.2 = 0.8
+    i=1: delta = 1 * (0 + 0.2 - 0.5) = -0.3
+         v1 = 0.5 - 0.3 + 0.9 * 1 * (0.595 - 0.2) = 0.5555;  A1 = 0.595 - 0.5 = 0.095
+  """
+  mask = np.array([[1, 1, 0, 1, 0]], np.float32)
+  values = np.array([[0.5, 0.2, 7.0, 0.9, 3.0]], np.float32)  # 7 and 3 must not matter
+  log_rhos = np.log(np.array([[2.0, 0.5, 5.0, 1.0, 5.0]], np.float32))
+  rewards = vtrace_lib.last_token_rewards(np.array([1.0], np.float32), mask)
+  np.testing.assert_array_equal(rewards, [[0, 0, 0, 1, 0]])
+  fn = maybe_jit(vtrace_lib.vtrace_targets, jit, lam=0.9)
+  vs, adv = fn(values, rewards, log_rhos, mask)
+  np.testing.assert_allclose(vs, [[0.5555, 0.595, 0.0, 1.0, 0.0]], rtol=1e-5)
+  np.testing.assert_allclose(adv, [[0.095, 0.8, 0.0, 0.1, 0.0]], rtol=1e-5, atol=1e-7)
+
+
+def test_vtrace_on_policy_equals_the_lambda_return():
+  rng = np.random.default_rng(0)
+  b, length, lam = 4, 7, 0.8
+  mask = (rng.random((b, length)) < 0.8).astype(np.float32)
+  mask[:, 0] = 1
+  values = rng.normal(size=(b, length)).astype(np.float32)
+  rewards = vtrace_lib.last_token_rewards(rng.normal(size=b).astype(np.float32), mask)
+  vs, _ = vtrace_lib.vtrace_targets(values, rewards, np.zeros((b, length), np.float32), mask,
+                                    lam=lam)
+  for row in range(b):  # G_i = r_i + (1 - lam) V_{i+1} + lam G_{i+1}, discount 1
+    idx = np.flatnonzero(mask[row])
+    g, expected = 0.0, {}
+    for j in reversed(range(len(idx))):
+      next_v = values[row, idx[j + 1]] if j + 1 < len(idx) else 0.0
+      g = rewards[row, idx[j]] + (1 - lam) * next_v + lam * g
+      expected[idx[j]] = g
+    np.testing.assert_allclose([vs[row, i] for i in idx], [expected[i] for i in idx],
+                               rtol=1e-5)
+  # lambda = 1: the Monte-Carlo return R at every sampled token.
+  vs1, _ = vtrace_lib.vtrace_targets(values, rewards, np.zeros_like(values), mask, lam=1.0)
+  np.testing.assert_allclose(vs1 * mask, rewards.sum(axis=1, keepdims=True) * mask, rtol=1e-5)
 
 
 def test_grpo_advantages():
@@ -70,6 +219,19 @@ def test_grpo_advantages():
   with pytest.raises(ValueError, match="rewards must be"):
     advantages_lib.group_advantages(rewards[0], "grpo")
 
+
+def test_rloo_advantages_leave_one_out():
+  rewards = np.array([[1.0, 0.0, 0.0, 1.0], [3.0, 1.0, 2.0, 0.0]], np.float32)
+  adv = advantages_lib.group_advantages(rewards, "rloo")
+  # r_i - mean of the other three.
+  np.testing.assert_allclose(adv[0], [1 - 1 / 3, -2 / 3, -2 / 3, 1 - 1 / 3], rtol=1e-6)
+  np.testing.assert_allclose(adv[1], [3 - 1, 1 - 5 / 3, 2 - 4 / 3, 0 - 2], rtol=1e-6)
+  valid = np.array([[True, False, False, True], [True, True, True, True]])
+  adv = advantages_lib.group_advantages(rewards[:1], "rloo", valid=valid[:1])
+  np.testing.assert_allclose(adv[0], [0, 0, 0, 0])  # 1 - 1, invalid, invalid, 1 - 1
+  lonely = advantages_lib.group_advantages(rewards[:1], "rloo",
+                                           valid=np.array([[True, False, False, False]]))
+  np.testing.assert_allclose(lonely, 0.0)  # no baseline without another rollout
 
 
 def test_grpo_advantages_ignore_errored_rollouts():

@@ -1,13 +1,17 @@
 """The jitted, sharded, donated update step."""
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
+import pytest
 
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import update as update_lib
+from arl_jax.sharding import mesh_lib
 from arl_jax.testing import tiny
 
 PAD = 256
@@ -94,3 +98,144 @@ def test_kl_metric_is_the_k3_estimator_of_kl_behaviour_to_policy():
   expected = np.sum((np.exp(log_ratio) - 1 - log_ratio) * batch.loss_mask) / batch.loss_mask.sum()
   _, metrics = update_fn(state, batch)
   np.testing.assert_allclose(float(metrics["kl_behaviour"]), expected, rtol=1e-4)
+
+
+def _state_and_update(settings, mesh, *, optimizer=None, reference=False, seed=0):
+  cfg = tiny.tiny_model_config(vocab_size=260)  # divisible by tp = 2
+  graphdef, params, _ = tiny.learner_and_sampler_params(
+      cfg, mesh_lib.RoleMeshes(learner=mesh, sampler=mesh), seed=seed)
+  optimizer = optimizer or optax.sgd(0.1)
+  state, shardings = train_state_lib.create(params, optimizer, mesh)
+  ref = jax.tree.map(jnp.copy, params) if reference else None
+  update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer, settings=settings,
+                                        state_shardings=shardings, mesh=mesh,
+                                        reference_params=ref)
+  return graphdef, state, update_fn
+
+
+def _mesh(shape):
+  devices = np.array(jax.devices()[:int(np.prod([s for _, s in shape]))])
+  return jax.sharding.Mesh(devices.reshape([s for _, s in shape]), [n for n, _ in shape])
+
+
+def _host(tree):
+  return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+def test_several_optimizer_steps_per_batch_compile_once_and_count_one_version():
+  settings = update_lib.LossSettings(num_epochs=2, num_minibatches=2, num_microbatches=2)
+  mesh = _mesh((("fsdp", 2), ("tp", 1)))
+  _, state, update_fn = _state_and_update(settings, mesh, optimizer=optax.adam(1e-3))
+  before = _layout(state)
+  rng = np.random.default_rng(4)
+  for _ in range(2):
+    state, metrics = update_fn(state, _random_batch(rng))
+  assert _layout(state) == before and int(state.step) == 2
+  assert update_fn._cache_size() == 1  # noqa: SLF001
+  assert float(metrics["optimizer_steps"]) == 4 and float(metrics["skipped_steps"]) == 0
+  # The optimizer really took 4 steps per batch.
+  assert int(jax.tree.leaves(state.opt_state)[0]) == 8
+  # The decoupled weight pi_prox / mu is reported, and at the first step the
+  # proximal policy is the current one, so no ratio is clipped then.
+  assert np.isfinite(float(metrics["behaviour_weight_mean"]))
+
+
+def test_gradient_accumulation_matches_one_pass():
+  mesh = _mesh((("fsdp", 2), ("tp", 1)))
+  batch = _random_batch(np.random.default_rng(5))
+  results = []
+  for micro in (1, 4):
+    for aggregation in ("token_mean", "seq_mean_token_mean"):
+      settings = update_lib.LossSettings(num_microbatches=micro, aggregation=aggregation)
+      _, state, update_fn = _state_and_update(settings, mesh)
+      state, metrics = update_fn(state, batch)
+      results.append((micro, aggregation, _host(state.params), float(metrics["loss"])))
+  for aggregation in ("token_mean", "seq_mean_token_mean"):
+    (_, _, p1, l1), (_, _, p4, l4) = [r for r in results if r[1] == aggregation]
+    np.testing.assert_allclose(l1, l4, rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p4)
+
+
+def test_non_finite_loss_skips_the_step_and_keeps_the_state():
+  mesh = _mesh((("fsdp", 2), ("tp", 1)))
+  _, state, update_fn = _state_and_update(update_lib.LossSettings(), mesh,
+                                          optimizer=optax.adam(1e-3))
+  params_before, opt_before = _host(state.params), _host(state.opt_state)
+  batch = _random_batch(np.random.default_rng(6))
+  bad = batch.behaviour_logprobs.copy()
+  bad[0, -1] = np.nan
+  state, metrics = update_fn(state, batch.replace(behaviour_logprobs=bad))
+  assert float(metrics["skipped_steps"]) == 1 and float(metrics["update_norm"]) == 0
+  jax.tree.map(np.testing.assert_array_equal, _host(state.params), params_before)
+  jax.tree.map(np.testing.assert_array_equal, _host(state.opt_state), opt_before)
+  assert int(state.step) == 1  # the version still advances: the batch was consumed
+  state, metrics = update_fn(state, batch)  # and the next good batch trains
+  assert float(metrics["skipped_steps"]) == 0 and float(metrics["update_norm"]) > 0
+
+
+@pytest.mark.parametrize("loss", ["clipped_ratio", "vtrace", "m2po"])
+def test_one_step_raises_the_logprob_of_a_positive_advantage_token(loss):
+  mesh = _mesh((("fsdp", 1), ("tp", 1)))
+  graphdef, state, update_fn = _state_and_update(update_lib.LossSettings(name=loss), mesh)
+  batch = _random_batch(np.random.default_rng(7), rows=2)
+  # One trained token per row; behaviour = the current policy (on-policy).
+  logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, state.params, batch.tokens,
+                                                    batch.token_mask, 1.0)
+  loss_mask = np.zeros_like(batch.loss_mask)
+  loss_mask[:, -3] = 1
+  batch = batch.replace(loss_mask=loss_mask, advantages=np.array([1.0, -1.0], np.float32),
+                        behaviour_logprobs=np.asarray(logp) * loss_mask)
+  before = np.asarray(logp)[:, -3]
+  state, _ = update_fn(state, batch)
+  after, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, state.params, batch.tokens,
+                                                     batch.token_mask, 1.0)
+  after = np.asarray(after)[:, -3]
+  assert after[0] > before[0] and after[1] < before[1]
+
+
+def test_kl_to_reference_policy():
+  mesh = _mesh((("fsdp", 2), ("tp", 1)))
+  settings = update_lib.LossSettings(kl_coef=0.1)
+  _, state, update_fn = _state_and_update(settings, mesh, reference=True)
+  rng = np.random.default_rng(8)
+  state, metrics = update_fn(state, _random_batch(rng))
+  assert float(metrics["kl_reference"]) == pytest.approx(0.0, abs=1e-6)  # still the reference
+  state, metrics = update_fn(state, _random_batch(rng))
+  assert float(metrics["kl_reference"]) > 0
+  with pytest.raises(ValueError, match="reference_params"):
+    _state_and_update(settings, mesh)[2](state, _random_batch(rng))
+
+
+def test_staleness_metrics_split_the_log_ratio_by_token_lag():
+  mesh = _mesh((("fsdp", 2), ("tp", 1)))
+  graphdef, state, update_fn = _state_and_update(update_lib.LossSettings(), mesh)
+  batch = _random_batch(np.random.default_rng(9))
+  logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, state.params, batch.tokens,
+                                                    batch.token_mask, 1.0)
+  # Rows 0-3 were sampled by the current policy (version 0, exact log-probs);
+  # rows 4-7 by a version "-2" whose log-probs differ by 0.5 on every token.
+  behaviour = np.asarray(logp) * batch.loss_mask
+  behaviour[4:] -= 0.5 * batch.loss_mask[4:]
+  versions = np.where(np.arange(8)[:, None] < 4, 0, -2) * np.ones_like(batch.token_versions)
+  _, metrics = update_fn(state, batch.replace(behaviour_logprobs=behaviour,
+                                              token_versions=versions.astype(np.int32)))
+  assert float(metrics["abs_log_ratio_lag0"]) == pytest.approx(0.0, abs=1e-5)
+  assert float(metrics["abs_log_ratio_lag2"]) == pytest.approx(0.5, rel=1e-4)
+  assert float(metrics["token_fraction_lag0"]) == pytest.approx(0.5)
+  assert float(metrics["token_fraction_lag2"]) == pytest.approx(0.5)
+  assert float(metrics["ratio_max"]) == pytest.approx(np.exp(0.5), rel=1e-4)
+  assert 0 < float(metrics["ess"]) < 1
+
+
+def test_same_loss_and_update_on_one_device_and_on_fsdp2_tp2():
+  batch = _random_batch(np.random.default_rng(10))
+  results = []
+  for shape in ((("fsdp", 1), ("tp", 1)), (("fsdp", 2), ("tp", 2))):
+    settings = update_lib.LossSettings(num_minibatches=2)
+    _, state, update_fn = _state_and_update(settings, _mesh(shape))
+    state, metrics = update_fn(state, batch)
+    results.append((_host(state.params), {k: float(v) for k, v in metrics.items()}))
+  (p1, m1), (p4, m4) = results
+  for key in ("loss", "grad_norm", "ratio_mean", "entropy", "update_norm"):
+    np.testing.assert_allclose(m1[key], m4[key], rtol=1e-4, err_msg=key)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p4)
