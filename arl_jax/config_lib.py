@@ -174,7 +174,7 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
            f"must be one of {buffer_lib.ASSEMBLY_POLICIES}, got {o['assembly']!r}")
   _require(0.0 < o["window_fraction"] <= 1.0, "orchestrator.window_fraction",
            f"must be in (0, 1], got {o['window_fraction']}")
-  _require(isinstance(o["requeue_dropped"], int) and o["requeue_dropped"] >= 0,
+  _require(type(o["requeue_dropped"]) is int and o["requeue_dropped"] >= 0,
            "orchestrator.requeue_dropped",
            f"must be an int >= 0 (times a dropped prompt is dispatched again), "
            f"got {o['requeue_dropped']!r}")
@@ -257,7 +257,7 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   _require(lc["aggregation"] in losses_lib.AGGREGATIONS, "learner.aggregation",
            f"must be one of {losses_lib.AGGREGATIONS}, got {lc['aggregation']!r}")
   for key in ("num_epochs", "num_minibatches", "num_microbatches"):
-    _require(isinstance(lc[key], int) and lc[key] >= 1, f"learner.{key}",
+    _require(type(lc[key]) is int and lc[key] >= 1, f"learner.{key}",
              f"must be an int >= 1, got {lc[key]!r}")
   slices = lc["num_minibatches"] * lc["num_microbatches"]
   _require(batch % slices == 0, "learner.num_microbatches",

@@ -76,6 +76,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
            f"{spec.dispatch.max_off_policy_steps} max_async_level="
            f"{spec.dispatch.max_async_level} | {len(train_prompts)} train / "
            f"{len(eval_prompts)} eval prompts")
+  if spec.dispatch.max_async_level > spec.dispatch.max_off_policy_steps:
+    print_fn(f"warning: max_async_level={spec.dispatch.max_async_level} > K="
+             f"{spec.dispatch.max_off_policy_steps}: the sampler may run further ahead than "
+             f"groups may lag, so expect many stale drops and cancellations")
 
   graphdef, params, _ = init_lib.init_params(spec.model, meshes.learner,
                                              rules_lib.LEARNER_RULES, spec.seed)
@@ -271,7 +275,8 @@ def _step_record(step, version, host_batch, batch, metrics, orchestrator, engine
       **orchestrator.ledger.metrics(),
       "cancelled_groups": dispatcher.num_cancelled,
       "requeued_groups": dispatcher.num_requeued,
-      "cancelled_tokens_saved": engine.stats.cancelled_tokens,
+      # Upper bound: cancelled rollouts' unsampled budget (they might have stopped earlier).
+      "cancelled_tokens_saved_max": engine.stats.cancelled_tokens,
       "cancelled_tokens_discarded": engine.stats.cancelled_sampled_tokens,
       "env_errors": int(sum(env_runner.errors.values())),
       "env_timeouts": int(sum(env_runner.timeouts.values())),

@@ -51,10 +51,11 @@ def test_tiny_async_run_end_to_end(tmp_path):
               "lag_in_queue_histogram", "tokens_per_s", "drop_rate", "dropped_stale",
               "dropped_cancelled", "dropped_env_error", "dropped_truncated", "drops_by_env",
               "drops_by_length", "drop_rate_by_length", "tasks_lost", "task_drop_rate_mean",
-              "cancelled_tokens_saved", "ratio_max", "clip_fraction", "grad_norm", "entropy"):
+              "cancelled_tokens_saved_max", "ratio_max", "clip_fraction", "grad_norm", "entropy"):
     assert key in rl[0], key
-  for r in rl:  # the lag of every group splits into versions in flight + in the queue
-    assert r["lag_mean"] == pytest.approx(r["lag_in_flight_mean"] + r["lag_in_queue_mean"])
+  for r in rl:  # versions in flight and in the queue are never negative
+    assert min(int(v) for v in r["lag_in_flight_histogram"]) >= 0
+    assert min(int(v) for v in r["lag_in_queue_histogram"]) >= 0
   assert any(line.startswith("step") and "v6" in line for line in lines)
   assert any(line.startswith("eval") for line in lines)
 

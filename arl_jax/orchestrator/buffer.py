@@ -120,10 +120,10 @@ class RolloutBuffer:
     with self._cond:
       return self._generation
 
-  def wait_for_change(self, generation: int, timeout: float) -> None:
-    """Blocks until something changed since `generation` (or `timeout` passed)."""
+  def wait_for_change(self, generation: int, timeout: float) -> bool:
+    """Blocks until something changed since `generation`; False on timeout."""
     with self._cond:
-      self._cond.wait_for(lambda: self._generation != generation, timeout)
+      return self._cond.wait_for(lambda: self._generation != generation, timeout)
 
   def try_cut(self, batch_version: int, num_groups: int) -> CutResult:
     """Sweeps stale groups, then takes a batch if the policy has one ready.

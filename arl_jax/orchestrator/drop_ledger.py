@@ -11,11 +11,16 @@ Reasons:
 
 Everything is counted in rollouts (a dropped group counts G), so drop rates of
 all reasons share one denominator: every rollout retired so far (trained rows
-plus dropped groups). Lengths are bucketed into quarters of `max_new_tokens`;
-a group cancelled in flight has no final length and is counted as
-`unfinished`. A task is an (environment, prompt id) pair; a task is lost when every group of it
-retired so far was dropped, which is what requeueing
-(`orchestrator.requeue_dropped`) exists to prevent.
+plus dropped groups), masked rows of trained groups included. Lengths are
+bucketed into quarters of `max_new_tokens`; a group cancelled in flight has no
+final length and is counted as `unfinished` (its drop rate is 1 by
+construction; compare the other buckets with each other).
+
+Tasks are counted in groups: a task is an (environment, prompt id) pair, its
+drop rate is dropped groups / retired groups, and it is lost (so far) when
+every group of it retired until now was dropped, including a task whose
+requeued group is still in flight. Preventing lost tasks is what requeueing
+(`orchestrator.requeue_dropped`) is for.
 """
 
 from __future__ import annotations
@@ -127,7 +132,7 @@ class DropLedger:
         "drops_by_env": _nested(self._by_env),
         "drops_by_length": _nested(self._by_length),
         "drop_rate_by_length": {
-            b: sum(self._by_length[b].values()) / n
+            b: sum(self._by_length.get(b, {}).values()) / n
             for b, n in sorted(self._retired_by_length.items())},
         "tasks_seen": len(self.tasks),
         "tasks_lost": int(lost),

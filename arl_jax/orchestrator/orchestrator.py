@@ -100,7 +100,10 @@ class Orchestrator:
   def group_finished(self, group: rollout_lib.Group) -> None:
     """A group's last rollout was scored (env worker threads)."""
     self.dispatcher.finished_generating(group.group_id)
-    self.buffer.put(group, self.live_version)
+    # The sampler may hold a version before `publish` announces it here; the
+    # group cannot have arrived before the newest version that sampled it.
+    newest = max(r.version_span[1] for r in group.rollouts)
+    self.buffer.put(group, max(self.live_version, newest))
 
   def try_cut(self, batch_version: int) -> Batch | None:
     """One attempt at `B_{batch_version}`: sweep, count and retire stale groups,

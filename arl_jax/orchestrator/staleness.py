@@ -41,8 +41,10 @@ def can_still_ship(reference: int | None, live_version: int, max_off_policy_step
   `reference` is the version its lag counts from (`in_flight_reference`). The
   lag only grows, so when it already exceeds K the group can never ship and
   generating it further only wastes compute. `reference=None` means the group
-  has no sampled token yet under `oldest_token`: its first token will carry the
-  live version or a newer one, so it can always still ship.
+  has no sampled token yet under `oldest_token`: it is not cancelled, because
+  it will usually be admitted under the live version. (A sampler that has not
+  swapped yet may still admit it one version behind; then the next publish
+  cancels it, and the buffer's sweep keeps it out of any batch meanwhile.)
   """
   return reference is None or live_version - reference <= max_off_policy_steps
 

@@ -458,6 +458,11 @@ class SamplerEngine:
     # Every completion token counts against max_new_tokens, observations included.
     max_new = np.array([self._cfg.max_new_tokens - len(e.completion_ids) for e in episodes],
                        np.int32)
+    # The first tokens are sampled by this prefill under `self.version`; tell
+    # the dispatcher before it runs, so that no publish in between can miss
+    # them (under `oldest_token`, in-flight lag counts from the first token).
+    for _, row in items:
+      self._dispatcher.note_sampling(row.group_id, self.version)
     self._state = self._fns.insert(self._params_by_version[self.version],
                                    self._version_scalar, self._state, slots, tokens, mask,
                                    keys, max_new)
@@ -467,8 +472,6 @@ class SamplerEngine:
     now = time.monotonic()
     for (slot, row), budget in zip(items, max_new):
       row.version, row.start_time, row.budget, row.sampled = self.version, now, int(budget), 1
-      # The first token is sampled here: under `oldest_token` cancellation counts from it.
-      self._dispatcher.note_sampling(row.group_id, self.version)
       row.episode.timings["queued"] += now - row.ready_time
       self.stats.queue_wait_seconds += now - row.ready_time
       self.stats.resumes += row.episode.turns > 0

@@ -5,7 +5,11 @@ ledger) exactly as `run_lib` does, but replaces the sampler, the environments
 and the learner by events on a simulated clock:
 
 - the fake sampler takes every group admission control allows, runs up to
-  `num_slots` groups at a time (the rest wait in its queue, FIFO), and samples
+  `num_slots` groups at a time (the rest wait in its queue, FIFO, as requests
+  wait in an inference server's queue; the built-in engine instead takes
+  groups only for free slots, so there a group's first token is nearly always
+  sampled at its dispatch version and the two staleness references rarely
+  differ), and samples
   each group's tokens evenly over its duration, each token recording the
   version live at that instant (in-flight weight updates);
 - a group's duration comes from `duration_fn(prompt)`, so completion time can

@@ -103,16 +103,18 @@ def test_first_done_with_a_tight_bound_loses_the_hard_tasks():
   assert table[0]["drop_rate"] == 1.0 and difficulty[table[0]["prompt_id"]] > 0.5
 
 
+@pytest.mark.parametrize("assembly", ["fifo", "windowed_fifo", "first_done"])
 @pytest.mark.parametrize(("reference", "k"),
                          [("dispatch", 1), ("dispatch", 2), ("oldest_token", 1)])
-def test_cancellation_is_exact(reference, k):
+def test_cancellation_is_exact(assembly, reference, k):
   """At every publish, an in-flight group is cancelled iff it can never ship.
 
   Groups queue for 6 sampler slots, so many start sampling versions after
-  their dispatch: the two references disagree about them.
+  their dispatch: the two references disagree about them. Under fifo a
+  cancelled group must leave the dispatch queue, or the run stalls.
   """
-  result = simulate(assembly="first_done", k=k, max_async_level=3, num_slots=6,
-                    reference=reference)
+  result = simulate(assembly=assembly, k=k, max_async_level=3, num_slots=6,
+                    reference=reference, num_steps=40)
   disagreements = 0
   for publish in result.publishes:
     expected = []
@@ -131,9 +133,13 @@ def test_cancellation_is_exact(reference, k):
   assert disagreements > 10  # the scenario does exercise the difference
   cancelled = {gid for p in result.publishes for gid in p.cancelled}
   assert cancelled  # and does cancel
+  stale = set()
   for cut in result.cuts:
     assert not cancelled & {g.group_id for g in cut.batch.groups}
     assert cut.batch.lag_metrics()["lag_max"] <= k  # the guarantee
+    stale |= {g.group_id for g in cut.batch.stale}
+  assert not cancelled & stale  # a late finish of a cancelled group is not counted again
+  assert len(result.cuts) == 40
 
 
 @pytest.mark.parametrize("max_async_level", [0, 1, 3])

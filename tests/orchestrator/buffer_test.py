@@ -62,12 +62,13 @@ def test_wait_for_change_wakes_on_put_and_close():
   buffer = _buffer("fifo")
   _dispatch(buffer, 1)
   generation = buffer.generation
+  assert not buffer.wait_for_change(generation, timeout=0.01)
   threading.Timer(0.1, lambda: buffer.put(make_group(0, 0, [[0], [0]]), 0)).start()
-  buffer.wait_for_change(generation, timeout=5)
+  assert buffer.wait_for_change(generation, timeout=5)
   assert len(buffer) == 1
   generation = buffer.generation
   threading.Timer(0.1, buffer.close).start()
-  buffer.wait_for_change(generation, timeout=5)
+  assert buffer.wait_for_change(generation, timeout=5)
   assert buffer.closed
 
 

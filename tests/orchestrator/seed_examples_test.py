@@ -3,6 +3,7 @@ orchestrator with a scripted sampler and a fake clock, under both staleness
 references."""
 
 import itertools
+import threading
 
 import numpy as np
 import pytest
@@ -44,8 +45,9 @@ class Script:
 
   def dispatch(self, first_token_version=None):
     (request,) = self.orch.dispatcher.take(1, self.version, timeout=0.0)
-    self.orch.dispatcher.note_sampling(request.group_id,
-                                       first_token_version or request.dispatch_version)
+    if first_token_version is None:
+      first_token_version = request.dispatch_version
+    self.orch.dispatcher.note_sampling(request.group_id, first_token_version)
     return request
 
   def finish(self, request, token_versions):
@@ -158,3 +160,34 @@ def test_oldest_token_counts_in_flight_lag_from_the_first_sampled_token():
         cancelled_at[reference] = v
         break
   assert cancelled_at == {"dispatch": 19, "oldest_token": 21}
+
+
+def test_blocking_cut_waits_reports_every_swept_group_and_unblocks_on_close():
+  s = Script(1, "dispatch", assembly="fifo")
+  old = s.dispatch()
+  s.finish(old, [0, 0])
+  s.publish(2)
+  fresh = s.dispatch()
+  # B_2 needs `fresh` (fifo); the attempt sweeps `old` (lag 2 > 1) and times out.
+  with pytest.raises(TimeoutError):
+    s.orch.cut(2, timeout=0.05)
+  assert s.orch.ledger.dropped["stale"] == 2
+  threading.Timer(0.1, lambda: s.finish(fresh, [2, 2])).start()
+  batch = s.orch.cut(2, timeout=5)
+  assert [g.group_id for g in batch.groups] == [fresh.group_id]
+  # The batch reports the group swept by the earlier, failed attempt.
+  assert [g.group_id for g in batch.stale] == [old.group_id]
+  threading.Timer(0.1, s.orch.close).start()
+  with pytest.raises(buffer_lib.BufferClosed):
+    s.orch.cut(3, timeout=5)
+
+
+def test_arrival_is_never_before_the_newest_version_that_sampled_the_group():
+  """The sampler can swap to a version before the orchestrator announces it."""
+  s = Script(8, "dispatch")
+  request = s.dispatch()
+  group = s.finish(request, [0, 1])  # version 1 sampled; publish(1) not yet seen
+  assert group.arrival_version == 1
+  s.publish(1)
+  lags = s.cut().lag_metrics()
+  assert lags["lag_in_flight_mean"] == 1 and lags["lag_in_queue_mean"] == 0
