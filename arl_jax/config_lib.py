@@ -31,7 +31,7 @@ from arl_jax.sharding import mesh_lib
 _TOP_KEYS = ("seed", "num_steps", "log_every", "eval_every", "eval_size")
 _SECTIONS = {
     "model": ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
-              "max_seq_len", "rope_theta", "tie_embeddings", "param_dtype"),
+              "max_seq_len", "rope_theta", "tie_embeddings", "param_dtype", "value_head"),
     "mesh": ("placement", "learner_devices", "learner", "sampler"),
     # Plus the fields of the chosen environment's config (registry.ENVS).
     "env": ("name", "num_workers", "timeout_s"),
@@ -40,7 +40,8 @@ _SECTIONS = {
     "orchestrator": ("batch_size", "group_size", "max_async_level", "max_off_policy_steps",
                      "staleness_reference", "assembly", "window_fraction", "requeue_dropped",
                      "mask_truncated_completions"),
-    "learner": ("loss", "eps_low", "eps_high", "dual_clip", "rho_bar", "tau", "tis_cap",
+    "learner": ("loss", "eps_low", "eps_high", "dual_clip", "rho_bar", "c_bar", "lam",
+                "vf_coef", "tau", "tis_cap",
                 "age_decay", "decoupled", "aggregation", "kl_coef", "entropy_coef", "advantage",
                 "num_epochs", "num_minibatches", "num_microbatches", "lr", "b1", "b2",
                 "weight_decay", "max_grad_norm"),
@@ -249,6 +250,12 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   _require(lc["dual_clip"] == 0 or lc["dual_clip"] > 1, "learner.dual_clip",
            f"must be 0 (off) or > 1, got {lc['dual_clip']}")
   _require(lc["rho_bar"] >= 1, "learner.rho_bar", f"must be >= 1, got {lc['rho_bar']}")
+  _require(0 < lc["c_bar"] <= lc["rho_bar"], "learner.c_bar",
+           f"must be in (0, learner.rho_bar={lc['rho_bar']}], got {lc['c_bar']}")
+  _require(0 <= lc["lam"] <= 1, "learner.lam", f"must be in [0, 1], got {lc['lam']}")
+  _require(lc["vf_coef"] >= 0, "learner.vf_coef", f"must be >= 0, got {lc['vf_coef']}")
+  _require(not model.value_head or lc["loss"] == "vtrace", "model.value_head",
+           f"a critic is trained only by learner.loss='vtrace', got {lc['loss']!r}")
   _require(lc["tau"] > 0, "learner.tau", f"must be > 0, got {lc['tau']}")
   _require(lc["tis_cap"] == 0 or lc["tis_cap"] >= 1, "learner.tis_cap",
            f"must be 0 (off) or >= 1, got {lc['tis_cap']}")
@@ -267,7 +274,8 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
       "learner", update_lib.LossSettings,
       name=lc["loss"], eps_low=float(lc["eps_low"]), eps_high=float(lc["eps_high"]),
       dual_clip=float(lc["dual_clip"]) if lc["dual_clip"] else None,
-      rho_bar=float(lc["rho_bar"]), tau=float(lc["tau"]),
+      rho_bar=float(lc["rho_bar"]), c_bar=float(lc["c_bar"]), lam=float(lc["lam"]),
+      critic=model.value_head, vf_coef=float(lc["vf_coef"]), tau=float(lc["tau"]),
       tis_cap=float(lc["tis_cap"]) if lc["tis_cap"] else None,
       age_decay=float(lc["age_decay"]), decoupled=bool(lc["decoupled"]),
       aggregation=lc["aggregation"], norm_constant=float(s["max_new_tokens"]),

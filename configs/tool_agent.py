@@ -48,7 +48,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   config.model = ml_collections.ConfigDict(dict(
       d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384,
-      max_seq_len=32, rope_theta=10_000.0, tie_embeddings=True, param_dtype="float32"))
+      max_seq_len=32, rope_theta=10_000.0, tie_embeddings=True, param_dtype="float32",
+      value_head=False))
 
   config.mesh = ml_collections.ConfigDict(dict(
       placement="auto", learner_devices=-1,
@@ -71,7 +72,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       requeue_dropped=0, mask_truncated_completions=False))
 
   config.learner = ml_collections.ConfigDict(dict(
-      loss="clipped_ratio", eps_low=0.2, eps_high=0.2, dual_clip=0.0, rho_bar=1.0, tau=0.04,
+      loss="clipped_ratio", eps_low=0.2, eps_high=0.2, dual_clip=0.0, rho_bar=1.0, c_bar=1.0,
+      lam=1.0, vf_coef=0.5, tau=0.04,
       tis_cap=0.0, age_decay=0.0, decoupled=False, aggregation="token_mean", kl_coef=0.0,
       entropy_coef=0.0, advantage="grpo", num_epochs=1, num_minibatches=1, num_microbatches=1,
       lr=1e-4, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0))

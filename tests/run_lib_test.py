@@ -129,6 +129,8 @@ def test_tool_agent_episodes_span_policy_versions_while_tools_are_slow(tmp_path)
      ("masked_fraction", "kl_reference", "behaviour_weight_mean")),
     (dict(loss="vtrace", rho_bar=2.0, aggregation="seq_sum_norm", entropy_coef=0.01),
      ("clip_fraction",)),
+    (dict(loss="vtrace", lam=0.95, c_bar=1.0, value_head=True),
+     ("value_loss", "explained_variance")),
     (dict(loss="clipped_ratio", num_epochs=2, tis_cap=2.0, age_decay=0.5, advantage="rloo"),
      ("tis_truncated_fraction", "behaviour_weight_mean")),
 ])
@@ -136,6 +138,7 @@ def test_every_loss_trains_end_to_end(tmp_path, learner, logged):
   config = tiny.load_config("arith", "tiny")
   config.num_steps = 3
   config.eval_every = 0
+  config.model.value_head = learner.pop("value_head", False)
   config.learner.update(learner)
   result = run_lib.run(config, str(tmp_path), print_fn=lambda *_: None)
   assert result.final_version == 3

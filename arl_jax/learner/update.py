@@ -37,6 +37,7 @@ from arl_jax import train_batch as train_batch_lib
 from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import losses as losses_lib
 from arl_jax.learner import train_state as train_state_lib
+from arl_jax.learner import vtrace as vtrace_lib
 
 # Token-lag buckets of the |log-ratio| metrics: (name, lowest lag, highest lag).
 LAG_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3_4", 3, 4), ("5_8", 5, 8),
@@ -53,6 +54,10 @@ class LossSettings:
   eps_high: float = 0.2
   dual_clip: float | None = None
   rho_bar: float = 1.0  # vtrace
+  c_bar: float = 1.0  # vtrace with a critic
+  lam: float = 1.0  # vtrace with a critic
+  critic: bool = False  # vtrace actor-critic: the model has a value head
+  vf_coef: float = 0.5  # weight of the critic's loss
   tau: float = 0.04  # m2po
   tis_cap: float | None = None
   age_decay: float = 0.0
@@ -78,6 +83,9 @@ class LossSettings:
       raise ValueError("vtrace truncates its importance weights itself (rho_bar): it takes "
                        "neither a decoupled objective nor tis_cap, so it runs one optimizer "
                        "step per batch")
+    if self.critic and self.name != "vtrace":
+      raise ValueError(f"a critic (model.value_head) is trained only by the vtrace loss, not "
+                       f"{self.name!r}")
     if self.name == "m2po" and self.age_decay:
       raise ValueError("m2po has no clip range for an age-aware trust region to shrink")
 
@@ -156,9 +164,9 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
   if (s.kl_coef > 0) != (reference_params is not None):
     raise ValueError("reference_params must be given exactly when kl_coef > 0")
 
-  def logprobs(params, rows):
+  def logprobs(params, rows, with_values=False):
     return logprobs_lib.token_logprobs_and_entropy(graphdef, params, rows.tokens,
-                                                   rows.token_mask, s.temperature)
+                                                   rows.token_mask, s.temperature, with_values)
 
   # Versions since each token was sampled (prompt and observation tokens carry
   # -1 and are masked out of every use).
@@ -182,10 +190,16 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
 
   def objective(params, micro, weights):
     mb = micro["batch"]
-    logp, entropy = logprobs(params, mb)
-    per_token, metrics = s.token_loss(logp, mb, micro["advantages"], micro.get("proximal"),
+    if s.critic:
+      logp, entropy, values = logprobs(params, mb, with_values=True)
+      advantages, value_loss, critic_metrics = _critic(logp, values, mb)
+    else:
+      logp, entropy = logprobs(params, mb)
+      advantages, value_loss, critic_metrics = micro["advantages"], 0.0, {}
+    per_token, metrics = s.token_loss(logp, mb, advantages, micro.get("proximal"),
                                       micro["token_lag"])
-    total = per_token - s.entropy_coef * entropy * mb.loss_mask
+    metrics.update(critic_metrics)
+    total = per_token + s.vf_coef * value_loss - s.entropy_coef * entropy * mb.loss_mask
     if "reference" in micro:
       kl = losses_lib.kl_to_reference(logp, micro["reference"], mb.loss_mask)
       total = total + s.kl_coef * kl
@@ -195,6 +209,24 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
       metrics["start_log_ratio"] = jax.lax.stop_gradient(
           (logp - mb.behaviour_logprobs) * mb.loss_mask)
     return jnp.sum(weights * total), metrics
+
+  def _critic(logp, values, mb):
+    """V-trace targets from the critic: per-token policy-gradient advantages
+    and the value loss `0.5 (v_s - V)^2` (targets are constants)."""
+    mask = mb.loss_mask
+    log_rhos = jax.lax.stop_gradient(logp - mb.behaviour_logprobs) * mask
+    rewards = vtrace_lib.last_token_rewards(mb.rewards, mask)
+    vs, advantages = vtrace_lib.vtrace_targets(values, rewards, log_rhos, mask,
+                                               rho_bar=s.rho_bar, c_bar=s.c_bar, lam=s.lam)
+    value_loss = 0.5 * jnp.square(vs - values) * mask
+    error_var = losses_lib.masked_mean(jnp.square(vs - values), mask) - jnp.square(
+        losses_lib.masked_mean(vs - values, mask))
+    target_var = losses_lib.masked_mean(jnp.square(vs), mask) - jnp.square(
+        losses_lib.masked_mean(vs, mask))
+    metrics = {"value_loss": losses_lib.masked_mean(value_loss, mask),
+               "value_mean": losses_lib.masked_mean(values, mask),
+               "explained_variance": 1.0 - error_var / jnp.maximum(target_var, 1e-8)}
+    return advantages, value_loss, metrics
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 

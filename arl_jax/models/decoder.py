@@ -165,9 +165,12 @@ class Decoder(nnx.Module):
     if not cfg.tie_embeddings:
       self.lm_head = _param(rngs, (cfg.d_model, cfg.vocab_size), ("embed", "vocab"), dtype,
                             1.0 / math.sqrt(cfg.d_model))
+    if cfg.value_head:
+      # Zero-initialised: the critic starts predicting 0 and learns from targets.
+      self.value_head = _param(rngs, (cfg.d_model,), ("embed",), dtype, 0.0)
 
   def __call__(self, tokens, positions, attn_mask, cache=None, cache_index=None,
-               write_mask=None, last_only=False):
+               write_mask=None, last_only=False, with_values=False):
     """Runs the decoder.
 
     Args:
@@ -181,9 +184,12 @@ class Decoder(nnx.Module):
         as it was (their outputs are still computed, and ignored).
       last_only: return logits for the last position only (`[B, 1, V]`): a
         prefill needs no others, and at a large vocabulary they dominate memory.
+      with_values: also return the value head's output (needs `value_head`).
 
     Returns:
-      `(logits [B, T, V] float32, updated KVCache or None)`.
+      `(logits [B, T, V] float32, updated KVCache or None)`, plus
+      `values [B, T] float32` (the value of the prefix up to and including
+      each position) when `with_values`.
     """
     x = jnp.take(self.embed[...], tokens, axis=0)
     new_keys, new_values = [], []
@@ -203,7 +209,13 @@ class Decoder(nnx.Module):
     new_cache = None
     if cache is not None:
       new_cache = cache.replace(keys=tuple(new_keys), values=tuple(new_values))
-    return logits, new_cache
+    if not with_values:
+      return logits, new_cache
+    if not self.cfg.value_head:
+      raise ValueError("with_values=True needs a model built with value_head=True")
+    values = jnp.einsum("btd,d->bt", x.astype(jnp.float32),
+                        self.value_head[...].astype(jnp.float32))
+    return logits, new_cache, values
 
 
 def positions_from_mask(token_mask: jax.Array) -> jax.Array:

@@ -20,6 +20,8 @@ class ModelConfig:
     norm_eps: RMSNorm epsilon.
     tie_embeddings: reuse the input embedding as the output projection.
     param_dtype: dtype the parameters are stored and computed in.
+    value_head: add a scalar value head on the final hidden state (the critic
+      of V-trace actor-critic; it shares the trunk with the policy).
   """
 
   vocab_size: int
@@ -34,6 +36,7 @@ class ModelConfig:
   norm_eps: float = 1e-6
   tie_embeddings: bool = True
   param_dtype: str = "float32"
+  value_head: bool = False
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -56,4 +59,6 @@ class ModelConfig:
     mlp = 3 * self.d_model * self.mlp_dim
     block = attn + mlp + 2 * self.d_model
     head = 0 if self.tie_embeddings else self.d_model * self.vocab_size
-    return self.vocab_size * self.d_model + self.num_layers * block + self.d_model + head
+    value = self.d_model if self.value_head else 0
+    return (self.vocab_size * self.d_model + self.num_layers * block + self.d_model + head
+            + value)

@@ -14,11 +14,24 @@ from arl_jax.sharding import rules as rules_lib
 from arl_jax.testing import tiny
 
 
-@pytest.mark.parametrize("tie", [True, False])
-def test_param_count_matches_config(tie):
-  cfg = tiny.tiny_model_config(tie_embeddings=tie)
+@pytest.mark.parametrize("tie, value_head", [(True, False), (False, False), (True, True)])
+def test_param_count_matches_config(tie, value_head):
+  cfg = tiny.tiny_model_config(tie_embeddings=tie, value_head=value_head)
   _, abstract = init_lib.abstract_model(cfg)
   assert sum(x.size for x in jax.tree.leaves(abstract)) == cfg.num_params
+
+
+def test_value_head_shares_the_trunk_and_starts_at_zero():
+  cfg = tiny.tiny_model_config(value_head=True)
+  model = decoder_lib.Decoder(cfg, rngs=nnx.Rngs(0))
+  tokens, mask = tiny.random_prompts(3, 10, 256, seed=4)
+  args = (tokens, decoder_lib.positions_from_mask(mask), decoder_lib.causal_mask(mask))
+  logits, _, values = model(*args, with_values=True)
+  assert values.shape == (3, 10) and values.dtype == jnp.float32
+  np.testing.assert_array_equal(values, 0.0)  # zero-initialised head
+  np.testing.assert_array_equal(model(*args)[0], logits)  # the policy is unchanged
+  with pytest.raises(ValueError, match="value_head=True"):
+    decoder_lib.Decoder(tiny.tiny_model_config(), rngs=nnx.Rngs(0))(*args, with_values=True)
 
 
 def test_full_forward_equals_prefill_plus_cached_decode():
