@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import ml_collections
 
-from arl_jax.envs import env_api, registry
+from arl_jax.envs import env_api, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import advantages as advantages_lib
 from arl_jax.learner import losses as losses_lib
@@ -46,6 +46,8 @@ _SECTIONS = {
                 "num_epochs", "num_minibatches", "num_microbatches", "lr", "b1", "b2",
                 "weight_decay", "max_grad_norm"),
     "warmup": ("steps", "batch_size", "lr", "fraction"),
+    "data": ("train_path", "heldout_path", "on_malformed"),
+    "tokenizer": ("kind", "path", "eos_token", "bos_token", "pad_token", "chat_template"),
 }
 
 
@@ -72,6 +74,8 @@ class RunSpec:
   mesh: mesh_lib.MeshConfig
   env_name: str
   env: object  # the environment's config dataclass (registry.ENVS[env_name].config_cls)
+  data: prompt_source.DataConfig
+  tokenizer: tokenizer_lib.TokenizerConfig
   num_env_workers: int
   env_timeout_s: float
   engine: engine_lib.EngineConfig
@@ -146,7 +150,11 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   for key in ("log_every", "eval_every", "eval_size"):
     _require(cfg[key] >= 0, key, f"must be >= 0, got {cfg[key]}")
 
-  tokenizer = tokenizer_lib.ByteTokenizer()
+  tokenizer_cfg = _wrap("tokenizer", tokenizer_lib.TokenizerConfig, **cfg["tokenizer"])
+  try:
+    tokenizer = tokenizer_lib.make_tokenizer(tokenizer_cfg)
+  except (OSError, ValueError, ImportError) as e:
+    raise ConfigError(f"config.tokenizer: {e}") from e
   s, o, m, lc, w = (cfg["sampler"], cfg["orchestrator"], cfg["model"], cfg["learner"],
                     cfg["warmup"])
 
@@ -216,9 +224,16 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   # Measure prompts and answers the way the environment encodes them, so the
   # check cannot drift from what the sampler and warm-up actually receive.
   env_instance = env_entry.make_env_fn(env, tokenizer, for_eval=True)
-  prompts_by_split = {split: env_entry.make_prompts_fn(env, split) for split in env_api.SPLITS}
-  for split, prompts in prompts_by_split.items():
-    _require(bool(prompts), "env", f"env {env_name!r} has no {split!r} prompts with these settings")
+  data_cfg = _wrap("data", prompt_source.DataConfig, **cfg["data"])
+  prompts_by_split = {}
+  for split in env_api.SPLITS:
+    key = f"data.{split}_path" if data_cfg.path(split) else "env"
+    try:
+      prompts_by_split[split] = prompt_source.load(env_name, env, data_cfg, split).prompts
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"config.{key}: {e}") from e
+    _require(bool(prompts_by_split[split]), key,
+             f"env {env_name!r} has no {split!r} prompts with these settings")
   all_prompts = [p for prompts in prompts_by_split.values() for p in prompts]
   longest = max(len(env_instance.encode_prompt(p)) for p in all_prompts)
   _require(longest <= s["prompt_len"], "sampler.prompt_len",
@@ -313,7 +328,8 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   return RunSpec(
       seed=cfg["seed"], num_steps=cfg["num_steps"], log_every=cfg["log_every"],
       eval_every=cfg["eval_every"], eval_size=cfg["eval_size"], model=model, mesh=mesh,
-      env_name=env_name, env=env, num_env_workers=env_cfg["num_workers"],
+      env_name=env_name, env=env, data=data_cfg, tokenizer=tokenizer_cfg,
+      num_env_workers=env_cfg["num_workers"],
       env_timeout_s=float(env_cfg["timeout_s"]), engine=engine,
       sampler_model=dataclasses.replace(model, param_dtype=s["param_dtype"]),
       sampling=sampling_settings, dispatch=dispatch, buffer=buffer,

@@ -21,7 +21,7 @@ import numpy as np
 
 from arl_jax import config_lib, evaluation
 from arl_jax import train_batch as train_batch_lib
-from arl_jax.envs import prompt_data, registry
+from arl_jax.envs import prompt_data, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib
@@ -63,11 +63,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   start_time = time.monotonic()
   spec = config_lib.build(config)
   meshes = mesh_lib.make_role_meshes(spec.mesh)
-  tokenizer = tokenizer_lib.ByteTokenizer()
+  tokenizer = tokenizer_lib.make_tokenizer(spec.tokenizer)
   env_entry = registry.ENVS[spec.env_name]
   env = env_entry.make_env_fn(spec.env, tokenizer)
-  train_prompts = env_entry.make_prompts_fn(spec.env, "train")
-  heldout = env_entry.make_prompts_fn(spec.env, "heldout")
+  train = prompt_source.load(spec.env_name, spec.env, spec.data, "train")
+  heldout_source = prompt_source.load(spec.env_name, spec.env, spec.data, "heldout")
+  train_prompts, heldout = train.prompts, heldout_source.prompts
   eval_prompts = heldout[:: max(1, len(heldout) // max(spec.eval_size, 1))][: spec.eval_size]
   writer = writer_lib.JsonlWriter(workdir)
   print_fn(f"arl_jax: {spec.model.num_params / 1e6:.2f}M params | learner mesh "
@@ -76,6 +77,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
            f"{spec.dispatch.max_off_policy_steps} max_async_level="
            f"{spec.dispatch.max_async_level} | {len(train_prompts)} train / "
            f"{len(eval_prompts)} eval prompts")
+  for split, source in (("train", train), ("heldout", heldout_source)):
+    if source.skipped:
+      print_fn(f"warning: skipped {len(source.skipped)} malformed {split} line(s), first: "
+               f"{source.skipped[0]}")
+      writer.write({"phase": "data", "split": split, "skipped_lines": len(source.skipped),
+                    "skipped": source.skipped[:100]})
   if spec.dispatch.max_async_level > spec.dispatch.max_off_policy_steps:
     print_fn(f"warning: max_async_level={spec.dispatch.max_async_level} > K="
              f"{spec.dispatch.max_off_policy_steps}: the sampler may run further ahead than "

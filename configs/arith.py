@@ -68,6 +68,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       entropy_coef=0.0, advantage="grpo", num_epochs=1, num_minibatches=1, num_microbatches=1,
       lr=3e-4, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0))
 
+  # `hf`: a local tokenizer.json (path, eos_token, ...); see README "Tokenizers".
+  config.tokenizer = ml_collections.ConfigDict(dict(
+      kind="byte", path="", eos_token="", bos_token="", pad_token="", chat_template="none"))
+
+  # Prompts: "" uses the environment's own; JSONL schema in the README.
+  config.data = ml_collections.ConfigDict(dict(train_path="", heldout_path="",
+                                               on_malformed="error"))
+
   config.warmup = ml_collections.ConfigDict(dict(steps=200, batch_size=64, lr=1e-3,
                                                  fraction=0.3))
 

@@ -51,6 +51,8 @@ def test_tiny_and_default_configs_build():
     ({"model__value_head": True}, r"model.value_head: a critic is trained only by learner.loss='vtrace'"),
     ({"learner__c_bar": 2.0}, r"learner.c_bar: must be in \(0, learner.rho_bar=1.0\]"),
     ({"learner__lam": 1.5}, r"learner.lam: must be in \[0, 1\]"),
+    ({"data__on_malformed": "ignore"}, r"config.data: data.on_malformed must be one of \('error', 'skip'\)"),
+    ({"data__train_path": "/nonexistent.jsonl"}, r"config.data.train_path: .*No such file"),
     ({"orchestrator__requeue_dropped": -1}, r"orchestrator.requeue_dropped: must be an int >= 0"),
     ({"model__num_kv_heads": 3}, r"config.model: model.num_heads=2 must be a multiple"),
     ({"env__name": "chess"}, r"env.name: unknown environment 'chess'"),
@@ -126,3 +128,26 @@ def test_launch_rejects_unknown_override_on_the_command_line(tmp_path):
   assert proc.returncode != 0
   assert "lrr" in proc.stderr
   assert not os.listdir(tmp_path)
+
+
+def test_a_malformed_prompt_file_fails_the_config_naming_file_and_line(tmp_path):
+  path = tmp_path / "train.jsonl"
+  path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n')
+  config = _config()
+  config.data.train_path = str(path)
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"config.data.train_path: .*train.jsonl:2: field 'answer'"):
+    config_lib.build(config)
+  config.data.on_malformed = "skip"
+  assert config_lib.build(config).data.on_malformed == "skip"
+  # A prompt too long for the sampler is caught from the file as well.
+  path.write_text('{"prompt": "1234567890+1=", "answer": "2"}\n')
+  config.data.on_malformed = "error"
+  with pytest.raises(config_lib.ConfigError, match=r"sampler.prompt_len: a prompt of env"):
+    config_lib.build(config)
+
+
+def test_math_answer_configs_build():
+  for arg in (None, "sync", "tiny"):
+    spec = config_lib.build(tiny.load_config("math_answer", arg))
+    assert spec.env_name == "math_answer" and not spec.engine.multi_turn

@@ -38,13 +38,8 @@ class ArithConfig:
 _OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 
 
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-  """One task instance. `prompt_id` is stable across runs (it names the pair)."""
-
-  prompt_id: int
-  text: str
-  answer: str
+# One task instance; `prompt_id` is stable across runs (it names the pair).
+Prompt = env_api.TextPrompt
 
 
 def _is_heldout(a: int, b: int, fraction: float) -> bool:

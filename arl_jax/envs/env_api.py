@@ -23,6 +23,21 @@ SPLITS = ("train", "heldout")
 
 
 @dataclasses.dataclass(frozen=True)
+class TextPrompt:
+  """A prompt record: what every built-in environment and the JSONL source use.
+
+  Attributes:
+    prompt_id: stable id of the task (drop accounting, requeueing).
+    text: the prompt text the environment encodes.
+    answer: what the environment checks a completion against.
+  """
+
+  prompt_id: int
+  text: str
+  answer: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Demonstration:
   """A correct completion, for supervised warm-up.
 

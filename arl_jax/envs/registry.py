@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from arl_jax.envs import arith, tool_agent
+from arl_jax.envs import arith, math_answer, tool_agent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,6 +30,10 @@ class EnvEntry:
 ENVS = {
     "arith": EnvEntry(arith.ArithConfig, lambda cfg, tok, for_eval=False: arith.ArithEnv(tok),
                       arith.make_prompts),
+    "math_answer": EnvEntry(
+        math_answer.MathAnswerConfig,
+        lambda cfg, tok, for_eval=False: math_answer.MathAnswerEnv(cfg, tok),
+        math_answer.make_prompts),
     "tool_agent": EnvEntry(tool_agent.ToolAgentConfig, tool_agent.ToolAgentEnv,
                            tool_agent.make_prompts),
 }

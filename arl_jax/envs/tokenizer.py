@@ -1,7 +1,10 @@
-"""A byte-level tokenizer with special tokens, for CPU demos and tests.
+"""Tokenizers: a byte-level one with special tokens for CPU demos and tests,
+and `make_tokenizer`, which builds the configured one (`byte`, or `hf`: a
+local `tokenizer.json` through `hf_tokenizer.HfTokenizer`).
 
-Ids 0..255 are the UTF-8 bytes; the special tokens follow. Real models use the
-Hugging Face `tokenizers` library behind the same small interface.
+Ids 0..255 are the UTF-8 bytes; the special tokens follow. Both kinds expose
+the same small interface: `pad_id`, `bos_id`, `eos_id`, `stop_ids`,
+`vocab_size`, `encode(text, add_bos)`, `decode(ids)`.
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ class ByteTokenizer:
   def vocab_size(self) -> int:
     return 259
 
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return (self.eos_id,)
+
   def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
     ids = list(text.encode("utf-8"))
     return [self.bos_id, *ids] if add_bos else ids
@@ -36,3 +43,44 @@ class ByteTokenizer:
       if 0 <= i < 256:
         out.append(i)
     return out.decode("utf-8", errors="replace")
+
+
+KINDS = ("byte", "hf")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TokenizerConfig:
+  """The `tokenizer` config section.
+
+  Attributes:
+    kind: `byte` (no other field used) or `hf`.
+    path: `tokenizer.json` (or its folder), for `hf`.
+    eos_token, bos_token, pad_token: special tokens by name, for `hf` (""
+      for none; pad defaults to EOS). For a chat model, EOS is usually its
+      end-of-turn token (`<|im_end|>`, `<|eot_id|>`).
+    chat_template: `none`, `chatml` or `llama3`, for `hf`.
+  """
+
+  kind: str = "byte"
+  path: str = ""
+  eos_token: str = ""
+  bos_token: str = ""
+  pad_token: str = ""
+  chat_template: str = "none"
+
+  def __post_init__(self):
+    if self.kind not in KINDS:
+      raise ValueError(f"tokenizer.kind must be one of {KINDS}, got {self.kind!r}")
+    if self.kind == "hf" and not (self.path and self.eos_token):
+      raise ValueError("tokenizer.kind='hf' needs tokenizer.path and tokenizer.eos_token")
+
+
+def make_tokenizer(cfg: TokenizerConfig):
+  """The configured tokenizer (loading and checking an `hf` file now)."""
+  if cfg.kind == "byte":
+    return ByteTokenizer()
+  from arl_jax.envs import hf_tokenizer  # noqa: PLC0415 - optional dependency
+  return hf_tokenizer.HfTokenizer(cfg.path, eos_token=cfg.eos_token,
+                                  bos_token=cfg.bos_token or None,
+                                  pad_token=cfg.pad_token or None,
+                                  chat_template=cfg.chat_template)

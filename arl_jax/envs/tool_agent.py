@@ -94,13 +94,8 @@ class LognormalLatency:
     return float(capped) if size is None else capped
 
 
-@dataclasses.dataclass(frozen=True)
-class Prompt:
-  """One task instance; `prompt_id` is the key, stable across runs."""
-
-  prompt_id: int
-  text: str
-  answer: str
+# One task instance; `prompt_id` is the key, stable across runs.
+Prompt = env_api.TextPrompt
 
 
 def value_of(cfg: ToolAgentConfig, key: int) -> int:

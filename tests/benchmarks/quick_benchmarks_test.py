@@ -15,6 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                                "swap_pause"}),
     ("benchmarks/async_vs_sync.py", None),
     ("benchmarks/orchestrator.py", None),
+    ("benchmarks/learner.py", None),
 ])
 def test_benchmark_quick_mode_writes_json_rows(tmp_path, script, parts):
   out = tmp_path / "rows.jsonl"

@@ -1,0 +1,101 @@
+"""Prompt records from JSONL files, validated line by line before a run starts.
+
+Schema (one JSON object per line; README "Prompt data"):
+
+  {"prompt": "12+7=", "answer": "19", "env": "arith", "id": 1207}
+
+- `prompt` (string, required, non-empty): the text the environment encodes;
+- `answer` (string or number, required): what the environment checks;
+- `env` (string, optional): the environment the record is for; a record for
+  another environment than the run's is malformed;
+- `id` (int or string, optional): a stable prompt id (drop accounting and
+  requeueing name tasks by it); a string is hashed (crc32); without one the
+  id is the record's position in the files (stable while the files are).
+
+A malformed line (not JSON, not an object, a missing or empty field, a wrong
+type, another environment) raises `MalformedRecord` naming `file:line` and the
+problem, or with `on_malformed="skip"` is skipped and listed in
+`JsonlPrompts.skipped` (each entry `file:line: problem`), so the run can report
+how many it lost.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import zlib
+from collections.abc import Sequence
+
+from arl_jax.envs import env_api
+
+ON_MALFORMED = ("error", "skip")
+
+
+class MalformedRecord(ValueError):
+  """A JSONL line that is not a valid prompt record (the message names file:line)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class JsonlPrompts:
+  """Attributes:
+    prompts: the valid records, in file order.
+    skipped: `file:line: problem` for every skipped line.
+  """
+
+  prompts: list[env_api.TextPrompt]
+  skipped: list[str]
+
+
+def _record(obj, env_name: str | None, position: int) -> env_api.TextPrompt:
+  if not isinstance(obj, dict):
+    raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
+  unknown = sorted(set(obj) - {"prompt", "answer", "env", "id"})
+  if unknown:
+    raise ValueError(f"unknown field(s) {unknown}; known: answer, env, id, prompt")
+  prompt = obj.get("prompt")
+  if not isinstance(prompt, str) or not prompt:
+    raise ValueError(f"field 'prompt' must be a non-empty string, got {prompt!r}")
+  answer = obj.get("answer")
+  if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or answer == "":
+    raise ValueError(f"field 'answer' must be a non-empty string or a number, got {answer!r}")
+  env = obj.get("env")
+  if env is not None and env_name is not None and env != env_name:
+    raise ValueError(f"record is for env {env!r}, this run's env is {env_name!r}")
+  raw_id = obj.get("id", position)
+  if isinstance(raw_id, bool) or not isinstance(raw_id, (int, str)):
+    raise ValueError(f"field 'id' must be an int or a string, got {raw_id!r}")
+  prompt_id = raw_id if isinstance(raw_id, int) else zlib.crc32(raw_id.encode())
+  return env_api.TextPrompt(prompt_id=prompt_id, text=prompt, answer=str(answer))
+
+
+def load(paths: str | Sequence[str], *, env_name: str | None = None,
+         on_malformed: str = "error") -> JsonlPrompts:
+  """Reads and validates every line of `paths` (blank lines are ignored).
+
+  Raises:
+    MalformedRecord: on the first bad line when `on_malformed == "error"`.
+    FileNotFoundError: for a missing file.
+  """
+  if on_malformed not in ON_MALFORMED:
+    raise ValueError(f"on_malformed must be one of {ON_MALFORMED}, got {on_malformed!r}")
+  paths = [paths] if isinstance(paths, str) else list(paths)
+  prompts, skipped = [], []
+  for path in paths:
+    with open(path, encoding="utf-8") as f:
+      for line_number, line in enumerate(f, start=1):
+        if not line.strip():
+          continue
+        try:
+          prompts.append(_record(json.loads(line), env_name, len(prompts) + len(skipped)))
+        except ValueError as e:  # json.JSONDecodeError is a ValueError
+          where = f"{path}:{line_number}: {e}"
+          if on_malformed == "error":
+            raise MalformedRecord(where) from None
+          skipped.append(where)
+  counts = collections.Counter(p.prompt_id for p in prompts)
+  duplicated = [i for i, n in counts.items() if n > 1]
+  if duplicated:
+    raise MalformedRecord(f"{', '.join(paths)}: prompt id {duplicated[0]} appears "
+                          f"{counts[duplicated[0]]} times")
+  return JsonlPrompts(prompts=prompts, skipped=skipped)

@@ -1,0 +1,127 @@
+"""Math word problems with a verifiable final answer (GSM8K-style JSONL data).
+
+The completion is free text; the environment extracts its final answer and
+compares it numerically with the record's `answer`:
+
+1. the last `#### <answer>` (GSM8K's convention);
+2. else the last `\\boxed{<answer>}` (MATH's convention, nested braces allowed);
+3. unless `strict`, the last `answer is <answer>` / `answer: <answer>`, and
+   finally the last number in the text.
+
+Numbers compare exactly as fractions after removing thousands separators, `$`,
+`%` and a trailing period (`1,000` == `1000.0` == `$1000`; `3/4` == `0.75`). A
+completion cut off by the length limit (no EOS) scores 0, as does one with no
+extractable or unparsable answer. Records come from a JSONL file (schema in
+`jsonl_source.py`); the default is the sample shipped with the package
+(`envs/data/math_answer.jsonl`, written by `python -m arl_jax.envs.sample_data`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fractions
+import os
+import re
+import zlib
+
+from arl_jax.envs import env_api, jsonl_source
+from arl_jax.envs import tokenizer as tokenizer_lib
+
+SAMPLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
+                           "math_answer.jsonl")
+
+_NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?|-?\$?\.\d+%?"
+_HASHES = re.compile(r"####\s*(" + _NUMBER + r")")
+_ANSWER_IS = re.compile(r"answer(?:\s+is|\s*:)\s*(" + _NUMBER + r")", re.IGNORECASE)
+_ANY_NUMBER = re.compile(_NUMBER)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MathAnswerConfig:
+  """Attributes:
+    path: JSONL file of records (`prompt`, `answer`[, `id`, `env`]).
+    heldout_fraction: share of records (by a hash of their id) held out.
+    strict: accept only `####` and `\\boxed{}` answers.
+  """
+
+  path: str = SAMPLE_PATH
+  heldout_fraction: float = 0.1
+  strict: bool = False
+
+  def __post_init__(self):
+    if not 0.0 < self.heldout_fraction < 1.0:
+      raise ValueError(f"env.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
+    if not os.path.isfile(self.path):
+      raise ValueError(f"env.path: no such file {self.path!r}")
+
+
+def parse_number(text: str) -> fractions.Fraction | None:
+  """`"1,000"`, `"$5"`, `"12.50"`, `"3/4"`, `"40%"`, `"7."` -> an exact Fraction."""
+  cleaned = text.strip().replace(",", "").replace("$", "").rstrip(".").rstrip("%").strip()
+  try:
+    return fractions.Fraction(cleaned)
+  except (ValueError, ZeroDivisionError):
+    return None
+
+
+def _last_boxed(text: str) -> str | None:
+  start = text.rfind("\\boxed{")
+  if start < 0:
+    return None
+  depth, i = 0, start + len("\\boxed")
+  for j in range(i, len(text)):
+    depth += {"{": 1, "}": -1}.get(text[j], 0)
+    if depth == 0:
+      return text[i + 1:j]
+  return None  # unbalanced
+
+
+def extract_answer(text: str, strict: bool = False) -> str | None:
+  """The final answer written in `text` (see the module docstring), or None."""
+  found = _HASHES.findall(text)
+  if found:
+    return found[-1]
+  boxed = _last_boxed(text)
+  if boxed is not None:
+    return boxed
+  if strict:
+    return None
+  found = _ANSWER_IS.findall(text) or _ANY_NUMBER.findall(text)
+  return found[-1] if found else None
+
+
+def make_prompts(cfg: MathAnswerConfig, split: str) -> list[env_api.TextPrompt]:
+  """The records of one split (a hash of the id decides, so the split never
+  depends on file order or an RNG)."""
+  if split not in env_api.SPLITS:
+    raise ValueError(f"split must be one of {env_api.SPLITS}, got {split!r}")
+  records = jsonl_source.load(cfg.path, env_name="math_answer").prompts
+  heldout = lambda p: zlib.crc32(str(p.prompt_id).encode()) % 10_000 < cfg.heldout_fraction * 1e4
+  return [p for p in records if heldout(p) == (split == "heldout")]
+
+
+class MathAnswerEnv:
+  """Reward 1.0 when the extracted final answer equals the record's answer."""
+
+  name = "math_answer"
+
+  def __init__(self, cfg: MathAnswerConfig, tokenizer: tokenizer_lib.ByteTokenizer):
+    self._cfg = cfg
+    self._tokenizer = tokenizer
+
+  def encode_prompt(self, prompt: env_api.TextPrompt) -> list[int]:
+    return self._tokenizer.encode(prompt.text, add_bos=True)
+
+  def score(self, prompt: env_api.TextPrompt, completion_ids) -> float:
+    ids = [int(i) for i in completion_ids]
+    if self._tokenizer.eos_id not in ids:
+      return 0.0  # cut off by the length limit
+    answer = extract_answer(self._tokenizer.decode(ids), self._cfg.strict)
+    if answer is None:
+      return 0.0
+    got, want = parse_number(answer), parse_number(prompt.answer)
+    return float(got is not None and want is not None and got == want)
+
+  def demonstration(self, prompt: env_api.TextPrompt) -> env_api.Demonstration:
+    target = [*self._tokenizer.encode(f"#### {prompt.answer}"), self._tokenizer.eos_id]
+    return env_api.Demonstration(completion_ids=tuple(target), loss_mask=(1.0,) * len(target))

@@ -1,0 +1,50 @@
+"""Where a run's prompts come from: the environment's own records (generated,
+or its bundled sample), or the user's JSONL files (`data.train_path`,
+`data.heldout_path`; schema in `jsonl_source.py`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from arl_jax.envs import env_api, jsonl_source, registry
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DataConfig:
+  """Attributes:
+    train_path: JSONL file(s) of training prompts, comma-separated ("" = the env's own).
+    heldout_path: JSONL file(s) of held-out prompts ("" = the env's own).
+    on_malformed: `error` (stop, naming file:line) or `skip` (count and go on).
+  """
+
+  train_path: str = ""
+  heldout_path: str = ""
+  on_malformed: str = "error"
+
+  def __post_init__(self):
+    if self.on_malformed not in jsonl_source.ON_MALFORMED:
+      raise ValueError(f"data.on_malformed must be one of {jsonl_source.ON_MALFORMED}, got "
+                       f"{self.on_malformed!r}")
+
+  def path(self, split: str) -> str:
+    if split not in env_api.SPLITS:
+      raise ValueError(f"split must be one of {env_api.SPLITS}, got {split!r}")
+    return self.train_path if split == "train" else self.heldout_path
+
+
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+  """One split's prompts and the malformed lines skipped while loading them."""
+
+  prompts: list
+  skipped: list[str]
+
+
+def load(env_name: str, env_cfg, data: DataConfig, split: str) -> Prompts:
+  """The prompts of `split` for environment `env_name` (configured by `env_cfg`)."""
+  path = data.path(split)
+  if not path:
+    return Prompts(registry.ENVS[env_name].make_prompts_fn(env_cfg, split), [])
+  loaded = jsonl_source.load([p.strip() for p in path.split(",") if p.strip()],
+                             env_name=env_name, on_malformed=data.on_malformed)
+  return Prompts(loaded.prompts, loaded.skipped)

@@ -1,0 +1,142 @@
+r"""Learner step benchmark: step time, tokens/s, model FLOP utilisation against
+a matmul peak measured in the same run, and memory per device, for the ~3M
+and ~50M decoders on learner meshes of fsdp in {1, 2, 4}.
+
+  python benchmarks/learner.py --out=/tmp/learner.jsonl     # ~5 min on 2 cores
+  python benchmarks/learner.py --quick                      # tiny model, seconds
+
+Model FLOPs per step (the PaLM convention, Chowdhery et al., 2022): forward +
+backward = 3 x forward, with forward = 2 x (matmul parameters) per token plus
+attention `4 * layers * T * heads * head_dim` per token, the output projection
+included, the embedding lookup excluded. MFU = model FLOP/s / peak, where the
+peak is the best of five float32 2048^3 matmuls on one device, measured first.
+On a CPU host the fake devices of an fsdp mesh share the same cores, so MFU
+is against the whole machine's peak, not per device. Memory per device is
+XLA's compiled estimate (arguments + outputs + temporaries - aliased, per
+device of the SPMD program).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Fake CPU devices for the fsdp meshes; must be set before JAX initialises.
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_force_host_platform_device_count=4").strip()
+
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from arl_jax import train_batch as train_batch_lib  # noqa: E402
+from arl_jax.learner import train_state as train_state_lib  # noqa: E402
+from arl_jax.learner import update as update_lib  # noqa: E402
+from arl_jax.models import init_lib  # noqa: E402
+from arl_jax.models import model_config as model_config_lib  # noqa: E402
+from arl_jax.sharding import rules as rules_lib  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (benchmarks/report.py, run as a script)
+
+MODELS = {
+    "tiny": dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64),
+    "3M": dict(d_model=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, mlp_dim=768),
+    "50M": dict(d_model=640, num_layers=10, num_heads=10, num_kv_heads=5, head_dim=64,
+                mlp_dim=1920),
+}
+VOCAB = 260  # the byte tokenizer's 259, rounded to split over small meshes
+
+
+def matmul_peak(size: int = 2048) -> float:
+  """Best float32 FLOP/s of a `size^3` matmul on one device."""
+  a = jnp.ones((size, size), jnp.float32)
+  mm = jax.jit(lambda x: x @ x)
+  mm(a).block_until_ready()
+  best = float("inf")
+  for _ in range(5):
+    start = time.perf_counter()
+    mm(a).block_until_ready()
+    best = min(best, time.perf_counter() - start)
+  return 2 * size ** 3 / best
+
+
+def step_flops(cfg: model_config_lib.ModelConfig, rows: int, length: int) -> float:
+  """Model FLOPs of one forward + backward over `[rows, length]` tokens."""
+  matmul_params = cfg.num_params - cfg.vocab_size * cfg.d_model  # no embedding lookup
+  matmul_params += cfg.vocab_size * cfg.d_model  # ... but the (tied) output projection
+  per_token = 2 * matmul_params + 4 * cfg.num_layers * length * cfg.num_heads * cfg.head_dim
+  return 3.0 * per_token * rows * length
+
+
+def _batch(rows: int, length: int, prompt: int, seed: int = 0) -> train_batch_lib.TrainBatch:
+  rng = np.random.default_rng(seed)
+  loss_mask = np.zeros((rows, length), np.float32)
+  loss_mask[:, prompt:] = 1.0
+  return train_batch_lib.TrainBatch(
+      tokens=rng.integers(0, 256, (rows, length)).astype(np.int32),
+      token_mask=np.ones((rows, length), bool), loss_mask=loss_mask,
+      behaviour_logprobs=(rng.normal(-5.5, 0.1, (rows, length)) * loss_mask).astype(np.float32),
+      token_versions=np.zeros((rows, length), np.int32),
+      advantages=rng.normal(size=rows).astype(np.float32), rewards=np.zeros(rows, np.float32),
+      group_ids=np.arange(rows, dtype=np.int32), lag=np.zeros(rows, np.int32))
+
+
+def bench(model: str, fsdp: int, rows: int, length: int, steps: int, peak: float) -> dict:
+  cfg = model_config_lib.ModelConfig(vocab_size=VOCAB, max_seq_len=length, **MODELS[model])
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:fsdp]).reshape(fsdp, 1), ("fsdp", "tp"))
+  graphdef, params, _ = init_lib.init_params(cfg, mesh, rules_lib.LEARNER_RULES, 0)
+  optimizer = optax.adamw(1e-4)
+  state, shardings = train_state_lib.create(params, optimizer, mesh)
+  update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
+                                        settings=update_lib.LossSettings(),
+                                        state_shardings=shardings, mesh=mesh)
+  batch = _batch(rows, length, prompt=length // 4)
+  memory = update_fn.lower(state, batch).compile().memory_analysis()
+  per_device = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+                + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+  state, metrics = update_fn(state, batch)  # compile + first step
+  jax.block_until_ready(metrics)
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, metrics = update_fn(state, batch)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  step = statistics.median(times)
+  flops = step_flops(cfg, rows, length)
+  return {
+      "benchmark": "learner", "model": model, "params M": round(cfg.num_params / 1e6, 1),
+      "fsdp": fsdp, "batch": f"{rows}x{length}", "step ms": round(1e3 * step, 1),
+      "tokens/s": round(rows * length / step), "GFLOP/s": round(flops / step / 1e9, 1),
+      "peak GFLOP/s": round(peak / 1e9, 1), "MFU": round(flops / step / peak, 3),
+      "MiB/device": round(per_device / 2 ** 20, 1),
+  }
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--quick", action="store_true", help="tiny model, fsdp 1 and 2")
+  parser.add_argument("--steps", type=int, default=5, help="timed steps per row (median)")
+  parser.add_argument("--out", default=None, help="append JSON rows here")
+  args = parser.parse_args()
+  peak = matmul_peak(512 if args.quick else 2048)
+  if args.quick:
+    grid = [("tiny", fsdp, 8, 32) for fsdp in (1, 2)]
+  else:
+    grid = [(model, fsdp, rows, 128) for model, rows in (("3M", 32), ("50M", 16))
+            for fsdp in (1, 2, 4)]
+  rows = [bench(model, fsdp, r, length, 2 if args.quick else args.steps, peak)
+          for model, fsdp, r, length in grid]
+  report.print_table(rows, title="learner step (clipped_ratio, AdamW, float32)")
+  report.append_jsonl(rows, args.out)
+
+
+if __name__ == "__main__":
+  main()

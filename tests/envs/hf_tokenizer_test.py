@@ -1,0 +1,90 @@
+"""The Hugging Face `tokenizers` adapter, on a small BPE tokenizer built here."""
+
+import pytest
+
+from arl_jax.envs import hf_tokenizer
+
+tokenizers = pytest.importorskip("tokenizers")
+
+SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_path(tmp_path_factory):
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  tok = tokenizers.Tokenizer(models.BPE(unk_token=None))
+  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  tok.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+  corpus = ["Ann has 12 apples and gets 7 more.", "How many apples now? #### 19",
+            "user assistant system tool"] * 20
+  tok.train_from_iterator(corpus, trainer)
+  path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
+  tok.save(str(path))
+  return str(path)
+
+
+def test_round_trip_and_special_ids(tokenizer_path):
+  tok = hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>", bos_token="<s>",
+                                 pad_token="<pad>")
+  assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
+  assert tok.vocab_size >= len(SPECIALS) + 256
+  text = "Ann has 12 apples. #### 19"
+  ids = tok.encode(text, add_bos=True)
+  assert ids[0] == tok.bos_id and tok.eos_id not in ids
+  assert tok.decode(ids) == text  # bos skipped
+  assert tok.decode([*tok.encode("12"), tok.eos_id, *tok.encode("junk")]) == "12"
+  assert tok.stop_ids == (tok.eos_id,)
+
+
+def test_chatml_template(tokenizer_path):
+  tok = hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>", chat_template="chatml")
+  assert tok.pad_id == tok.eos_id  # defaults to EOS
+  end = tok.encode("<|im_end|>")
+  assert len(end) == 1 and tok.stop_ids == (tok.eos_id, end[0])
+  text = tok.format_chat([{"role": "user", "content": "How many apples now?"}])
+  assert text == "<|im_start|>user\nHow many apples now?<|im_end|>\n<|im_start|>assistant\n"
+  ids = tok.encode(text)
+  assert ids.count(tok.encode("<|im_start|>")[0]) == 2  # specials parsed as one id each
+  # The policy ends its turn with <|im_end|>; decoding stops there.
+  assert tok.decode([*tok.encode("19"), end[0], *tok.encode("more")]) == "19"
+  obs = tok.observation("tool", "=482;")
+  assert obs == "<|im_start|>tool\n=482;<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_bad_tokenizer_settings_name_the_problem(tokenizer_path, tmp_path):
+  with pytest.raises(ValueError, match="eos_token '<eos>' is not in the vocabulary"):
+    hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="<eos>")
+  with pytest.raises(ValueError, match=r"chat_template 'llama3' '<\|start_header_id\|>' is not"):
+    hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>", chat_template="llama3")
+  with pytest.raises(ValueError, match="chat_template must be one of"):
+    hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>", chat_template="jinja")
+  with pytest.raises(ValueError, match="no tokenizer file"):
+    hf_tokenizer.HfTokenizer(str(tmp_path / "missing.json"), eos_token="</s>")
+  tok = hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>")
+  with pytest.raises(ValueError, match="has no bos_token"):
+    tok.encode("x", add_bos=True)
+
+
+def test_a_run_with_a_tokenizer_json(tokenizer_path, tmp_path):
+  """The arith tiny run end to end with the BPE tokenizer instead of bytes."""
+  from arl_jax import config_lib, run_lib
+  from arl_jax.testing import tiny
+  config = tiny.load_config("arith", "tiny")
+  config.tokenizer.update(kind="hf", path=tokenizer_path, eos_token="</s>", bos_token="<s>",
+                          pad_token="<pad>")
+  config.num_steps = 2
+  config.eval_every = 2
+  spec = config_lib.build(config)
+  tok = hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>", bos_token="<s>",
+                                 pad_token="<pad>")
+  assert spec.model.vocab_size == tok.vocab_size
+  assert spec.sampling.eos_id == tok.eos_id and spec.sampling.pad_id == tok.pad_id
+  result = run_lib.run(config, str(tmp_path), print_fn=lambda *_: None, keep_batches=True)
+  assert result.final_version == 2
+  tokens = result.trained_batches[0]["tokens"]
+  assert tokens.max() < tok.vocab_size
+  config.tokenizer.eos_token = "<eos>"
+  with pytest.raises(config_lib.ConfigError, match="config.tokenizer: .*'<eos>' is not in"):
+    config_lib.build(config)

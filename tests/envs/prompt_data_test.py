@@ -1,0 +1,113 @@
+"""Prompt data: JSONL records (validation, file:line errors, skip and count),
+the grain stream (seeded order, per-host shards, epochs, exact resume) and the
+shipped sample files."""
+
+import json
+import os
+
+import pytest
+
+from arl_jax.envs import jsonl_source, prompt_data, prompt_source, sample_data
+
+
+def _write(tmp_path, lines, name="p.jsonl"):
+  path = tmp_path / name
+  path.write_text("".join(line + "\n" for line in lines))
+  return str(path)
+
+
+def test_valid_records_load_with_stable_ids(tmp_path):
+  path = _write(tmp_path, [
+      json.dumps({"prompt": "1+1=", "answer": "2", "env": "arith", "id": 7}),
+      "",  # blank lines are ignored
+      json.dumps({"prompt": "2+2=", "answer": 4}),
+      json.dumps({"prompt": "3+3=", "answer": "6", "id": "three"}),
+  ])
+  loaded = jsonl_source.load(path, env_name="arith")
+  assert [p.prompt_id for p in loaded.prompts][:2] == [7, 1]  # id, else position
+  assert loaded.prompts[1].answer == "4"  # numbers become strings
+  assert loaded.prompts[2].prompt_id == jsonl_source.load(path).prompts[2].prompt_id
+  assert loaded.skipped == []
+
+
+@pytest.mark.parametrize("line, problem", [
+    ("{not json", "Expecting property name"),
+    ("[1, 2]", "expected a JSON object, got list"),
+    (json.dumps({"answer": "2"}), "field 'prompt' must be a non-empty string"),
+    (json.dumps({"prompt": "", "answer": "2"}), "field 'prompt' must be a non-empty string"),
+    (json.dumps({"prompt": "q", "answer": ""}), "field 'answer' must be a non-empty"),
+    (json.dumps({"prompt": "q", "answer": True}), "field 'answer' must be a non-empty"),
+    (json.dumps({"prompt": "q", "answer": "1", "env": "chess"}), "record is for env 'chess'"),
+    (json.dumps({"prompt": "q", "answer": "1", "solution": "x"}), r"unknown field\(s\) \['solution'\]"),
+    (json.dumps({"prompt": "q", "answer": "1", "id": 1.5}), "field 'id' must be an int"),
+])
+def test_a_malformed_line_is_named_by_file_and_line(tmp_path, line, problem):
+  good = json.dumps({"prompt": "1+1=", "answer": "2"})
+  path = _write(tmp_path, [good, good.replace("1+1", "2+2"), line, good.replace("1+1", "3+3")])
+  with pytest.raises(jsonl_source.MalformedRecord, match=rf"p.jsonl:3: .*{problem}"):
+    jsonl_source.load(path, env_name="arith")
+  loaded = jsonl_source.load(path, env_name="arith", on_malformed="skip")
+  assert len(loaded.prompts) == 3 and len(loaded.skipped) == 1
+  assert loaded.skipped[0].startswith(f"{path}:3: ")
+
+
+def test_duplicate_ids_are_rejected(tmp_path):
+  path = _write(tmp_path, [json.dumps({"prompt": "a", "answer": "1", "id": 3})] * 2)
+  with pytest.raises(jsonl_source.MalformedRecord, match="prompt id 3 appears 2 times"):
+    jsonl_source.load(path)
+
+
+def test_same_seed_same_order_and_a_new_permutation_every_epoch():
+  prompts = list(range(50))
+  first = list(prompt_data.prompt_dataset(prompts, seed=3, num_epochs=2))
+  assert first == list(prompt_data.prompt_dataset(prompts, seed=3, num_epochs=2))
+  assert first != list(prompt_data.prompt_dataset(prompts, seed=4, num_epochs=2))
+  assert sorted(first[:50]) == sorted(first[50:]) == prompts  # each epoch sees every prompt
+  assert first[:50] != first[50:]
+
+
+def test_hosts_get_disjoint_shards_that_cover_the_data():
+  prompts = list(range(30))
+  shards = [set(prompt_data.prompt_dataset(prompts, 0, shard_index=i, shard_count=3,
+                                           num_epochs=1)) for i in range(3)]
+  assert set().union(*shards) == set(prompts)
+  assert sum(len(s) for s in shards) == 30
+  with pytest.raises(ValueError, match="shard_index 3"):
+    prompt_data.prompt_dataset(prompts, 0, shard_index=3, shard_count=3)
+
+
+def test_restoring_the_iterator_state_continues_exactly():
+  prompts = list(range(17))
+  it = prompt_data.prompt_iterator(prompts, seed=5)
+  for _ in range(23):  # into the second epoch
+    next(it)
+  state = it.get_state()
+  expected = [next(it) for _ in range(20)]
+  restored = prompt_data.prompt_iterator(prompts, seed=5)
+  restored.set_state(state)
+  assert [next(restored) for _ in range(20)] == expected
+
+
+def test_shipped_sample_files_are_what_the_script_writes():
+  for name, records in sample_data.files().items():
+    path = os.path.join(sample_data.DATA_DIR, name)
+    with open(path, encoding="utf-8") as f:
+      assert f.read() == sample_data.render(records), f"{name}: run python -m arl_jax.envs.sample_data"
+    env = records[0]["env"]
+    assert len(jsonl_source.load(path, env_name=env).prompts) == len(records)
+
+
+def test_prompt_source_reads_jsonl_or_the_environment(tmp_path):
+  from arl_jax.envs import arith
+  cfg = arith.ArithConfig(max_operand=9)
+  own = prompt_source.load("arith", cfg, prompt_source.DataConfig(), "train")
+  assert own.prompts == arith.make_prompts(cfg, "train")
+  path = os.path.join(sample_data.DATA_DIR, "arith.jsonl")
+  data = prompt_source.DataConfig(train_path=f"{path}, {path}")
+  with pytest.raises(jsonl_source.MalformedRecord, match="appears 2 times"):
+    prompt_source.load("arith", cfg, data, "train")
+  data = prompt_source.DataConfig(train_path=path)
+  assert len(prompt_source.load("arith", cfg, data, "train").prompts) == 200
+  # The held-out split still comes from the environment.
+  assert prompt_source.load("arith", cfg, data, "heldout").prompts == arith.make_prompts(
+      cfg, "heldout")
