@@ -1,6 +1,8 @@
-"""Prompt records from JSONL files, validated line by line before a run starts.
+"""Prompt records from JSONL (or ArrayRecord) files, validated record by record
+before a run starts.
 
-Schema (one JSON object per line; README "Prompt data"):
+Schema (one JSON object per line, or per record of an `.array_record` file
+whose records are UTF-8 JSON; README "Prompt data"):
 
   {"prompt": "12+7=", "answer": "19", "env": "arith", "id": 1207}
 
@@ -13,10 +15,10 @@ Schema (one JSON object per line; README "Prompt data"):
   id is the record's position in the files (stable while the files are).
 
 A malformed line (not JSON, not an object, a missing or empty field, a wrong
-type, another environment) raises `MalformedRecord` naming `file:line` and the
-problem, or with `on_malformed="skip"` is skipped and listed in
-`JsonlPrompts.skipped` (each entry `file:line: problem`), so the run can report
-how many it lost.
+type, another environment) raises `MalformedRecord` naming `file:line` (for
+ArrayRecord, `file:record N`, 1-based) and the problem, or with
+`on_malformed="skip"` is skipped and listed in `JsonlPrompts.skipped` (each
+entry `file:line: problem`), so the run can report how many it lost.
 """
 
 from __future__ import annotations
@@ -24,12 +26,16 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import os
 import zlib
 from collections.abc import Sequence
+
+import grain
 
 from arl_jax.envs import env_api
 
 ON_MALFORMED = ("error", "skip")
+ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
 
 
 class MalformedRecord(ValueError):
@@ -69,6 +75,21 @@ def _record(obj, env_name: str | None, position: int) -> env_api.TextPrompt:
   return env_api.TextPrompt(prompt_id=prompt_id, text=prompt, answer=str(answer))
 
 
+def _raw_records(path: str):
+  """`(where, text)` of every non-blank JSONL line, or of every ArrayRecord record."""
+  if path.endswith(ARRAY_RECORD_SUFFIXES):
+    if not os.path.isfile(path):
+      raise FileNotFoundError(f"No such file: {path!r}")
+    source = grain.sources.ArrayRecordDataSource([path])
+    for i in range(len(source)):
+      yield f"{path}:record {i + 1}", bytes(source[i])  # json.loads decodes UTF-8
+    return
+  with open(path, encoding="utf-8") as f:
+    for line_number, line in enumerate(f, start=1):
+      if line.strip():
+        yield f"{path}:{line_number}", line
+
+
 def load(paths: str | Sequence[str], *, env_name: str | None = None,
          on_malformed: str = "error") -> JsonlPrompts:
   """Reads and validates every line of `paths` (blank lines are ignored).
@@ -82,17 +103,13 @@ def load(paths: str | Sequence[str], *, env_name: str | None = None,
   paths = [paths] if isinstance(paths, str) else list(paths)
   prompts, skipped = [], []
   for path in paths:
-    with open(path, encoding="utf-8") as f:
-      for line_number, line in enumerate(f, start=1):
-        if not line.strip():
-          continue
-        try:
-          prompts.append(_record(json.loads(line), env_name, len(prompts) + len(skipped)))
-        except ValueError as e:  # json.JSONDecodeError is a ValueError
-          where = f"{path}:{line_number}: {e}"
-          if on_malformed == "error":
-            raise MalformedRecord(where) from None
-          skipped.append(where)
+    for where, raw in _raw_records(path):
+      try:
+        prompts.append(_record(json.loads(raw), env_name, len(prompts) + len(skipped)))
+      except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
+        if on_malformed == "error":
+          raise MalformedRecord(f"{where}: {e}") from None
+        skipped.append(f"{where}: {e}")
   counts = collections.Counter(p.prompt_id for p in prompts)
   duplicated = [i for i, n in counts.items() if n > 1]
   if duplicated:

@@ -111,3 +111,18 @@ def test_prompt_source_reads_jsonl_or_the_environment(tmp_path):
   # The held-out split still comes from the environment.
   assert prompt_source.load("arith", cfg, data, "heldout").prompts == arith.make_prompts(
       cfg, "heldout")
+
+
+def test_array_record_files_hold_the_same_records(tmp_path):
+  from array_record.python import array_record_module
+  path = str(tmp_path / "prompts.array_record")
+  writer = array_record_module.ArrayRecordWriter(path, "group_size:1")
+  for record in ({"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4", "id": 9}):
+    writer.write(json.dumps(record).encode())
+  writer.write(b"\xff not json")
+  writer.close()
+  with pytest.raises(jsonl_source.MalformedRecord, match=r"prompts.array_record:record 3: "):
+    jsonl_source.load(path)
+  loaded = jsonl_source.load(path, on_malformed="skip")
+  assert [(p.prompt_id, p.text) for p in loaded.prompts] == [(0, "1+1="), (9, "2+2=")]
+  assert len(loaded.skipped) == 1

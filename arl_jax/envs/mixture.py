@@ -1,0 +1,113 @@
+"""Several environments in one run, chosen per prompt (`env.name = "mixture"`).
+
+Config (nested under `env.components`, one entry per registered environment,
+each with a sampling `weight` and that environment's own fields):
+
+  config.env = dict(name="mixture", num_workers=4, timeout_s=30.0, components=dict(
+      arith=dict(weight=0.7, max_operand=99),
+      tool_agent=dict(weight=0.3, num_keys=1000)))
+
+Every prompt is a `MixedPrompt` that names its environment; encoding, scoring,
+demonstrations and (for multi-turn components) turns go to that environment,
+and every rollout, reward and drop is reported under its name. The training
+stream draws from the components in proportion to their weights (grain's
+`MapDataset.mix`). With JSONL data every record must carry `env`.
+
+When any component is multi-turn the mixture is too: the sampler stops a
+segment on the union of the components' stop tokens, so a single-turn prompt
+whose completion emits another component's stop token ends there (and is
+scored as it stands).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+
+from arl_jax.envs import env_api
+
+
+@dataclasses.dataclass(frozen=True)
+class MixedPrompt:
+  """A component environment's prompt record, tagged with that environment."""
+
+  env: str
+  prompt: object
+
+  @property
+  def prompt_id(self) -> int:
+    return self.prompt.prompt_id
+
+  @property
+  def text(self) -> str:
+    return self.prompt.text
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MixtureConfig:
+  """Attributes:
+    components: `{env name: {"weight": w, **that env's config fields}}`.
+    weights, configs: derived, validated per component.
+  """
+
+  components: Mapping[str, Mapping]
+  weights: Mapping[str, float] = dataclasses.field(init=False)
+  configs: Mapping[str, object] = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    # Imported here: the registry lists this module's environment.
+    from arl_jax.envs import registry  # noqa: PLC0415
+    if not self.components:
+      raise ValueError("env.components is empty: a mixture needs at least one environment")
+    weights, configs = {}, {}
+    for name, fields in sorted(self.components.items()):
+      where = f"env.components.{name}"
+      if name not in registry.ENVS or name == "mixture":
+        raise ValueError(f"{where}: unknown environment {name!r}; known: "
+                         f"{sorted(n for n in registry.ENVS if n != 'mixture')}")
+      fields = dict(fields)
+      weight = fields.pop("weight", None)
+      if not isinstance(weight, (int, float)) or weight <= 0:
+        raise ValueError(f"{where}.weight must be a number > 0, got {weight!r}")
+      config_cls = registry.ENVS[name].config_cls
+      known = {f.name for f in dataclasses.fields(config_cls)}
+      unknown = sorted(set(fields) - known)
+      if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; known: {sorted(known | {'weight'})}")
+      try:
+        configs[name] = config_cls(**fields)
+      except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {e}") from e
+      weights[name] = float(weight)
+    object.__setattr__(self, "weights", weights)
+    object.__setattr__(self, "configs", configs)
+
+
+class MixtureEnv:
+  """Routes every call to the environment its prompt names."""
+
+  name = "mixture"
+
+  def __init__(self, envs: Mapping[str, object], weights: Mapping[str, float]):
+    self.envs = dict(envs)
+    self.weights = dict(weights)
+    multi = [e for e in self.envs.values() if env_api.is_multi_turn(e)]
+    if multi:  # only then is the mixture multi-turn (env_api.is_multi_turn)
+      self.stop_ids = tuple(sorted({i for e in multi for i in e.stop_ids}))
+      self.step = self._step
+
+  def env_name_of(self, prompt: MixedPrompt) -> str:
+    return prompt.env
+
+  def encode_prompt(self, prompt: MixedPrompt) -> list[int]:
+    return self.envs[prompt.env].encode_prompt(prompt.prompt)
+
+  def score(self, prompt: MixedPrompt, completion_ids: Sequence[int]) -> float:
+    return self.envs[prompt.env].score(prompt.prompt, completion_ids)
+
+  def demonstration(self, prompt: MixedPrompt) -> env_api.Demonstration:
+    return self.envs[prompt.env].demonstration(prompt.prompt)
+
+  def _step(self, prompt: MixedPrompt, completion_ids: Sequence[int]) -> list[int] | None:
+    env = self.envs[prompt.env]
+    return env.step(prompt.prompt, completion_ids) if env_api.is_multi_turn(env) else None
