@@ -135,7 +135,7 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   _require(env_name in registry.ENVS, "env.name",
            f"unknown environment {env_name!r}; known: {sorted(registry.ENVS)}")
   env_entry = registry.ENVS[env_name]
-  env_fields = tuple(f.name for f in dataclasses.fields(env_entry.config_cls))
+  env_fields = tuple(f.name for f in dataclasses.fields(env_entry.config_cls) if f.init)
   for name, keys in _SECTIONS.items():
     _require(name in cfg, name, "missing section")
     if name == "env":  # the env's own fields have defaults; the common keys do not

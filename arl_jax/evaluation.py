@@ -10,6 +10,7 @@ the engine re-admits them.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import jax
@@ -30,6 +31,7 @@ class EvalResult:
   reward: float
   num_prompts: int
   examples: tuple[tuple[str, str], ...]  # (prompt, completion) for a glance
+  reward_by_env: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 class Evaluator:
@@ -128,5 +130,9 @@ class Evaluator:
                for p, c in zip(self._prompts, completions)]
     examples = tuple((p.text, self._tokenizer.decode(c))
                      for p, c in zip(self._prompts[:3], completions[:3]))
+    by_env = collections.defaultdict(list)
+    for p, r in zip(self._prompts, rewards):
+      by_env[env_api.env_name_of(self._env, p)].append(r)
     return EvalResult(reward=float(np.mean(rewards)), num_prompts=len(rewards),
-                      examples=examples)
+                      examples=examples,
+                      reward_by_env={k: float(np.mean(v)) for k, v in sorted(by_env.items())})

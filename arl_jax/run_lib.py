@@ -9,6 +9,7 @@ device, and cancels groups that can no longer ship.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -21,7 +22,7 @@ import numpy as np
 
 from arl_jax import config_lib, evaluation
 from arl_jax import train_batch as train_batch_lib
-from arl_jax.envs import prompt_data, prompt_source, registry
+from arl_jax.envs import env_api, prompt_data, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib
@@ -69,7 +70,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   train = prompt_source.load(spec.env_name, spec.env, spec.data, "train")
   heldout_source = prompt_source.load(spec.env_name, spec.env, spec.data, "heldout")
   train_prompts, heldout = train.prompts, heldout_source.prompts
-  eval_prompts = heldout[:: max(1, len(heldout) // max(spec.eval_size, 1))][: spec.eval_size]
+  eval_prompts = _eval_prompts(env, heldout, spec.eval_size)
   writer = writer_lib.JsonlWriter(workdir)
   print_fn(f"arl_jax: {spec.model.num_params / 1e6:.2f}M params | learner mesh "
            f"{dict(meshes.learner.shape)} | sampler mesh {dict(meshes.sampler.shape)} | "
@@ -106,6 +107,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       return None
     result = evaluator(params_now())
     record = {"phase": phase, "step": step, "eval_reward": result.reward,
+              "eval_reward_by_env": result.reward_by_env,
               "wall_s": time.monotonic() - start_time}
     eval_history.append(record)
     writer.write(record)
@@ -151,8 +153,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
                                           dtype=spec.sampler_model.param_dtype)
   orchestrator = orchestrator_lib.Orchestrator(
       dispatch_cfg=spec.dispatch, buffer_cfg=spec.buffer,
-      prompts=prompt_data.prompt_iterator(train_prompts, spec.seed), encode_fn=env.encode_prompt,
-      env_name=env.name, max_new_tokens=spec.engine.max_new_tokens,
+      prompts=_prompt_stream(env, train_prompts, spec.seed), encode_fn=env.encode_prompt,
+      env_name_of=lambda prompt: env_api.env_name_of(env, prompt),
+      max_new_tokens=spec.engine.max_new_tokens,
       mask_truncated_completions=spec.mask_truncated_completions)
   env_runner = env_runner_lib.EnvRunner(
       env, on_group_fn=orchestrator.group_finished, max_new_tokens=spec.engine.max_new_tokens,
@@ -231,6 +234,39 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
                    final_version=version, trained_batches=batches, wall_seconds=wall)
 
 
+def _eval_prompts(env, heldout, size: int) -> list:
+  """`size` held-out prompts spread evenly over the list, split evenly between
+  the environments of a mixture."""
+  by_env = collections.defaultdict(list)
+  for p in heldout:
+    by_env[env_api.env_name_of(env, p)].append(p)
+  chosen = []
+  for i, prompts in enumerate(by_env.values()):
+    n = size // len(by_env) + (i < size % len(by_env))
+    chosen += prompts[:: max(1, len(prompts) // max(n, 1))][:n]
+  return chosen
+
+
+def _prompt_stream(env, prompts, seed):
+  """Training prompts: one shuffled stream, or for a mixture of environments a
+  stream drawing from each in proportion to its weight."""
+  weights = getattr(env, "weights", None)
+  if not weights:
+    return prompt_data.prompt_iterator(prompts, seed)
+  by_env = collections.defaultdict(list)
+  for p in prompts:
+    by_env[env_api.env_name_of(env, p)].append(p)
+  return prompt_data.mixed_iterator(by_env, weights, seed)
+
+
+def _reward_by_env(groups) -> dict[str, float]:
+  rewards = collections.defaultdict(list)
+  for g in groups:
+    for r in g.rollouts:
+      rewards[r.env_name].append(r.reward)
+  return {name: float(np.mean(v)) for name, v in sorted(rewards.items())}
+
+
 def _cut_batch(orchestrator, workers, version):
   """Waits for a batch, surfacing a sampler or env failure instead of waiting forever."""
   while True:
@@ -268,6 +304,7 @@ def _step_record(step, version, host_batch, batch, metrics, orchestrator, engine
       "step": step,
       "version": version,
       "reward_mean": float(np.mean(host_batch.rewards)),
+      "reward_by_env": _reward_by_env(batch.groups),
       **batch.lag_metrics(),
       "seconds_in_flight": float(np.mean(in_flight)),
       "seconds_in_buffer": float(np.mean(in_buffer)),

@@ -18,6 +18,9 @@ Variants (the `:ARG` after the file name):
           asynchronous RL (max_async_level=2, K=4, in-flight weight updates).
           Hardware: 2 CPU cores.
   sync    the synchronous on-policy baseline (max_async_level=0, K=0, drain).
+  mixed   half the prompts from `tool_agent`, half from `arith` (2-digit
+          sums), in one run (`env.name="mixture"`): rewards, errors and drops
+          are reported per environment.
   tiny    a few steps of a tiny model, for tests (seconds).
 
 Held-out keys can only be answered by calling the tool and copying its answer,
@@ -93,6 +96,13 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.orchestrator.max_async_level = 0
     config.orchestrator.max_off_policy_steps = 0
     config.sampler.weight_update = "drain"
+  elif arg == "mixed":
+    tool = {k: v for k, v in config.env.items() if k not in ("name", "num_workers", "timeout_s")}
+    config.env = ml_collections.ConfigDict(dict(
+        name="mixture", num_workers=config.env.num_workers, timeout_s=config.env.timeout_s,
+        components=dict(tool_agent=dict(weight=0.5, **tool),
+                        arith=dict(weight=0.5, max_operand=99, operator="+",
+                                   heldout_fraction=0.1))))
   elif arg == "tiny":
     config.num_steps = 6
     config.log_every = 1
@@ -104,4 +114,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sampler.update(num_slots=16)
     config.orchestrator.update(batch_size=16, group_size=4)
     config.warmup.update(steps=60, batch_size=16)
+  elif arg:
+    raise ValueError(f"configs/tool_agent.py: unknown variant {arg!r}; use '', 'sync', 'mixed' "
+                     "or 'tiny'")
+  config.lock()
   return config

@@ -88,6 +88,13 @@ class MultiTurnEnvironment(Environment, Protocol):
     """
 
 
+def env_name_of(env, prompt) -> str:
+  """The environment a prompt belongs to: `env.env_name_of(prompt)` for a
+  mixture of environments, else `env.name`."""
+  fn = getattr(env, "env_name_of", None)
+  return fn(prompt) if fn is not None else env.name
+
+
 def is_multi_turn(env) -> bool:
   """Whether `env` answers between segments (has `step` and `stop_ids`)."""
   return callable(getattr(env, "step", None)) and hasattr(env, "stop_ids")

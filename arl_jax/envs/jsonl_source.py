@@ -51,9 +51,10 @@ class JsonlPrompts:
 
   prompts: list[env_api.TextPrompt]
   skipped: list[str]
+  envs: list[str | None] = dataclasses.field(default_factory=list)  # each record's `env`
 
 
-def _record(obj, env_name: str | None, position: int) -> env_api.TextPrompt:
+def _record(obj, env_name: str | None, mixture_envs, position: int):
   if not isinstance(obj, dict):
     raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
   unknown = sorted(set(obj) - {"prompt", "answer", "env", "id"})
@@ -66,13 +67,16 @@ def _record(obj, env_name: str | None, position: int) -> env_api.TextPrompt:
   if isinstance(answer, bool) or not isinstance(answer, (str, int, float)) or answer == "":
     raise ValueError(f"field 'answer' must be a non-empty string or a number, got {answer!r}")
   env = obj.get("env")
-  if env is not None and env_name is not None and env != env_name:
+  if mixture_envs is not None and env not in mixture_envs:
+    raise ValueError(f"field 'env' must name one of the mixture's environments "
+                     f"{sorted(mixture_envs)}, got {env!r}")
+  if mixture_envs is None and env is not None and env_name is not None and env != env_name:
     raise ValueError(f"record is for env {env!r}, this run's env is {env_name!r}")
   raw_id = obj.get("id", position)
   if isinstance(raw_id, bool) or not isinstance(raw_id, (int, str)):
     raise ValueError(f"field 'id' must be an int or a string, got {raw_id!r}")
   prompt_id = raw_id if isinstance(raw_id, int) else zlib.crc32(raw_id.encode())
-  return env_api.TextPrompt(prompt_id=prompt_id, text=prompt, answer=str(answer))
+  return env_api.TextPrompt(prompt_id=prompt_id, text=prompt, answer=str(answer)), env
 
 
 def _raw_records(path: str):
@@ -91,8 +95,11 @@ def _raw_records(path: str):
 
 
 def load(paths: str | Sequence[str], *, env_name: str | None = None,
-         on_malformed: str = "error") -> JsonlPrompts:
+         on_malformed: str = "error", mixture_envs=None) -> JsonlPrompts:
   """Reads and validates every line of `paths` (blank lines are ignored).
+
+  `mixture_envs` (for a mixture of environments): every record must name one
+  of them in `env`.
 
   Raises:
     MalformedRecord: on the first bad line when `on_malformed == "error"`.
@@ -101,18 +108,21 @@ def load(paths: str | Sequence[str], *, env_name: str | None = None,
   if on_malformed not in ON_MALFORMED:
     raise ValueError(f"on_malformed must be one of {ON_MALFORMED}, got {on_malformed!r}")
   paths = [paths] if isinstance(paths, str) else list(paths)
-  prompts, skipped = [], []
+  prompts, skipped, envs = [], [], []
   for path in paths:
     for where, raw in _raw_records(path):
       try:
-        prompts.append(_record(json.loads(raw), env_name, len(prompts) + len(skipped)))
+        prompt, env = _record(json.loads(raw), env_name, mixture_envs,
+                              len(prompts) + len(skipped))
+        prompts.append(prompt)
+        envs.append(env)
       except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
         if on_malformed == "error":
           raise MalformedRecord(f"{where}: {e}") from None
         skipped.append(f"{where}: {e}")
-  counts = collections.Counter(p.prompt_id for p in prompts)
+  counts = collections.Counter((env, p.prompt_id) for p, env in zip(prompts, envs))
   duplicated = [i for i, n in counts.items() if n > 1]
   if duplicated:
-    raise MalformedRecord(f"{', '.join(paths)}: prompt id {duplicated[0]} appears "
+    raise MalformedRecord(f"{', '.join(paths)}: prompt id {duplicated[0][1]} appears "
                           f"{counts[duplicated[0]]} times")
-  return JsonlPrompts(prompts=prompts, skipped=skipped)
+  return JsonlPrompts(prompts=prompts, skipped=skipped, envs=envs)

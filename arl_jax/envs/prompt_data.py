@@ -39,6 +39,24 @@ def prompt_dataset(prompts: Sequence, seed: int, *, shard_index: int = 0, shard_
   return dataset.shuffle(seed=seed).repeat(num_epochs)
 
 
+def mixed_iterator(prompts_by_env: dict[str, Sequence], weights: dict[str, float], seed: int,
+                   *, shard_index: int | None = None,
+                   shard_count: int | None = None) -> grain.DatasetIterator:
+  """An endless, checkpointable stream drawing from each environment's prompts
+  in proportion to `weights` (each environment's prompts reshuffled per epoch)."""
+  names = sorted(weights)
+  missing = [n for n in names if not prompts_by_env.get(n)]
+  if missing:
+    raise ValueError(f"no prompts for environment(s) {missing}")
+  datasets = [prompt_dataset(
+      prompts_by_env[n], seed + i,
+      shard_index=jax.process_index() if shard_index is None else shard_index,
+      shard_count=jax.process_count() if shard_count is None else shard_count)
+      for i, n in enumerate(names)]
+  mixed = grain.MapDataset.mix(datasets, [weights[n] for n in names])
+  return iter(mixed.to_iter_dataset())
+
+
 def prompt_iterator(prompts: Sequence, seed: int, *, num_epochs: int | None = None,
                     shard_index: int | None = None,
                     shard_count: int | None = None) -> grain.DatasetIterator:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from arl_jax.envs import env_api, jsonl_source, registry
+from arl_jax.envs import env_api, jsonl_source, mixture, registry
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -45,6 +45,11 @@ def load(env_name: str, env_cfg, data: DataConfig, split: str) -> Prompts:
   path = data.path(split)
   if not path:
     return Prompts(registry.ENVS[env_name].make_prompts_fn(env_cfg, split), [])
-  loaded = jsonl_source.load([p.strip() for p in path.split(",") if p.strip()],
-                             env_name=env_name, on_malformed=data.on_malformed)
-  return Prompts(loaded.prompts, loaded.skipped)
+  paths = [p.strip() for p in path.split(",") if p.strip()]
+  if env_name != "mixture":
+    loaded = jsonl_source.load(paths, env_name=env_name, on_malformed=data.on_malformed)
+    return Prompts(loaded.prompts, loaded.skipped)
+  loaded = jsonl_source.load(paths, on_malformed=data.on_malformed,
+                             mixture_envs=tuple(env_cfg.configs))
+  return Prompts([mixture.MixedPrompt(env, p) for p, env in zip(loaded.prompts, loaded.envs)],
+                 loaded.skipped)

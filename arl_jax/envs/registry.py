@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from arl_jax.envs import arith, math_answer, tool_agent
+from arl_jax.envs import arith, math_answer, mixture, tool_agent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +27,16 @@ class EnvEntry:
   make_prompts_fn: Callable
 
 
+def _make_mixture_env(cfg: mixture.MixtureConfig, tokenizer, for_eval: bool = False):
+  envs = {name: ENVS[name].make_env_fn(c, tokenizer, for_eval) for name, c in cfg.configs.items()}
+  return mixture.MixtureEnv(envs, cfg.weights)
+
+
+def _make_mixture_prompts(cfg: mixture.MixtureConfig, split: str) -> list:
+  return [mixture.MixedPrompt(name, p) for name, c in cfg.configs.items()
+          for p in ENVS[name].make_prompts_fn(c, split)]
+
+
 ENVS = {
     "arith": EnvEntry(arith.ArithConfig, lambda cfg, tok, for_eval=False: arith.ArithEnv(tok),
                       arith.make_prompts),
@@ -36,4 +46,5 @@ ENVS = {
         math_answer.make_prompts),
     "tool_agent": EnvEntry(tool_agent.ToolAgentConfig, tool_agent.ToolAgentEnv,
                            tool_agent.make_prompts),
+    "mixture": EnvEntry(mixture.MixtureConfig, _make_mixture_env, _make_mixture_prompts),
 }

@@ -132,8 +132,9 @@ class EnvRunner:
                             convert_fn=_to_reward)
       except EnvFault:
         finish_reason = "error"
-    rollout = episode.to_rollout(finish_reason=finish_reason, reward=reward,
-                                 env_name=self._env.name)
+    rollout = episode.to_rollout(
+        finish_reason=finish_reason, reward=reward,
+        env_name=env_api.env_name_of(self._env, episode.request.prompt))
     request = episode.request
     with self._lock:
       if episode.group_id in self._cancelled:
@@ -156,20 +157,21 @@ class EnvRunner:
     """Calls an environment method and checks its answer with `convert_fn`;
     raises EnvFault on an exception, a timeout or a malformed answer."""
     start = time.monotonic()
+    name = env_api.env_name_of(self._env, episode.request.prompt)  # counted per environment
     try:
       if self._timeout_s > 0:
-        return convert_fn(self._call_with_timeout(fn, args))
+        return convert_fn(self._call_with_timeout(fn, args, name))
       return convert_fn(fn(*args))
     except (EnvFault, _Closing):
       raise
     except Exception as e:  # noqa: BLE001 - an environment fault is data, not a crash
       with self._lock:
-        self.errors[self._env.name] += 1
-      raise EnvFault(f"{self._env.name}.{fn.__name__} raised {e!r}") from e
+        self.errors[name] += 1
+      raise EnvFault(f"{name}.{fn.__name__} raised {e!r}") from e
     finally:
       episode.timings["in_env"] += time.monotonic() - start
 
-  def _call_with_timeout(self, fn, args):
+  def _call_with_timeout(self, fn, args, name: str):
     box = {}
 
     def target():
@@ -178,7 +180,7 @@ class EnvRunner:
       except BaseException as e:  # noqa: BLE001 - re-raised on the worker below
         box["error"] = e
 
-    thread = threading.Thread(target=target, name=f"env-call-{self._env.name}", daemon=True)
+    thread = threading.Thread(target=target, name=f"env-call-{name}", daemon=True)
     thread.start()
     deadline = time.monotonic() + self._timeout_s
     # Join in short slices so that `close` does not wait for a slow tool.
@@ -188,9 +190,9 @@ class EnvRunner:
       raise _Closing()
     if thread.is_alive():
       with self._lock:
-        self.errors[self._env.name] += 1
-        self.timeouts[self._env.name] += 1
-      raise EnvTimeout(f"{self._env.name}.{fn.__name__} took longer than {self._timeout_s}s")
+        self.errors[name] += 1
+        self.timeouts[name] += 1
+      raise EnvTimeout(f"{name}.{fn.__name__} took longer than {self._timeout_s}s")
     if "error" in box:
       raise box["error"]
     return box["value"]

@@ -77,7 +77,8 @@ class Orchestrator:
 
   def __init__(self, *, dispatch_cfg: dispatcher_lib.DispatchConfig,
                buffer_cfg: buffer_lib.BufferConfig, prompts: Iterator, encode_fn,
-               env_name: str, max_new_tokens: int, mask_truncated_completions: bool = False,
+               env_name_of: Callable[[object], str], max_new_tokens: int,
+               mask_truncated_completions: bool = False,
                clock: Callable[[], float] = time.monotonic):
     if dispatch_cfg.staleness_reference != buffer_cfg.staleness_reference:
       raise ValueError("the dispatcher and the buffer must use the same staleness_reference")
@@ -87,7 +88,7 @@ class Orchestrator:
     self.dispatcher = dispatcher_lib.Dispatcher(dispatch_cfg, prompts, encode_fn, self.buffer,
                                                 clock)
     self.ledger = drop_ledger_lib.DropLedger(max_new_tokens, mask_truncated_completions)
-    self._env_name = env_name
+    self._env_name_of = env_name_of  # prompt record -> environment name
     self._lock = threading.Lock()
     self._live_version = 0
     self._stale_since_cut: list[rollout_lib.Group] = []
@@ -149,7 +150,8 @@ class Orchestrator:
       self._live_version = version
     cancelled = self.dispatcher.on_publish(version)
     for request in cancelled:
-      self.ledger.record_cancelled(request.prompt.prompt_id, self._env_name, request.group_size)
+      self.ledger.record_cancelled(request.prompt.prompt_id, self._env_name_of(request.prompt),
+                                   request.group_size)
     self.dispatcher.retire([g.group_id for g in trained])
     return [r.group_id for r in cancelled]
 

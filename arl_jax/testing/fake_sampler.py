@@ -137,7 +137,8 @@ def simulate(cfg: SimConfig, prompts: Iterator, duration_fn: Callable[[object], 
   clock = FakeClock()
   orch = orchestrator_lib.Orchestrator(
       dispatch_cfg=cfg.dispatch, buffer_cfg=cfg.buffer, prompts=prompts,
-      encode_fn=lambda prompt: [1], env_name=cfg.env_name, max_new_tokens=cfg.max_new_tokens,
+      encode_fn=lambda prompt: [1], env_name_of=lambda prompt: cfg.env_name,
+      max_new_tokens=cfg.max_new_tokens,
       mask_truncated_completions=cfg.mask_truncated_completions, clock=clock)
   heap: list[tuple[float, int, str, int]] = []
   seq = itertools.count()

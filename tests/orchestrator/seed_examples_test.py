@@ -32,7 +32,7 @@ class Script:
         buffer_cfg=buffer_lib.BufferConfig(max_off_policy_steps=k, staleness_reference=reference,
                                            assembly=assembly),
         prompts=(_Prompt(i) for i in itertools.count()), encode_fn=lambda p: [1],
-        env_name="seed", max_new_tokens=128, clock=self.clock)
+        env_name_of=lambda prompt: "seed", max_new_tokens=128, clock=self.clock)
     self.version = 0
 
   def at(self, seconds):
