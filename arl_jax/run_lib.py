@@ -78,6 +78,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
            f"{spec.dispatch.max_off_policy_steps} max_async_level="
            f"{spec.dispatch.max_async_level} | {len(train_prompts)} train / "
            f"{len(eval_prompts)} eval prompts")
+  if spec.data.train_path and not spec.data.heldout_path:
+    print_fn("warning: data.train_path is set but data.heldout_path is not: evaluation uses "
+             f"env {spec.env_name!r}'s own held-out prompts, which may overlap your training "
+             "file")
   for split, source in (("train", train), ("heldout", heldout_source)):
     if source.skipped:
       print_fn(f"warning: skipped {len(source.skipped)} malformed {split} line(s), first: "

@@ -50,7 +50,8 @@ class HfTokenizer:
     """Args:
       path: a `tokenizer.json` file (or a folder holding one).
       eos_token: the end-of-sequence token (required: it ends completions).
-      bos_token: prepended by `encode(add_bos=True)`; None if the model has none.
+      bos_token: prepended by `encode(add_bos=True)`; None if the model has none
+        (then `add_bos` adds nothing).
       pad_token: padding; defaults to the EOS token (padding is always masked).
       chat_template: one of CHAT_TEMPLATES.
     """
@@ -94,11 +95,8 @@ class HfTokenizer:
     """Token ids of `text`; special tokens written in it (e.g. the chat
     template's) become their ids."""
     ids = self._tok.encode(text, add_special_tokens=False).ids
-    if add_bos:
-      if self.bos_id is None:
-        raise ValueError(f"{self.path}: add_bos=True but the tokenizer has no bos_token")
-      ids = [self.bos_id, *ids]
-    return ids
+    # Models without a BOS token (e.g. Qwen) simply start with the text.
+    return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
   def decode(self, ids) -> str:
     """Decodes up to the first EOS (or end-of-turn); special tokens are skipped."""

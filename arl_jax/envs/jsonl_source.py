@@ -11,8 +11,9 @@ whose records are UTF-8 JSON; README "Prompt data"):
 - `env` (string, optional): the environment the record is for; a record for
   another environment than the run's is malformed;
 - `id` (int or string, optional): a stable prompt id (drop accounting and
-  requeueing name tasks by it); a string is hashed (crc32); without one the
-  id is the record's position in the files (stable while the files are).
+  requeueing name tasks by it); a string is hashed (63-bit blake2b); without
+  one the id is the record's position in the files (stable while the files
+  are). An id used twice is malformed (the message names both lines).
 
 A malformed line (not JSON, not an object, a missing or empty field, a wrong
 type, another environment) raises `MalformedRecord` naming `file:line` (for
@@ -23,11 +24,10 @@ entry `file:line: problem`), so the run can report how many it lost.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import hashlib
 import json
 import os
-import zlib
 from collections.abc import Sequence
 
 import grain
@@ -54,6 +54,11 @@ class JsonlPrompts:
   envs: list[str | None] = dataclasses.field(default_factory=list)  # each record's `env`
 
 
+def _string_id(text: str) -> int:
+  """A stable 63-bit id for a string id (collisions are negligible)."""
+  return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big") >> 1
+
+
 def _record(obj, env_name: str | None, mixture_envs, position: int):
   if not isinstance(obj, dict):
     raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
@@ -75,7 +80,7 @@ def _record(obj, env_name: str | None, mixture_envs, position: int):
   raw_id = obj.get("id", position)
   if isinstance(raw_id, bool) or not isinstance(raw_id, (int, str)):
     raise ValueError(f"field 'id' must be an int or a string, got {raw_id!r}")
-  prompt_id = raw_id if isinstance(raw_id, int) else zlib.crc32(raw_id.encode())
+  prompt_id = raw_id if isinstance(raw_id, int) else _string_id(raw_id)
   return env_api.TextPrompt(prompt_id=prompt_id, text=prompt, answer=str(answer)), env
 
 
@@ -88,7 +93,7 @@ def _raw_records(path: str):
     for i in range(len(source)):
       yield f"{path}:record {i + 1}", bytes(source[i])  # json.loads decodes UTF-8
     return
-  with open(path, encoding="utf-8") as f:
+  with open(path, "rb") as f:  # bytes: a bad UTF-8 line is reported with its number
     for line_number, line in enumerate(f, start=1):
       if line.strip():
         yield f"{path}:{line_number}", line
@@ -108,21 +113,21 @@ def load(paths: str | Sequence[str], *, env_name: str | None = None,
   if on_malformed not in ON_MALFORMED:
     raise ValueError(f"on_malformed must be one of {ON_MALFORMED}, got {on_malformed!r}")
   paths = [paths] if isinstance(paths, str) else list(paths)
-  prompts, skipped, envs = [], [], []
+  prompts, skipped, envs, seen = [], [], [], {}
   for path in paths:
     for where, raw in _raw_records(path):
       try:
         prompt, env = _record(json.loads(raw), env_name, mixture_envs,
                               len(prompts) + len(skipped))
+        if (env, prompt.prompt_id) in seen:
+          raise ValueError(f"prompt id {prompt.prompt_id} was already used at "
+                           f"{seen[(env, prompt.prompt_id)]} (without an `id`, a record's id "
+                           "is its position)")
+        seen[(env, prompt.prompt_id)] = where
         prompts.append(prompt)
         envs.append(env)
       except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
         if on_malformed == "error":
           raise MalformedRecord(f"{where}: {e}") from None
         skipped.append(f"{where}: {e}")
-  counts = collections.Counter((env, p.prompt_id) for p, env in zip(prompts, envs))
-  duplicated = [i for i, n in counts.items() if n > 1]
-  if duplicated:
-    raise MalformedRecord(f"{', '.join(paths)}: prompt id {duplicated[0][1]} appears "
-                          f"{counts[duplicated[0]]} times")
   return JsonlPrompts(prompts=prompts, skipped=skipped, envs=envs)

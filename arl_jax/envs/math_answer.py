@@ -30,7 +30,8 @@ from arl_jax.envs import tokenizer as tokenizer_lib
 SAMPLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
                            "math_answer.jsonl")
 
-_NUMBER = r"-?\$?\d[\d,]*(?:\.\d+)?(?:/\d+)?%?|-?\$?\.\d+%?"
+# Thousands separators only in groups of three ("1,000" but not "1,2").
+_NUMBER = r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?%?|-?\$?\.\d+%?"
 _HASHES = re.compile(r"####\s*(" + _NUMBER + r")")
 _ANSWER_IS = re.compile(r"answer(?:\s+is|\s*:)\s*(" + _NUMBER + r")", re.IGNORECASE)
 _ANY_NUMBER = re.compile(_NUMBER)
@@ -55,9 +56,22 @@ class MathAnswerConfig:
       raise ValueError(f"env.path: no such file {self.path!r}")
 
 
+_GROUPED = re.compile(r"-?\d{1,3}(?:,\d{3})+(?:\.\d+)?")
+_LATEX_FRAC = re.compile(r"\\d?frac\{([^{}]+)\}\{([^{}]+)\}")
+_LATEX_TEXT = re.compile(r"\\text\{[^{}]*\}")
+
+
 def parse_number(text: str) -> fractions.Fraction | None:
-  """`"1,000"`, `"$5"`, `"12.50"`, `"3/4"`, `"40%"`, `"7."` -> an exact Fraction."""
-  cleaned = text.strip().replace(",", "").replace("$", "").rstrip(".").rstrip("%").strip()
+  """`"1,000"`, `"$5"`, `"12.50"`, `"3/4"`, `"40%"`, `"7."`, `"\\frac{3}{4}"`,
+  `"50\\%"` -> an exact Fraction."""
+  cleaned = _LATEX_FRAC.sub(r"(\1)/(\2)", text.strip())
+  cleaned = _LATEX_TEXT.sub("", cleaned).replace("\\%", "%").replace("\\$", "$")
+  cleaned = cleaned.replace("(", "").replace(")", "")
+  cleaned = cleaned.replace("$", "").strip().rstrip(".").rstrip("%").strip()
+  if "," in cleaned:
+    if not _GROUPED.fullmatch(cleaned):
+      return None  # "1,2" is not a number
+    cleaned = cleaned.replace(",", "")
   try:
     return fractions.Fraction(cleaned)
   except (ValueError, ZeroDivisionError):
@@ -96,6 +110,10 @@ def make_prompts(cfg: MathAnswerConfig, split: str) -> list[env_api.TextPrompt]:
   if split not in env_api.SPLITS:
     raise ValueError(f"split must be one of {env_api.SPLITS}, got {split!r}")
   records = jsonl_source.load(cfg.path, env_name="math_answer").prompts
+  for p in records:
+    if parse_number(p.answer) is None:
+      raise ValueError(f"{cfg.path}: record id {p.prompt_id}: answer {p.answer!r} is not a "
+                       "number (GSM8K files: keep only what follows '####')")
   heldout = lambda p: zlib.crc32(str(p.prompt_id).encode()) % 10_000 < cfg.heldout_fraction * 1e4
   return [p for p in records if heldout(p) == (split == "heldout")]
 
@@ -119,8 +137,12 @@ class MathAnswerEnv:
     answer = extract_answer(self._tokenizer.decode(ids), self._cfg.strict)
     if answer is None:
       return 0.0
-    got, want = parse_number(answer), parse_number(prompt.answer)
-    return float(got is not None and want is not None and got == want)
+    want = parse_number(prompt.answer)
+    if want is None:  # a data error, not a wrong answer: counted as an env error
+      raise ValueError(f"prompt {prompt.prompt_id}: reference answer {prompt.answer!r} is not a "
+                       "number")
+    got = parse_number(answer)
+    return float(got is not None and got == want)
 
   def demonstration(self, prompt: env_api.TextPrompt) -> env_api.Demonstration:
     target = [*self._tokenizer.encode(f"#### {prompt.answer}"), self._tokenizer.eos_id]

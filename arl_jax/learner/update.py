@@ -86,6 +86,10 @@ class LossSettings:
     if self.critic and self.name != "vtrace":
       raise ValueError(f"a critic (model.value_head) is trained only by the vtrace loss, not "
                        f"{self.name!r}")
+    if self.name == "m2po" and self.num_microbatches > 1:
+      raise ValueError("m2po masks tokens by a second moment over the whole minibatch; "
+                       "with num_microbatches > 1 each microbatch would be masked on its own, "
+                       "so accumulation would not equal one pass: use num_microbatches=1")
     if self.name == "m2po" and self.age_decay:
       raise ValueError("m2po has no clip range for an age-aware trust region to shrink")
 
@@ -120,16 +124,20 @@ def _split(tree, n: int):
   return jax.tree.map(split, tree)
 
 
-def _combine(metrics_list_tree):
-  """Reduces stacked per-slice metrics: `*_max` by max, `*_min` by min, else mean."""
+def _combine(stacked, tokens=None):
+  """Reduces stacked per-slice metrics: `*_max` by max, `*_min` by min, others
+  by the mean weighted by each slice's trained tokens (`tokens`, `[n]`), so
+  that slices with few tokens (or none) do not skew per-token averages."""
+  weights = None if tokens is None else tokens / jnp.maximum(jnp.sum(tokens), 1.0)
+
   def reduce(path, x):
     name = jax.tree_util.keystr(path)
     if name.endswith("_max']"):
       return jnp.max(x)
     if name.endswith("_min']"):
       return jnp.min(x)
-    return jnp.mean(x)
-  return jax.tree_util.tree_map_with_path(reduce, metrics_list_tree)
+    return jnp.mean(x) if weights is None else jnp.sum(weights * x)
+  return jax.tree_util.tree_map_with_path(reduce, stacked)
 
 
 def staleness_metrics(log_ratio, loss_mask, token_lag):
@@ -212,7 +220,8 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
 
   def _critic(logp, values, mb):
     """V-trace targets from the critic: per-token policy-gradient advantages
-    and the value loss `0.5 (v_s - V)^2` (targets are constants)."""
+    and the value loss `0.5 (v_s - V)^2` (targets are constants). Explained
+    variance is per microbatch, then token-weighted (exact with one)."""
     mask = mb.loss_mask
     log_rhos = jax.lax.stop_gradient(logp - mb.behaviour_logprobs) * mask
     rewards = vtrace_lib.last_token_rewards(mb.rewards, mask)
@@ -251,7 +260,7 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
         [jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     start_log_ratio = metrics.pop("start_log_ratio", None)
-    metrics = _combine(metrics)
+    metrics = _combine(metrics, jnp.sum(micro["batch"].loss_mask, axis=(1, 2)))
     metrics.update(loss=loss, grad_norm=optax.global_norm(grads),
                    update_norm=jnp.where(finite, optax.global_norm(updates), 0.0))
     carry = (keep(new_params, params), keep(new_opt_state, opt_state),
@@ -261,7 +270,7 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
   (params, opt_state, skipped), (metrics, start_log_ratios) = jax.lax.scan(
       optimizer_step, (state.params, state.opt_state, jnp.zeros((), jnp.int32)),
       jnp.arange(s.optimizer_steps))
-  metrics = _combine(metrics)
+  metrics = _combine(metrics)  # optimizer steps count equally
   if start_logp is not None:
     start_log_ratio = (start_logp - batch.behaviour_logprobs) * batch.loss_mask
   else:  # the single optimizer step's microbatches, back in row order

@@ -26,6 +26,9 @@ def test_exact_answer_reward_requires_eos():
   assert env.score(prompt, TOK.encode("42") + [TOK.eos_id, 55]) == 1.0
   assert env.score(prompt, TOK.encode("43") + [TOK.eos_id]) == 0.0
   assert env.score(prompt, TOK.encode("42")) == 0.0  # cut off by the length limit
+  assert env.score(prompt, [TOK.eos_id]) == 0.0  # empty answer
+  assert env.score(prompt, TOK.encode("4two") + [TOK.eos_id]) == 0.0  # malformed
+  assert env.score(prompt, [TOK.pad_id, TOK.bos_id, TOK.eos_id]) == 0.0  # specials only
   assert env.encode_target(prompt) == [52, 50, TOK.eos_id]
 
 

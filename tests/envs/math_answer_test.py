@@ -18,6 +18,10 @@ TOK = tokenizer_lib.ByteTokenizer()
     ("The answer is $12.50.", "$12.50"),
     ("Answer: -3", "-3"),
     ("I think 4, then 9", "9"),  # lenient: the last number
+    ("so 1,2", "2"),  # a comma outside groups of three separates numbers
+    ("#### -3.5", "-3.5"),
+    ("#### 1,234,567", "1,234,567"),
+    ("#### seventy", None),  # a marker without a number: nothing else to read
     ("no number at all", None),
     ("", None),
 ])
@@ -34,12 +38,14 @@ def test_strict_extraction_accepts_only_marked_answers():
 @pytest.mark.parametrize("text, value", [
     ("1,000", 1000), ("1000.0", 1000), ("$1000", 1000), ("3/4", fractions.Fraction(3, 4)),
     ("0.75", fractions.Fraction(3, 4)), ("40%", 40), ("7.", 7), ("-2", -2),
+    ("\\frac{3}{4}", fractions.Fraction(3, 4)), ("\\dfrac{1}{2}", fractions.Fraction(1, 2)),
+    ("50\\%", 50), ("-1,234.5", fractions.Fraction(-2469, 2)),
 ])
 def test_parse_number(text, value):
   assert math_answer.parse_number(text) == value
 
 
-@pytest.mark.parametrize("text", ["abc", "", "1/0", "\\frac{1}{2}"])
+@pytest.mark.parametrize("text", ["abc", "", "1/0", "1,2", "\\frac{x}{2}"])
 def test_unparsable_numbers_are_none(text):
   assert math_answer.parse_number(text) is None
 
@@ -76,6 +82,17 @@ def test_sample_splits_are_disjoint_and_demonstrations_are_rewarded():
   env = _env(strict=True)
   for p in train[:50]:
     assert env.score(p, env.demonstration(p).completion_ids) == 1.0
+
+
+def test_a_reference_answer_that_is_not_a_number_is_an_error_not_a_zero(tmp_path):
+  path = tmp_path / "gsm8k_raw.jsonl"
+  path.write_text('{"prompt": "q", "answer": "She has 3 + 4 = 7 pens.\\n#### 7"}\n')
+  with pytest.raises(ValueError, match=r"record id 0: answer .* is not a number"):
+    math_answer.make_prompts(math_answer.MathAnswerConfig(path=str(path)), "train")
+  # Scoring such a record is an environment fault (counted), never a silent 0.
+  prompt = env_api.TextPrompt(prompt_id=5, text="q", answer="seven")
+  with pytest.raises(ValueError, match="reference answer 'seven' is not a number"):
+    _env().score(prompt, [*TOK.encode("#### 7"), TOK.eos_id])
 
 
 def test_config_rejects_a_missing_file():

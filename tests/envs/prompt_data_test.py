@@ -26,7 +26,9 @@ def test_valid_records_load_with_stable_ids(tmp_path):
   loaded = jsonl_source.load(path, env_name="arith")
   assert [p.prompt_id for p in loaded.prompts][:2] == [7, 1]  # id, else position
   assert loaded.prompts[1].answer == "4"  # numbers become strings
-  assert loaded.prompts[2].prompt_id == jsonl_source.load(path).prompts[2].prompt_id
+  # A string id is a stable 63-bit hash.
+  assert 0 <= loaded.prompts[2].prompt_id < 2 ** 63
+  assert loaded.prompts[2].prompt_id == jsonl_source._string_id("three")  # noqa: SLF001
   assert loaded.skipped == []
 
 
@@ -51,10 +53,23 @@ def test_a_malformed_line_is_named_by_file_and_line(tmp_path, line, problem):
   assert loaded.skipped[0].startswith(f"{path}:3: ")
 
 
-def test_duplicate_ids_are_rejected(tmp_path):
-  path = _write(tmp_path, [json.dumps({"prompt": "a", "answer": "1", "id": 3})] * 2)
-  with pytest.raises(jsonl_source.MalformedRecord, match="prompt id 3 appears 2 times"):
+def test_duplicate_ids_name_both_lines_and_can_be_skipped(tmp_path):
+  path = _write(tmp_path, [json.dumps({"prompt": "a", "answer": "1", "id": 3})] * 2 + [
+      json.dumps({"prompt": "b", "answer": "2"}),  # implicit id 2 (its position) ...
+      json.dumps({"prompt": "c", "answer": "3", "id": 2})])  # ... taken by an explicit one
+  with pytest.raises(jsonl_source.MalformedRecord,
+                     match=r"p.jsonl:2: prompt id 3 was already used at .*p.jsonl:1"):
     jsonl_source.load(path)
+  loaded = jsonl_source.load(path, on_malformed="skip")
+  assert [p.text for p in loaded.prompts] == ["a", "b"]
+  assert [s.split(": ")[0].rsplit(":", 1)[1] for s in loaded.skipped] == ["2", "4"]
+
+
+def test_invalid_utf8_is_named_by_file_and_line(tmp_path):
+  path = tmp_path / "p.jsonl"
+  path.write_bytes(b'{"prompt": "a", "answer": "1"}\n{"prompt": "\xff", "answer": "1"}\n')
+  with pytest.raises(jsonl_source.MalformedRecord, match=r"p.jsonl:2: .*utf-8"):
+    jsonl_source.load(str(path))
 
 
 def test_same_seed_same_order_and_a_new_permutation_every_epoch():
@@ -104,7 +119,7 @@ def test_prompt_source_reads_jsonl_or_the_environment(tmp_path):
   assert own.prompts == arith.make_prompts(cfg, "train")
   path = os.path.join(sample_data.DATA_DIR, "arith.jsonl")
   data = prompt_source.DataConfig(train_path=f"{path}, {path}")
-  with pytest.raises(jsonl_source.MalformedRecord, match="appears 2 times"):
+  with pytest.raises(jsonl_source.MalformedRecord, match="was already used at"):
     prompt_source.load("arith", cfg, data, "train")
   data = prompt_source.DataConfig(train_path=path)
   assert len(prompt_source.load("arith", cfg, data, "train").prompts) == 200

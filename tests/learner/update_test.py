@@ -141,20 +141,36 @@ def test_several_optimizer_steps_per_batch_compile_once_and_count_one_version():
   assert np.isfinite(float(metrics["behaviour_weight_mean"]))
 
 
-def test_gradient_accumulation_matches_one_pass():
+def _ragged(batch):
+  """Different numbers of trained tokens per row, and one row with none."""
+  loss_mask = batch.loss_mask.copy()
+  for row in range(loss_mask.shape[0]):
+    loss_mask[row, loss_mask.shape[1] - row:] = 0.0
+  return batch.replace(loss_mask=loss_mask)
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean_token_mean", "seq_sum_norm"])
+def test_gradient_accumulation_matches_one_pass(aggregation):
   mesh = _mesh((("fsdp", 2), ("tp", 1)))
-  batch = _random_batch(np.random.default_rng(5))
+  batch = _ragged(_random_batch(np.random.default_rng(5)))
+  assert batch.loss_mask[7].sum() == 0 and batch.loss_mask[1].sum() == 5
   results = []
   for micro in (1, 4):
-    for aggregation in ("seq_mean_token_mean",):  # token_mean: the simpler case of the same weights
-      settings = update_lib.LossSettings(num_microbatches=micro, aggregation=aggregation)
-      _, state, update_fn = _state_and_update(settings, mesh)
-      state, metrics = update_fn(state, batch)
-      results.append((micro, aggregation, _host(state.params), float(metrics["loss"])))
-  for aggregation in ("seq_mean_token_mean",):
-    (_, _, p1, l1), (_, _, p4, l4) = [r for r in results if r[1] == aggregation]
-    np.testing.assert_allclose(l1, l4, rtol=1e-5)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p4)
+    settings = update_lib.LossSettings(num_microbatches=micro, aggregation=aggregation,
+                                       norm_constant=6.0)
+    _, state, update_fn = _state_and_update(settings, mesh)
+    state, metrics = update_fn(state, batch)
+    results.append((_host(state.params), {k: float(v) for k, v in metrics.items()}))
+  (p1, m1), (p4, m4) = results
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p4)
+  # Per-token metrics are weighted by tokens, whatever the microbatching.
+  for key in ("loss", "entropy", "clip_fraction", "ratio_mean", "kl_behaviour", "grad_norm"):
+    np.testing.assert_allclose(m1[key], m4[key], rtol=1e-4, err_msg=key)
+
+
+def test_m2po_rejects_microbatches():
+  with pytest.raises(ValueError, match="m2po masks tokens by a second moment"):
+    update_lib.LossSettings(name="m2po", num_microbatches=2)
 
 
 def test_non_finite_loss_skips_the_step_and_keeps_the_state():
@@ -240,6 +256,29 @@ def test_same_loss_and_update_on_one_device_and_on_fsdp2_tp2():
   for key in ("loss", "grad_norm", "ratio_mean", "entropy", "update_norm"):
     np.testing.assert_allclose(m1[key], m4[key], rtol=1e-4, err_msg=key)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p4)
+
+
+def test_the_critic_is_trained_toward_the_vtrace_targets_of_its_own_values():
+  from arl_jax.learner import vtrace as vtrace_lib
+  mesh = _mesh((("fsdp", 2), ("tp", 1)))
+  settings = update_lib.LossSettings(name="vtrace", critic=True, lam=0.8, rho_bar=1.5)
+  graphdef, state, update_fn = _state_and_update(settings, mesh, optimizer=optax.sgd(0.0))
+  # Give the zero-initialised head some values first.
+  state = state.replace(params=jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.3 if "value_head" in jax.tree_util.keystr(path) else x,
+      state.params))
+  batch = _ragged(_random_batch(np.random.default_rng(12)))
+  batch = batch.replace(rewards=np.linspace(0, 1, 8).astype(np.float32))
+  logp, _, values = logprobs_lib.token_logprobs_and_entropy(
+      graphdef, state.params, batch.tokens, batch.token_mask, 1.0, with_values=True)
+  mask = batch.loss_mask
+  log_rhos = (np.asarray(logp) - batch.behaviour_logprobs) * mask
+  rewards = vtrace_lib.last_token_rewards(batch.rewards, mask)
+  vs, _ = vtrace_lib.vtrace_targets(values, rewards, log_rhos, mask, rho_bar=1.5, lam=0.8)
+  expected = np.sum(0.5 * (np.asarray(vs) - np.asarray(values)) ** 2 * mask) / mask.sum()
+  assert np.std(np.asarray(values)[mask > 0]) > 0  # the values differ per position
+  _, metrics = update_fn(state, batch)
+  np.testing.assert_allclose(float(metrics["value_loss"]), expected, rtol=1e-4)
 
 
 def test_vtrace_actor_critic_learns_values_from_the_last_token_reward():
