@@ -125,13 +125,14 @@ def test_tool_agent_episodes_span_policy_versions_while_tools_are_slow(tmp_path)
 
 
 @pytest.mark.parametrize("learner, logged", [
-    (dict(loss="m2po", num_minibatches=2, num_microbatches=2, kl_coef=0.05),
+    (dict(loss="m2po", num_minibatches=2, kl_coef=0.05),
      ("masked_fraction", "kl_reference", "behaviour_weight_mean")),
     (dict(loss="vtrace", rho_bar=2.0, aggregation="seq_sum_norm", entropy_coef=0.01),
      ("clip_fraction",)),
     (dict(loss="vtrace", lam=0.95, c_bar=1.0, value_head=True),
      ("value_loss", "explained_variance")),
-    (dict(loss="clipped_ratio", num_epochs=2, tis_cap=2.0, age_decay=0.5, advantage="rloo"),
+    (dict(loss="clipped_ratio", num_epochs=2, num_microbatches=2, tis_cap=2.0, age_decay=0.5,
+          advantage="rloo"),
      ("tis_truncated_fraction", "behaviour_weight_mean")),
 ])
 def test_every_loss_trains_end_to_end(tmp_path, learner, logged):

@@ -78,7 +78,7 @@ class ArithEnv:
     return float(self._tokenizer.decode(ids).strip() == prompt.answer)
 
   def encode_prompt(self, prompt: Prompt) -> list[int]:
-    return self._tokenizer.encode(prompt.text, add_bos=True)
+    return env_api.encode_user_prompt(self._tokenizer, prompt.text)
 
   def encode_target(self, prompt: Prompt) -> list[int]:
     """The correct completion."""

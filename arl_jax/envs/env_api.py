@@ -88,6 +88,15 @@ class MultiTurnEnvironment(Environment, Protocol):
     """
 
 
+def encode_user_prompt(tokenizer, text: str) -> list[int]:
+  """Prompt ids for `text`: a user turn of the tokenizer's chat template (then
+  the assistant's turn prefix) when it has one, else the text after BOS."""
+  template = getattr(tokenizer, "template", None)
+  if template is not None and template.turn_prefix:
+    text = tokenizer.format_chat([{"role": "user", "content": text}])
+  return tokenizer.encode(text, add_bos=True)
+
+
 def env_name_of(env, prompt) -> str:
   """The environment a prompt belongs to: `env.env_name_of(prompt)` for a
   mixture of environments, else `env.name`."""

@@ -99,10 +99,10 @@ class HfTokenizer:
     return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
 
   def decode(self, ids) -> str:
-    """Decodes up to the first EOS (or end-of-turn); special tokens are skipped."""
+    """Decodes up to the first EOS; special tokens are skipped."""
     out = []
     for i in np.asarray(ids).tolist():
-      if i in self.stop_ids:
+      if i == self.eos_id:
         break
       out.append(int(i))
     return self._tok.decode(out, skip_special_tokens=True)

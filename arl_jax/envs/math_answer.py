@@ -128,7 +128,7 @@ class MathAnswerEnv:
     self._tokenizer = tokenizer
 
   def encode_prompt(self, prompt: env_api.TextPrompt) -> list[int]:
-    return self._tokenizer.encode(prompt.text, add_bos=True)
+    return env_api.encode_user_prompt(self._tokenizer, prompt.text)
 
   def score(self, prompt: env_api.TextPrompt, completion_ids) -> float:
     ids = [int(i) for i in completion_ids]

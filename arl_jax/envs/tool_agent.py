@@ -130,7 +130,7 @@ class ToolAgentEnv:
                                     seed=cfg.table_seed)
 
   def encode_prompt(self, prompt: Prompt) -> list[int]:
-    return self._tokenizer.encode(prompt.text, add_bos=True)
+    return env_api.encode_user_prompt(self._tokenizer, prompt.text)
 
   def _text(self, completion_ids) -> str:
     return self._tokenizer.decode(completion_ids)

@@ -47,8 +47,13 @@ def test_chatml_template(tokenizer_path):
   assert text == "<|im_start|>user\nHow many apples now?<|im_end|>\n<|im_start|>assistant\n"
   ids = tok.encode(text)
   assert ids.count(tok.encode("<|im_start|>")[0]) == 2  # specials parsed as one id each
-  # The policy ends its turn with <|im_end|>; decoding stops there.
-  assert tok.decode([*tok.encode("19"), end[0], *tok.encode("more")]) == "19"
+  # Decoding skips the template's specials and stops only at EOS.
+  assert tok.decode([*tok.encode("19"), end[0], *tok.encode("7"), tok.eos_id, 5]) == "197"
+  # Environments wrap a prompt in a user turn when the tokenizer has a template.
+  from arl_jax.envs import env_api
+  assert env_api.encode_user_prompt(tok, "How many apples now?") == tok.encode(text)
+  plain = hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>", bos_token="<s>")
+  assert env_api.encode_user_prompt(plain, "12") == [plain.bos_id, *plain.encode("12")]
   obs = tok.observation("tool", "=482;")
   assert obs == "<|im_start|>tool\n=482;<|im_end|>\n<|im_start|>assistant\n"
 
