@@ -79,31 +79,37 @@ class DropLedger:
     """Counts a cut batch; returns this batch's masked rollouts by reason."""
     masked = collections.Counter()
     for g in groups:
-      task = self._task(g.prompt_id, g.rollouts[0].env_name)
-      task.groups_trained += 1
-      for r in g.rollouts:
-        bucket = self.length_bucket(len(r.completion_ids))
-        self._retired_by_length[bucket] += 1
-        if r.finish_reason == "error":
-          reason = "env_error"
-        elif r.is_masked(self._mask_truncated):
-          reason = "truncated"
-        else:
-          continue
-        masked[reason] += 1
-        self._count(reason, r.env_name, bucket, task)
-      self.retired_rollouts += len(g.rollouts)
+      masked += self._retire(g, trained=True)
     return masked
 
   def record_stale(self, groups: list[rollout_lib.Group]) -> None:
     for g in groups:
-      task = self._task(g.prompt_id, g.rollouts[0].env_name)
+      self._retire(g, trained=False)
+
+  def _retire(self, group: rollout_lib.Group, trained: bool) -> collections.Counter[str]:
+    """Counts a finished group's rollouts: dropped as stale, or trained with
+    masked rollouts (env errors, truncated when masked) counted as drops."""
+    task = self._task(group.prompt_id, group.rollouts[0].env_name)
+    if trained:
+      task.groups_trained += 1
+    else:
       task.groups_dropped += 1
-      for r in g.rollouts:
-        bucket = self.length_bucket(len(r.completion_ids))
-        self._retired_by_length[bucket] += 1
-        self._count("stale", r.env_name, bucket, task)
-      self.retired_rollouts += len(g.rollouts)
+    dropped = collections.Counter()
+    for r in group.rollouts:
+      bucket = self.length_bucket(len(r.completion_ids))
+      self._retired_by_length[bucket] += 1
+      if not trained:
+        reason = "stale"
+      elif r.finish_reason == "error":
+        reason = "env_error"
+      elif r.is_masked(self._mask_truncated):
+        reason = "truncated"
+      else:
+        continue
+      dropped[reason] += 1
+      self._count(reason, r.env_name, bucket, task)
+    self.retired_rollouts += len(group.rollouts)
+    return dropped
 
   def record_cancelled(self, prompt_id: int, env_name: str, group_size: int) -> None:
     task = self._task(prompt_id, env_name)
