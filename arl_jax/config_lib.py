@@ -46,7 +46,7 @@ _SECTIONS = {
                 "num_epochs", "num_minibatches", "num_microbatches", "lr", "b1", "b2",
                 "weight_decay", "max_grad_norm"),
     "warmup": ("steps", "batch_size", "lr", "fraction"),
-    "data": ("train_path", "heldout_path", "on_malformed"),
+    "data": ("train_path", "heldout_path", "on_malformed", "num_epochs"),
     "tokenizer": ("kind", "path", "eos_token", "bos_token", "pad_token", "chat_template"),
 }
 
@@ -225,6 +225,8 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   # check cannot drift from what the sampler and warm-up actually receive.
   env_instance = env_entry.make_env_fn(env, tokenizer, for_eval=True)
   data_cfg = _wrap("data", prompt_source.DataConfig, **cfg["data"])
+  _require(not (data_cfg.num_epochs and env_name == "mixture"), "data.num_epochs",
+           "a mixture streams its environments endlessly (by weight); use 0")
   prompts_by_split = {}
   for split in env_api.SPLITS:
     key = f"data.{split}_path" if data_cfg.path(split) else "env"

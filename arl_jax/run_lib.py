@@ -157,7 +157,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
                                           dtype=spec.sampler_model.param_dtype)
   orchestrator = orchestrator_lib.Orchestrator(
       dispatch_cfg=spec.dispatch, buffer_cfg=spec.buffer,
-      prompts=_prompt_stream(env, train_prompts, spec.seed), encode_fn=env.encode_prompt,
+      prompts=_prompt_stream(env, train_prompts, spec.seed, spec.data.num_epochs),
+      encode_fn=env.encode_prompt,
       env_name_of=lambda prompt: env_api.env_name_of(env, prompt),
       max_new_tokens=spec.engine.max_new_tokens,
       mask_truncated_completions=spec.mask_truncated_completions)
@@ -181,7 +182,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   last_time = rl_start
   try:
     for step in range(spec.num_steps):
-      batch = _cut_batch(orchestrator, (engine, env_runner), version)
+      try:
+        batch = _cut_batch(orchestrator, (engine, env_runner), version)
+      except orchestrator_lib.DataExhausted as e:
+        print_fn(f"data exhausted after {step} updates (data.num_epochs="
+                 f"{spec.data.num_epochs}): {e}")
+        if spec.eval_every and step % spec.eval_every:
+          evaluate(step, "rl")
+        break
       host_batch = train_batch_lib.assemble(
           batch.groups, batch_version=version, prompt_len=spec.engine.prompt_len,
           max_new_tokens=spec.engine.max_new_tokens, pad_id=tokenizer.pad_id,
@@ -229,7 +237,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   wall = time.monotonic() - start_time
   _write_task_drops(workdir, orchestrator.ledger)
   drops = orchestrator.ledger.metrics()
-  print_fn(f"done: {spec.num_steps} updates, final version {version}, {groups_trained} groups "
+  print_fn(f"done: {version} updates, final version {version}, {groups_trained} groups "
            f"trained; dropped rollouts: {drops['dropped_stale']} stale, "
            f"{drops['dropped_cancelled']} cancelled in flight, {drops['dropped_env_error']} env "
            f"errors, {drops['dropped_truncated']} truncated; {drops['tasks_lost']} of "
@@ -251,12 +259,12 @@ def _eval_prompts(env, heldout, size: int) -> list:
   return chosen
 
 
-def _prompt_stream(env, prompts, seed):
+def _prompt_stream(env, prompts, seed, num_epochs: int = 0):
   """Training prompts: one shuffled stream, or for a mixture of environments a
   stream drawing from each in proportion to its weight."""
   weights = getattr(env, "weights", None)
   if not weights:
-    return prompt_data.prompt_iterator(prompts, seed)
+    return prompt_data.prompt_iterator(prompts, seed, num_epochs=num_epochs or None)
   by_env = collections.defaultdict(list)
   for p in prompts:
     by_env[env_api.env_name_of(env, p)].append(p)

@@ -75,7 +75,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # Prompts: "" uses the environment's own; JSONL schema in the README.
   config.data = ml_collections.ConfigDict(dict(train_path="", heldout_path="",
-                                               on_malformed="error"))
+                                               on_malformed="error", num_epochs=0))
 
   config.warmup = ml_collections.ConfigDict(dict(steps=300, batch_size=64, lr=1e-3,
                                                  fraction=0.3))

@@ -149,3 +149,23 @@ def test_every_loss_trains_end_to_end(tmp_path, learner, logged):
       "num_minibatches", 1)
   for key in logged:
     assert np.isfinite(last[key]), key
+
+
+def test_a_run_with_one_epoch_of_prompts_ends_when_they_are_used_up(tmp_path):
+  config = tiny.load_config("arith", "tiny")
+  config.num_steps = 1000
+  config.eval_every = 0
+  config.data.num_epochs = 1
+  config.orchestrator.update(batch_size=64, group_size=4)  # 16 prompts per batch
+  lines = []
+  result = run_lib.run(config, str(tmp_path), print_fn=lines.append, keep_batches=True)
+  from arl_jax.envs import arith
+  num_train = len(arith.make_prompts(arith.ArithConfig(max_operand=9), "train"))
+  assert 0 < result.final_version < 1000
+  last = result.history[-1]
+  assert last["dropped_total"] == 0
+  # Every batch is full and every trained group had a different prompt (one epoch) ...
+  assert last["tasks_seen"] == 16 * result.final_version <= num_train
+  # ... and the run used the epoch up to its last full batch (what is left cannot fill one).
+  assert num_train - 16 * result.final_version < 16
+  assert any(line.startswith("data exhausted after") for line in lines)

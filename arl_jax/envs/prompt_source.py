@@ -15,16 +15,22 @@ class DataConfig:
     train_path: JSONL file(s) of training prompts, comma-separated ("" = the env's own).
     heldout_path: JSONL file(s) of held-out prompts ("" = the env's own).
     on_malformed: `error` (stop, naming file:line) or `skip` (count and go on).
+    num_epochs: passes over the training prompts (0: endless); the run ends
+      early, after the last full batch, when they are used up.
   """
 
   train_path: str = ""
   heldout_path: str = ""
   on_malformed: str = "error"
+  num_epochs: int = 0
 
   def __post_init__(self):
     if self.on_malformed not in jsonl_source.ON_MALFORMED:
       raise ValueError(f"data.on_malformed must be one of {jsonl_source.ON_MALFORMED}, got "
                        f"{self.on_malformed!r}")
+    if type(self.num_epochs) is not int or self.num_epochs < 0:
+      raise ValueError(f"data.num_epochs must be an int >= 0 (0: endless), got "
+                       f"{self.num_epochs!r}")
 
   def path(self, split: str) -> str:
     if split not in env_api.SPLITS:

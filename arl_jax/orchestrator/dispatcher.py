@@ -89,6 +89,7 @@ class Dispatcher:
     self.num_started = 0
     self.num_cancelled = 0
     self.num_requeued = 0
+    self.exhausted = False  # the prompt stream has ended
 
   def take(self, max_groups: int, live_version: int, timeout: float) -> list[GroupRequest]:
     """Starts up to `max_groups` groups at `live_version`.
@@ -111,7 +112,10 @@ class Dispatcher:
           prompt, prompt_ids, attempt = self._requeued.popleft()
         else:
           # Fetch and encode first: if that raises, no group is left registered.
-          prompt = next(self._prompts)
+          prompt = next(self._prompts, None)
+          if prompt is None:  # a finite stream (data.num_epochs) ran out
+            self.exhausted = True
+            break
           prompt_ids, attempt = tuple(self._encode_fn(prompt)), 0
         request = GroupRequest(
             group_id=next(self._next_group_id), prompt=prompt, prompt_ids=prompt_ids,
@@ -169,6 +173,13 @@ class Dispatcher:
     with self._cond:
       self.num_cancelled += len(doomed)
     return doomed
+
+  @property
+  def drained(self) -> bool:
+    """No prompt is left to dispatch (stream ended, no requeued prompt) and no
+    group is in flight: the groups in the buffer are all there will be."""
+    with self._cond:
+      return self.exhausted and not self._requeued and not self._generating
 
   @property
   def in_system(self) -> int:

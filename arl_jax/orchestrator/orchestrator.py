@@ -72,6 +72,10 @@ class Batch:
     }
 
 
+class DataExhausted(Exception):
+  """The prompt stream ended and what is left cannot fill another batch."""
+
+
 class Orchestrator:
   """Dispatcher + buffer + drop ledger, driven by the learner thread."""
 
@@ -100,11 +104,13 @@ class Orchestrator:
 
   def group_finished(self, group: rollout_lib.Group) -> None:
     """A group's last rollout was scored (env worker threads)."""
-    self.dispatcher.finished_generating(group.group_id)
     # The sampler may hold a version before `publish` announces it here; the
     # group cannot have arrived before the newest version that sampled it.
     newest = max(r.version_span[1] for r in group.rollouts)
+    # Into the buffer before it stops counting as in flight, so that a learner
+    # that sees the dispatcher drained has seen every group (see `cut`).
     self.buffer.put(group, max(self.live_version, newest))
+    self.dispatcher.finished_generating(group.group_id)
 
   def try_cut(self, batch_version: int) -> Batch | None:
     """One attempt at `B_{batch_version}`: sweep, count and retire stale groups,
@@ -127,6 +133,8 @@ class Orchestrator:
     Raises:
       buffer.BufferClosed: if the buffer is closed while waiting.
       TimeoutError: if `timeout` seconds pass without a full batch.
+      DataExhausted: if the prompt stream ended and the groups left cannot
+        fill the batch.
     """
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
@@ -136,6 +144,9 @@ class Orchestrator:
         return batch
       if self.buffer.closed:
         raise buffer_lib.BufferClosed()
+      if self.dispatcher.drained and self.buffer.generation == generation:
+        raise DataExhausted(f"the prompt stream ended; {len(self.buffer)} finished groups "
+                            f"cannot fill B_{batch_version}")
       remaining = None if deadline is None else deadline - time.monotonic()
       if remaining is not None and remaining <= 0:
         raise TimeoutError(f"no full batch of {self.dispatch_cfg.groups_per_batch} groups "

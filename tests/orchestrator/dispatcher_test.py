@@ -96,3 +96,21 @@ def test_dropped_prompts_are_requeued_ahead_of_new_ones_up_to_the_limit():
   third = dispatcher.take(2, live_version=0, timeout=0.01)
   assert [r.prompt.prompt_id for r in third] == [2, 3]
   assert dispatcher.num_requeued == 2
+
+
+def test_a_finite_stream_ends_dispatch_and_drains():
+  buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig())
+  cfg = dispatcher_lib.DispatchConfig(group_size=2, groups_per_batch=4, requeue_dropped=1)
+  dispatcher = dispatcher_lib.Dispatcher(cfg, iter([_Prompt(0), _Prompt(1), _Prompt(2)]),
+                                         lambda p: [1], buffer)
+  got = dispatcher.take(10, live_version=0, timeout=0.01)
+  assert [r.prompt.prompt_id for r in got] == [0, 1, 2] and dispatcher.exhausted
+  assert not dispatcher.drained  # three groups in flight
+  dispatcher.finished_generating(0)
+  dispatcher.finished_generating(1)
+  dispatcher.retire([2], dropped=True)  # requeued: still something to dispatch
+  assert not dispatcher.drained
+  (again,) = dispatcher.take(10, live_version=0, timeout=0.01)
+  assert again.prompt.prompt_id == 2 and again.attempt == 1
+  dispatcher.finished_generating(again.group_id)
+  assert dispatcher.drained
