@@ -196,29 +196,7 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
   if reference_params is not None:
     rows["reference"] = frozen_logprobs(reference_params)
 
-  def objective(params, micro, weights):
-    mb = micro["batch"]
-    if s.critic:
-      logp, entropy, values = logprobs(params, mb, with_values=True)
-      advantages, value_loss, critic_metrics = _critic(logp, values, mb)
-    else:
-      logp, entropy = logprobs(params, mb)
-      advantages, value_loss, critic_metrics = micro["advantages"], 0.0, {}
-    per_token, metrics = s.token_loss(logp, mb, advantages, micro.get("proximal"),
-                                      micro["token_lag"])
-    metrics.update(critic_metrics)
-    total = per_token + s.vf_coef * value_loss - s.entropy_coef * entropy * mb.loss_mask
-    if "reference" in micro:
-      kl = losses_lib.kl_to_reference(logp, micro["reference"], mb.loss_mask)
-      total = total + s.kl_coef * kl
-      metrics["kl_reference"] = losses_lib.masked_mean(kl, mb.loss_mask)
-    metrics["entropy"] = losses_lib.masked_mean(entropy, mb.loss_mask)
-    if start_logp is None:  # one optimizer step: these are the start policy's log-probs
-      metrics["start_log_ratio"] = jax.lax.stop_gradient(
-          (logp - mb.behaviour_logprobs) * mb.loss_mask)
-    return jnp.sum(weights * total), metrics
-
-  def _critic(logp, values, mb):
+  def critic_targets(logp, values, mb):
     """V-trace targets from the critic: per-token policy-gradient advantages
     and the value loss `0.5 (v_s - V)^2` (targets are constants). Explained
     variance is per microbatch, then token-weighted (exact with one)."""
@@ -236,6 +214,28 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
                "value_mean": losses_lib.masked_mean(values, mask),
                "explained_variance": 1.0 - error_var / jnp.maximum(target_var, 1e-8)}
     return advantages, value_loss, metrics
+
+  def objective(params, micro, weights):
+    mb = micro["batch"]
+    if s.critic:
+      logp, entropy, values = logprobs(params, mb, with_values=True)
+      advantages, value_loss, critic_metrics = critic_targets(logp, values, mb)
+    else:
+      logp, entropy = logprobs(params, mb)
+      advantages, value_loss, critic_metrics = micro["advantages"], 0.0, {}
+    per_token, metrics = s.token_loss(logp, mb, advantages, micro.get("proximal"),
+                                      micro["token_lag"])
+    metrics.update(critic_metrics)
+    total = per_token + s.vf_coef * value_loss - s.entropy_coef * entropy * mb.loss_mask
+    if "reference" in micro:
+      kl = losses_lib.kl_to_reference(logp, micro["reference"], mb.loss_mask)
+      total = total + s.kl_coef * kl
+      metrics["kl_reference"] = losses_lib.masked_mean(kl, mb.loss_mask)
+    metrics["entropy"] = losses_lib.masked_mean(entropy, mb.loss_mask)
+    if start_logp is None:  # one optimizer step: these are the start policy's log-probs
+      metrics["start_log_ratio"] = jax.lax.stop_gradient(
+          (logp - mb.behaviour_logprobs) * mb.loss_mask)
+    return jnp.sum(weights * total), metrics
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
 
