@@ -255,7 +255,7 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   sampling_settings = sampling.SamplingSettings(
       temperature=float(s["temperature"]), top_k=int(s["top_k"]), top_p=float(s["top_p"]),
       eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-      stop_ids=tuple(env_instance.stop_ids) if engine_multi_turn else ())
+      stop_ids=env_api.sampler_stop_ids(tokenizer, env_instance))
 
   # Learner.
   _require(lc["loss"] in losses_lib.LOSSES, "learner.loss",

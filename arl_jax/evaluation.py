@@ -62,7 +62,11 @@ class Evaluator:
     self._no_stop = np.zeros((rows,), bool)
     settings = sampling.SamplingSettings(
         greedy=True, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-        stop_ids=tuple(env.stop_ids) if self._multi_turn else ())
+        stop_ids=env_api.sampler_stop_ids(tokenizer, env))
+    # Which stop tokens end each prompt's segments (they differ in a mixture).
+    self._stop_mask = np.array(
+        [[i in env_api.segment_stop_ids(tokenizer, env, p) for i in settings.stop_ids]
+         for p in self._prompts], bool).reshape(rows, len(settings.stop_ids))
     self._fns = engine_lib.make_sampler_fns(
         graphdef=graphdef, model_cfg=model_cfg, mesh=mesh, settings=settings, num_slots=rows,
         length=engine_cfg.length)
@@ -84,7 +88,8 @@ class Evaluator:
         tokens[j, bucket - len(contexts[i]):] = contexts[i]
         mask[j, bucket - len(contexts[i]):] = True
       state = self._fns.insert(params, version, state, np.asarray(rows, np.int32), tokens, mask,
-                               self._keys[rows], np.asarray([budgets[i] for i in rows], np.int32))
+                               self._keys[rows], np.asarray([budgets[i] for i in rows], np.int32),
+                               self._stop_mask[rows])
     live = np.zeros((len(self._prompts),), bool)
     live[list(contexts)] = True
     for step in range(max(budgets.values()) - 1):

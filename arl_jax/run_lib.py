@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import json
 import os
 import time
@@ -164,11 +165,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       mask_truncated_completions=spec.mask_truncated_completions)
   env_runner = env_runner_lib.EnvRunner(
       env, on_group_fn=orchestrator.group_finished, max_new_tokens=spec.engine.max_new_tokens,
-      num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s)
+      num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s,
+      vocab_size=spec.model.vocab_size)
   engine = engine_lib.SamplerEngine(
       cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, model_cfg=spec.sampler_model,
       mesh=meshes.sampler, publisher=publisher, dispatcher=orchestrator.dispatcher,
-      on_segment_fn=env_runner.submit)
+      on_segment_fn=env_runner.submit,
+      stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env))
   env_runner.connect(engine.resume)
 
   version = 0

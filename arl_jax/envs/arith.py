@@ -72,8 +72,7 @@ class ArithEnv:
 
   def score(self, prompt: Prompt, completion_ids) -> float:
     ids = [int(i) for i in completion_ids]
-    # An answer cut off by the length limit is wrong even if its digits match.
-    if self._tokenizer.eos_id not in ids:
+    if not env_api.ended_turn(self._tokenizer, ids):
       return 0.0
     return float(self._tokenizer.decode(ids).strip() == prompt.answer)
 
@@ -82,7 +81,7 @@ class ArithEnv:
 
   def encode_target(self, prompt: Prompt) -> list[int]:
     """The correct completion."""
-    return [*self._tokenizer.encode(prompt.answer), self._tokenizer.eos_id]
+    return [*self._tokenizer.encode(prompt.answer), self._tokenizer.end_of_turn_id]
 
   def demonstration(self, prompt: Prompt) -> env_api.Demonstration:
     target = self.encode_target(prompt)

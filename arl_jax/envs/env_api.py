@@ -91,10 +91,17 @@ class MultiTurnEnvironment(Environment, Protocol):
 def encode_user_prompt(tokenizer, text: str) -> list[int]:
   """Prompt ids for `text`: a user turn of the tokenizer's chat template (then
   the assistant's turn prefix) when it has one, else the text after BOS."""
-  template = getattr(tokenizer, "template", None)
-  if template is not None and template.turn_prefix:
-    text = tokenizer.format_chat([{"role": "user", "content": text}])
+  if tokenizer.template.is_chat:
+    text = tokenizer.template.format_chat([{"role": "user", "content": text}])
   return tokenizer.encode(text, add_bos=True)
+
+
+def ended_turn(tokenizer, completion_ids: Sequence[int]) -> bool:
+  """Whether a single-turn completion holds one of the tokenizer's stop tokens
+  (EOS or the end of turn), as opposed to being cut off by the length limit.
+  An answer that was cut off is wrong even if its text matches."""
+  stops = set(tokenizer.stop_ids)
+  return any(int(i) in stops for i in completion_ids)
 
 
 def env_name_of(env, prompt) -> str:
@@ -102,6 +109,30 @@ def env_name_of(env, prompt) -> str:
   mixture of environments, else `env.name`."""
   fn = getattr(env, "env_name_of", None)
   return fn(prompt) if fn is not None else env.name
+
+
+def stop_ids_of(env, prompt) -> tuple[int, ...]:
+  """Tokens besides the tokenizer's that end a segment of `prompt`'s episode:
+  `env.stop_ids_for(prompt)` for a mixture, else a multi-turn env's
+  `stop_ids`, else none."""
+  fn = getattr(env, "stop_ids_for", None)
+  if fn is not None:
+    return tuple(fn(prompt))
+  return tuple(env.stop_ids) if is_multi_turn(env) else ()
+
+
+def segment_stop_ids(tokenizer, env, prompt) -> tuple[int, ...]:
+  """Every token that ends a segment of `prompt`'s episode: the tokenizer's
+  (EOS, end of turn) and the environment's for this prompt."""
+  return tuple(dict.fromkeys((*tokenizer.stop_ids, *stop_ids_of(env, prompt))))
+
+
+def sampler_stop_ids(tokenizer, env) -> tuple[int, ...]:
+  """The stop tokens besides EOS that any segment may end on (the sampler's
+  `SamplingSettings.stop_ids`; each row then says which apply to it)."""
+  env_stops = tuple(env.stop_ids) if is_multi_turn(env) else ()
+  return tuple(i for i in dict.fromkeys((*tokenizer.stop_ids, *env_stops))
+               if i != tokenizer.eos_id)
 
 
 def is_multi_turn(env) -> bool:

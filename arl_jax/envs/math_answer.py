@@ -132,7 +132,7 @@ class MathAnswerEnv:
 
   def score(self, prompt: env_api.TextPrompt, completion_ids) -> float:
     ids = [int(i) for i in completion_ids]
-    if self._tokenizer.eos_id not in ids:
+    if not env_api.ended_turn(self._tokenizer, ids):
       return 0.0  # cut off by the length limit
     answer = extract_answer(self._tokenizer.decode(ids), self._cfg.strict)
     if answer is None:
@@ -145,5 +145,5 @@ class MathAnswerEnv:
     return float(got is not None and got == want)
 
   def demonstration(self, prompt: env_api.TextPrompt) -> env_api.Demonstration:
-    target = [*self._tokenizer.encode(f"#### {prompt.answer}"), self._tokenizer.eos_id]
+    target = [*self._tokenizer.encode(f"#### {prompt.answer}"), self._tokenizer.end_of_turn_id]
     return env_api.Demonstration(completion_ids=tuple(target), loss_mask=(1.0,) * len(target))

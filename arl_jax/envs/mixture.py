@@ -13,10 +13,10 @@ and every rollout, reward and drop is reported under its name. The training
 stream draws from the components in proportion to their weights (grain's
 `MapDataset.mix`). With JSONL data every record must carry `env`.
 
-When any component is multi-turn the mixture is too: the sampler stops a
-segment on the union of the components' stop tokens, so a single-turn prompt
-whose completion emits another component's stop token ends there (and is
-scored as it stands).
+When any component is multi-turn the mixture is too. Stop tokens stay per
+prompt (`stop_ids_for`): the sampler ends a row's segment only on its own
+environment's stop tokens (and the tokenizer's), so an arith completion that
+writes tool_agent's `]` goes on.
 """
 
 from __future__ import annotations
@@ -98,6 +98,10 @@ class MixtureEnv:
 
   def env_name_of(self, prompt: MixedPrompt) -> str:
     return prompt.env
+
+  def stop_ids_for(self, prompt: MixedPrompt) -> tuple[int, ...]:
+    """The stop tokens of the prompt's own environment."""
+    return env_api.stop_ids_of(self.envs[prompt.env], prompt.prompt)
 
   def encode_prompt(self, prompt: MixedPrompt) -> list[int]:
     return self.envs[prompt.env].encode_prompt(prompt.prompt)

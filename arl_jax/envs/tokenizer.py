@@ -3,8 +3,12 @@ and `make_tokenizer`, which builds the configured one (`byte`, or `hf`: a
 local `tokenizer.json` through `hf_tokenizer.HfTokenizer`).
 
 Ids 0..255 are the UTF-8 bytes; the special tokens follow. Both kinds expose
-the same small interface: `pad_id`, `bos_id`, `eos_id`, `stop_ids`,
-`vocab_size`, `encode(text, add_bos)`, `decode(ids)`.
+the same small interface: `pad_id`, `bos_id`, `eos_id`, `vocab_size`,
+`encode(text, add_bos)`, `decode(ids)`, and for chat:
+- `template`: the `chat_template.ChatTemplate` prompts and observations use;
+- `end_of_turn_id`: the token the policy writes to end its turn (the
+  template's end-of-turn token, else EOS);
+- `stop_ids`: every token that ends a segment (EOS and the end of turn).
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+
+from arl_jax.envs import chat_template
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +31,14 @@ class ByteTokenizer:
   @property
   def vocab_size(self) -> int:
     return 259
+
+  @property
+  def template(self) -> chat_template.ChatTemplate:
+    return chat_template.CHAT_TEMPLATES["none"]
+
+  @property
+  def end_of_turn_id(self) -> int:
+    return self.eos_id
 
   @property
   def stop_ids(self) -> tuple[int, ...]:

@@ -1,15 +1,24 @@
 """`tool_agent`: a multi-turn task whose tool answers after a heavy-tailed delay.
 
-The prompt names a key (`"<bos>k37?"`); its value lives only behind a lookup
-tool. The policy calls the tool by writing `[37]` (the `]` ends the segment),
-the environment answers `=482;` (observation tokens, loss mask 0) after a
-latency drawn from a lognormal distribution, and the policy then writes the
-value and EOS: `[37]=482;482<eos>`. The reward is 1 for the exact value, so it
-is verifiable, and held-out keys can only be answered through the tool.
+The prompt names a key (`"k37?"`); its value lives only behind a lookup tool.
+The reward is 1 for the exact value, so it is verifiable, and held-out keys
+can only be answered through the tool. The protocol follows the tokenizer's
+chat template:
 
-This is the workload asynchronous RL exists for: tool latency has a long tail
-(minutes in real agents, scaled down here for CPU runs), so an episode outlives
-weight updates and its segments are sampled by different policy versions.
+- no template (the byte tokenizer): the policy calls the tool by writing
+  `[37]` (the `]` ends the segment), the environment answers `=482;`
+  (observation tokens, loss mask 0), and the policy writes the value and EOS:
+  `[37]=482;482<eos>`.
+- a chat template (e.g. chatml): the policy ends its turn after the call,
+  `[37]<|im_end|>`; the answer arrives as a `tool` turn followed by the
+  assistant's turn prefix, `\n<|im_start|>tool\n=482;<|im_end|>\n<|im_start|>assistant\n`;
+  the policy answers `482<|im_end|>`. Turns end on the end-of-turn token, so a
+  BPE vocabulary that merges `]` with other characters changes nothing.
+
+The tool's latency is lognormal: it has a long tail (minutes in real agents,
+scaled down here for CPU runs), so an episode outlives weight updates and its
+segments are sampled by different policy versions. This is the workload
+asynchronous RL exists for.
 """
 
 from __future__ import annotations
@@ -124,7 +133,12 @@ class ToolAgentEnv:
                for_eval: bool = False):
     self._cfg = cfg
     self._tokenizer = tokenizer
-    self.stop_ids = tuple(tokenizer.encode(CALL_CLOSE))
+    self._chat = tokenizer.template.is_chat
+    # In chat, the tokenizer's end-of-turn token ends every turn (the sampler
+    # stops on it anyway); without a template the call's `]` ends a segment.
+    self.stop_ids = () if self._chat else tuple(tokenizer.encode(CALL_CLOSE))
+    # Ids that open each assistant turn after an observation (chat only).
+    self._assistant_prefix = tokenizer.encode(tokenizer.template.assistant_prefix())
     median = 0.0 if for_eval else cfg.latency_median_s  # evaluation does not wait on tools
     self.latency = LognormalLatency(median, max(cfg.latency_p99_s, median), cfg.latency_max_s,
                                     seed=cfg.table_seed)
@@ -132,36 +146,63 @@ class ToolAgentEnv:
   def encode_prompt(self, prompt: Prompt) -> list[int]:
     return env_api.encode_user_prompt(self._tokenizer, prompt.text)
 
-  def _text(self, completion_ids) -> str:
-    return self._tokenizer.decode(completion_ids)
+  def _turn_starts(self, ids: list[int]) -> list[int]:
+    """Where each assistant turn after an observation starts (chat only)."""
+    prefix, n = self._assistant_prefix, len(self._assistant_prefix)
+    return [i + n for i in range(len(ids) - n + 1) if ids[i:i + n] == prefix]
+
+  def _last_turn_text(self, ids: list[int]) -> str:
+    """The text of the policy's last turn (its final stop token dropped)."""
+    if self._chat:
+      starts = self._turn_starts(ids)
+      return self._tokenizer.decode(ids[starts[-1] if starts else 0:-1])
+    text = self._tokenizer.decode(ids)
+    return text[text.rfind(ANSWER_CLOSE) + 1:] if ANSWER_CLOSE in text else text
+
+  def _tool_call(self, ids: list[int]) -> tuple[str, int] | None:
+    """`(key text, calls so far)` if the segment that just ended is a tool call."""
+    if self._chat:
+      if ids[-1] != self._tokenizer.end_of_turn_id:
+        return None  # EOS (when distinct from the end of turn) ends the episode
+      turn = self._last_turn_text(ids).strip()
+      if not (turn.startswith(CALL_OPEN) and turn.endswith(CALL_CLOSE)):
+        return None  # an answer turn ends the episode
+      return turn[1:-1], len(self._turn_starts(ids)) + 1
+    if ids[-1] != self.stop_ids[0]:
+      return None  # EOS (the answer) or anything else ends the episode
+    text = self._tokenizer.decode(ids)
+    call = text[text.rfind(CALL_OPEN) + 1:-1] if CALL_OPEN in text else ""
+    return call, text.count(CALL_CLOSE)
+
+  def _observation(self, result: str) -> list[int]:
+    return self._tokenizer.encode(
+        self._tokenizer.template.observation("tool", f"{ANSWER_OPEN}{result}{ANSWER_CLOSE}"))
 
   def step(self, prompt: Prompt, completion_ids) -> list[int] | None:
     ids = [int(i) for i in completion_ids]
-    if not ids or ids[-1] != self.stop_ids[0]:
-      return None  # EOS (the answer) or anything else ends the episode
-    text = self._text(ids)
-    if text.count(CALL_CLOSE) > self._cfg.max_calls:
+    call = self._tool_call(ids) if ids else None
+    if call is None or call[1] > self._cfg.max_calls:
       return None
-    call = text[text.rfind(CALL_OPEN) + 1:-1] if CALL_OPEN in text else ""
+    key = call[0]
     time.sleep(self.latency.sample())  # the tool works (a blocking call, as a real one)
-    known = call.isascii() and call.isdigit() and int(call) < self._cfg.num_keys
-    result = str(value_of(self._cfg, int(call))) if known else "?"
-    return self._tokenizer.encode(f"{ANSWER_OPEN}{result}{ANSWER_CLOSE}")
+    known = key.isascii() and key.isdigit() and int(key) < self._cfg.num_keys
+    return self._observation(str(value_of(self._cfg, int(key))) if known else "?")
 
   def score(self, prompt: Prompt, completion_ids) -> float:
     ids = [int(i) for i in completion_ids]
-    # An answer cut off by the length limit is wrong even if its digits match.
-    if self._tokenizer.eos_id not in ids:
+    # The episode must end on the answer's own stop token: an answer cut off
+    # by the length limit is wrong even if its digits match, and so is a call
+    # left unanswered when the tool budget ran out.
+    if not ids or ids[-1] not in self._tokenizer.stop_ids:
       return 0.0
-    text = self._text(ids)
-    answer = text[text.rfind(ANSWER_CLOSE) + 1:] if ANSWER_CLOSE in text else text
-    return float(answer.strip() == prompt.answer)
+    return float(self._last_turn_text(ids).strip() == prompt.answer)
 
   def demonstration(self, prompt: Prompt) -> env_api.Demonstration:
     """The ideal episode, for supervised warm-up (observation tokens masked)."""
-    call = self._tokenizer.encode(f"{CALL_OPEN}{prompt.prompt_id}{CALL_CLOSE}")
-    observation = self._tokenizer.encode(f"{ANSWER_OPEN}{prompt.answer}{ANSWER_CLOSE}")
-    answer = [*self._tokenizer.encode(prompt.answer), self._tokenizer.eos_id]
+    end = [self._tokenizer.end_of_turn_id] if self._chat else []
+    call = [*self._tokenizer.encode(f"{CALL_OPEN}{prompt.prompt_id}{CALL_CLOSE}"), *end]
+    observation = self._observation(prompt.answer)
+    answer = [*self._tokenizer.encode(prompt.answer), self._tokenizer.end_of_turn_id]
     return env_api.Demonstration(
         completion_ids=(*call, *observation, *answer),
         loss_mask=(1.0,) * len(call) + (0.0,) * len(observation) + (1.0,) * len(answer))

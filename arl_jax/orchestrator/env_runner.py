@@ -43,19 +43,24 @@ class EnvRunner:
   """Thread pool that advances episodes through their environment."""
 
   def __init__(self, env, *, on_group_fn: Callable[[rollout_lib.Group], None],
-               max_new_tokens: int, num_workers: int = 2, timeout_s: float = 0.0):
+               max_new_tokens: int, num_workers: int = 2, timeout_s: float = 0.0,
+               vocab_size: int | None = None):
     """Args:
       env: an `env_api.Environment` (or `MultiTurnEnvironment`).
       on_group_fn: receives each group once all its rollouts are scored.
       max_new_tokens: completion budget of an episode (observations included).
       num_workers: concurrent environment calls (slow tools need many).
       timeout_s: per-call limit in seconds (0: none).
+      vocab_size: observation ids must be below it (an id outside the
+        embedding table would be silently clamped by the model's gather, so
+        it is an environment fault instead); None: not checked.
     """
     self._env = env
     self._multi_turn = env_api.is_multi_turn(env)
     self._on_group_fn = on_group_fn
     self._max_new_tokens = max_new_tokens
     self._timeout_s = timeout_s
+    self._vocab_size = vocab_size
     self._resume_fn: Callable[[episode_lib.Episode], None] | None = None
     self._pool = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="env")
     self._lock = threading.Lock()
@@ -106,7 +111,7 @@ class EnvRunner:
     if self._multi_turn and episode.last_stopped and room > 0:
       try:
         observation = self._call(self._env.step, prompt, list(episode.completion_ids),
-                                 episode=episode, convert_fn=_to_observation)
+                                 episode=episode, convert_fn=self._to_observation)
       except EnvFault:
         self._end(episode, "error")
         return
@@ -197,6 +202,16 @@ class EnvRunner:
       raise box["error"]
     return box["value"]
 
+  def _to_observation(self, value) -> list[int] | None:
+    if value is None:
+      return None
+    tokens = [operator.index(t) for t in value]  # ints only (no floats, no strings)
+    bad = [t for t in tokens if t < 0 or (self._vocab_size is not None and t >= self._vocab_size)]
+    if bad:
+      raise ValueError(f"observation token ids {bad} are outside the vocabulary "
+                       f"[0, {self._vocab_size})")
+    return tokens
+
   def close(self) -> None:
     self._closing.set()
     self._pool.shutdown(wait=True, cancel_futures=True)
@@ -207,12 +222,3 @@ def _to_reward(value) -> float:
   if not math.isfinite(reward):
     raise ValueError(f"reward {reward} is not finite")
   return reward
-
-
-def _to_observation(value) -> list[int] | None:
-  if value is None:
-    return None
-  tokens = [operator.index(t) for t in value]  # ints only (no floats, no strings)
-  if any(t < 0 for t in tokens):
-    raise ValueError(f"observation has negative token ids: {tokens}")
-  return tokens

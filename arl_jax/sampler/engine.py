@@ -204,12 +204,13 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
   donates the state it consumes (the KV cache is updated in place).
 
   Returns:
-    `init()`, `insert(params, version, state, slots, tokens, mask, keys, max_new)`,
+    `init()`, `insert(params, version, state, slots, tokens, mask, keys, max_new,
+    stop_mask)`,
     `decode(params, version, state, stop_rows, rows)`,
     `recompute(params, state, rows)` and `take_rows(state, slots)`.
   """
   init = functools.partial(sampling.init_slots, model_cfg, num_slots=num_slots, length=length,
-                           pad_id=settings.pad_id)
+                           pad_id=settings.pad_id, num_stop_ids=len(settings.stop_ids))
   shardings = _state_shardings(mesh, jax.eval_shape(init))
   insert = functools.partial(sampling.insert, graphdef, settings=settings)
   decode = functools.partial(sampling.decode_step, graphdef, settings=settings)
@@ -239,10 +240,11 @@ class SamplerEngine:
 
   def __init__(self, *, cfg: EngineConfig, settings: sampling.SamplingSettings, graphdef,
                model_cfg, mesh: Mesh, publisher, dispatcher: dispatcher_lib.Dispatcher,
-               on_segment_fn: Callable[[episode_lib.Episode], None]):
+               on_segment_fn: Callable[[episode_lib.Episode], None],
+               stop_ids_fn: Callable[[object], tuple[int, ...]] | None = None):
     """Args:
       cfg: engine settings.
-      settings: sampling settings (temperature, top-k/p, stop tokens).
+      settings: sampling settings (temperature, top-k/p, every stop token).
       graphdef: decoder graph definition.
       model_cfg: the decoder's ModelConfig (cache geometry).
       mesh: the sampler mesh.
@@ -251,6 +253,8 @@ class SamplerEngine:
       on_segment_fn: called (on the engine thread) with each episode whose
         segment just ended, unless its group was cancelled; the episode then
         belongs to the callee, which may hand it back with `resume`.
+      stop_ids_fn: prompt record -> the stop tokens (of `settings.stop_ids`)
+        that end its segments; None: all of them, for every prompt.
     """
     if cfg.num_slots < cfg.group_size:
       raise ValueError(f"num_slots={cfg.num_slots} must be >= group_size={cfg.group_size}")
@@ -260,6 +264,7 @@ class SamplerEngine:
     self._publisher = publisher
     self._dispatcher = dispatcher
     self._on_segment_fn = on_segment_fn
+    self._stop_ids_fn = stop_ids_fn
     self._fns = make_sampler_fns(graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
                                  settings=settings, num_slots=cfg.num_slots, length=cfg.length)
     self._lock = threading.Lock()
@@ -453,6 +458,7 @@ class SamplerEngine:
       mask[i, bucket - len(ids):] = True
     slots = np.array([slot for slot, _ in padded], np.int32)
     episodes = [row.episode for _, row in padded]
+    stop_mask = np.stack([self._stop_mask(e.request) for e in episodes])
     keys = sampling.row_keys(self._cfg.seed, [e.group_id for e in episodes],
                              [e.sample_index for e in episodes], [e.turns for e in episodes])
     # Every completion token counts against max_new_tokens, observations included.
@@ -465,7 +471,7 @@ class SamplerEngine:
       self._dispatcher.note_sampling(row.group_id, self.version)
     self._state = self._fns.insert(self._params_by_version[self.version],
                                    self._version_scalar, self._state, slots, tokens, mask,
-                                   keys, max_new)
+                                   keys, max_new, stop_mask)
     # Wait for the prefill so that its time is not billed to the next decode
     # step (dispatch is asynchronous); inserts are rarer than decode steps.
     jax.block_until_ready(self._state.done)
@@ -480,6 +486,17 @@ class SamplerEngine:
       self._slots[slot] = row
     self.stats.inserts += len(items)
     self.stats.prefill_seconds += time.monotonic() - start
+
+  def _stop_mask(self, request: dispatcher_lib.GroupRequest) -> np.ndarray:
+    """Which of `settings.stop_ids` end segments of `request`'s episodes."""
+    known = self._settings.stop_ids
+    if self._stop_ids_fn is None:
+      return np.ones((len(known),), bool)
+    wanted = set(self._stop_ids_fn(request.prompt)) - {self._settings.eos_id}
+    if not wanted <= set(known):
+      raise ValueError(f"group {request.group_id}: stop ids {sorted(wanted - set(known))} are "
+                       f"not among the sampler's stop_ids {known}")
+    return np.array([i in wanted for i in known], bool)
 
   # -- cancellation ------------------------------------------------------------
 

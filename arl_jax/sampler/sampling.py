@@ -46,8 +46,11 @@ class SamplingSettings:
     greedy: argmax decoding (evaluation); log-probs are then untempered.
     eos_id: token that ends a completion (kept, and trained on).
     pad_id: filler for positions after the end.
-    stop_ids: further tokens that end a segment (kept and trained on), e.g.
-      the end of a tool call, after which a multi-turn environment answers.
+    stop_ids: further tokens that may end a segment (kept and trained on),
+      e.g. the end of a turn, or of a tool call after which a multi-turn
+      environment answers. Each row says which of them apply to it
+      (`SlotState.stop_mask`), so one batch can mix environments whose stop
+      tokens differ.
 
   With top-k or top-p the recorded behaviour log-prob is that of the truncated
   distribution actually sampled from, so the importance ratio stays honest.
@@ -78,6 +81,7 @@ class SlotState:
     positions: `[B]` int32 RoPE position of the last sampled token.
     done: `[B]` bool, slot finished (EOS, limit, cancelled or never used).
     stopped: `[B]` bool, slot finished by sampling EOS or another stop token.
+    stop_mask: `[B, S]` bool, which of `settings.stop_ids` end the slot's segment.
     keys: `[B, 2]` uint32 per-slot PRNG keys (fold_in with the column index).
   """
 
@@ -92,6 +96,7 @@ class SlotState:
   positions: jax.Array
   done: jax.Array
   stopped: jax.Array
+  stop_mask: jax.Array
   keys: jax.Array
 
 
@@ -154,7 +159,8 @@ def sample_from_logits(logits, keys, columns, settings: SamplingSettings):
   return tokens, token_logp
 
 
-def init_slots(cfg, *, num_slots: int, length: int, pad_id: int) -> SlotState:
+def init_slots(cfg, *, num_slots: int, length: int, pad_id: int,
+               num_stop_ids: int = 0) -> SlotState:
   """All slots empty (done), with a zeroed cache of `length` columns."""
   b = num_slots
   cache = kv_cache_lib.KVCache.zeros(
@@ -168,7 +174,7 @@ def init_slots(cfg, *, num_slots: int, length: int, pad_id: int) -> SlotState:
       versions=jnp.full((b, length), NO_VERSION, jnp.int32),
       cache=cache, prompt_end=zeros, index=zeros, limit=zeros, positions=zeros,
       done=jnp.ones((b,), jnp.bool_), stopped=jnp.zeros((b,), jnp.bool_),
-      keys=jnp.zeros((b, 2), jnp.uint32))
+      stop_mask=jnp.zeros((b, num_stop_ids), jnp.bool_), keys=jnp.zeros((b, 2), jnp.uint32))
 
 
 def _set_rows(arr, rows, values):
@@ -180,7 +186,11 @@ def _record(state: SlotState, live, columns, tokens, logp, version, settings):
   rows = jnp.arange(state.tokens.shape[0])
   put = lambda arr, val: arr.at[rows, columns].set(jnp.where(live, val, arr[rows, columns]))
   tokens = jnp.where(live, tokens, settings.pad_id)
-  is_stop = live & jnp.isin(tokens, jnp.asarray((settings.eos_id, *settings.stop_ids)))
+  is_stop = tokens == settings.eos_id
+  if settings.stop_ids:
+    row_stop = (tokens[:, None] == jnp.asarray(settings.stop_ids)[None, :]) & state.stop_mask
+    is_stop |= jnp.any(row_stop, axis=-1)
+  is_stop &= live
   return state.replace(
       tokens=put(state.tokens, tokens),
       token_mask=put(state.token_mask, live),
@@ -193,7 +203,7 @@ def _record(state: SlotState, live, columns, tokens, logp, version, settings):
 
 
 def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, prompt_mask, keys,
-           max_new_tokens, *, settings: SamplingSettings) -> SlotState:
+           max_new_tokens, stop_mask=None, *, settings: SamplingSettings) -> SlotState:
   """Prefills R prompts into the given slots and samples their first tokens.
 
   The other slots are untouched. Duplicate entries in `slots` must carry
@@ -209,6 +219,8 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
     prompt_mask: `[R, Pb]` bool, True on real prompt tokens.
     keys: `[R, 2]` uint32 per-rollout keys.
     max_new_tokens: `[R]` int32 completion budget of each row.
+    stop_mask: `[R, S]` bool, which of `settings.stop_ids` end each row's
+      segment; None: all of them.
     settings: static sampling settings.
 
   Returns:
@@ -247,6 +259,7 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
       positions=_set_rows(state.positions, slots, jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)),
       done=_set_rows(state.done, slots, False),
       stopped=_set_rows(state.stopped, slots, False),
+      stop_mask=_set_rows(state.stop_mask, slots, True if stop_mask is None else stop_mask),
       keys=_set_rows(state.keys, slots, keys))
   # Sample the first completion token of the inserted rows only.
   column = jnp.full((r,), pb, jnp.int32)

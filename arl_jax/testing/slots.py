@@ -22,7 +22,8 @@ class SlotDriver:
     self.num_slots, self.bucket, self.max_new, self.seed = num_slots, bucket, max_new_tokens, seed
     self.pad_id = settings.pad_id
 
-  def insert(self, params, version, slots, prompts, group_ids, sample_indices=None):
+  def insert(self, params, version, slots, prompts, group_ids, sample_indices=None,
+             stop_mask=None):
     r = len(slots)
     tokens = np.full((r, self.bucket), self.pad_id, np.int32)
     mask = np.zeros((r, self.bucket), bool)
@@ -33,7 +34,7 @@ class SlotDriver:
     keys = sampling.row_keys(self.seed, group_ids, sample_indices)
     self.state = self.fns.insert(params, jnp.int32(version), self.state,
                                  np.asarray(slots, np.int32), tokens, mask, keys,
-                                 np.full((r,), self.max_new, np.int32))
+                                 np.full((r,), self.max_new, np.int32), stop_mask)
 
   def decode(self, params, version, rows=None, stop=None):
     rows = np.ones((self.num_slots,), bool) if rows is None else np.asarray(rows, bool)

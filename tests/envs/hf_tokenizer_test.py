@@ -4,32 +4,14 @@ import pytest
 
 from arl_jax.envs import hf_tokenizer
 
-tokenizers = pytest.importorskip("tokenizers")
-
-SPECIALS = ["<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]
-
-
-@pytest.fixture(scope="module")
-def tokenizer_path(tmp_path_factory):
-  from tokenizers import decoders, models, pre_tokenizers, trainers
-  tok = tokenizers.Tokenizer(models.BPE(unk_token=None))
-  tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-  tok.decoder = decoders.ByteLevel()
-  trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS,
-                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-  corpus = ["Ann has 12 apples and gets 7 more.", "How many apples now? #### 19",
-            "user assistant system tool"] * 20
-  tok.train_from_iterator(corpus, trainer)
-  path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-  tok.save(str(path))
-  return str(path)
+pytest.importorskip("tokenizers")
 
 
 def test_round_trip_and_special_ids(tokenizer_path):
   tok = hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>", bos_token="<s>",
                                  pad_token="<pad>")
   assert (tok.pad_id, tok.bos_id, tok.eos_id) == (0, 1, 2)
-  assert tok.vocab_size >= len(SPECIALS) + 256
+  assert tok.vocab_size >= 5 + 256  # the specials of conftest.py, then bytes
   text = "Ann has 12 apples. #### 19"
   ids = tok.encode(text, add_bos=True)
   assert ids[0] == tok.bos_id and tok.eos_id not in ids
@@ -43,7 +25,7 @@ def test_chatml_template(tokenizer_path):
   assert tok.pad_id == tok.eos_id  # defaults to EOS
   end = tok.encode("<|im_end|>")
   assert len(end) == 1 and tok.stop_ids == (tok.eos_id, end[0])
-  text = tok.format_chat([{"role": "user", "content": "How many apples now?"}])
+  text = tok.template.format_chat([{"role": "user", "content": "How many apples now?"}])
   assert text == "<|im_start|>user\nHow many apples now?<|im_end|>\n<|im_start|>assistant\n"
   ids = tok.encode(text)
   assert ids.count(tok.encode("<|im_start|>")[0]) == 2  # specials parsed as one id each
@@ -54,8 +36,10 @@ def test_chatml_template(tokenizer_path):
   assert env_api.encode_user_prompt(tok, "How many apples now?") == tok.encode(text)
   plain = hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>", bos_token="<s>")
   assert env_api.encode_user_prompt(plain, "12") == [plain.bos_id, *plain.encode("12")]
-  obs = tok.observation("tool", "=482;")
-  assert obs == "<|im_start|>tool\n=482;<|im_end|>\n<|im_start|>assistant\n"
+  # The policy's turn ended on <|im_end|>: the observation starts with the
+  # rest of that turn's suffix.
+  obs = tok.template.observation("tool", "=482;")
+  assert obs == "\n<|im_start|>tool\n=482;<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_bad_tokenizer_settings_name_the_problem(tokenizer_path, tmp_path):
@@ -71,24 +55,44 @@ def test_bad_tokenizer_settings_name_the_problem(tokenizer_path, tmp_path):
   assert tok.encode("12", add_bos=True) == tok.encode("12")  # no BOS token: nothing added
 
 
-def test_a_run_with_a_tokenizer_json(tokenizer_path, tmp_path):
-  """The arith tiny run end to end with the BPE tokenizer instead of bytes."""
+def test_a_chat_agent_run_with_a_tokenizer_json(tokenizer_path, tmp_path):
+  """tool_agent end to end with the BPE tokenizer and chatml turns: the
+  sampler stops on <|im_end|>, the tool answers in a `tool` turn."""
+  import numpy as np
+
   from arl_jax import config_lib, run_lib
   from arl_jax.testing import tiny
-  config = tiny.load_config("arith", "tiny")
-  config.tokenizer.update(kind="hf", path=tokenizer_path, eos_token="</s>", bos_token="<s>",
-                          pad_token="<pad>")
+  config = tiny.load_config("tool_agent", "tiny")
+  config.tokenizer.update(kind="hf", path=tokenizer_path, eos_token="</s>", pad_token="<pad>",
+                          chat_template="chatml")
+  # Chat turns cost tokens: room for the template around prompt and tool answer.
+  config.sampler.update(prompt_len=16, prompt_buckets=(16,), max_new_tokens=32)
+  config.model.max_seq_len = 64
   config.num_steps = 2
   config.eval_every = 2
   spec = config_lib.build(config)
-  tok = hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>", bos_token="<s>",
-                                 pad_token="<pad>")
+  tok = hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>", pad_token="<pad>",
+                                 chat_template="chatml")
+  eot = tok.end_of_turn_id
   assert spec.model.vocab_size == tok.vocab_size
-  assert spec.sampling.eos_id == tok.eos_id and spec.sampling.pad_id == tok.pad_id
+  assert spec.sampling.eos_id == tok.eos_id and spec.sampling.stop_ids == (eot,)
   result = run_lib.run(config, str(tmp_path), print_fn=lambda *_: None, keep_batches=True)
   assert result.final_version == 2
-  tokens = result.trained_batches[0]["tokens"]
-  assert tokens.max() < tok.vocab_size
+  tool_turn = tok.encode("\n<|im_start|>tool\n")
+  observed = 0
+  for b in result.trained_batches:
+    assert b["tokens"].max() < tok.vocab_size
+    prompt_len = config.sampler.prompt_len
+    sampled = (b["loss_mask"] > 0)[:, prompt_len:]
+    observation = b["token_mask"][:, prompt_len:] & ~sampled
+    completion = b["tokens"][:, prompt_len:]
+    for row in np.flatnonzero(observation.any(axis=1)):
+      # Each observation is a tool turn right after the policy ended its turn.
+      first = int(np.argmax(observation[row]))
+      assert completion[row, first - 1] == eot and sampled[row, first - 1]
+      assert completion[row, first:first + len(tool_turn)].tolist() == tool_turn
+      observed += 1
+  assert observed > 0, "no episode called the tool"
   config.tokenizer.eos_token = "<eos>"
   with pytest.raises(config_lib.ConfigError, match="config.tokenizer: .*'<eos>' is not in"):
     config_lib.build(config)

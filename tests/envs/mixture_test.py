@@ -31,6 +31,11 @@ def test_prompts_and_calls_are_routed_to_their_environment():
     if p.env == "arith":  # single-turn: no observation, scored directly
       assert env.step(p, list(demo)) is None
       assert env.score(p, list(demo)) == 1.0
+    # Stop tokens stay per environment: `]` ends tool_agent segments only.
+    tok = tokenizer_lib.ByteTokenizer()
+    want = (tok.eos_id, ord("]")) if p.env == "tool_agent" else (tok.eos_id,)
+    assert env_api.segment_stop_ids(tok, env, p) == want
+  assert env_api.sampler_stop_ids(tokenizer_lib.ByteTokenizer(), env) == (ord("]"),)
   # Only multi-turn components make the mixture multi-turn.
   single = registry.ENVS["mixture"].make_env_fn(
       _mixture_cfg(arith=dict(weight=1.0), math_answer=dict(weight=1.0)),

@@ -97,3 +97,43 @@ def test_bad_settings_name_the_key():
     tool_agent.ToolAgentConfig(latency_median_s=1.0, latency_p99_s=0.5)
   with pytest.raises(ValueError, match="env.max_calls"):
     tool_agent.ToolAgentConfig(max_calls=0)
+
+
+def _chat_env(tokenizer_path):
+  from arl_jax.envs import hf_tokenizer
+  tok = hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>", chat_template="chatml")
+  return tool_agent.ToolAgentEnv(tool_agent.ToolAgentConfig(**INSTANT), tok), tok
+
+
+def test_chat_template_protocol_uses_turns(tokenizer_path):
+  """With chatml the call ends the assistant's turn, the tool answers in a
+  `tool` turn, and the answer is the last assistant turn."""
+  env, tok = _chat_env(tokenizer_path)
+  eot = tok.end_of_turn_id
+  assert env.stop_ids == () and env_api.is_multi_turn(env)
+  assert env_api.segment_stop_ids(tok, env, None) == (tok.eos_id, eot)
+  prompt = tool_agent.make_prompts(env._cfg, "train")[2]  # noqa: SLF001
+  assert tok.decode(env.encode_prompt(prompt)) == f"user\n{prompt.text}\nassistant\n"
+  call = [*tok.encode(f"[{prompt.prompt_id}]"), eot]
+  observation = env.step(prompt, call)
+  assert observation == tok.encode(
+      f"\n<|im_start|>tool\n={prompt.answer};<|im_end|>\n<|im_start|>assistant\n")
+  answer = [*tok.encode(prompt.answer), eot]
+  episode = [*call, *observation, *answer]
+  assert env.step(prompt, episode) is None  # an answer turn ends the episode
+  assert env.score(prompt, episode) == 1.0
+  assert env.score(prompt, episode[:-1]) == 0.0  # cut off before the end of turn
+  wrong = [*call, *observation, *tok.encode(prompt.answer + "1"), eot]
+  assert env.score(prompt, wrong) == 0.0
+  assert env.score(prompt, [*call, *observation, eot]) == 0.0  # empty answer
+  assert env.score(prompt, [*call, eot]) == 0.0  # a call is not an answer
+  # Malformed calls get "?"; a third call exceeds max_calls=2.
+  bad = env.step(prompt, [*tok.encode("[x1]"), eot])
+  assert tok.decode(bad).endswith("=?;\nassistant\n")
+  two = [*call, *observation, *call, *observation]
+  assert env.step(prompt, [*two, *call]) is None
+  assert env.step(prompt, [*call[:-1], tok.eos_id]) is None  # EOS ends it
+  demo = env.demonstration(prompt)
+  assert demo.completion_ids == tuple(episode)
+  assert env.score(prompt, demo.completion_ids) == 1.0
+  assert sum(m == 0.0 for m in demo.loss_mask) == len(observation)

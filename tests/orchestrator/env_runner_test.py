@@ -183,6 +183,29 @@ def test_malformed_answers_are_environment_faults_not_crashes():
   assert runner.errors == {"malformed": 2}
 
 
+class OutOfVocabularyEnv(CalculatorEnv):
+  """Answers with a token id the model has no embedding for."""
+
+  name = "out_of_vocab"
+
+  def step(self, prompt, completion_ids):
+    return [61, 300] if completion_ids[-1] == CALL_END else None
+
+
+def test_observation_ids_outside_the_vocabulary_are_environment_faults():
+  collector = Collector()
+  runner = env_runner_lib.EnvRunner(OutOfVocabularyEnv(), on_group_fn=collector,
+                                    max_new_tokens=16, vocab_size=259)
+  runner.connect(lambda episode: pytest.fail("must not resume"))
+  request = _request(group_size=1)
+  runner.submit(_episode(request, 0, [91, CALL_END]))
+  assert collector.arrived.wait(5)
+  runner.close()
+  runner.raise_if_failed()
+  assert collector.groups[0].rollouts[0].finish_reason == "error"
+  assert runner.errors == {"out_of_vocab": 1}
+
+
 def test_assemble_lays_out_rows_like_the_sampler():
   group = make_group(3, 5, [[5, 6], [6]])
   batch = train_batch_lib.assemble([group], batch_version=7, prompt_len=4, max_new_tokens=3,

@@ -86,6 +86,34 @@ def test_refilling_slots_never_changes_another_slots_tokens_or_logprobs():
     np.testing.assert_allclose(got["logprobs"], want["logprobs"], atol=1e-5)
 
 
+def test_stop_tokens_apply_per_row():
+  """One batch, two environments: a token ends the segment only of the rows
+  whose stop set holds it (EOS ends every row)."""
+  cfg = tiny.tiny_model_config()
+  meshes = tiny.single_device_meshes()
+  graphdef, params, _ = tiny.learner_and_sampler_params(cfg, meshes)
+  # Every token but EOS and PAD is a stop token for the rows that opt in.
+  stops = tuple(i for i in range(cfg.vocab_size) if i not in (EOS, PAD))
+  settings = sampling.SamplingSettings(eos_id=EOS, pad_id=PAD, stop_ids=stops)
+  driver = slots_lib.SlotDriver(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
+                                settings=settings, num_slots=4, bucket=BUCKET, max_new_tokens=NEW)
+  opt_in = np.array([True, False, True, False])
+  stop_mask = np.repeat(opt_in[:, None], len(stops), axis=1)
+  driver.insert(params, 0, [0, 1, 2, 3], _prompts(4, seed=5), group_ids=[0, 1, 2, 3],
+                stop_mask=stop_mask)
+  for _ in range(NEW - 1):
+    driver.decode(params, 0)
+  stopped = np.asarray(driver.state.stopped)
+  for slot in range(4):
+    completion = driver.row(slot)["tokens"][BUCKET:][driver.row(slot)["token_mask"][BUCKET:]]
+    if opt_in[slot]:  # the first token (or EOS) ends the segment
+      assert len(completion) == 1 and stopped[slot]
+    else:  # only EOS or the budget ends it
+      assert (len(completion) == NEW) or completion[-1] == EOS
+      assert stopped[slot] == (completion[-1] == EOS)
+      assert len(completion) > 1
+
+
 def _two_versions_on_one_device(seed):
   """`(graphdef, params_v0, params_v1, driver)` with 4 slots on a single device."""
   cfg = tiny.tiny_model_config()
