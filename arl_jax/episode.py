@@ -55,6 +55,11 @@ class Episode:
   def prompt_ids(self) -> tuple[int, ...]:
     return self.request.prompt_ids
 
+  def budget(self, default: int) -> int:
+    """Completion tokens the episode may hold: its prompt's own budget, capped
+    at the sampler's `default`."""
+    return self.request.budget(default)
+
   def context_ids(self) -> list[int]:
     """Prompt and completion so far: what a re-admission prefills."""
     return [*self.prompt_ids, *self.completion_ids]

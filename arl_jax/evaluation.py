@@ -108,21 +108,22 @@ class Evaluator:
       return None
 
   def __call__(self, params) -> EvalResult:
-    n_max = self._cfg.max_new_tokens
+    default = self._cfg.max_new_tokens
+    n_max = [min(default, env_api.budget_of(self._env, p) or default) for p in self._prompts]
     completions = [[] for _ in self._prompts]
     active = list(range(len(self._prompts)))
     state = self._fns.init()
     buckets = self._cfg.prompt_buckets
     while active:
       contexts = {i: [*self._prompt_ids[i], *completions[i]] for i in active}
-      budgets = {i: n_max - len(completions[i]) for i in active}
+      budgets = {i: n_max[i] - len(completions[i]) for i in active}
       state, host = self._play_segment(params, state, contexts, budgets, buckets)
       still = []
       for i in active:
         start = int(host["prompt_end"][i])
         n = int(host["token_mask"][i, start:].sum())
         completions[i].extend(int(t) for t in host["tokens"][i, start:start + n])
-        room = n_max - len(completions[i])
+        room = n_max[i] - len(completions[i])
         if not (self._multi_turn and host["stopped"][i] and room > 0):
           continue
         observation = self._safe(self._env.step, self._prompts[i], list(completions[i]))

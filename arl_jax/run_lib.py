@@ -162,7 +162,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       encode_fn=env.encode_prompt,
       env_name_of=lambda prompt: env_api.env_name_of(env, prompt),
       max_new_tokens=spec.engine.max_new_tokens,
-      mask_truncated_completions=spec.mask_truncated_completions)
+      mask_truncated_completions=spec.mask_truncated_completions,
+      budget_fn=functools.partial(env_api.budget_of, env))
   env_runner = env_runner_lib.EnvRunner(
       env, on_group_fn=orchestrator.group_finished, max_new_tokens=spec.engine.max_new_tokens,
       num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s,

@@ -135,6 +135,14 @@ def sampler_stop_ids(tokenizer, env) -> tuple[int, ...]:
                if i != tokenizer.eos_id)
 
 
+def budget_of(env, prompt) -> int | None:
+  """`prompt`'s own completion budget in tokens (`env.max_new_tokens_for`,
+  optional; a mixture routes it), or None for the sampler's `max_new_tokens`.
+  The sampler caps it at `max_new_tokens` either way."""
+  fn = getattr(env, "max_new_tokens_for", None)
+  return None if fn is None else fn(prompt)
+
+
 def is_multi_turn(env) -> bool:
   """Whether `env` answers between segments (has `step` and `stop_ids`)."""
   return callable(getattr(env, "step", None)) and hasattr(env, "stop_ids")

@@ -103,6 +103,9 @@ class MixtureEnv:
     """The stop tokens of the prompt's own environment."""
     return env_api.stop_ids_of(self.envs[prompt.env], prompt.prompt)
 
+  def max_new_tokens_for(self, prompt: MixedPrompt) -> int | None:
+    return env_api.budget_of(self.envs[prompt.env], prompt.prompt)
+
   def encode_prompt(self, prompt: MixedPrompt) -> list[int]:
     return self.envs[prompt.env].encode_prompt(prompt.prompt)
 

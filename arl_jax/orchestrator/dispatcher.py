@@ -55,25 +55,35 @@ class GroupRequest:
   group_size: int
   dispatch_time: float
   attempt: int = 0  # how many dropped groups of this prompt were dispatched before it
+  # The prompt's own completion budget (`env_api.budget_of`), None: the sampler's.
+  max_new_tokens: int | None = None
+
+  def budget(self, default: int) -> int:
+    """Completion tokens an episode of this group may hold (observations included)."""
+    return default if self.max_new_tokens is None else min(self.max_new_tokens, default)
 
 
 class Dispatcher:
   """Thread-safe source of group requests under admission control."""
 
   def __init__(self, cfg: DispatchConfig, prompts: Iterator, encode_fn,
-               buffer: buffer_lib.RolloutBuffer, clock: Callable[[], float] = time.monotonic):
+               buffer: buffer_lib.RolloutBuffer, clock: Callable[[], float] = time.monotonic,
+               budget_fn: Callable[[object], int | None] | None = None):
     """Args:
       cfg: dispatch settings.
       prompts: iterator of prompt records (e.g. from a grain pipeline).
       encode_fn: prompt record -> list of token ids.
       buffer: receives each group's dispatch registration (for FIFO order).
       clock: time source for dispatch timestamps (tests pass a fake one).
+      budget_fn: prompt record -> its completion budget, or None for the
+        sampler's `max_new_tokens` (see `env_api.budget_of`).
     """
     if cfg.staleness_reference not in staleness.REFERENCES:
       raise ValueError(f"staleness_reference must be one of {staleness.REFERENCES}")
     self._cfg = cfg
     self._prompts = prompts
     self._encode_fn = encode_fn
+    self._budget_fn = budget_fn
     self._buffer = buffer
     self._clock = clock
     self._cond = threading.Condition()
@@ -117,10 +127,13 @@ class Dispatcher:
             self.exhausted = True
             break
           prompt_ids, attempt = tuple(self._encode_fn(prompt)), 0
+        budget = self._budget_fn(prompt) if self._budget_fn is not None else None
+        if budget is not None and budget < 1:
+          raise ValueError(f"prompt {prompt.prompt_id}: completion budget {budget} is < 1")
         request = GroupRequest(
             group_id=next(self._next_group_id), prompt=prompt, prompt_ids=prompt_ids,
             dispatch_version=live_version, group_size=self._cfg.group_size,
-            dispatch_time=self._clock(), attempt=attempt)
+            dispatch_time=self._clock(), attempt=attempt, max_new_tokens=budget)
         self._in_system[request.group_id] = request
         self._generating.add(request.group_id)
         self._buffer.register_dispatch(request.group_id, live_version)

@@ -107,7 +107,7 @@ class EnvRunner:
     if self._is_cancelled(episode.group_id):
       return
     prompt = episode.request.prompt
-    room = self._max_new_tokens - len(episode.completion_ids)
+    room = episode.budget(self._max_new_tokens) - len(episode.completion_ids)
     if self._multi_turn and episode.last_stopped and room > 0:
       try:
         observation = self._call(self._env.step, prompt, list(episode.completion_ids),

@@ -83,14 +83,15 @@ class Orchestrator:
                buffer_cfg: buffer_lib.BufferConfig, prompts: Iterator, encode_fn,
                env_name_of: Callable[[object], str], max_new_tokens: int,
                mask_truncated_completions: bool = False,
-               clock: Callable[[], float] = time.monotonic):
+               clock: Callable[[], float] = time.monotonic,
+               budget_fn: Callable[[object], int | None] | None = None):
     if dispatch_cfg.staleness_reference != buffer_cfg.staleness_reference:
       raise ValueError("the dispatcher and the buffer must use the same staleness_reference")
     self.dispatch_cfg = dispatch_cfg
     self.buffer_cfg = buffer_cfg
     self.buffer = buffer_lib.RolloutBuffer(buffer_cfg, clock)
     self.dispatcher = dispatcher_lib.Dispatcher(dispatch_cfg, prompts, encode_fn, self.buffer,
-                                                clock)
+                                                clock, budget_fn)
     self.ledger = drop_ledger_lib.DropLedger(max_new_tokens, mask_truncated_completions)
     self._env_name_of = env_name_of  # prompt record -> environment name
     self._lock = threading.Lock()

@@ -318,10 +318,10 @@ class SamplerEngine:
     it is re-admitted."""
     if not self._cfg.multi_turn:
       raise ValueError("resume() needs an engine configured with multi_turn=True")
-    used = len(episode.completion_ids)
-    if used >= self._cfg.max_new_tokens:
+    used, budget = len(episode.completion_ids), episode.budget(self._cfg.max_new_tokens)
+    if used >= budget:
       raise ValueError(f"group {episode.group_id}: the episode has {used} completion tokens; "
-                       f"nothing is left of max_new_tokens={self._cfg.max_new_tokens}")
+                       f"nothing is left of its budget of {budget}")
     with self._lock:
       self._resumed.append(_Row(episode=episode, ready_time=time.monotonic()))
 
@@ -461,9 +461,9 @@ class SamplerEngine:
     stop_mask = np.stack([self._stop_mask(e.request) for e in episodes])
     keys = sampling.row_keys(self._cfg.seed, [e.group_id for e in episodes],
                              [e.sample_index for e in episodes], [e.turns for e in episodes])
-    # Every completion token counts against max_new_tokens, observations included.
-    max_new = np.array([self._cfg.max_new_tokens - len(e.completion_ids) for e in episodes],
-                       np.int32)
+    # Every completion token counts against the budget, observations included.
+    max_new = np.array([e.budget(self._cfg.max_new_tokens) - len(e.completion_ids)
+                        for e in episodes], np.int32)
     # The first tokens are sampled by this prefill under `self.version`; tell
     # the dispatcher before it runs, so that no publish in between can miss
     # them (under `oldest_token`, in-flight lag counts from the first token).
@@ -502,7 +502,8 @@ class SamplerEngine:
 
   def _count_cancelled(self, row: _Row) -> None:
     self.stats.cancelled_rollouts += 1
-    budget = row.budget or self._cfg.max_new_tokens - len(row.episode.completion_ids)
+    budget = row.budget or (row.episode.budget(self._cfg.max_new_tokens)
+                            - len(row.episode.completion_ids))
     self.stats.cancelled_tokens += max(budget - row.sampled, 0)
     self.stats.cancelled_sampled_tokens += row.sampled
 

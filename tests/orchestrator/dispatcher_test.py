@@ -2,6 +2,8 @@
 
 import itertools
 
+import pytest
+
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 
@@ -114,3 +116,17 @@ def test_a_finite_stream_ends_dispatch_and_drains():
   assert again.prompt.prompt_id == 2 and again.attempt == 1
   dispatcher.finished_generating(again.group_id)
   assert dispatcher.drained
+
+
+def test_a_prompt_budget_rides_on_its_request_and_must_be_positive():
+  buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig())
+  cfg = dispatcher_lib.DispatchConfig(group_size=2, groups_per_batch=4)
+  budgets = {0: 5, 1: None, 2: 0}
+  dispatcher = dispatcher_lib.Dispatcher(cfg, (_Prompt(i) for i in itertools.count()),
+                                         lambda p: [1], buffer,
+                                         budget_fn=lambda p: budgets[p.prompt_id])
+  first, second = dispatcher.take(2, 0, timeout=0.01)
+  assert (first.max_new_tokens, first.budget(8), first.budget(3)) == (5, 5, 3)
+  assert (second.max_new_tokens, second.budget(8)) == (None, 8)
+  with pytest.raises(ValueError, match="prompt 2: completion budget 0 is < 1"):
+    dispatcher.take(1, 0, timeout=0.01)

@@ -57,7 +57,7 @@ def single_turn_groups(on_group_fn):
 
 
 def _engine(publisher, setup, weight_update, on_group, *, kv_policy="keep", take_hook=None,
-            prompt_tokens=(4, 4), max_async_level=0):
+            prompt_tokens=(4, 4), max_async_level=0, budget_fn=None):
   meshes, graphdef, cfg = setup["meshes"], setup["graphdef"], setup["cfg"]
   dispatch = dispatcher_lib.DispatchConfig(group_size=4, groups_per_batch=2,
                                            max_async_level=max_async_level,
@@ -67,7 +67,8 @@ def _engine(publisher, setup, weight_update, on_group, *, kv_policy="keep", take
   prompts = (_Prompt(i) for i in itertools.count())
   encode = lambda p: rng.integers(0, 256, rng.integers(prompt_tokens[0],
                                                        prompt_tokens[1] + 1)).tolist()
-  dispatcher = dispatcher_lib.Dispatcher(dispatch, prompts, encode, buffer)
+  dispatcher = dispatcher_lib.Dispatcher(dispatch, prompts, encode, buffer,
+                                         budget_fn=budget_fn)
   if take_hook is not None:
     original = dispatcher.take
     dispatcher.take = lambda *a, **k: take_hook(original(*a, **k))
@@ -100,6 +101,23 @@ def teacher_forced(setup, rollout, version):
   logp = slots_lib.teacher_forced_logprobs(setup["graphdef"], setup["params"][version], tokens,
                                            np.ones(tokens.shape, bool))[0]
   return logp[len(rollout.prompt_ids):]
+
+
+def test_a_prompt_with_its_own_budget_stops_there(setup):
+  """`max_new_tokens_for` budgets (capped at the sampler's) end completions early."""
+  v0, _ = setup["sampler_params"]
+  groups = {}
+  budgets = {0: 3, 1: 100, 2: 1}  # 100 is capped at NEW; other prompts get NEW
+  engine = _engine(ScriptedPublisher(v0, None, 0), setup, "in_flight",
+                   lambda req, rs: groups.setdefault(req.prompt.prompt_id, rs),
+                   budget_fn=lambda p: budgets.get(p.prompt_id), max_async_level=1)
+  _run_until(engine, lambda: len(groups) >= 4)
+  for prompt_id in range(4):
+    want = min(budgets.get(prompt_id, NEW), NEW)
+    for r in groups[prompt_id]:
+      assert len(r.completion_ids) <= want
+      if r.finish_reason == "length":
+        assert len(r.completion_ids) == want
 
 
 @pytest.mark.parametrize("kv_policy", ["keep", "recompute"])
