@@ -16,6 +16,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("benchmarks/async_vs_sync.py", None),
     ("benchmarks/orchestrator.py", None),
     ("benchmarks/learner.py", None),
+    ("benchmarks/inflight.py", None),
+    ("benchmarks/transfer.py", None),
 ])
 def test_benchmark_quick_mode_writes_json_rows(tmp_path, script, parts):
   out = tmp_path / "rows.jsonl"
