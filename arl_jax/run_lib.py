@@ -184,8 +184,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   groups_trained = 0
   rl_start = time.monotonic()
   last_time = rl_start
+  learner_wait = 0.0  # seconds the learner spent waiting for a batch
   try:
     for step in range(spec.num_steps):
+      wait_start = time.monotonic()
       try:
         batch = _cut_batch(orchestrator, (engine, env_runner), version)
       except orchestrator_lib.DataExhausted as e:
@@ -194,6 +196,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
         if spec.eval_every and step % spec.eval_every:
           evaluate(step, "rl")
         break
+      learner_wait += time.monotonic() - wait_start
       host_batch = train_batch_lib.assemble(
           batch.groups, batch_version=version, prompt_len=spec.engine.prompt_len,
           max_new_tokens=spec.engine.max_new_tokens, pad_id=tokenizer.pad_id,
@@ -211,7 +214,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       metrics = jax.device_get(metrics)
       now = time.monotonic()
       record = _step_record(step, version, host_batch, batch, metrics, orchestrator, engine,
-                            env_runner, now - last_time, now - rl_start)
+                            env_runner, now - last_time, now - rl_start, learner_wait)
       last_time = now
       if keep_batches:
         batches.append({"batch_version": batch.batch_version, "lag": host_batch.lag.copy(),
@@ -309,7 +312,7 @@ def _version_spread(batch) -> np.ndarray:
 
 
 def _step_record(step, version, host_batch, batch, metrics, orchestrator, engine, env_runner,
-                 step_seconds, rl_seconds) -> dict:
+                 step_seconds, rl_seconds, learner_wait) -> dict:
   trained_tokens = float(metrics["trained_tokens"])
   rollouts = [r for g in batch.groups for r in g.rollouts]
   in_flight = [sum(r.timings.get(k, 0.0) for k in ("queued", "generating", "in_env"))
@@ -346,6 +349,10 @@ def _step_record(step, version, host_batch, batch, metrics, orchestrator, engine
       "multi_version_fraction": float(np.mean(_version_spread(host_batch) > 0)),
       "buffer_size": len(orchestrator.buffer),
       "in_system_groups": dispatcher.in_system,
+      # Shares of the RL wall time so far: the learner not waiting for a
+      # batch, the sampler thread decoding, prefilling or swapping.
+      "learner_busy_fraction": 1.0 - learner_wait / max(rl_seconds, 1e-9),
+      "sampler_busy_fraction": engine.stats.busy_seconds / max(rl_seconds, 1e-9),
       "sampler_busy_s": engine.stats.busy_seconds,
       "sampler_swaps": engine.stats.swaps,
       "sampler_occupancy": engine.stats.occupancy,
