@@ -2,6 +2,15 @@ r"""Entry point: `python -m arl_jax.launch --config=configs/arith.py --workdir=/
 
 Dotted overrides work on any key: `--config.learner.lr=1e-4`. The config is
 locked, so an unknown key is an error before anything runs.
+
+`--dry_run` validates the config and prints the resolved config, the mesh of
+each role, the parameter count and the memory per device (`arl_jax/dry_run.py`),
+then exits without compiling; `--dry_run_devices=N` plans for N devices instead
+of the ones present (e.g. a v5e-8 config on a laptop).
+
+Multi-host: `--distributed` calls `jax.distributed.initialize()` first, with
+`--coordinator_address`, `--num_processes` and `--process_id` when given (on
+TPU VMs and SLURM JAX finds them itself).
 """
 
 from __future__ import annotations
@@ -15,20 +24,62 @@ from ml_collections import config_flags
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for metrics (and checkpoints).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False,
+                             "Validate and plan (meshes, memory per device); do not train.")
+_DRY_RUN_DEVICES = flags.DEFINE_integer(
+    "dry_run_devices", None, "Plan for this many devices (default: the devices present).")
+_DISTRIBUTED = flags.DEFINE_bool("distributed", False,
+                                 "Call jax.distributed.initialize() before anything else.")
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "Processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+
+
+def _initialize_distributed() -> None:
+  import jax  # noqa: PLC0415 - only after flags are parsed
+
+  kwargs = {k: v for k, v in (("coordinator_address", _COORDINATOR.value),
+                              ("num_processes", _NUM_PROCESSES.value),
+                              ("process_id", _PROCESS_ID.value)) if v is not None}
+  jax.distributed.initialize(**kwargs)
+
+
+def dry_run(config, num_devices: int | None, print_fn=print) -> None:
+  """Prints the resolved config and the run's plan; raises ConfigError on bad config."""
+  import jax  # noqa: PLC0415
+
+  from arl_jax import config_lib, dry_run  # noqa: PLC0415
+
+  spec = config_lib.build(config)
+  print_fn("resolved config:\n" + str(config))
+  devices = jax.devices()
+  count = num_devices or len(devices)
+  memory = None
+  if num_devices is None:  # real devices: their memory limit, where the backend reports one
+    stats = devices[0].memory_stats() or {}
+    memory = stats.get("bytes_limit")
+  print_fn(dry_run.format_plan(dry_run.plan(spec, count), memory))
 
 
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _DISTRIBUTED.value:
+    _initialize_distributed()
+  if _DRY_RUN.value:
+    dry_run(_CONFIG.value, _DRY_RUN_DEVICES.value)
+    return
+  if _WORKDIR.value is None:
+    raise app.UsageError("--workdir is required (except with --dry_run)")
   # Imported here so that `--help` and flag errors do not initialise JAX.
-  from arl_jax import run_lib
+  from arl_jax import run_lib  # noqa: PLC0415
 
   workdir = os.path.abspath(os.path.expanduser(_WORKDIR.value))
   run_lib.run(_CONFIG.value, workdir)
 
 
 def cli() -> None:
-  flags.mark_flags_as_required(["config", "workdir"])
+  flags.mark_flags_as_required(["config"])
   app.run(main)
 
 

@@ -1,0 +1,133 @@
+"""`--dry_run`: validate a config and plan its run without compiling or training.
+
+The plan says, per role, the mesh, and the memory one device needs: exact for
+the arrays whose shapes and shardings are known before anything runs (params
+under each role's rule table, AdamW moments, gradients, the KL reference, the
+sampler's KV cache and slot state), and a labelled rough estimate for the
+learner's activations (which depend on what XLA keeps for the backward
+pass). It reads no device memory and compiles nothing, so it can plan a TPU
+config on a laptop: `num_devices` overrides the device count it plans for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import numpy as np
+
+from arl_jax import config_lib
+from arl_jax.models import init_lib
+from arl_jax.sharding import mesh_lib
+from arl_jax.sharding import rules as rules_lib
+
+_GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class RolePlan:
+  """One role's mesh and per-device memory (bytes), by component."""
+
+  role: str
+  mesh: tuple[tuple[str, int], ...]
+  memory: dict[str, int]
+
+  @property
+  def total(self) -> int:
+    return sum(self.memory.values())
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  num_devices: int
+  colocated: bool
+  num_params: int
+  learner: RolePlan
+  sampler: RolePlan
+
+  def per_device_peak(self) -> int:
+    """Bytes on the busiest device (both roles on one device when colocated)."""
+    if self.colocated:
+      return self.learner.total + self.sampler.total
+    return max(self.learner.total, self.sampler.total)
+
+
+def _sharded_bytes(abstract_state, mesh_shape: dict[str, int], rules, dtype) -> int:
+  """Bytes of one device's shard of every parameter, stored in `dtype`."""
+  itemsize = np.dtype(dtype).itemsize
+  total = 0
+  for variable in jax.tree.leaves(abstract_state, is_leaf=lambda x: hasattr(x, "get_metadata")):
+    shape = variable.get_value().shape
+    axes = variable.get_metadata()["logical_axes"]
+    shard = []
+    for dim, name in zip(shape, axes):
+      size = mesh_shape.get(rules[name], 1)
+      if dim % size:
+        raise ValueError(f"a parameter of shape {shape}: dimension {dim} ({name}) does not "
+                         f"divide by mesh axis {rules[name]!r} of size {size}")
+      shard.append(dim // size)
+    total += math.prod(shard) * itemsize
+  return total
+
+
+def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
+  """Meshes and per-device memory of `spec` on `num_devices` devices."""
+  learner_devices, sampler_devices = mesh_lib.split_devices(spec.mesh, range(num_devices))
+  learner_mesh = mesh_lib.resolve_shape(spec.mesh.learner, len(learner_devices), "learner")
+  sampler_mesh = mesh_lib.resolve_shape(spec.mesh.sampler, len(sampler_devices), "sampler")
+  lm, sm = dict(learner_mesh), dict(sampler_mesh)
+  _, abstract_state = init_lib.abstract_model(spec.model)
+
+  # Learner: params, AdamW's two moments and the gradients in the param dtype.
+  params = _sharded_bytes(abstract_state, lm, rules_lib.LEARNER_RULES, spec.model.param_dtype)
+  learner = {"params": params, "adam_moments": 2 * params, "gradients": params}
+  if spec.loss.kl_coef > 0:
+    learner["kl_reference_params"] = params
+  # Activations (rough): per layer, the saved residual/attention/MLP inputs
+  # and the attention probabilities; plus the float32 logits and their
+  # gradient. Rows of one microbatch, split over the batch-sharding axis.
+  cfg, engine = spec.model, spec.engine
+  rows = spec.dispatch.groups_per_batch * spec.dispatch.group_size
+  rows //= spec.loss.num_minibatches * spec.loss.num_microbatches
+  rows = max(1, rows // lm.get("fsdp", 1))
+  t = engine.prompt_len + engine.max_new_tokens
+  act_itemsize = np.dtype(cfg.param_dtype).itemsize
+  per_layer = rows * t * (8 * cfg.d_model + 3 * cfg.mlp_dim) * act_itemsize
+  per_layer += rows * cfg.num_heads * t * t * 4
+  learner["activations_rough"] = (cfg.num_layers * per_layer
+                                  + 2 * rows * t * cfg.vocab_size * 4)
+
+  # Sampler: params in its dtype (replicated over `data`); while a swap is in
+  # progress the old and new versions coexist, and `pinned` holds up to K + 1.
+  sampler_dtype = spec.sampler_model.param_dtype
+  sampler_params = _sharded_bytes(abstract_state, sm, rules_lib.SAMPLER_RULES, sampler_dtype)
+  versions = (spec.dispatch.max_off_policy_steps + 1
+              if engine.weight_update == "pinned" else 2)
+  data, tp = sm.get("data", 1), sm.get("tp", 1)
+  slots = math.ceil(engine.num_slots / data)
+  kv_heads = math.ceil(cfg.num_kv_heads / tp)
+  kv = (slots * engine.length * cfg.num_layers * 2 * kv_heads * cfg.head_dim
+        * np.dtype(sampler_dtype).itemsize)
+  sampler = {f"params_x{versions}_versions": versions * sampler_params, "kv_cache": kv,
+             "slot_state": slots * engine.length * (4 + 1 + 4 + 4 + 1)}
+  return Plan(num_devices=num_devices, colocated=learner_devices == sampler_devices,
+              num_params=cfg.num_params,
+              learner=RolePlan("learner", learner_mesh, learner),
+              sampler=RolePlan("sampler", sampler_mesh, sampler))
+
+
+def format_plan(p: Plan, device_memory: int | None = None) -> str:
+  """The plan as text; with `device_memory` (bytes), whether it fits."""
+  lines = [f"devices: {p.num_devices} ({'colocated' if p.colocated else 'disaggregated'})",
+           f"parameters: {p.num_params:,} ({p.num_params / 1e6:.2f}M)"]
+  for role in (p.learner, p.sampler):
+    lines.append(f"{role.role} mesh {dict(role.mesh)}: {role.total / _GIB:.3f} GiB per device")
+    lines += [f"  {name}: {size / _GIB:.3f} GiB" for name, size in role.memory.items()]
+  peak = p.per_device_peak()
+  lines.append(f"busiest device: {peak / _GIB:.3f} GiB"
+               + (" (both roles share each device)" if p.colocated else ""))
+  if device_memory:
+    verdict = "fits" if peak <= 0.9 * device_memory else "does NOT fit"
+    lines.append(f"{verdict} in {device_memory / _GIB:.1f} GiB per device (90% usable)")
+  return "\n".join(lines)

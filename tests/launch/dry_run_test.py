@@ -1,0 +1,72 @@
+"""`--dry_run`: the plan's exact parts equal what a run allocates, and the CLI validates."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import numpy as np
+
+from arl_jax import config_lib, dry_run
+from arl_jax.models import init_lib
+from arl_jax.sampler import engine as engine_lib
+from arl_jax.sharding import mesh_lib
+from arl_jax.sharding import rules as rules_lib
+from arl_jax.testing import tiny
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _device_bytes(tree) -> int:
+  """Bytes one device holds of every array in `tree` (its first addressable shard)."""
+  return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+
+def test_planned_params_and_kv_cache_equal_the_allocated_ones():
+  config = tiny.load_config("tool_agent", "tiny")
+  spec = config_lib.build(config)
+  plan = dry_run.plan(spec, jax.device_count())
+  meshes = mesh_lib.make_role_meshes(spec.mesh)
+  assert plan.learner.mesh == tuple(meshes.learner.shape.items())
+  assert plan.sampler.mesh == tuple(meshes.sampler.shape.items())
+  assert not plan.colocated and plan.num_params == spec.model.num_params
+  _, params, _ = init_lib.init_params(spec.model, meshes.learner, rules_lib.LEARNER_RULES, 0)
+  assert plan.learner.memory["params"] == _device_bytes(params)
+  assert plan.learner.memory["adam_moments"] == 2 * _device_bytes(params)
+  graphdef, abstract = init_lib.abstract_model(spec.model)
+  shardings = rules_lib.state_shardings(abstract, meshes.sampler, rules_lib.SAMPLER_RULES)
+  sampler_params = jax.device_put(params, shardings)
+  assert plan.sampler.memory["params_x2_versions"] == 2 * _device_bytes(sampler_params)
+  fns = engine_lib.make_sampler_fns(graphdef=graphdef, model_cfg=spec.sampler_model,
+                                    mesh=meshes.sampler, settings=spec.sampling,
+                                    num_slots=spec.engine.num_slots, length=spec.engine.length)
+  slots = fns.init()
+  cache = (*slots.cache.keys, *slots.cache.values)
+  assert plan.sampler.memory["kv_cache"] == _device_bytes(cache)
+  assert plan.per_device_peak() == max(plan.learner.total, plan.sampler.total)
+
+
+def test_planning_for_more_devices_shards_further():
+  spec = config_lib.build(tiny.load_config("arith", None))
+  small, big = dry_run.plan(spec, 2), dry_run.plan(spec, 16)
+  assert dict(big.learner.mesh) == {"fsdp": 8, "tp": 1}
+  assert big.learner.memory["params"] < small.learner.memory["params"]
+  assert big.sampler.memory["kv_cache"] * 8 == small.sampler.memory["kv_cache"]
+  text = dry_run.format_plan(big, device_memory=16 * 1024**3)
+  assert "learner mesh {'fsdp': 8, 'tp': 1}" in text and "fits in 16.0 GiB" in text
+  one = dry_run.plan(spec, 1)
+  assert one.colocated and one.per_device_peak() == one.learner.total + one.sampler.total
+  assert np.isclose(one.learner.memory["params"], spec.model.num_params * 4)
+
+
+def test_the_cli_dry_run_prints_the_plan_and_rejects_bad_config():
+  cmd = [sys.executable, "-m", "arl_jax.launch", "--config=configs/arith.py", "--dry_run",
+         "--dry_run_devices=8"]
+  env = dict(os.environ, XLA_FLAGS="")
+  proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "resolved config:" in proc.stdout and "max_off_policy_steps: 8" in proc.stdout
+  assert "learner mesh {'fsdp': 4, 'tp': 1}" in proc.stdout and "kv_cache" in proc.stdout
+  bad = subprocess.run([*cmd, "--config.sampler.top_p=2.0"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+  assert bad.returncode != 0 and "config.sampler.top_p" in bad.stderr
