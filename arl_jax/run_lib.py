@@ -72,7 +72,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   heldout_source = prompt_source.load(spec.env_name, spec.env, spec.data, "heldout")
   train_prompts, heldout = train.prompts, heldout_source.prompts
   eval_prompts = _eval_prompts(env, heldout, spec.eval_size)
-  writer = writer_lib.JsonlWriter(workdir)
+  writer = writer_lib.make_writer(workdir, spec.writers)
   print_fn(f"arl_jax: {spec.model.num_params / 1e6:.2f}M params | learner mesh "
            f"{dict(meshes.learner.shape)} | sampler mesh {dict(meshes.sampler.shape)} | "
            f"{'colocated' if meshes.colocated else 'disaggregated'} | K="
@@ -111,9 +111,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     if evaluator is None:
       return None
     result = evaluator(params_now())
+    now = time.monotonic()
     record = {"phase": phase, "step": step, "eval_reward": result.reward,
-              "eval_reward_by_env": result.reward_by_env,
-              "wall_s": time.monotonic() - start_time}
+              "eval_reward_by_env": result.reward_by_env, "wall_s": now - start_time}
+    if phase == "rl":  # on the RL clock of the step records (0 before the first update)
+      record["rl_wall_s"] = now - clock["rl_start"] if clock["rl_start"] is not None else 0.0
     eval_history.append(record)
     writer.write(record)
     sample = "; ".join(f"{p}{c!r}" for p, c in result.examples)
@@ -122,6 +124,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     return result.reward
 
   holder = {"params": params}
+  clock = {"rl_start": None}
   params_now = lambda: holder["params"]
 
   if spec.warmup.steps:
@@ -182,7 +185,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   history: list[dict] = []
   batches: list[dict] = []
   groups_trained = 0
-  rl_start = time.monotonic()
+  rl_start = clock["rl_start"] = time.monotonic()
   last_time = rl_start
   learner_wait = 0.0  # seconds the learner spent waiting for a batch
   try:

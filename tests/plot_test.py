@@ -1,0 +1,58 @@
+"""`python -m arl_jax.plot`: PNGs from real run records, runs overlaid, clear errors."""
+
+import os
+import shutil
+
+import pytest
+
+from arl_jax import plot, run_lib
+from arl_jax.testing import tiny
+
+
+@pytest.fixture(scope="module")
+def two_runs(tmp_path_factory):
+  root = tmp_path_factory.mktemp("runs")
+  config = tiny.load_config("arith", "tiny")
+  config.num_steps = 4
+  config.writers = "jsonl,tensorboard"
+  run_lib.run(config, str(root / "async"), print_fn=lambda *_: None)
+  shutil.copytree(root / "async", root / "sync")  # a second run to overlay
+  return [str(root / "async"), str(root / "sync")]
+
+
+def test_every_figure_is_a_non_empty_png(two_runs, tmp_path):
+  paths = plot.plot_all(two_runs, str(tmp_path / "plots"))
+  assert [os.path.basename(p) for p in paths] == [f"{name}.png" for name in plot.FIGURES]
+  for path in paths:
+    with open(path, "rb") as f:
+      data = f.read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5_000, path
+  run = plot.Run(two_runs[0])
+  assert run.label == "async" and len(run.steps) == 4
+  assert [e["step"] for e in run.evals if e["phase"] == "rl"] == [0, 2, 4]
+  assert all("rl_wall_s" in e for e in run.evals if e["phase"] == "rl")
+
+
+def test_the_cli_writes_next_to_the_run_and_names_bad_input(two_runs, tmp_path, capsys):
+  plot.main([two_runs[0]])
+  assert os.path.isfile(os.path.join(two_runs[0], "plots", "reward.png"))
+  assert "reward.png" in capsys.readouterr().out
+  with pytest.raises(SystemExit, match="no metrics.jsonl"):
+    plot.main([str(tmp_path)])
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  (bad / "metrics.jsonl").write_text('{"phase": "rl"}\nnot json\n')
+  with pytest.raises(SystemExit, match=r"metrics.jsonl:2: not JSON"):
+    plot.main([str(bad)])
+
+
+def test_tensorboard_event_files_hold_the_metrics(two_runs):
+  from tensorboard.backend.event_processing import event_accumulator
+  logdir = os.path.join(two_runs[0], "tensorboard")
+  acc = event_accumulator.EventAccumulator(logdir)
+  acc.Reload()
+  tags = acc.Tags()["scalars"]
+  assert {"rl/reward_mean", "rl/lag_mean", "rl/loss", "eval/eval_reward",
+          "warmup/loss"} <= set(tags)
+  assert [e.step for e in acc.Scalars("rl/loss")] == [0, 1, 2, 3]
+  assert any(t.startswith("rl/lag_histogram/") for t in tags)  # nested dicts flattened
