@@ -28,6 +28,8 @@ memory. Lag is 1 for most batches (max_async_level=1), 0 for the rest.
 
 import ml_collections
 
+from arl_jax import sweep
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
@@ -36,6 +38,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.log_every = 1
   config.eval_every = 250
   config.eval_size = 300
+  # Metric sinks: JSON lines always; "jsonl,tensorboard" adds TensorBoard event files.
+  config.writers = "jsonl"
 
   config.model = ml_collections.ConfigDict(dict(
       d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384,
@@ -97,3 +101,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError(f"configs/arith.py: unknown variant {arg!r}; use '', 'sync' or 'tiny'")
   config.lock()
   return config
+
+
+def get_sweep(arg: str | None = None) -> list[dict]:
+  """How much lag arith tolerates: K (with max_async_level = K) x 2 seeds.
+
+    python -m launch.local_sweep --config=configs/arith.py --workdir=/tmp/k --from_config
+  """
+  del arg  # the same sweep for every variant
+  return sweep.product(
+      sweep.zip_(sweep.axis("orchestrator.max_off_policy_steps", [0, 2, 8]),
+                 sweep.axis("orchestrator.max_async_level", [0, 2, 8]),
+                 sweep.axis("sampler.weight_update", ["drain", "in_flight", "in_flight"])),
+      sweep.axis("seed", [0, 1]))

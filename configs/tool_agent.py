@@ -40,6 +40,8 @@ does most of the work here; RL mainly fixes copying slips. A longer warm-up
 
 import ml_collections
 
+from arl_jax import sweep
+
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
@@ -48,6 +50,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.log_every = 10
   config.eval_every = 50
   config.eval_size = 64
+  # Metric sinks: JSON lines always; "jsonl,tensorboard" adds TensorBoard event files.
+  config.writers = "jsonl"
 
   config.model = ml_collections.ConfigDict(dict(
       d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384,
@@ -119,3 +123,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                      "or 'tiny'")
   config.lock()
   return config
+
+
+def get_sweep(arg: str | None = None) -> list[dict]:
+  """Synchronous against asynchronous, each with 2 seeds (what
+  benchmarks/async_vs_sync.py measures, as separate runs with plots).
+
+    python -m launch.local_sweep --config=configs/tool_agent.py --workdir=/tmp/ta --from_config
+  """
+  del arg
+  return sweep.product(
+      sweep.zip_(sweep.axis("orchestrator.max_async_level", [0, 2]),
+                 sweep.axis("orchestrator.max_off_policy_steps", [0, 4]),
+                 sweep.axis("sampler.weight_update", ["drain", "in_flight"])),
+      sweep.axis("seed", [0, 1]))

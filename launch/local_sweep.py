@@ -3,6 +3,8 @@ r"""Runs a grid of config overrides as local subprocesses and tabulates the resu
   python -m launch.local_sweep --config=configs/arith.py --workdir=/tmp/sweep \
       --sweep=orchestrator.max_off_policy_steps=0,2,8 --sweep=learner.lr=1e-4,3e-4 \
       --parallel=1
+  python -m launch.local_sweep --config=configs/arith.py:tiny --workdir=/tmp/sweep \
+      --from_config   # the config's own get_sweep (arl_jax/sweep.py)
 
 Each point runs `python -m arl_jax.launch` with its own workdir
 (`<workdir>/<name>`); `--parallel` bounds how many run at once. When all are
@@ -55,6 +57,20 @@ def expand(axes: list[tuple[str, list[str]]]) -> list[Point]:
     name = ",".join(f"{k}={v}" for k, v in overrides) or "default"
     points.append(Point(name=name, overrides=overrides))
   return points
+
+
+def config_points(config: str) -> list[Point]:
+  """The points of the config file's own `get_sweep` (see `arl_jax/sweep.py`)."""
+  from arl_jax import sweep  # noqa: PLC0415 - only when asked for
+
+  return [Point(name=sweep.name_of(p), overrides=tuple((k, str(v)) for k, v in p.items()))
+          for p in sweep.from_config(config)]
+
+
+def combine(first: list[Point], second: list[Point]) -> list[Point]:
+  """Every point of `first` with every point of `second`."""
+  return [Point(name=",".join(n for n in (a.name, b.name) if n != "default") or "default",
+                overrides=a.overrides + b.overrides) for a in first for b in second]
 
 
 def command(config: str, workdir: str, point: Point) -> list[str]:
@@ -128,12 +144,16 @@ def main(argv=None) -> int:
   parser.add_argument("--config", required=True, help="configs/NAME.py[:ARG]")
   parser.add_argument("--workdir", required=True, help="root folder of the sweep")
   parser.add_argument("--sweep", action="append", default=[], help="KEY=V1,V2 (repeatable)")
+  parser.add_argument("--from_config", action="store_true",
+                      help="run the config file's get_sweep() points (times any --sweep axes)")
   parser.add_argument("--parallel", type=int, default=1)
   args = parser.parse_args(argv)
   if args.parallel < 1:
     parser.error("--parallel must be >= 1")
   try:
     points = expand(parse_sweep(args.sweep))
+    if args.from_config:
+      points = combine(config_points(args.config), points)
   except ValueError as e:
     parser.error(str(e))
   rows = run_sweep(args.config, args.workdir, points, args.parallel)
