@@ -19,6 +19,7 @@ from arl_jax.learner import advantages as advantages_lib
 from arl_jax.learner import losses as losses_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import update as update_lib
+from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import model_config as model_config_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
@@ -29,6 +30,8 @@ from arl_jax.sharding import mesh_lib
 
 # The schema: each section and its keys. Unknown keys are errors.
 _TOP_KEYS = ("seed", "num_steps", "log_every", "eval_every", "eval_size")
+# Optional top-level keys and their defaults.
+_OPTIONAL_TOP_KEYS = {"writers": "jsonl"}
 _SECTIONS = {
     "model": ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
               "max_seq_len", "rope_theta", "tie_embeddings", "param_dtype", "value_head"),
@@ -70,6 +73,7 @@ class RunSpec:
   log_every: int
   eval_every: int
   eval_size: int
+  writers: tuple[str, ...]  # metric sinks besides the progress line (metrics/writer.py)
   model: model_config_lib.ModelConfig
   mesh: mesh_lib.MeshConfig
   env_name: str
@@ -129,7 +133,8 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
     ConfigError: naming the key, for any invalid or inconsistent setting.
   """
   cfg = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
-  _check_keys(cfg, "<top level>", _TOP_KEYS + tuple(_SECTIONS))
+  _check_keys(cfg, "<top level>", _TOP_KEYS + tuple(_OPTIONAL_TOP_KEYS) + tuple(_SECTIONS))
+  cfg = {**_OPTIONAL_TOP_KEYS, **cfg}
   _require("env" in cfg and "name" in cfg["env"], "env.name", "missing")
   env_name = cfg["env"]["name"]
   _require(env_name in registry.ENVS, "env.name",
@@ -149,6 +154,16 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   _require(cfg["num_steps"] >= 0, "num_steps", f"must be >= 0, got {cfg['num_steps']}")
   for key in ("log_every", "eval_every", "eval_size"):
     _require(cfg[key] >= 0, key, f"must be >= 0, got {cfg[key]}")
+
+  writers = tuple(w.strip() for w in str(cfg["writers"]).split(",") if w.strip())
+  unknown = sorted(set(writers) - set(writer_lib.WRITERS))
+  _require(not unknown, "writers",
+           f"unknown writer(s) {unknown}; known: {list(writer_lib.WRITERS)}")
+  if "tensorboard" in writers:
+    try:
+      writer_lib.check_available("tensorboard")
+    except ImportError as e:
+      raise ConfigError(f"config.writers: {e}") from e
 
   tokenizer_cfg = _wrap("tokenizer", tokenizer_lib.TokenizerConfig, **cfg["tokenizer"])
   try:
@@ -329,7 +344,8 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
 
   return RunSpec(
       seed=cfg["seed"], num_steps=cfg["num_steps"], log_every=cfg["log_every"],
-      eval_every=cfg["eval_every"], eval_size=cfg["eval_size"], model=model, mesh=mesh,
+      eval_every=cfg["eval_every"], eval_size=cfg["eval_size"], writers=writers, model=model,
+      mesh=mesh,
       env_name=env_name, env=env, data=data_cfg, tokenizer=tokenizer_cfg,
       num_env_workers=env_cfg["num_workers"],
       env_timeout_s=float(env_cfg["timeout_s"]), engine=engine,
