@@ -218,6 +218,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       now = time.monotonic()
       record = _step_record(step, version, host_batch, batch, metrics, orchestrator, engine,
                             env_runner, now - last_time, now - rl_start, learner_wait)
+      # At the mean pace so far (evaluations included).
+      record["eta_s"] = (now - rl_start) / (step + 1) * (spec.num_steps - step - 1)
       last_time = now
       if keep_batches:
         batches.append({"batch_version": batch.batch_version, "lag": host_batch.lag.copy(),

@@ -139,6 +139,9 @@ def progress_line(record: Mapping) -> str:
   ]
   if "eval_reward" in record:
     parts.append(f"eval {record['eval_reward']:.3f}")
+  if "eta_s" in record:
+    minutes, seconds = divmod(int(round(record["eta_s"])), 60)
+    parts.append(f"eta {minutes}m{seconds:02d}s")
   return " | ".join(parts)
 
 
