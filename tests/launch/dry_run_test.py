@@ -6,6 +6,7 @@ import sys
 
 import jax
 import numpy as np
+import pytest
 
 from arl_jax import config_lib, dry_run
 from arl_jax.models import init_lib
@@ -70,3 +71,19 @@ def test_the_cli_dry_run_prints_the_plan_and_rejects_bad_config():
   bad = subprocess.run([*cmd, "--config.sampler.top_p=2.0"], cwd=REPO, env=env,
                        capture_output=True, text=True, timeout=120)
   assert bad.returncode != 0 and "config.sampler.top_p" in bad.stderr
+
+
+def test_the_tpu_config_plans_inside_a_v5e_chip(tmp_path):
+  """configs/math_tpu.py validates and fits 16 GiB chips (a stand-in tokenizer
+  of Qwen2.5's vocabulary size; only its size matters to the plan)."""
+  tokenizers = pytest.importorskip("tokenizers")
+  vocab = {f"t{i}": i for i in range(151_643)}
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
+  tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+                         + [f"<|extra_{i}|>" for i in range(19)])
+  tok.save(str(tmp_path / "tokenizer.json"))
+  spec = config_lib.build(tiny.load_config("math_tpu", str(tmp_path)))
+  assert spec.model.vocab_size == 151_665 and 490e6 < spec.model.num_params < 500e6
+  plan = dry_run.plan(spec, 8)
+  assert dict(plan.learner.mesh) == {"fsdp": 4, "tp": 1}
+  assert plan.per_device_peak() < 0.9 * 16 * 1024**3
