@@ -159,9 +159,9 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   unknown = sorted(set(writers) - set(writer_lib.WRITERS))
   _require(not unknown, "writers",
            f"unknown writer(s) {unknown}; known: {list(writer_lib.WRITERS)}")
-  if "tensorboard" in writers:
+  for name in writers:
     try:
-      writer_lib.check_available("tensorboard")
+      writer_lib.check_available(name)
     except ImportError as e:
       raise ConfigError(f"config.writers: {e}") from e
 

@@ -8,9 +8,10 @@ each role, the parameter count and the memory per device (`arl_jax/dry_run.py`),
 then exits without compiling; `--dry_run_devices=N` plans for N devices instead
 of the ones present (e.g. a v5e-8 config on a laptop).
 
-Multi-host: `--distributed` calls `jax.distributed.initialize()` first, with
-`--coordinator_address`, `--num_processes` and `--process_id` when given (on
-TPU VMs and SLURM JAX finds them itself).
+Multi-host: `--distributed` (implied by `--coordinator_address`) calls
+`jax.distributed.initialize()` first, with `--coordinator_address`,
+`--num_processes` and `--process_id` when given (on TPU VMs and SLURM JAX
+finds them itself).
 """
 
 from __future__ import annotations
@@ -52,6 +53,8 @@ def dry_run(config, num_devices: int | None, print_fn=print) -> None:
 
   spec = config_lib.build(config)
   print_fn("resolved config:\n" + str(config))
+  print_fn(f"process {jax.process_index()} of {jax.process_count()} (jax.distributed "
+           f"{'initialized' if jax.distributed.is_initialized() else 'not initialized'})")
   devices = jax.devices()
   count = num_devices or len(devices)
   memory = None
@@ -64,7 +67,7 @@ def dry_run(config, num_devices: int | None, print_fn=print) -> None:
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  if _DISTRIBUTED.value:
+  if _DISTRIBUTED.value or _COORDINATOR.value:
     _initialize_distributed()
   if _DRY_RUN.value:
     dry_run(_CONFIG.value, _DRY_RUN_DEVICES.value)

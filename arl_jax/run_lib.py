@@ -72,7 +72,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   heldout_source = prompt_source.load(spec.env_name, spec.env, spec.data, "heldout")
   train_prompts, heldout = train.prompts, heldout_source.prompts
   eval_prompts = _eval_prompts(env, heldout, spec.eval_size)
-  writer = writer_lib.make_writer(workdir, spec.writers)
+  writer = writer_lib.make_writer(
+      workdir, spec.writers, run_config=config.to_dict() if hasattr(config, "to_dict") else config)
   print_fn(f"arl_jax: {spec.model.num_params / 1e6:.2f}M params | learner mesh "
            f"{dict(meshes.learner.shape)} | sampler mesh {dict(meshes.sampler.shape)} | "
            f"{'colocated' if meshes.colocated else 'disaggregated'} | K="

@@ -1,7 +1,8 @@
 """Metric sinks behind one interface (`write(record)`, `close()`): JSON lines
 in the workdir (always: `python -m arl_jax.plot` and the sweep summaries read
-them), TensorBoard event files (`config.writers="jsonl,tensorboard"`), and the
-one-line progress print.
+them), TensorBoard event files (`config.writers="jsonl,tensorboard"`),
+Weights & Biases (`"jsonl,wandb"`, when `wandb` is installed; project from
+`WANDB_PROJECT`, default `arl_jax`), and the one-line progress print.
 
 A record is a flat dict with a `phase` (`rl`, `warmup`, `data`, or an
 evaluation's phase) and a `step`; TensorBoard gets every number in it as a
@@ -11,6 +12,7 @@ scalar `<phase>/<key>` (nested dicts such as `reward_by_env` flattened to
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -27,17 +29,15 @@ def _jsonable(value):
   return value
 
 
-WRITERS = ("jsonl", "tensorboard")
+WRITERS = ("jsonl", "tensorboard", "wandb")
+_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
 
 
 def check_available(name: str) -> None:
   """Raises ImportError, with the install hint, if writer `name` cannot run."""
-  if name == "tensorboard":
-    try:
-      import tensorboard  # noqa: F401, PLC0415 - optional dependency
-    except ImportError as e:
-      raise ImportError("the tensorboard writer needs the `tensorboard` package: "
-                        "pip install -e '.[tensorboard]'") from e
+  package = _PACKAGES.get(name)
+  if package is not None and importlib.util.find_spec(package) is None:
+    raise ImportError(f"the {name} writer needs the `{package}` package: pip install {package}")
 
 
 class JsonlWriter:
@@ -97,6 +97,31 @@ class TensorBoardWriter:
     self._writer.close()
 
 
+class WandbWriter:
+  """Every number of every record logged to a Weights & Biases run."""
+
+  def __init__(self, workdir: str, run_config: Mapping | None = None):
+    check_available("wandb")
+    import wandb  # noqa: PLC0415 - optional dependency
+
+    self._wandb = wandb
+    self._run = wandb.init(project=os.environ.get("WANDB_PROJECT", "arl_jax"), dir=workdir,
+                           name=os.path.basename(os.path.normpath(workdir)),
+                           config=dict(run_config or {}))
+
+  def write(self, record: Mapping) -> None:
+    if "step" not in record:
+      return
+    phase = "eval" if "eval_reward" in record and "reward_mean" not in record else \
+        record.get("phase", "run")
+    values = dict(_scalars(phase, {k: v for k, v in record.items() if k not in ("phase", "step")}))
+    if values:
+      self._run.log(values, step=int(record["step"]) if phase == "rl" else None)
+
+  def close(self) -> None:
+    self._run.finish()
+
+
 class MultiWriter:
   """Writes every record to each sink."""
 
@@ -112,11 +137,14 @@ class MultiWriter:
       w.close()
 
 
-def make_writer(workdir: str, names=("jsonl",)) -> MultiWriter:
-  """JSON lines always, plus the other named sinks."""
+def make_writer(workdir: str, names=("jsonl",), run_config: Mapping | None = None) -> MultiWriter:
+  """JSON lines always, plus the other named sinks (`run_config`: the resolved
+  config, for sinks that record it)."""
   writers = [JsonlWriter(workdir)]
   if "tensorboard" in names:
     writers.append(TensorBoardWriter(workdir))
+  if "wandb" in names:
+    writers.append(WandbWriter(workdir, run_config))
   return MultiWriter(writers)
 
 

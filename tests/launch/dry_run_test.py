@@ -87,3 +87,17 @@ def test_the_tpu_config_plans_inside_a_v5e_chip(tmp_path):
   plan = dry_run.plan(spec, 8)
   assert dict(plan.learner.mesh) == {"fsdp": 4, "tp": 1}
   assert plan.per_device_peak() < 0.9 * 16 * 1024**3
+
+
+def test_coordinator_flags_initialise_jax_distributed():
+  """One process on loopback: `--coordinator_address` brings up jax.distributed."""
+  import socket
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  cmd = [sys.executable, "-m", "arl_jax.launch", "--config=configs/arith.py:tiny", "--dry_run",
+         f"--coordinator_address=127.0.0.1:{port}", "--num_processes=1", "--process_id=0"]
+  proc = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, XLA_FLAGS=""), capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  assert "process 0 of 1 (jax.distributed initialized)" in proc.stdout
