@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 import jax
 import ml_collections
 
+from arl_jax import checkpointing
 from arl_jax.envs import env_api, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import advantages as advantages_lib
@@ -32,6 +33,8 @@ from arl_jax.sharding import mesh_lib
 _TOP_KEYS = ("seed", "num_steps", "log_every", "eval_every", "eval_size")
 # Optional top-level keys and their defaults.
 _OPTIONAL_TOP_KEYS = {"writers": "jsonl"}
+# Optional sections (every key has a default in its dataclass).
+_OPTIONAL_SECTIONS = {"checkpoint": checkpointing.CheckpointConfig}
 _SECTIONS = {
     "model": ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
               "max_seq_len", "rope_theta", "tie_embeddings", "param_dtype", "value_head"),
@@ -74,6 +77,7 @@ class RunSpec:
   eval_every: int
   eval_size: int
   writers: tuple[str, ...]  # metric sinks besides the progress line (metrics/writer.py)
+  checkpoint: checkpointing.CheckpointConfig
   model: model_config_lib.ModelConfig
   mesh: mesh_lib.MeshConfig
   env_name: str
@@ -133,7 +137,8 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
     ConfigError: naming the key, for any invalid or inconsistent setting.
   """
   cfg = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
-  _check_keys(cfg, "<top level>", _TOP_KEYS + tuple(_OPTIONAL_TOP_KEYS) + tuple(_SECTIONS))
+  _check_keys(cfg, "<top level>",
+              _TOP_KEYS + tuple(_OPTIONAL_TOP_KEYS) + tuple(_SECTIONS) + tuple(_OPTIONAL_SECTIONS))
   cfg = {**_OPTIONAL_TOP_KEYS, **cfg}
   _require("env" in cfg and "name" in cfg["env"], "env.name", "missing")
   env_name = cfg["env"]["name"]
@@ -164,6 +169,11 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
       writer_lib.check_available(name)
     except ImportError as e:
       raise ConfigError(f"config.writers: {e}") from e
+
+  checkpoint_cfg = cfg.get("checkpoint", {})
+  _check_keys(checkpoint_cfg, "checkpoint",
+              tuple(f.name for f in dataclasses.fields(checkpointing.CheckpointConfig)))
+  checkpoint = _wrap("checkpoint", checkpointing.CheckpointConfig, **checkpoint_cfg)
 
   tokenizer_cfg = _wrap("tokenizer", tokenizer_lib.TokenizerConfig, **cfg["tokenizer"])
   try:
@@ -344,7 +354,8 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
 
   return RunSpec(
       seed=cfg["seed"], num_steps=cfg["num_steps"], log_every=cfg["log_every"],
-      eval_every=cfg["eval_every"], eval_size=cfg["eval_size"], writers=writers, model=model,
+      eval_every=cfg["eval_every"], eval_size=cfg["eval_size"], writers=writers,
+      checkpoint=checkpoint, model=model,
       mesh=mesh,
       env_name=env_name, env=env, data=data_cfg, tokenizer=tokenizer_cfg,
       num_env_workers=env_cfg["num_workers"],

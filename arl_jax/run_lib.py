@@ -12,8 +12,11 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import json
 import os
+import signal
+import threading
 import time
 
 import jax
@@ -21,7 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from arl_jax import config_lib, evaluation
+from arl_jax import checkpointing, config_lib, evaluation
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.envs import env_api, prompt_data, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
@@ -127,8 +130,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   holder = {"params": params}
   clock = {"rl_start": None}
   params_now = lambda: holder["params"]
+  # Restore order: this workdir's latest checkpoint, then checkpoint.resume_from.
+  checkpointer, resume = _checkpoints(spec.checkpoint, workdir)
 
-  if spec.warmup.steps:
+  if spec.warmup.steps and resume is None:
     evaluate(0, "warmup")
     w = spec.warmup
     num_chosen = max(1, int(w.fraction * len(train_prompts)))
@@ -149,6 +154,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
 
   optimizer = optim_lib.make_optimizer(spec.optim)
   state, state_shardings = train_state_lib.create(holder["params"], optimizer, meshes.learner)
+  start_step, prompts_drawn = 0, 0
+  if resume is not None:
+    state, record = resume.restore(checkpointing.abstract_like(state, state_shardings))
+    start_step, prompts_drawn = int(record["version"]), int(record["prompts_drawn"])
+    print_fn(f"resumed from {resume.directory} at version {start_step} ({prompts_drawn} "
+             "prompts already drawn)")
   # The KL penalty's reference policy: the params RL starts from (after any
   # warm-up), a copy that the donated update step never touches.
   reference = (jax.tree.map(jnp.copy, state.params) if spec.loss.kl_coef > 0 else None)
@@ -156,13 +167,16 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
                                         settings=spec.loss, state_shardings=state_shardings,
                                         mesh=meshes.learner, reference_params=reference)
   holder["params"] = state.params
-  evaluate(0, "rl")
+  evaluate(start_step, "rl")
 
   publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings,
                                           dtype=spec.sampler_model.param_dtype)
   orchestrator = orchestrator_lib.Orchestrator(
       dispatch_cfg=spec.dispatch, buffer_cfg=spec.buffer,
-      prompts=_prompt_stream(env, train_prompts, spec.seed, spec.data.num_epochs),
+      # A resumed run continues the same stream after the prompts already drawn.
+      prompts=itertools.islice(
+          _prompt_stream(env, train_prompts, spec.seed, spec.data.num_epochs), prompts_drawn,
+          None),
       encode_fn=env.encode_prompt,
       env_name_of=lambda prompt: env_api.env_name_of(env, prompt),
       max_new_tokens=spec.engine.max_new_tokens,
@@ -179,7 +193,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env))
   env_runner.connect(engine.resume)
 
-  version = 0
+  orchestrator.dispatcher.prompts_drawn = prompts_drawn
+  version = start_step
   publisher.publish(state.params, version)
   orchestrator.publish(version, trained=[])
   engine.start()
@@ -189,8 +204,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   rl_start = clock["rl_start"] = time.monotonic()
   last_time = rl_start
   learner_wait = 0.0  # seconds the learner spent waiting for a batch
+  stop_requested = _StopRequest()
+  saved_version = start_step
   try:
-    for step in range(spec.num_steps):
+    for step in range(start_step, spec.num_steps):
+      if stop_requested:
+        print_fn(f"stopping after {step} updates: {stop_requested.reason}")
+        break
       wait_start = time.monotonic()
       try:
         batch = _cut_batch(orchestrator, (engine, env_runner), version)
@@ -210,6 +230,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       state, metrics = update_fn(state, host_batch)
       version += 1
       holder["params"] = state.params
+      if checkpointer is not None and checkpointer.should_save(version):
+        checkpointer.save(version, state, _run_record(version, orchestrator))
+        saved_version = version
       publisher.publish(state.params, version)
       cancelled = orchestrator.publish(version, trained=batch.groups)
       engine.cancel(cancelled)
@@ -238,9 +261,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       writer.write({"phase": "rl", **record})
       if spec.log_every and (step % spec.log_every == 0 or is_last or "eval_reward" in record):
         print_fn(writer_lib.progress_line(record))
+  except KeyboardInterrupt:
+    stop_requested.reason = "interrupted (Ctrl-C)"
+    print_fn(f"stopping after {version} updates: {stop_requested.reason}")
   finally:
     # Stop everything first; a sampler or env failure is raised afterwards
     # (below), so cleanup always runs and never masks the learner's own error.
+    stop_requested.restore()
+    if (checkpointer is not None and spec.checkpoint.save_final
+        and version != saved_version):
+      checkpointer.save(version, state, _run_record(version, orchestrator))
+    if checkpointer is not None:
+      checkpointer.close()  # waits for the last asynchronous save
     orchestrator.close()
     engine.stop(raise_errors=False)
     env_runner.close()
@@ -257,6 +289,52 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
            f"{drops['tasks_seen']} tasks never trained; {wall:.1f}s wall")
   return RunResult(history=history, eval_history=eval_history, groups_trained=groups_trained,
                    final_version=version, trained_batches=batches, wall_seconds=wall)
+
+
+class _StopRequest:
+  """Truthy once SIGTERM arrived (a preemption): the loop stops after the
+  current update and the final checkpoint is saved."""
+
+  def __init__(self):
+    self.reason = ""
+    self._previous = None
+    if threading.current_thread() is threading.main_thread():
+      self._previous = signal.signal(signal.SIGTERM, self._on_signal)
+
+  def _on_signal(self, signum, frame):
+    del frame
+    self.reason = f"signal {signal.Signals(signum).name}"
+
+  def __bool__(self) -> bool:
+    return bool(self.reason)
+
+  def restore(self) -> None:
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
+      self._previous = None
+
+
+def _checkpoints(cfg: checkpointing.CheckpointConfig, workdir: str):
+  """`(checkpointer to save with or None, checkpointer to resume from or None)`."""
+  own = os.path.join(workdir, "checkpoints")
+  saver = checkpointing.Checkpointer(own, cfg) if cfg.enabled else None
+  if saver is not None and saver.latest_step() is not None:
+    return saver, saver
+  if not cfg.enabled and os.path.isdir(own):
+    reader = checkpointing.Checkpointer(own, cfg)
+    if reader.latest_step() is not None:
+      return None, reader
+  if cfg.resume_from:
+    reader = checkpointing.Checkpointer(cfg.resume_from, cfg)
+    if reader.latest_step() is None:
+      raise FileNotFoundError(f"checkpoint.resume_from={cfg.resume_from!r}: no checkpoint there")
+    return saver, reader
+  return saver, None
+
+
+def _run_record(version: int, orchestrator) -> dict:
+  """What a resume needs besides the TrainState (JSON)."""
+  return {"version": version, "prompts_drawn": orchestrator.dispatcher.prompts_drawn}
 
 
 def _eval_prompts(env, heldout, size: int) -> list:

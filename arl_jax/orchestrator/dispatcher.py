@@ -100,6 +100,7 @@ class Dispatcher:
     self.num_cancelled = 0
     self.num_requeued = 0
     self.exhausted = False  # the prompt stream has ended
+    self.prompts_drawn = 0  # taken from the stream (requeued prompts not counted again)
 
   def take(self, max_groups: int, live_version: int, timeout: float) -> list[GroupRequest]:
     """Starts up to `max_groups` groups at `live_version`.
@@ -126,6 +127,7 @@ class Dispatcher:
           if prompt is None:  # a finite stream (data.num_epochs) ran out
             self.exhausted = True
             break
+          self.prompts_drawn += 1
           prompt_ids, attempt = tuple(self._encode_fn(prompt)), 0
         budget = self._budget_fn(prompt) if self._budget_fn is not None else None
         if budget is not None and budget < 1:

@@ -1,0 +1,86 @@
+"""Learner checkpoints: exact round trip, onto another mesh, safe under donation, resumable."""
+
+import jax
+import numpy as np
+import pytest
+
+from arl_jax import checkpointing, config_lib, run_lib
+from arl_jax.learner import optim as optim_lib
+from arl_jax.learner import train_state as train_state_lib
+from arl_jax.models import init_lib
+from arl_jax.sharding import mesh_lib
+from arl_jax.sharding import rules as rules_lib
+from arl_jax.testing import tiny
+
+
+def _state(learner_devices: int, seed: int):
+  cfg = tiny.tiny_model_config()
+  meshes = mesh_lib.make_role_meshes(
+      mesh_lib.MeshConfig(placement="disaggregated", learner_devices=learner_devices),
+      jax.devices()[:2 * learner_devices])
+  _, params, _ = init_lib.init_params(cfg, meshes.learner, rules_lib.LEARNER_RULES, seed)
+  optimizer = optim_lib.make_optimizer(optim_lib.OptimConfig(lr=1e-3))
+  return train_state_lib.create(params, optimizer, meshes.learner)
+
+
+def test_a_checkpoint_restores_exactly_onto_a_smaller_mesh_despite_donation(tmp_path):
+  state, _ = _state(learner_devices=4, seed=0)
+  saved = jax.device_get(state)
+  ckpt = checkpointing.Checkpointer(str(tmp_path), checkpointing.CheckpointConfig(every_steps=1))
+  ckpt.save(3, state, {"version": 3, "prompts_drawn": 12})
+  # The next update donates the state's buffers while the save may still be
+  # writing: the checkpoint must hold the values as they were at save().
+  scramble = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
+  jax.block_until_ready(scramble(state))
+  ckpt.wait()
+  target, target_shardings = _state(learner_devices=2, seed=1)
+  restored, record = ckpt.restore(checkpointing.abstract_like(target, target_shardings))
+  assert record == {"format_version": checkpointing.FORMAT_VERSION, "version": 3,
+                    "prompts_drawn": 12}
+  embed = restored.params["embed"][...]
+  assert embed.sharding.mesh.shape["fsdp"] == 2  # laid out as the new run asks
+  for want, got in zip(jax.tree.leaves(saved), jax.tree.leaves(restored)):
+    np.testing.assert_array_equal(want, np.asarray(got))
+  ckpt.close()
+
+
+def test_an_incompatible_checkpoint_is_named(tmp_path, monkeypatch):
+  state, shardings = _state(learner_devices=4, seed=0)
+  monkeypatch.setattr(checkpointing, "FORMAT_VERSION", 0)
+  ckpt = checkpointing.Checkpointer(str(tmp_path), checkpointing.CheckpointConfig(keep=1))
+  ckpt.save(1, state, {"version": 1})
+  ckpt.wait()
+  monkeypatch.setattr(checkpointing, "FORMAT_VERSION", 1)
+  with pytest.raises(checkpointing.CheckpointFormatError, match="checkpoint format 0, this code reads format 1"):
+    ckpt.restore(checkpointing.abstract_like(state, shardings))
+  ckpt.close()
+
+
+def test_a_run_resumes_from_its_workdir_and_continues_the_versions(tmp_path):
+  config = tiny.load_config("arith", "tiny")
+  config.num_steps = 4
+  config.eval_every = 0
+  config.checkpoint = {"every_steps": 2, "keep": 2}
+  first = run_lib.run(config, str(tmp_path), print_fn=lambda *_: None, keep_batches=True)
+  assert first.final_version == 4
+  assert checkpointing.Checkpointer(str(tmp_path / "checkpoints"),
+                                    checkpointing.CheckpointConfig()).latest_step() == 4
+  config.num_steps = 6
+  lines = []
+  second = run_lib.run(config, str(tmp_path), print_fn=lines.append, keep_batches=True)
+  assert any("resumed from" in line and "version 4" in line for line in lines)
+  assert second.final_version == 6
+  assert [r["step"] for r in second.history] == [4, 5]
+  assert [b["batch_version"] for b in second.trained_batches] == [4, 5]
+  # Groups of the resumed run were dispatched at versions >= 4.
+  assert min(min(b["dispatch_versions"]) for b in second.trained_batches) >= 4
+
+
+def test_bad_checkpoint_settings_name_the_key():
+  config = tiny.load_config("arith", "tiny")
+  config.checkpoint = {"every_steps": -1}
+  with pytest.raises(config_lib.ConfigError, match="checkpoint.every_steps"):
+    config_lib.build(config)
+  config.checkpoint = {"evry_steps": 1}
+  with pytest.raises(config_lib.ConfigError, match=r"config.checkpoint: unknown key\(s\)"):
+    config_lib.build(config)
