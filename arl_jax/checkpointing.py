@@ -12,9 +12,13 @@ Restoring takes the abstract state of the run being resumed (shapes, dtypes
 and *its* shardings), so a checkpoint written on one learner mesh restores
 onto another (for example 4 learner devices to 2).
 
-Not yet saved (the checkpoints issue): the rollouts in the buffer and in
-flight, and the environment episode state; a resume re-dispatches from the
-next unread prompt, so the prompts in flight at the save are not trained.
+The run record also holds how far the prompt stream was read and the prompt
+of every group started but not yet trained or dropped (in flight or in the
+buffer; `Dispatcher.pending_work`). A resume dispatches those again first,
+then reads on, so no prompt is lost or trained twice. What is not saved yet
+(the checkpoints issue): the partial rollouts themselves (tokens, log-probs,
+versions) and environment episode state, so that work is regenerated rather
+than continued from its prefix.
 """
 
 from __future__ import annotations

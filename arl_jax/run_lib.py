@@ -26,7 +26,7 @@ import numpy as np
 
 from arl_jax import checkpointing, config_lib, evaluation
 from arl_jax import train_batch as train_batch_lib
-from arl_jax.envs import env_api, prompt_data, prompt_source, registry
+from arl_jax.envs import env_api, prompt_codec, prompt_data, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib
@@ -154,12 +154,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
 
   optimizer = optim_lib.make_optimizer(spec.optim)
   state, state_shardings = train_state_lib.create(holder["params"], optimizer, meshes.learner)
-  start_step, prompts_drawn = 0, 0
+  start_step, prompts_drawn, pending = 0, 0, None
   if resume is not None:
     state, record = resume.restore(checkpointing.abstract_like(state, state_shardings))
     start_step, prompts_drawn = int(record["version"]), int(record["prompts_drawn"])
+    pending = _pending_from_json(record["pending"])
     print_fn(f"resumed from {resume.directory} at version {start_step} ({prompts_drawn} "
-             "prompts already drawn)")
+             f"prompts drawn; {len(pending['unfinished'])} unfinished groups and "
+             f"{len(pending['requeued'])} requeued prompts dispatched again first)")
   # The KL penalty's reference policy: the params RL starts from (after any
   # warm-up), a copy that the donated update step never touches.
   reference = (jax.tree.map(jnp.copy, state.params) if spec.loss.kl_coef > 0 else None)
@@ -194,6 +196,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   env_runner.connect(engine.resume)
 
   orchestrator.dispatcher.prompts_drawn = prompts_drawn
+  if pending is not None:
+    orchestrator.dispatcher.restore_pending(pending)
   version = start_step
   publisher.publish(state.params, version)
   orchestrator.publish(version, trained=[])
@@ -230,11 +234,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       state, metrics = update_fn(state, host_batch)
       version += 1
       holder["params"] = state.params
+      publisher.publish(state.params, version)
+      cancelled = orchestrator.publish(version, trained=batch.groups)
+      # After the publish retired the trained groups: they must not count as unfinished.
       if checkpointer is not None and checkpointer.should_save(version):
         checkpointer.save(version, state, _run_record(version, orchestrator))
         saved_version = version
-      publisher.publish(state.params, version)
-      cancelled = orchestrator.publish(version, trained=batch.groups)
       engine.cancel(cancelled)
       env_runner.cancel(cancelled)
       groups_trained += len(batch.groups)
@@ -253,7 +258,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
                         "behaviour_logprobs": host_batch.behaviour_logprobs.copy(),
                         "loss_mask": host_batch.loss_mask.copy(),
                         "dispatch_versions": [g.dispatch_version for g in batch.groups],
-                        "group_ids": [g.group_id for g in batch.groups]})
+                        "group_ids": [g.group_id for g in batch.groups],
+                        "prompt_ids": [g.prompt_id for g in batch.groups]})
       is_last = step == spec.num_steps - 1
       if spec.eval_every and ((step + 1) % spec.eval_every == 0 or is_last):
         record["eval_reward"] = evaluate(step + 1, "rl")
@@ -333,8 +339,29 @@ def _checkpoints(cfg: checkpointing.CheckpointConfig, workdir: str):
 
 
 def _run_record(version: int, orchestrator) -> dict:
-  """What a resume needs besides the TrainState (JSON)."""
-  return {"version": version, "prompts_drawn": orchestrator.dispatcher.prompts_drawn}
+  """What a resume needs besides the TrainState (JSON): the policy version,
+  how far the prompt stream was read, and the prompts of every group not yet
+  trained or dropped (in flight or buffered), which a resume dispatches again."""
+  pending = orchestrator.dispatcher.pending_work()
+  return {
+      "version": version,
+      "prompts_drawn": pending["prompts_drawn"],
+      "pending": {
+          "unfinished": [[gid, prompt_codec.to_json(p), attempt]
+                         for gid, p, attempt in pending["unfinished"]],
+          "requeued": [[prompt_codec.to_json(p), attempt] for p, attempt in pending["requeued"]],
+          "next_group_id": pending["next_group_id"],
+      },
+  }
+
+
+def _pending_from_json(record: dict) -> dict:
+  return {
+      "unfinished": [(gid, prompt_codec.from_json(p), attempt)
+                     for gid, p, attempt in record["unfinished"]],
+      "requeued": [(prompt_codec.from_json(p), attempt) for p, attempt in record["requeued"]],
+      "next_group_id": record["next_group_id"],
+  }
 
 
 def _eval_prompts(env, heldout, size: int) -> list:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -87,12 +86,13 @@ class Dispatcher:
     self._buffer = buffer
     self._clock = clock
     self._cond = threading.Condition()
-    self._next_group_id = itertools.count()
+    self._next_group_id = 0
     self._in_system: dict[int, GroupRequest] = {}  # started, not yet retired
     self._generating: set[int] = set()  # in flight: sampler or environment
     self._oldest_sampled: dict[int, int] = {}  # group_id -> first sampled version
-    # Prompts of dropped groups, dispatched before new ones: (prompt, ids, attempt).
-    self._requeued: collections.deque[tuple[object, tuple[int, ...], int]] = (
+    # Prompts dispatched before new ones: (prompt, ids or None to encode, attempt).
+    # Dropped groups' prompts, and after a resume the unfinished ones.
+    self._requeued: collections.deque[tuple[object, tuple[int, ...] | None, int]] = (
         collections.deque())
     self._closed = False
     self._live_version = 0
@@ -121,6 +121,8 @@ class Dispatcher:
              and len(self._in_system) < self._cfg.capacity):
         if self._requeued:
           prompt, prompt_ids, attempt = self._requeued.popleft()
+          if prompt_ids is None:
+            prompt_ids = tuple(self._encode_fn(prompt))
         else:
           # Fetch and encode first: if that raises, no group is left registered.
           prompt = next(self._prompts, None)
@@ -133,9 +135,10 @@ class Dispatcher:
         if budget is not None and budget < 1:
           raise ValueError(f"prompt {prompt.prompt_id}: completion budget {budget} is < 1")
         request = GroupRequest(
-            group_id=next(self._next_group_id), prompt=prompt, prompt_ids=prompt_ids,
+            group_id=self._next_group_id, prompt=prompt, prompt_ids=prompt_ids,
             dispatch_version=live_version, group_size=self._cfg.group_size,
             dispatch_time=self._clock(), attempt=attempt, max_new_tokens=budget)
+        self._next_group_id += 1
         self._in_system[request.group_id] = request
         self._generating.add(request.group_id)
         self._buffer.register_dispatch(request.group_id, live_version)
@@ -188,6 +191,40 @@ class Dispatcher:
     with self._cond:
       self.num_cancelled += len(doomed)
     return doomed
+
+  def pending_work(self) -> dict:
+    """What a resumed run must dispatch again, so that no prompt is lost:
+    every group started and not yet retired (in flight or in the buffer; their
+    partial work is regenerated, not restored) in group-id order, then the
+    requeued prompts. Prompt records are returned as they are (the caller
+    serialises them)."""
+    with self._cond:
+      unfinished = sorted(self._in_system.values(), key=lambda r: r.group_id)
+      return {
+          "prompts_drawn": self.prompts_drawn,  # read under the same lock
+          "unfinished": [(r.group_id, r.prompt, r.attempt) for r in unfinished],
+          "requeued": [(prompt, attempt) for prompt, _, attempt in self._requeued],
+          "next_group_id": self._next_group_id,
+      }
+
+  def restore_pending(self, work: dict) -> None:
+    """Queues a saved `pending_work` ahead of new prompts (before any `take`).
+
+    When the unfinished groups were the last ones issued (ids first..next-1,
+    none retired among them: FIFO and synchronous runs), ids restart at the
+    first of them, so a deterministic run resumes drawing exactly the samples
+    it would have drawn (sampling keys depend on the group id); otherwise new
+    ids continue after the last one issued, so no key is reused.
+    """
+    with self._cond:
+      if self._next_group_id or self._in_system:
+        raise RuntimeError("restore_pending must come before any dispatch")
+      ids = [gid for gid, _, _ in work["unfinished"]]
+      self._requeued.extend((prompt, None, attempt) for _, prompt, attempt in work["unfinished"])
+      self._requeued.extend((prompt, None, attempt) for prompt, attempt in work["requeued"])
+      last = work["next_group_id"]
+      contiguous = bool(ids) and ids == list(range(ids[0], last)) and not work["requeued"]
+      self._next_group_id = ids[0] if contiguous else last
 
   @property
   def drained(self) -> bool:
