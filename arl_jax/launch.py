@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import sys
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
@@ -67,6 +67,9 @@ def dry_run(config, num_devices: int | None, print_fn=print) -> None:
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if not flags.FLAGS["verbosity"].present:
+    # orbax logs every checkpoint step at INFO; the progress line says what matters.
+    logging.set_verbosity(logging.WARNING)
   if _DISTRIBUTED.value or _COORDINATOR.value:
     _initialize_distributed()
   if _DRY_RUN.value:

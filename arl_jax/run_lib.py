@@ -75,6 +75,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   heldout_source = prompt_source.load(spec.env_name, spec.env, spec.data, "heldout")
   train_prompts, heldout = train.prompts, heldout_source.prompts
   eval_prompts = _eval_prompts(env, heldout, spec.eval_size)
+  # What happened to every group: trained at a version, or dropped (and why).
+  audit = writer_lib.JsonlWriter(workdir, "groups.jsonl")
   writer = writer_lib.make_writer(
       workdir, spec.writers, run_config=config.to_dict() if hasattr(config, "to_dict") else config)
   print_fn(f"arl_jax: {spec.model.num_params / 1e6:.2f}M params | learner mesh "
@@ -183,7 +185,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       env_name_of=lambda prompt: env_api.env_name_of(env, prompt),
       max_new_tokens=spec.engine.max_new_tokens,
       mask_truncated_completions=spec.mask_truncated_completions,
-      budget_fn=functools.partial(env_api.budget_of, env))
+      budget_fn=functools.partial(env_api.budget_of, env),
+      audit_fn=audit.write)
   env_runner = env_runner_lib.EnvRunner(
       env, on_group_fn=orchestrator.group_finished, max_new_tokens=spec.engine.max_new_tokens,
       num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s,
@@ -195,6 +198,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env))
   env_runner.connect(engine.resume)
 
+  if resume is not None:  # later events supersede those after the checkpoint
+    audit.write({"event": "resumed", "version": start_step})
   orchestrator.dispatcher.prompts_drawn = prompts_drawn
   if pending is not None:
     orchestrator.dispatcher.restore_pending(pending)
@@ -283,6 +288,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     engine.stop(raise_errors=False)
     env_runner.close()
     writer.close()
+    audit.close()
   engine.raise_if_failed()
   env_runner.raise_if_failed()
   wall = time.monotonic() - start_time

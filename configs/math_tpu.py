@@ -83,6 +83,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict(dict(train_path="", heldout_path="",
                                                on_malformed="skip", num_epochs=0))
 
+  config.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, keep=3, save_final=True,
+                                                     resume_from=""))
+
   # No supervised warm-up: an instruction-tuned checkpoint already answers.
   config.warmup = ml_collections.ConfigDict(dict(steps=0, batch_size=64, lr=1e-5,
                                                  fraction=0.3))

@@ -93,6 +93,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict(dict(train_path="", heldout_path="",
                                                on_malformed="error", num_epochs=0))
 
+  # Learner checkpoints in <workdir>/checkpoints (0: none); see README "Checkpoints".
+  config.checkpoint = ml_collections.ConfigDict(dict(every_steps=0, keep=3, save_final=False,
+                                                     resume_from=""))
+
   config.warmup = ml_collections.ConfigDict(dict(steps=100, batch_size=64, lr=1e-3,
                                                  fraction=0.5))
 

@@ -84,7 +84,8 @@ class Orchestrator:
                env_name_of: Callable[[object], str], max_new_tokens: int,
                mask_truncated_completions: bool = False,
                clock: Callable[[], float] = time.monotonic,
-               budget_fn: Callable[[object], int | None] | None = None):
+               budget_fn: Callable[[object], int | None] | None = None,
+               audit_fn: Callable[[dict], None] | None = None):
     if dispatch_cfg.staleness_reference != buffer_cfg.staleness_reference:
       raise ValueError("the dispatcher and the buffer must use the same staleness_reference")
     self.dispatch_cfg = dispatch_cfg
@@ -94,6 +95,9 @@ class Orchestrator:
                                                 clock, budget_fn)
     self.ledger = drop_ledger_lib.DropLedger(max_new_tokens, mask_truncated_completions)
     self._env_name_of = env_name_of  # prompt record -> environment name
+    # Receives one event per retired group: trained, or dropped as stale or
+    # cancelled (`groups.jsonl`: the run's record of what happened to each prompt).
+    self._audit_fn = audit_fn or (lambda event: None)
     self._lock = threading.Lock()
     self._live_version = 0
     self._stale_since_cut: list[rollout_lib.Group] = []
@@ -120,6 +124,8 @@ class Orchestrator:
     if result.stale:
       self.ledger.record_stale(result.stale)
       self.dispatcher.retire([g.group_id for g in result.stale], dropped=True)
+      for g in result.stale:
+        self._audit(g.group_id, g.prompt_id, "dropped_stale", batch_version, g.dispatch_version)
       self._stale_since_cut.extend(result.stale)
     if result.groups is None:
       return None
@@ -164,8 +170,17 @@ class Orchestrator:
     for request in cancelled:
       self.ledger.record_cancelled(request.prompt.prompt_id, self._env_name_of(request.prompt),
                                    request.group_size)
+      self._audit(request.group_id, request.prompt.prompt_id, "dropped_cancelled", version,
+                  request.dispatch_version)
     self.dispatcher.retire([g.group_id for g in trained])
+    for g in trained:  # trained by the update that produced `version`
+      self._audit(g.group_id, g.prompt_id, "trained", version, g.dispatch_version)
     return [r.group_id for r in cancelled]
+
+  def _audit(self, group_id: int, prompt_id: int, event: str, version: int,
+             dispatch_version: int) -> None:
+    self._audit_fn({"event": event, "version": version, "group_id": group_id,
+                    "prompt_id": prompt_id, "dispatch_version": dispatch_version})
 
   def close(self) -> None:
     self.dispatcher.close()
