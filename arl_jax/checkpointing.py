@@ -12,7 +12,8 @@ Restoring takes the abstract state of the run being resumed (shapes, dtypes
 and *its* shardings), so a checkpoint written on one learner mesh restores
 onto another (for example 4 learner devices to 2).
 
-The run record also holds how far the prompt stream was read and the prompt
+The run record also holds the prompt stream's position (the grain iterator's
+state, and the count of prompts drawn) and the prompt
 of every group started but not yet trained or dropped (in flight or in the
 buffer; `Dispatcher.pending_work`). A resume dispatches those again first,
 then reads on, so no prompt is lost or trained twice. What is not saved yet

@@ -156,11 +156,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
 
   optimizer = optim_lib.make_optimizer(spec.optim)
   state, state_shardings = train_state_lib.create(holder["params"], optimizer, meshes.learner)
-  start_step, prompts_drawn, pending = 0, 0, None
+  start_step, prompts_drawn, pending, stream_state = 0, 0, None, None
   if resume is not None:
     state, record = resume.restore(checkpointing.abstract_like(state, state_shardings))
     start_step, prompts_drawn = int(record["version"]), int(record["prompts_drawn"])
     pending = _pending_from_json(record["pending"])
+    stream_state = record.get("stream_state")
     print_fn(f"resumed from {resume.directory} at version {start_step} ({prompts_drawn} "
              f"prompts drawn; {len(pending['unfinished'])} unfinished groups and "
              f"{len(pending['requeued'])} requeued prompts dispatched again first)")
@@ -177,10 +178,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
                                           dtype=spec.sampler_model.param_dtype)
   orchestrator = orchestrator_lib.Orchestrator(
       dispatch_cfg=spec.dispatch, buffer_cfg=spec.buffer,
-      # A resumed run continues the same stream after the prompts already drawn.
-      prompts=itertools.islice(
-          _prompt_stream(env, train_prompts, spec.seed, spec.data.num_epochs), prompts_drawn,
-          None),
+      prompts=_resumed_stream(
+          _prompt_stream(env, train_prompts, spec.seed, spec.data.num_epochs), stream_state,
+          prompts_drawn),
       encode_fn=env.encode_prompt,
       env_name_of=lambda prompt: env_api.env_name_of(env, prompt),
       max_new_tokens=spec.engine.max_new_tokens,
@@ -352,6 +352,7 @@ def _run_record(version: int, orchestrator) -> dict:
   return {
       "version": version,
       "prompts_drawn": pending["prompts_drawn"],
+      "stream_state": pending["stream_state"],
       "pending": {
           "unfinished": [[gid, prompt_codec.to_json(p), attempt]
                          for gid, p, attempt in pending["unfinished"]],
@@ -359,6 +360,15 @@ def _run_record(version: int, orchestrator) -> dict:
           "next_group_id": pending["next_group_id"],
       },
   }
+
+
+def _resumed_stream(stream, state: dict | None, drawn: int):
+  """The prompt stream where a resumed run left it: the grain iterator's saved
+  position, or (for a stream without one) after the `drawn` prompts."""
+  if state is not None:
+    stream.set_state(state)
+    return stream
+  return itertools.islice(stream, drawn, None)
 
 
 def _pending_from_json(record: dict) -> dict:

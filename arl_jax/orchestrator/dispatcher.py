@@ -200,8 +200,10 @@ class Dispatcher:
     serialises them)."""
     with self._cond:
       unfinished = sorted(self._in_system.values(), key=lambda r: r.group_id)
+      get_state = getattr(self._prompts, "get_state", None)  # a grain iterator's position
       return {
           "prompts_drawn": self.prompts_drawn,  # read under the same lock
+          "stream_state": get_state() if get_state is not None else None,
           "unfinished": [(r.group_id, r.prompt, r.attempt) for r in unfinished],
           "requeued": [(prompt, attempt) for prompt, _, attempt in self._requeued],
           "next_group_id": self._next_group_id,
