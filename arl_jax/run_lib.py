@@ -161,7 +161,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     state, record = resume.restore(checkpointing.abstract_like(state, state_shardings))
     start_step, prompts_drawn = int(record["version"]), int(record["prompts_drawn"])
     pending = _pending_from_json(record["pending"])
-    stream_state = record.get("stream_state")
+    stream_state, ledger_record = record.get("stream_state"), record["drop_ledger"]
+    if resume is not checkpointer:
+      resume.close()
     print_fn(f"resumed from {resume.directory} at version {start_step} ({prompts_drawn} "
              f"prompts drawn; {len(pending['unfinished'])} unfinished groups and "
              f"{len(pending['requeued'])} requeued prompts dispatched again first)")
@@ -203,6 +205,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   orchestrator.dispatcher.prompts_drawn = prompts_drawn
   if pending is not None:
     orchestrator.dispatcher.restore_pending(pending)
+    orchestrator.ledger.restore(ledger_record)
   version = start_step
   publisher.publish(state.params, version)
   orchestrator.publish(version, trained=[])
@@ -215,6 +218,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   learner_wait = 0.0  # seconds the learner spent waiting for a batch
   stop_requested = _StopRequest()
   saved_version = start_step
+  failed = True  # until the loop ends without an exception (then the state is valid)
   try:
     for step in range(start_step, spec.num_steps):
       if stop_requested:
@@ -272,15 +276,20 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       writer.write({"phase": "rl", **record})
       if spec.log_every and (step % spec.log_every == 0 or is_last or "eval_reward" in record):
         print_fn(writer_lib.progress_line(record))
+    failed = False
   except KeyboardInterrupt:
     stop_requested.reason = "interrupted (Ctrl-C)"
     print_fn(f"stopping after {version} updates: {stop_requested.reason}")
+    failed = False
   finally:
     # Stop everything first; a sampler or env failure is raised afterwards
     # (below), so cleanup always runs and never masks the learner's own error.
     stop_requested.restore()
-    if (checkpointer is not None and spec.checkpoint.save_final
-        and version != saved_version):
+    # Not after an error, nor if an interrupt hit between the donating update
+    # and its result: the state's buffers may be gone.
+    if (checkpointer is not None and spec.checkpoint.save_final and not failed
+        and version != saved_version
+        and not any(x.is_deleted() for x in jax.tree.leaves(state))):
       checkpointer.save(version, state, _run_record(version, orchestrator))
     if checkpointer is not None:
       checkpointer.close()  # waits for the last asynchronous save
@@ -353,6 +362,7 @@ def _run_record(version: int, orchestrator) -> dict:
       "version": version,
       "prompts_drawn": pending["prompts_drawn"],
       "stream_state": pending["stream_state"],
+      "drop_ledger": orchestrator.ledger.to_json(),
       "pending": {
           "unfinished": [[gid, prompt_codec.to_json(p), attempt]
                          for gid, p, attempt in pending["unfinished"]],

@@ -1,5 +1,7 @@
 """Learner checkpoints: exact round trip, onto another mesh, safe under donation, resumable."""
 
+import json
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
@@ -143,3 +145,7 @@ def test_an_async_resume_loses_no_prompt_and_repeats_none(tmp_path):
   assert not set(unfinished) & set(trained_first)
   assert set(unfinished) <= set(trained_second)  # nothing in flight at the save was lost
   assert record["prompts_drawn"] == len(trained_first) + len(unfinished)
+  # Drop and task accounting continues across the resume instead of restarting.
+  with open(tmp_path / "metrics.jsonl") as f:
+    last = [json.loads(line) for line in f if '"phase": "rl"' in line][-1]
+  assert last["tasks_seen"] >= len(set(trained)) > len(set(trained_second))

@@ -107,3 +107,23 @@ def test_killed_runs_resume_without_losing_or_repeating_prompts(tmp_path):
     record = manager.restore(version, args=ocp.args.Composite(run=ocp.args.JsonRestore()))["run"]
     unfinished = {p["prompt_id"] for _, p, _ in record["pending"]["unfinished"]}
     assert unfinished <= retired, "work unfinished at a checkpoint was lost"
+
+
+def test_sigterm_stops_after_the_update_and_saves_it(tmp_path):
+  """A preemption notice (SIGTERM) ends the run cleanly with a checkpoint of
+  the last update, so nothing since the previous periodic save is redone."""
+  workdir = str(tmp_path)
+  cmd = [*_command(workdir), "--config.checkpoint.every_steps=0",
+         "--config.num_steps=1000"]
+  proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=dict(os.environ, XLA_FLAGS=""))
+  deadline = time.monotonic() + 120
+  while _max_trained(workdir) < 2 and time.monotonic() < deadline and proc.poll() is None:
+    time.sleep(0.02)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=120)
+  assert proc.returncode == 0, out[-2000:]
+  assert "stopping after" in out and "signal SIGTERM" in out
+  manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"),
+                                  item_names=("state", "run"))
+  assert manager.latest_step() == _max_trained(workdir) >= 2

@@ -69,6 +69,27 @@ class DropLedger:
     self._retired_by_length: collections.Counter[str] = collections.Counter()
     self.tasks: dict[tuple[str, int], TaskRecord] = {}
 
+  def to_json(self) -> dict:
+    """The cumulative counts, for a checkpoint (a resumed run keeps counting)."""
+    return {
+        "dropped": dict(self.dropped), "retired_rollouts": self.retired_rollouts,
+        "by_env": _nested(self._by_env), "by_length": _nested(self._by_length),
+        "retired_by_length": dict(self._retired_by_length),
+        "tasks": [[env, pid, t.groups_trained, t.groups_dropped, dict(t.rollouts_dropped)]
+                  for (env, pid), t in self.tasks.items()],
+    }
+
+  def restore(self, record: dict) -> None:
+    """Continues from a `to_json` record (before anything is counted)."""
+    self.dropped = collections.Counter(record["dropped"])
+    self.retired_rollouts = record["retired_rollouts"]
+    for mine, saved in ((self._by_env, record["by_env"]), (self._by_length, record["by_length"])):
+      mine.clear()
+      mine.update({k: collections.Counter(v) for k, v in saved.items()})
+    self._retired_by_length = collections.Counter(record["retired_by_length"])
+    self.tasks = {(env, pid): TaskRecord(trained, dropped, collections.Counter(rollouts))
+                  for env, pid, trained, dropped, rollouts in record["tasks"]}
+
   def length_bucket(self, completion_len: int) -> str:
     for lo, hi in self._buckets:
       if completion_len <= hi:

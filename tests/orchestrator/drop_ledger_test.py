@@ -1,5 +1,7 @@
 """Drop accounting by reason, environment, completion length and task."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -70,3 +72,12 @@ def test_masked_rollouts_leave_the_loss_and_the_baseline():
   assert masked.advantages[3] == 0
   # Without the truncated row, the baseline is over the two valid rewards only.
   np.testing.assert_allclose(masked.advantages[:2], [1.0, -1.0], atol=1e-3)
+
+
+def test_the_ledger_round_trips_through_json():
+  ledger = drop_ledger_lib.DropLedger(max_new_tokens=8)
+  ledger.record_cancelled(prompt_id=3, env_name="arith", group_size=4)
+  restored = drop_ledger_lib.DropLedger(max_new_tokens=8)
+  restored.restore(json.loads(json.dumps(ledger.to_json())))
+  assert restored.metrics() == ledger.metrics()
+  assert restored.task_table() == ledger.task_table()
