@@ -75,7 +75,7 @@ class Checkpointer:
         self.directory,
         options=ocp.CheckpointManagerOptions(max_to_keep=cfg.keep, create=True,
                                              enable_async_checkpointing=True),
-        item_names=("state", "run"))
+        item_names=("state", "run", "reference"))
 
   def latest_step(self) -> int | None:
     return self._manager.latest_step()
@@ -83,11 +83,22 @@ class Checkpointer:
   def should_save(self, step: int) -> bool:
     return self._cfg.every_steps > 0 and step % self._cfg.every_steps == 0
 
-  def save(self, step: int, state, run: dict) -> None:
-    """Starts an asynchronous save of `state` and `run` as checkpoint `step`."""
-    record = {"format_version": FORMAT_VERSION, **run}
-    self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                     run=ocp.args.JsonSave(record)), force=True)
+  def save(self, step: int, state, run: dict, reference=None) -> None:
+    """Starts an asynchronous save of `state` and `run` as checkpoint `step`,
+    with the KL penalty's reference params when there are any."""
+    record = {"format_version": FORMAT_VERSION, **run, "has_reference": reference is not None}
+    items = {"state": ocp.args.StandardSave(state), "run": ocp.args.JsonSave(record)}
+    if reference is not None:
+      items["reference"] = ocp.args.StandardSave(reference)
+    self._manager.save(step, args=ocp.args.Composite(**items), force=True)
+
+  def restore_reference(self, step: int, abstract_params):
+    """The reference params saved with checkpoint `step` (None if it has none)."""
+    run = self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))["run"]
+    if not run.get("has_reference"):
+      return None
+    return self._manager.restore(step, args=ocp.args.Composite(
+        reference=ocp.args.StandardRestore(abstract_params)))["reference"]
 
   def restore(self, abstract_state, step: int | None = None):
     """`(state, run record)` of checkpoint `step` (default: the latest), laid

@@ -162,14 +162,18 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     start_step, prompts_drawn = int(record["version"]), int(record["prompts_drawn"])
     pending = _pending_from_json(record["pending"])
     stream_state, ledger_record = record.get("stream_state"), record["drop_ledger"]
-    if resume is not checkpointer:
-      resume.close()
     print_fn(f"resumed from {resume.directory} at version {start_step} ({prompts_drawn} "
              f"prompts drawn; {len(pending['unfinished'])} unfinished groups and "
              f"{len(pending['requeued'])} requeued prompts dispatched again first)")
   # The KL penalty's reference policy: the params RL starts from (after any
   # warm-up), a copy that the donated update step never touches.
   reference = (jax.tree.map(jnp.copy, state.params) if spec.loss.kl_coef > 0 else None)
+  if reference is not None and resume is not None:  # the start of the original run
+    saved = resume.restore_reference(start_step, checkpointing.abstract_like(
+        reference, state_shardings.params))
+    reference = reference if saved is None else saved
+  if resume is not None and resume is not checkpointer:
+    resume.close()
   update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
                                         settings=spec.loss, state_shardings=state_shardings,
                                         mesh=meshes.learner, reference_params=reference)
@@ -247,7 +251,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       cancelled = orchestrator.publish(version, trained=batch.groups)
       # After the publish retired the trained groups: they must not count as unfinished.
       if checkpointer is not None and checkpointer.should_save(version):
-        checkpointer.save(version, state, _run_record(version, orchestrator))
+        checkpointer.save(version, state, _run_record(version, orchestrator), reference)
         saved_version = version
       engine.cancel(cancelled)
       env_runner.cancel(cancelled)
@@ -290,7 +294,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     if (checkpointer is not None and spec.checkpoint.save_final and not failed
         and version != saved_version
         and not any(x.is_deleted() for x in jax.tree.leaves(state))):
-      checkpointer.save(version, state, _run_record(version, orchestrator))
+      checkpointer.save(version, state, _run_record(version, orchestrator), reference)
     if checkpointer is not None:
       checkpointer.close()  # waits for the last asynchronous save
     orchestrator.close()

@@ -39,7 +39,7 @@ def test_a_checkpoint_restores_exactly_onto_a_smaller_mesh_despite_donation(tmp_
   target, target_shardings = _state(learner_devices=2, seed=1)
   restored, record = ckpt.restore(checkpointing.abstract_like(target, target_shardings))
   assert record == {"format_version": checkpointing.FORMAT_VERSION, "version": 3,
-                    "prompts_drawn": 12}
+                    "prompts_drawn": 12, "has_reference": False}
   embed = restored.params["embed"][...]
   assert embed.sharding.mesh.shape["fsdp"] == 2  # laid out as the new run asks
   for want, got in zip(jax.tree.leaves(saved), jax.tree.leaves(restored)):
@@ -149,3 +149,27 @@ def test_an_async_resume_loses_no_prompt_and_repeats_none(tmp_path):
   with open(tmp_path / "metrics.jsonl") as f:
     last = [json.loads(line) for line in f if '"phase": "rl"' in line][-1]
   assert last["tasks_seen"] >= len(set(trained)) > len(set(trained_second))
+
+
+def test_the_kl_reference_survives_a_resume(tmp_path):
+  """The KL penalty keeps pulling toward the params the run started RL from,
+  not toward the params it was resumed with."""
+  config = tiny.load_config("arith", "tiny")
+  config.learner.kl_coef = 0.1
+  config.learner.entropy_coef = 0.01  # moves the params even when every reward is 0
+  config.eval_every = 0
+  config.num_steps = 2
+  config.checkpoint = {"save_final": True}
+  run_lib.run(config, str(tmp_path), print_fn=lambda *_: None)
+  manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"),
+                                  item_names=("state", "run", "reference"))
+  saved = manager.restore(2, args=ocp.args.Composite(reference=ocp.args.StandardRestore(),
+                                                     state=ocp.args.StandardRestore()))
+  reference = jax.tree.leaves(saved["reference"])
+  params = jax.tree.leaves(saved["state"]["params"])
+  assert any(not np.array_equal(r, p) for r, p in zip(reference, params))  # RL moved them
+  config.num_steps = 3
+  run_lib.run(config, str(tmp_path), print_fn=lambda *_: None)
+  again = manager.restore(3, args=ocp.args.Composite(reference=ocp.args.StandardRestore()))
+  for a, b in zip(reference, jax.tree.leaves(again["reference"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
