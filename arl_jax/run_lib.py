@@ -240,7 +240,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       learner_wait += time.monotonic() - wait_start
       host_batch = train_batch_lib.assemble(
           batch.groups, batch_version=version, prompt_len=spec.engine.prompt_len,
-          max_new_tokens=spec.engine.max_new_tokens, pad_id=tokenizer.pad_id,
+          # Trained columns follow the batch's longest completion, not the budget.
+          max_new_tokens=train_batch_lib.completion_width(batch.groups,
+                                                          spec.engine.max_new_tokens),
+          pad_id=tokenizer.pad_id,
           advantage_estimator=spec.advantage_estimator,
           staleness_reference=spec.buffer.staleness_reference,
           mask_truncated_completions=spec.mask_truncated_completions)

@@ -42,6 +42,18 @@ class TrainBatch:
   lag: jax.Array
 
 
+def completion_width(groups: list[rollout_lib.Group], max_new_tokens: int,
+                     floor: int = 16) -> int:
+  """Columns a batch's completions are padded to: the smallest power of two
+  (at least `floor`) that holds its longest completion, capped at
+  `max_new_tokens`. A batch of short completions then costs the learner a
+  fraction of a full-width one, at the price of one compile per width (a
+  handful: powers of two)."""
+  longest = max(len(r.completion_ids) for g in groups for r in g.rollouts)
+  width = max(floor, 1 << max(longest - 1, 0).bit_length())
+  return min(width, max_new_tokens)
+
+
 def assemble(groups: list[rollout_lib.Group], *, batch_version: int, prompt_len: int,
              max_new_tokens: int, pad_id: int, advantage_estimator: str,
              staleness_reference: str, mask_truncated_completions: bool = False) -> TrainBatch:

@@ -298,3 +298,42 @@ def test_vtrace_actor_critic_learns_values_from_the_last_token_reward():
   assert history[-1]["value_loss"] < 0.6 * history[0]["value_loss"]
   assert np.isfinite(history[-1]["explained_variance"])
   assert all(h["skipped_steps"] == 0 for h in history)
+
+
+def test_trimming_padding_columns_changes_nothing():
+  """A batch trained at its completions' width (`train_batch.completion_width`)
+  updates the params exactly as the same batch padded to the full budget."""
+  rng = np.random.default_rng(7)
+  short = _random_batch(rng, new=6)
+  pad = 10  # columns of pure padding (no token, no loss) after the completions
+  padded = train_batch_lib.TrainBatch(**{
+      name: (np.concatenate([value, np.full((value.shape[0], pad), fill, value.dtype)], 1)
+             if value.ndim == 2 else value)
+      for name, fill, value in [
+          (f, {"tokens": PAD, "token_versions": -1}.get(f, 0), getattr(short, f))
+          for f in train_batch_lib.TrainBatch.__dataclass_fields__]})
+  results = []
+  for batch in (short, padded):
+    state, update_fn, _ = _setup()
+    state, metrics = update_fn(state, batch)
+    results.append((jax.device_get(state.params), float(metrics["loss"])))
+  (params_a, loss_a), (params_b, loss_b) = results
+  assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7)
+  for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_completion_width_is_a_power_of_two_within_the_budget():
+  class _Rollout:
+    def __init__(self, n):
+      self.completion_ids = np.zeros(n, np.int32)
+
+  class _Group:
+    def __init__(self, *lengths):
+      self.rollouts = [_Rollout(n) for n in lengths]
+
+  width = train_batch_lib.completion_width
+  assert width([_Group(3, 5)], 256) == 16  # the floor
+  assert width([_Group(3), _Group(17)], 256) == 32  # the longest completion of the batch
+  assert width([_Group(200)], 256) == 256
+  assert width([_Group(10)], 12) == 12  # never past the budget
