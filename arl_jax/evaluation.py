@@ -65,7 +65,7 @@ class Evaluator:
         stop_ids=env_api.sampler_stop_ids(tokenizer, env))
     # Which stop tokens end each prompt's segments (they differ in a mixture).
     self._stop_mask = np.array(
-        [[i in env_api.segment_stop_ids(tokenizer, env, p) for i in settings.stop_ids]
+        [sampling.stop_mask_row(settings, env_api.segment_stop_ids(tokenizer, env, p))
          for p in self._prompts], bool).reshape(rows, len(settings.stop_ids))
     self._fns = engine_lib.make_sampler_fns(
         graphdef=graphdef, model_cfg=model_cfg, mesh=mesh, settings=settings, num_slots=rows,

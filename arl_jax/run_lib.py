@@ -353,6 +353,8 @@ def _checkpoints(cfg: checkpointing.CheckpointConfig, workdir: str):
     if reader.latest_step() is not None:
       return None, reader
   if cfg.resume_from:
+    if not os.path.isdir(cfg.resume_from):  # (a Checkpointer would create it)
+      raise FileNotFoundError(f"checkpoint.resume_from={cfg.resume_from!r}: no such folder")
     reader = checkpointing.Checkpointer(cfg.resume_from, cfg)
     if reader.latest_step() is None:
       raise FileNotFoundError(f"checkpoint.resume_from={cfg.resume_from!r}: no checkpoint there")

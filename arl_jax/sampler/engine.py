@@ -489,14 +489,12 @@ class SamplerEngine:
 
   def _stop_mask(self, request: dispatcher_lib.GroupRequest) -> np.ndarray:
     """Which of `settings.stop_ids` end segments of `request`'s episodes."""
-    known = self._settings.stop_ids
     if self._stop_ids_fn is None:
-      return np.ones((len(known),), bool)
-    wanted = set(self._stop_ids_fn(request.prompt)) - {self._settings.eos_id}
-    if not wanted <= set(known):
-      raise ValueError(f"group {request.group_id}: stop ids {sorted(wanted - set(known))} are "
-                       f"not among the sampler's stop_ids {known}")
-    return np.array([i in wanted for i in known], bool)
+      return np.ones((len(self._settings.stop_ids),), bool)
+    try:
+      return sampling.stop_mask_row(self._settings, self._stop_ids_fn(request.prompt))
+    except ValueError as e:
+      raise ValueError(f"group {request.group_id}: {e}") from e
 
   # -- cancellation ------------------------------------------------------------
 

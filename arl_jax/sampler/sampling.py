@@ -100,6 +100,21 @@ class SlotState:
   keys: jax.Array
 
 
+def stop_mask_row(settings: SamplingSettings, row_stop_ids) -> np.ndarray:
+  """`[S]` bool: which of `settings.stop_ids` end a row whose segments stop on
+  `row_stop_ids` (EOS always does; it need not be listed).
+
+  Raises:
+    ValueError: a stop id of the row that the sampler was not built with.
+  """
+  wanted = set(row_stop_ids) - {settings.eos_id}
+  unknown = sorted(wanted - set(settings.stop_ids))
+  if unknown:
+    raise ValueError(f"stop ids {unknown} are not among the sampler's stop_ids "
+                     f"{settings.stop_ids}")
+  return np.array([i in wanted for i in settings.stop_ids], bool)
+
+
 def _truncate(logits, settings: SamplingSettings):
   """Applies top-k / top-p by setting excluded logits to -inf."""
   if settings.top_k:
