@@ -1,10 +1,11 @@
 """Learner checkpoints: orbax `CheckpointManager` (tensorstore-backed) for the
 TrainState, and a JSON run record beside it.
 
-Each checkpoint step holds two items: `state` (params, optimizer state and
+Each checkpoint step holds the items `state` (params, optimizer state and
 step, saved sharded by `StandardSave`, asynchronously: the learner goes on
-while tensorstore writes) and `run` (JSON: the format version, the policy
-version, counters). Orbax writes each step to a temporary folder and renames
+while tensorstore writes), `run` (JSON: the format version, the policy
+version, the run record below) and, with a KL penalty, `reference` (its
+reference params). Orbax writes each step to a temporary folder and renames
 it when complete, so a crash mid-save leaves the previous checkpoint usable.
 No pickle anywhere: arrays through tensorstore, the rest as JSON.
 
@@ -12,14 +13,13 @@ Restoring takes the abstract state of the run being resumed (shapes, dtypes
 and *its* shardings), so a checkpoint written on one learner mesh restores
 onto another (for example 4 learner devices to 2).
 
-The run record also holds the prompt stream's position (the grain iterator's
-state, and the count of prompts drawn) and the prompt
-of every group started but not yet trained or dropped (in flight or in the
-buffer; `Dispatcher.pending_work`). A resume dispatches those again first,
-then reads on, so no prompt is lost or trained twice. What is not saved yet
-(the checkpoints issue): the partial rollouts themselves (tokens, log-probs,
-versions) and environment episode state, so that work is regenerated rather
-than continued from its prefix.
+The run record (`run_lib._run_record`) holds the rest of the run: the prompt
+stream's position (the grain iterator's state and the count of prompts
+drawn), every group in flight or in the buffer with each rollout at its
+restart point (tokens, behaviour log-probs and versions sampled so far, open
+segments included: `orchestrator/open_work.py`), the drop ledger and the
+counters. A resume continues that work where it stopped, so no prompt is
+lost or trained twice and no sampled token is thrown away.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import os
 import jax
 import orbax.checkpoint as ocp
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: open work with restart points (1: prompts only)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,13 +42,18 @@ class CheckpointConfig:
       still saved when `save_final` is set).
     keep: checkpoints kept (older ones are deleted).
     save_final: save after the last update and on SIGTERM / Ctrl-C.
-    resume_from: a checkpoint folder to start from when the workdir has none.
+    resume_from: a checkpoint folder to resume when the workdir has none
+      (the whole run: learner state, open work, counters).
+    init_from: a checkpoint folder whose latest params start the run when
+      there is nothing to resume: policy version 0, a fresh optimizer, a new
+      prompt stream (for example another run's `<workdir>/checkpoints`).
   """
 
   every_steps: int = 0
   keep: int = 3
   save_final: bool = False
   resume_from: str = ""
+  init_from: str = ""
 
   def __post_init__(self):
     if self.every_steps < 0:
@@ -106,11 +111,7 @@ class Checkpointer:
     step = self.latest_step() if step is None else step
     if step is None:
       raise FileNotFoundError(f"no checkpoint in {self.directory}")
-    run = self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))["run"]
-    if run.get("format_version") != FORMAT_VERSION:
-      raise CheckpointFormatError(
-          f"{self.directory} step {step}: checkpoint format {run.get('format_version')!r}, this "
-          f"code reads format {FORMAT_VERSION}")
+    run = self._check_format(step)
     try:
       restored = self._manager.restore(
           step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
@@ -118,6 +119,31 @@ class Checkpointer:
       raise CheckpointFormatError(f"{self.directory} step {step}: does not match this run's "
                                   f"model or optimizer: {e}") from e
     return restored["state"], run
+
+  def restore_params(self, abstract_params, step: int | None = None):
+    """Only the params of checkpoint `step` (default: the latest), laid out as
+    `abstract_params` says: what `init_from` starts a run from."""
+    step = self.latest_step() if step is None else step
+    if step is None:
+      raise FileNotFoundError(f"no checkpoint in {self.directory}")
+    self._check_format(step)
+    item = {"params": abstract_params}
+    restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=a.sharding), item)
+    try:
+      restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+          item=item, restore_args=restore_args, partial_restore=True)))
+    except ValueError as e:  # shapes or tree structure differ: another model
+      raise CheckpointFormatError(f"{self.directory} step {step}: its params do not match this "
+                                  f"run's model: {e}") from e
+    return restored["state"]["params"]
+
+  def _check_format(self, step: int) -> dict:
+    run = self._manager.restore(step, args=ocp.args.Composite(run=ocp.args.JsonRestore()))["run"]
+    if run.get("format_version") != FORMAT_VERSION:
+      raise CheckpointFormatError(
+          f"{self.directory} step {step}: checkpoint format {run.get('format_version')!r}, this "
+          f"code reads format {FORMAT_VERSION}")
+    return run
 
   def wait(self) -> None:
     """Blocks until the pending asynchronous save is on disk."""

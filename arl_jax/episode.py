@@ -32,6 +32,10 @@ class Episode:
     turns: segments sampled so far.
     last_stopped: whether the last segment ended on a stop token (EOS or
       another stop id), as opposed to running out of budget.
+    open_tokens, open_logprobs, open_versions: the start of a segment that was
+      being sampled when the run was checkpointed (`open_work.py`); a resume
+      re-admits the episode with them in its context and the engine continues
+      the segment after them, so they join the segment when it ends.
     timings: seconds `queued` (waiting for a slot, all turns), `generating`
       (in a slot), `in_env` (environment calls, tool latency included).
   """
@@ -44,6 +48,9 @@ class Episode:
   versions: list[int] = dataclasses.field(default_factory=list)
   turns: int = 0
   last_stopped: bool = False
+  open_tokens: list[int] = dataclasses.field(default_factory=list)
+  open_logprobs: list[float] = dataclasses.field(default_factory=list)
+  open_versions: list[int] = dataclasses.field(default_factory=list)
   timings: dict[str, float] = dataclasses.field(
       default_factory=lambda: {"queued": 0.0, "generating": 0.0, "in_env": 0.0})
 
@@ -60,12 +67,19 @@ class Episode:
     at the sampler's `default`."""
     return self.request.budget(default)
 
+  @property
+  def length(self) -> int:
+    """Completion tokens held so far, an open segment's included (they count
+    against the budget)."""
+    return len(self.completion_ids) + len(self.open_tokens)
+
   def context_ids(self) -> list[int]:
-    """Prompt and completion so far: what a re-admission prefills."""
-    return [*self.prompt_ids, *self.completion_ids]
+    """Prompt, completion and open segment so far: what a re-admission prefills."""
+    return [*self.prompt_ids, *self.completion_ids, *self.open_tokens]
 
   def add_segment(self, tokens, logprobs, versions, *, stopped: bool) -> None:
-    """Appends tokens the policy sampled, with their behaviour log-probs and versions."""
+    """Appends tokens the policy sampled, with their behaviour log-probs and
+    versions (a whole segment: an open segment's tokens are its first ones)."""
     n = len(tokens)
     if len(logprobs) != n or len(versions) != n:
       raise ValueError(f"segment of {n} tokens has {len(logprobs)} log-probs and "
@@ -78,6 +92,7 @@ class Episode:
     self.versions.extend(int(v) for v in versions)
     self.turns += 1
     self.last_stopped = stopped
+    self.open_tokens, self.open_logprobs, self.open_versions = [], [], []
 
   def add_observation(self, tokens) -> None:
     """Appends environment tokens (never trained on)."""

@@ -26,7 +26,7 @@ import numpy as np
 
 from arl_jax import checkpointing, config_lib, evaluation
 from arl_jax import train_batch as train_batch_lib
-from arl_jax.envs import env_api, prompt_codec, prompt_data, prompt_source, registry
+from arl_jax.envs import env_api, prompt_data, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib
@@ -132,8 +132,17 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   holder = {"params": params}
   clock = {"rl_start": None}
   params_now = lambda: holder["params"]
-  # Restore order: this workdir's latest checkpoint, then checkpoint.resume_from.
+  # Restore order: this workdir's latest checkpoint, then checkpoint.resume_from,
+  # then the params of checkpoint.init_from, then scratch (the params above).
   checkpointer, resume = _checkpoints(spec.checkpoint, workdir)
+  if resume is None and spec.checkpoint.init_from:
+    init = _existing_checkpoint(spec.checkpoint.init_from, "checkpoint.init_from",
+                                spec.checkpoint)
+    params = init.restore_params(checkpointing.abstract_like(
+        params, jax.tree.map(lambda x: x.sharding, params)))
+    print_fn(f"initialised params from {init.directory} (step {init.latest_step()})")
+    init.close()
+    holder["params"] = params
 
   if spec.warmup.steps and resume is None:
     evaluate(0, "warmup")
@@ -156,15 +165,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
 
   optimizer = optim_lib.make_optimizer(spec.optim)
   state, state_shardings = train_state_lib.create(holder["params"], optimizer, meshes.learner)
-  start_step, prompts_drawn, pending, stream_state = 0, 0, None, None
+  start_step, record = 0, None
   if resume is not None:
     state, record = resume.restore(checkpointing.abstract_like(state, state_shardings))
-    start_step, prompts_drawn = int(record["version"]), int(record["prompts_drawn"])
-    pending = _pending_from_json(record["pending"])
-    stream_state, ledger_record = record.get("stream_state"), record["drop_ledger"]
-    print_fn(f"resumed from {resume.directory} at version {start_step} ({prompts_drawn} "
-             f"prompts drawn; {len(pending['unfinished'])} unfinished groups and "
-             f"{len(pending['requeued'])} requeued prompts dispatched again first)")
+    start_step = int(record["version"])
+    print_fn(f"resumed from {resume.directory} at version {start_step}: "
+             f"{_describe_work(record['work'])}")
   # The KL penalty's reference policy: the params RL starts from (after any
   # warm-up), a copy that the donated update step never touches.
   reference = (jax.tree.map(jnp.copy, state.params) if spec.loss.kl_coef > 0 else None)
@@ -185,8 +191,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   orchestrator = orchestrator_lib.Orchestrator(
       dispatch_cfg=spec.dispatch, buffer_cfg=spec.buffer,
       prompts=_resumed_stream(
-          _prompt_stream(env, train_prompts, spec.seed, spec.data.num_epochs), stream_state,
-          prompts_drawn),
+          _prompt_stream(env, train_prompts, spec.seed, spec.data.num_epochs),
+          None if record is None else record["work"]),
       encode_fn=env.encode_prompt,
       env_name_of=lambda prompt: env_api.env_name_of(env, prompt),
       max_new_tokens=spec.engine.max_new_tokens,
@@ -196,7 +202,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   env_runner = env_runner_lib.EnvRunner(
       env, on_group_fn=orchestrator.group_finished, max_new_tokens=spec.engine.max_new_tokens,
       num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s,
-      vocab_size=spec.model.vocab_size)
+      vocab_size=spec.model.vocab_size, work=orchestrator.dispatcher.work)
   engine = engine_lib.SamplerEngine(
       cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, model_cfg=spec.sampler_model,
       mesh=meshes.sampler, publisher=publisher, dispatcher=orchestrator.dispatcher,
@@ -204,19 +210,26 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env))
   env_runner.connect(engine.resume)
 
-  if resume is not None:  # later events supersede those after the checkpoint
+  groups_trained = 0
+  restored = []
+  if record is not None:  # later audit events supersede those after the checkpoint
     audit.write({"event": "resumed", "version": start_step})
-  orchestrator.dispatcher.prompts_drawn = prompts_drawn
-  if pending is not None:
-    orchestrator.dispatcher.restore_pending(pending)
-    orchestrator.ledger.restore(ledger_record)
+    restored = orchestrator.restore_work(record["work"])
+    orchestrator.ledger.restore(record["drop_ledger"])
+    groups_trained = _restore_counters(record["counters"], engine, env_runner)
   version = start_step
   publisher.publish(state.params, version)
-  orchestrator.publish(version, trained=[])
+  # On a resume: the groups this publish cancelled when the run saved, again.
+  cancelled = set(orchestrator.publish(version, trained=[]))
+  engine.cancel(cancelled)
+  env_runner.cancel(cancelled)
+  restored = [g for g in restored if g.group_id not in cancelled]
+  engine.restore([e for g in restored for e in g.to_sample])
+  env_runner.restore([r for g in restored for r in g.scored],
+                     [e for g in restored for e in g.to_env])
   engine.start()
   history: list[dict] = []
   batches: list[dict] = []
-  groups_trained = 0
   rl_start = clock["rl_start"] = time.monotonic()
   last_time = rl_start
   learner_wait = 0.0  # seconds the learner spent waiting for a batch
@@ -251,20 +264,34 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       version += 1
       holder["params"] = state.params
       publisher.publish(state.params, version)
-      cancelled = orchestrator.publish(version, trained=batch.groups)
-      # After the publish retired the trained groups: they must not count as unfinished.
+      groups_trained += len(batch.groups)
+      run_record, saving = None, {}
       if checkpointer is not None and checkpointer.should_save(version):
-        checkpointer.save(version, state, _run_record(version, orchestrator), reference)
+        # Before this publish retires and cancels anything (a resume repeats
+        # it), leaving out the groups just trained.
+        saving["start"] = time.monotonic()
+        run_record = _run_record(version, orchestrator, engine, env_runner, groups_trained,
+                                 exclude=[g.group_id for g in batch.groups])
+      cancelled = orchestrator.publish(version, trained=batch.groups)
+      if run_record is not None:
+        checkpointer.save(version, state, run_record, reference)
         saved_version = version
+        saving.update(
+            checkpoint_blocking_s=time.monotonic() - saving.pop("start"),
+            checkpoint_open_groups=len(run_record["work"]["groups"]),
+            checkpoint_open_tokens=sum(len(e["completion_ids"]) + len(e.get("open", {}).get(
+                "tokens", ())) for g in run_record["work"]["groups"] for e in g["episodes"]))
       engine.cancel(cancelled)
       env_runner.cancel(cancelled)
-      groups_trained += len(batch.groups)
       metrics = jax.device_get(metrics)
       now = time.monotonic()
       record = _step_record(step, version, host_batch, batch, metrics, orchestrator, engine,
                             env_runner, now - last_time, now - rl_start, learner_wait)
       # At the mean pace so far (evaluations included).
       record["eta_s"] = (now - rl_start) / (step + 1) * (spec.num_steps - step - 1)
+      # Saved at this step: the learner's pause (open-work snapshot and the
+      # device-to-host copy) and how much sampled work the checkpoint kept.
+      record.update(saving)
       last_time = now
       if keep_batches:
         batches.append({"batch_version": batch.batch_version, "lag": host_batch.lag.copy(),
@@ -295,9 +322,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     # Not after an error, nor if an interrupt hit between the donating update
     # and its result: the state's buffers may be gone.
     if (checkpointer is not None and spec.checkpoint.save_final and not failed
-        and version != saved_version
+        and version != saved_version and not engine.failed
         and not any(x.is_deleted() for x in jax.tree.leaves(state))):
-      checkpointer.save(version, state, _run_record(version, orchestrator), reference)
+      checkpointer.save(version, state, _run_record(version, orchestrator, engine, env_runner,
+                                                    groups_trained), reference)
     if checkpointer is not None:
       checkpointer.close()  # waits for the last asynchronous save
     orchestrator.close()
@@ -353,50 +381,71 @@ def _checkpoints(cfg: checkpointing.CheckpointConfig, workdir: str):
     if reader.latest_step() is not None:
       return None, reader
   if cfg.resume_from:
-    if not os.path.isdir(cfg.resume_from):  # (a Checkpointer would create it)
-      raise FileNotFoundError(f"checkpoint.resume_from={cfg.resume_from!r}: no such folder")
-    reader = checkpointing.Checkpointer(cfg.resume_from, cfg)
-    if reader.latest_step() is None:
-      raise FileNotFoundError(f"checkpoint.resume_from={cfg.resume_from!r}: no checkpoint there")
-    return saver, reader
+    return saver, _existing_checkpoint(cfg.resume_from, "checkpoint.resume_from", cfg)
   return saver, None
 
 
-def _run_record(version: int, orchestrator) -> dict:
+def _existing_checkpoint(path: str, key: str, cfg) -> checkpointing.Checkpointer:
+  if not os.path.isdir(path):  # (a Checkpointer would create it)
+    raise FileNotFoundError(f"{key}={path!r}: no such folder")
+  reader = checkpointing.Checkpointer(path, cfg)
+  if reader.latest_step() is None:
+    raise FileNotFoundError(f"{key}={path!r}: no checkpoint there")
+  return reader
+
+
+def _run_record(version: int, orchestrator, engine, env_runner, groups_trained: int,
+                exclude=()) -> dict:
   """What a resume needs besides the TrainState (JSON): the policy version,
-  how far the prompt stream was read, and the prompts of every group not yet
-  trained or dropped (in flight or buffered), which a resume dispatches again."""
-  pending = orchestrator.dispatcher.pending_work()
+  the open work (every group in flight or in the buffer, each episode at its
+  restart point, read by the sampler thread with the prompt stream's
+  position: `Dispatcher.snapshot_work`), the drop ledger and the counters.
+  `exclude`: the groups of the batch just trained."""
   return {
       "version": version,
-      "prompts_drawn": pending["prompts_drawn"],
-      "stream_state": pending["stream_state"],
+      "work": engine.snapshot_work(exclude),
       "drop_ledger": orchestrator.ledger.to_json(),
-      "pending": {
-          "unfinished": [[gid, prompt_codec.to_json(p), attempt]
-                         for gid, p, attempt in pending["unfinished"]],
-          "requeued": [[prompt_codec.to_json(p), attempt] for p, attempt in pending["requeued"]],
-          "next_group_id": pending["next_group_id"],
+      "counters": {
+          "groups_trained": groups_trained,
+          "env_errors": dict(env_runner.errors), "env_timeouts": dict(env_runner.timeouts),
+          "env_turns": env_runner.turns,
+          "cancelled_rollouts": engine.stats.cancelled_rollouts,
+          "cancelled_tokens": engine.stats.cancelled_tokens,
+          "cancelled_sampled_tokens": engine.stats.cancelled_sampled_tokens,
       },
   }
 
 
-def _resumed_stream(stream, state: dict | None, drawn: int):
+def _restore_counters(counters: dict, engine, env_runner) -> int:
+  """Cumulative counts go on from a checkpoint's; returns groups trained."""
+  env_runner.errors.update(counters["env_errors"])
+  env_runner.timeouts.update(counters["env_timeouts"])
+  env_runner.turns = int(counters["env_turns"])
+  for name in ("cancelled_rollouts", "cancelled_tokens", "cancelled_sampled_tokens"):
+    setattr(engine.stats, name, int(counters[name]))
+  return int(counters["groups_trained"])
+
+
+def _describe_work(work: dict) -> str:
+  groups = work["groups"]
+  stages = collections.Counter(e["stage"] for g in groups for e in g["episodes"])
+  open_tokens = sum(len(e.get("open", {}).get("tokens", ())) for g in groups
+                    for e in g["episodes"])
+  return (f"{work['prompts_drawn']} prompts drawn; {len(groups)} open groups go on (rollouts: "
+          f"{stages['done']} scored, {stages['env']} at their environment, {stages['sample']} "
+          f"at the sampler, {open_tokens} tokens of open segments kept); "
+          f"{len(work['requeued'])} requeued prompts")
+
+
+def _resumed_stream(stream, work: dict | None):
   """The prompt stream where a resumed run left it: the grain iterator's saved
-  position, or (for a stream without one) after the `drawn` prompts."""
-  if state is not None:
-    stream.set_state(state)
+  position, or (for a stream without one) after the prompts drawn."""
+  if work is None:
     return stream
-  return itertools.islice(stream, drawn, None)
-
-
-def _pending_from_json(record: dict) -> dict:
-  return {
-      "unfinished": [(gid, prompt_codec.from_json(p), attempt)
-                     for gid, p, attempt in record["unfinished"]],
-      "requeued": [(prompt_codec.from_json(p), attempt) for p, attempt in record["requeued"]],
-      "next_group_id": record["next_group_id"],
-  }
+  if work["stream_state"] is not None:
+    stream.set_state(work["stream_state"])
+    return stream
+  return itertools.islice(stream, work["prompts_drawn"], None)
 
 
 def _eval_prompts(env, heldout, size: int) -> list:

@@ -82,7 +82,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   # Learner checkpoints in <workdir>/checkpoints (0: none); see README "Checkpoints".
   config.checkpoint = ml_collections.ConfigDict(dict(every_steps=0, keep=3, save_final=False,
-                                                     resume_from=""))
+                                                     resume_from="",
+                                                     init_from=""))
 
   config.warmup = ml_collections.ConfigDict(dict(steps=200, batch_size=64, lr=1e-3,
                                                  fraction=0.3))

@@ -84,7 +84,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                                                on_malformed="skip", num_epochs=0))
 
   config.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, keep=3, save_final=True,
-                                                     resume_from=""))
+                                                     resume_from="",
+                                                     init_from=""))
 
   # No supervised warm-up: an instruction-tuned checkpoint already answers.
   config.warmup = ml_collections.ConfigDict(dict(steps=0, batch_size=64, lr=1e-5,

@@ -1,5 +1,6 @@
 """Learner checkpoints: exact round trip, onto another mesh, safe under donation, resumable."""
 
+import collections
 import json
 
 import jax
@@ -13,6 +14,7 @@ from arl_jax.learner import train_state as train_state_lib
 from arl_jax.models import init_lib
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
+from arl_jax.testing import slots as slots_lib
 from arl_jax.testing import tiny
 
 
@@ -75,8 +77,17 @@ def test_a_run_resumes_from_its_workdir_and_continues_the_versions(tmp_path):
   assert second.final_version == 6
   assert [r["step"] for r in second.history] == [4, 5]
   assert [b["batch_version"] for b in second.trained_batches] == [4, 5]
-  # Groups of the resumed run were dispatched at versions >= 4.
-  assert min(min(b["dispatch_versions"]) for b in second.trained_batches) >= 4
+  # Groups dispatched before the save are the ones it kept open (they keep
+  # their dispatch versions); the resumed run dispatched everything else.
+  manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"), item_names=("state", "run"))
+  record = manager.restore(4, args=ocp.args.Composite(run=ocp.args.JsonRestore()))["run"]
+  kept = {g["group_id"]: g["dispatch_version"] for g in record["work"]["groups"]}
+  for batch in second.trained_batches:
+    for gid, dispatched in zip(batch["group_ids"], batch["dispatch_versions"]):
+      if dispatched < 4:
+        assert kept.get(gid) == dispatched
+      else:
+        assert gid not in kept
 
 
 def test_bad_checkpoint_settings_name_the_key():
@@ -87,6 +98,14 @@ def test_bad_checkpoint_settings_name_the_key():
   config.checkpoint = {"evry_steps": 1}
   with pytest.raises(config_lib.ConfigError, match=r"config.checkpoint: unknown key\(s\)"):
     config_lib.build(config)
+
+
+def test_a_missing_checkpoint_folder_is_named(tmp_path):
+  config = tiny.load_config("arith", "tiny")
+  for key in ("resume_from", "init_from"):
+    config.checkpoint = {key: str(tmp_path / "nowhere")}
+    with pytest.raises(FileNotFoundError, match=f"checkpoint.{key}=.*nowhere.*no such folder"):
+      run_lib.run(config, str(tmp_path / "run"), print_fn=lambda *_: None)
 
 
 def _final_state(workdir):
@@ -123,9 +142,9 @@ def test_a_resumed_synchronous_run_ends_with_the_same_parameters(tmp_path):
 
 
 def test_an_async_resume_loses_no_prompt_and_repeats_none(tmp_path):
-  """Groups in flight or buffered at the save are dispatched again after the
-  resume: every prompt drawn before the save is trained once (or dropped by
-  the staleness rule), none twice."""
+  """Groups in flight or buffered at the save go on after the resume with
+  what they had sampled: every prompt drawn before the save is trained once
+  (or dropped by the staleness rule), none twice."""
   config = tiny.load_config("arith", "tiny")
   config.orchestrator.update(max_async_level=2, max_off_policy_steps=8)
   config.eval_every = 0
@@ -134,7 +153,7 @@ def test_an_async_resume_loses_no_prompt_and_repeats_none(tmp_path):
   first = run_lib.run(config, str(tmp_path), print_fn=lambda *_: None, keep_batches=True)
   manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"), item_names=("state", "run"))
   record = manager.restore(3, args=ocp.args.Composite(run=ocp.args.JsonRestore()))["run"]
-  unfinished = [p["prompt_id"] for _, p, _ in record["pending"]["unfinished"]]
+  unfinished = [g["prompt"]["prompt_id"] for g in record["work"]["groups"]]
   assert unfinished, "the async run had nothing in flight at the save"
   config.num_steps = 7
   second = run_lib.run(config, str(tmp_path), print_fn=lambda *_: None, keep_batches=True)
@@ -144,11 +163,61 @@ def test_an_async_resume_loses_no_prompt_and_repeats_none(tmp_path):
   assert len(trained) == len(set(trained))  # one epoch of 90 prompts: nothing repeats
   assert not set(unfinished) & set(trained_first)
   assert set(unfinished) <= set(trained_second)  # nothing in flight at the save was lost
-  assert record["prompts_drawn"] == len(trained_first) + len(unfinished)
+  assert record["work"]["prompts_drawn"] == len(trained_first) + len(unfinished)
+  assert _trained_as_saved(record, second, config)["tokens"] > 0
   # Drop and task accounting continues across the resume instead of restarting.
   with open(tmp_path / "metrics.jsonl") as f:
     last = [json.loads(line) for line in f if '"phase": "rl"' in line][-1]
   assert last["tasks_seen"] >= len(set(trained)) > len(set(trained_second))
+
+
+def _trained_as_saved(record, resumed, config) -> collections.Counter:
+  """Checks that what each saved episode had sampled (and observed) before
+  the save is the start of what the resumed run trained for it: continued,
+  not sampled again. Returns counts: tokens kept, episodes per restart point."""
+  g, p = config.orchestrator.group_size, config.sampler.prompt_len
+  rows = {(gid, s): (batch["tokens"][j * g + s, p:], batch["behaviour_logprobs"][j * g + s, p:],
+                     batch["token_versions"][j * g + s, p:])
+          for batch in resumed.trained_batches for j, gid in enumerate(batch["group_ids"])
+          for s in range(g)}
+  counts = collections.Counter()
+  for saved in record["work"]["groups"]:
+    for s, episode in enumerate(saved["episodes"]):
+      if (saved["group_id"], s) not in rows:
+        continue  # dropped as stale after the resume
+      opened = episode.get("open", {"tokens": [], "logprobs": [], "versions": []})
+      tokens, logprobs, versions = rows[(saved["group_id"], s)]
+      n = len(episode["completion_ids"]) + len(opened["tokens"])
+      np.testing.assert_array_equal(tokens[:n], episode["completion_ids"] + opened["tokens"])
+      np.testing.assert_array_equal(versions[:n], episode["versions"] + opened["versions"])
+      np.testing.assert_array_equal(logprobs[:n],
+                                    np.float32(episode["logprobs"] + opened["logprobs"]))
+      counts["tokens"] += n
+      counts["open_tokens"] += len(opened["tokens"])
+      counts["observed_tokens"] += episode["loss_mask"].count(0.0)
+      counts[episode["stage"]] += 1
+  return counts
+
+
+def test_a_multi_turn_resume_continues_episodes_between_tool_calls(tmp_path):
+  """Tool calls outlast updates, so the save finds episodes at every restart
+  point (scored, at their environment, at the sampler with observations in
+  their transcript); the resumed run trains them from there."""
+  config = tiny.load_config("tool_agent", "tiny")  # warmed up to call the tool
+  config.eval_every = 0
+  config.env.update(latency_median_s=0.05, latency_p99_s=0.3, latency_max_s=0.5)
+  config.num_steps = 4
+  config.checkpoint = {"save_final": True}
+  run_lib.run(config, str(tmp_path), print_fn=lambda *_: None)
+  config.num_steps = 7
+  lines = []
+  resumed = run_lib.run(config, str(tmp_path), print_fn=lines.append, keep_batches=True)
+  assert any("resumed from" in line for line in lines), lines[:3]
+  manager = ocp.CheckpointManager(str(tmp_path / "checkpoints"), item_names=("state", "run"))
+  record = manager.restore(4, args=ocp.args.Composite(run=ocp.args.JsonRestore()))["run"]
+  counts = _trained_as_saved(record, resumed, config)
+  assert counts["tokens"] > 0 and counts["observed_tokens"] > 0, counts
+  assert counts["env"] + counts["sample"] > 0, counts
 
 
 def test_the_kl_reference_survives_a_resume(tmp_path):
@@ -173,3 +242,35 @@ def test_the_kl_reference_survives_a_resume(tmp_path):
   again = manager.restore(3, args=ocp.args.Composite(reference=ocp.args.StandardRestore()))
   for a, b in zip(reference, jax.tree.leaves(again["reference"])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_init_from_starts_a_new_run_from_another_runs_params(tmp_path):
+  """Restore order, third place: the params of `checkpoint.init_from` (version
+  0, a fresh optimizer and prompt stream) when there is nothing to resume."""
+  config = tiny.load_config("arith", "tiny")
+  config.eval_every = 0
+  config.num_steps = 2
+  config.checkpoint = {"save_final": True}
+  run_lib.run(config, str(tmp_path / "a"), print_fn=lambda *_: None)
+  config.num_steps = 1
+  config.warmup.steps = 0
+  config.checkpoint = {"init_from": str(tmp_path / "a" / "checkpoints")}
+  lines = []
+  result = run_lib.run(config, str(tmp_path / "b"), print_fn=lines.append, keep_batches=True)
+  assert any(line.startswith("initialised params from") for line in lines)
+  (batch,) = result.trained_batches
+  assert batch["batch_version"] == 0
+  # Run b's version 0 is run a's version 2: its first samples carry a's log-probs.
+  spec = config_lib.build(config)
+  meshes = mesh_lib.make_role_meshes(spec.mesh)
+  graphdef, scratch, _ = init_lib.init_params(spec.model, meshes.learner,
+                                              rules_lib.LEARNER_RULES, spec.seed)
+  reader = checkpointing.Checkpointer(str(tmp_path / "a" / "checkpoints"),
+                                      checkpointing.CheckpointConfig())
+  trained = reader.restore_params(checkpointing.abstract_like(
+      scratch, jax.tree.map(lambda x: x.sharding, scratch)))
+  sampled = batch["loss_mask"] > 0
+  for params, close in ((trained, True), (scratch, False)):
+    logp = slots_lib.teacher_forced_logprobs(graphdef, params, batch["tokens"],
+                                             batch["token_mask"])
+    assert np.allclose(logp[sampled], batch["behaviour_logprobs"][sampled], atol=1e-5) == close

@@ -72,7 +72,7 @@ def test_tool_agent_configs_build_a_multi_turn_sampler():
     assert spec.sampling.stop_ids == (ord("]"),)
     # Spare columns so that re-admitted contexts round up without eating the budget.
     assert spec.engine.length == (spec.engine.prompt_len + spec.engine.max_new_tokens
-                                  + spec.engine.context_bucket)
+                                  + spec.engine.context_step)
   assert not config_lib.build(_config()).engine.multi_turn
 
 
@@ -93,7 +93,9 @@ def test_env_keys_are_those_of_the_chosen_environment():
 def test_prompt_buckets_always_include_prompt_len():
   spec = config_lib.build(_config(sampler__prompt_buckets=(4, 2)))
   assert spec.engine.prompt_buckets == (2, 4, 6)
-  assert spec.engine.length == 6 + spec.engine.max_new_tokens
+  # Plus spare columns for contexts re-admitted past the longest prompt (a
+  # checkpoint's open segments), no more than the budget.
+  assert spec.engine.length == 6 + 2 * spec.engine.max_new_tokens  # budget < context_bucket
 
 
 def test_unknown_key_is_rejected():

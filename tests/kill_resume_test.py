@@ -105,7 +105,7 @@ def test_killed_runs_resume_without_losing_or_repeating_prompts(tmp_path):
     if version not in manager.all_steps():
       continue  # deleted by keep=3; the last resumes are kept
     record = manager.restore(version, args=ocp.args.Composite(run=ocp.args.JsonRestore()))["run"]
-    unfinished = {p["prompt_id"] for _, p, _ in record["pending"]["unfinished"]}
+    unfinished = {g["prompt"]["prompt_id"] for g in record["work"]["groups"]}
     assert unfinished <= retired, "work unfinished at a checkpoint was lost"
 
 

@@ -15,6 +15,10 @@ through `note_sampling`).
 Requeueing (`requeue_dropped = n`): the prompt of a group dropped as stale or
 cancelled is dispatched again, ahead of new prompts, up to `n` times, so that
 slow (often hard) tasks are not silently lost from training.
+
+Checkpoints: `work` records every open group at its restart points
+(`open_work.py`); `snapshot_work` and `restore_work` carry it, with the prompt
+stream's position, across a restart.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from arl_jax.envs import prompt_codec
 from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import staleness
+from arl_jax.orchestrator import open_work, staleness
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -94,6 +99,8 @@ class Dispatcher:
     # Dropped groups' prompts, and after a resume the unfinished ones.
     self._requeued: collections.deque[tuple[object, tuple[int, ...] | None, int]] = (
         collections.deque())
+    # Every open group at its restart points, for checkpoints.
+    self.work = open_work.OpenWork()
     self._closed = False
     self._live_version = 0
     self.num_started = 0
@@ -142,6 +149,7 @@ class Dispatcher:
         self._in_system[request.group_id] = request
         self._generating.add(request.group_id)
         self._buffer.register_dispatch(request.group_id, live_version)
+        self.work.open(request)
         self.num_started += 1
         requests.append(request)
     return requests
@@ -161,6 +169,7 @@ class Dispatcher:
   def retire(self, group_ids, dropped: bool = False) -> None:
     """Frees capacity for groups that were trained, or dropped (`dropped=True`:
     stale or cancelled), requeueing dropped prompts as configured."""
+    group_ids = list(group_ids)
     with self._cond:
       for gid in group_ids:
         request = self._in_system.pop(gid, None)
@@ -169,6 +178,7 @@ class Dispatcher:
         if dropped and request is not None and request.attempt < self._cfg.requeue_dropped:
           self._requeued.append((request.prompt, request.prompt_ids, request.attempt + 1))
           self.num_requeued += 1
+      self.work.close(group_ids)
       self._cond.notify_all()
 
   def on_publish(self, live_version: int) -> list[GroupRequest]:
@@ -192,41 +202,65 @@ class Dispatcher:
       self.num_cancelled += len(doomed)
     return doomed
 
-  def pending_work(self) -> dict:
-    """What a resumed run must dispatch again, so that no prompt is lost:
-    every group started and not yet retired (in flight or in the buffer; their
-    partial work is regenerated, not restored) in group-id order, then the
-    requeued prompts. Prompt records are returned as they are (the caller
-    serialises them)."""
-    with self._cond:
-      unfinished = sorted(self._in_system.values(), key=lambda r: r.group_id)
-      get_state = getattr(self._prompts, "get_state", None)  # a grain iterator's position
-      return {
-          "prompts_drawn": self.prompts_drawn,  # read under the same lock
-          "stream_state": get_state() if get_state is not None else None,
-          "unfinished": [(r.group_id, r.prompt, r.attempt) for r in unfinished],
-          "requeued": [(prompt, attempt) for prompt, _, attempt in self._requeued],
-          "next_group_id": self._next_group_id,
-      }
+  def snapshot_work(self, partials: dict, exclude=frozenset()) -> dict:
+    """What a resumed run needs to go on with this dispatcher's work, as JSON:
+    the prompt stream's position, every open group with its episodes at their
+    restart points (`open_work.py`; `partials`: the open segments of episodes
+    in sampler slots), the requeued prompts and the counters.
 
-  def restore_pending(self, work: dict) -> None:
-    """Queues a saved `pending_work` ahead of new prompts (before any `take`).
-
-    When the unfinished groups were the last ones issued (ids first..next-1,
-    none retired among them: FIFO and synchronous runs), ids restart at the
-    first of them, so a deterministic run resumes drawing exactly the samples
-    it would have drawn (sampling keys depend on the group id); otherwise new
-    ids continue after the last one issued, so no key is reused.
+    Call it on the thread that calls `take` (the sampler's), so that no group
+    starts between reading the groups and reading the stream position.
+    `exclude`: group ids to leave out (the batch being trained).
     """
     with self._cond:
+      get_state = getattr(self._prompts, "get_state", None)  # a grain iterator's position
+      return {
+          "prompts_drawn": self.prompts_drawn,
+          "stream_state": get_state() if get_state is not None else None,
+          "groups": self.work.snapshot(partials, exclude, prompt_codec.to_json),
+          "requeued": [[prompt_codec.to_json(prompt), attempt]
+                       for prompt, _, attempt in self._requeued],
+          "next_group_id": self._next_group_id,
+          "counters": {"started": self.num_started, "cancelled": self.num_cancelled,
+                       "requeued": self.num_requeued},
+      }
+
+  def restore_work(self, work: dict) -> list[open_work.RestoredGroup]:
+    """Takes back a `snapshot_work` (before any `take`): its groups are open
+    again with their ids and dispatch versions (in the buffer's dispatch queue
+    in id order, ahead of anything new), its requeued prompts come before new
+    ones, and group ids continue after the last one issued. Returns the
+    rebuilt groups, for the caller to hand their parts to the sampler, the
+    env runner and the buffer."""
+    with self._cond:
       if self._next_group_id or self._in_system:
-        raise RuntimeError("restore_pending must come before any dispatch")
-      ids = [gid for gid, _, _ in work["unfinished"]]
-      self._requeued.extend((prompt, None, attempt) for _, prompt, attempt in work["unfinished"])
-      self._requeued.extend((prompt, None, attempt) for prompt, attempt in work["requeued"])
-      last = work["next_group_id"]
-      contiguous = bool(ids) and ids == list(range(ids[0], last)) and not work["requeued"]
-      self._next_group_id = ids[0] if contiguous else last
+        raise RuntimeError("restore_work must come before any dispatch")
+      restored = []
+      for record in work["groups"]:
+        prompt = prompt_codec.from_json(record["prompt"])
+        request = GroupRequest(
+            group_id=int(record["group_id"]), prompt=prompt,
+            prompt_ids=tuple(int(t) for t in record["prompt_ids"]),
+            dispatch_version=int(record["dispatch_version"]), group_size=self._cfg.group_size,
+            dispatch_time=self._clock(), attempt=int(record["attempt"]),
+            max_new_tokens=self._budget_fn(prompt) if self._budget_fn is not None else None)
+        group = self.work.restore_group(record, request)
+        self._in_system[request.group_id] = request
+        self._buffer.register_dispatch(request.group_id, request.dispatch_version)
+        if group.complete is None:
+          self._generating.add(request.group_id)
+          if group.oldest_sampled is not None:
+            self._oldest_sampled[request.group_id] = group.oldest_sampled
+        restored.append(group)
+      self._requeued.extend((prompt_codec.from_json(p), None, int(attempt))
+                            for p, attempt in work["requeued"])
+      self._next_group_id = int(work["next_group_id"])
+      self.prompts_drawn = int(work["prompts_drawn"])
+      counters = work["counters"]
+      self.num_started = int(counters["started"])
+      self.num_cancelled = int(counters["cancelled"])
+      self.num_requeued = int(counters["requeued"])
+    return restored
 
   @property
   def drained(self) -> bool:

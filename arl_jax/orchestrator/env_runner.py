@@ -25,6 +25,7 @@ from collections.abc import Callable
 from arl_jax import episode as episode_lib
 from arl_jax import rollout as rollout_lib
 from arl_jax.envs import env_api
+from arl_jax.orchestrator import open_work
 
 
 class EnvFault(Exception):
@@ -44,7 +45,7 @@ class EnvRunner:
 
   def __init__(self, env, *, on_group_fn: Callable[[rollout_lib.Group], None],
                max_new_tokens: int, num_workers: int = 2, timeout_s: float = 0.0,
-               vocab_size: int | None = None):
+               vocab_size: int | None = None, work: open_work.OpenWork | None = None):
     """Args:
       env: an `env_api.Environment` (or `MultiTurnEnvironment`).
       on_group_fn: receives each group once all its rollouts are scored.
@@ -54,6 +55,8 @@ class EnvRunner:
       vocab_size: observation ids must be below it (an id outside the
         embedding table would be silently clamped by the model's gather, so
         it is an environment fault instead); None: not checked.
+      work: where each episode's restart point is recorded at every handover
+        (the dispatcher's `work`, for checkpoints); None: nowhere.
     """
     self._env = env
     self._multi_turn = env_api.is_multi_turn(env)
@@ -62,6 +65,7 @@ class EnvRunner:
     self._timeout_s = timeout_s
     self._vocab_size = vocab_size
     self._resume_fn: Callable[[episode_lib.Episode], None] | None = None
+    self._work = work
     self._pool = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="env")
     self._lock = threading.Lock()
     self._closing = threading.Event()
@@ -79,6 +83,16 @@ class EnvRunner:
   def submit(self, episode: episode_lib.Episode) -> None:
     """Takes an episode whose segment ended (the engine's `on_segment_fn`)."""
     self._pool.submit(self._advance, episode).add_done_callback(self._check)
+
+  def restore(self, scored, to_env) -> None:
+    """Takes back a checkpoint's work (`open_work.RestoredGroup`): rollouts
+    already scored wait for the rest of their group; episodes whose
+    environment call was pending get it (again). Call after `connect`."""
+    with self._lock:
+      for rollout in scored:
+        self._finished.setdefault(rollout.group_id, []).append(rollout)
+    for episode in to_env:
+      self.submit(episode)
 
   def cancel(self, group_ids) -> None:
     """Drops the given groups: their episodes are discarded when they come back."""
@@ -120,6 +134,8 @@ class EnvRunner:
           episode.add_observation(observation)
           with self._lock:
             self.turns += 1
+          if self._work is not None:
+            self._work.at_sampler(episode)
           self._resume_fn(episode)
           return
         self._end(episode, "length")  # the answer does not fit the completion budget
@@ -140,6 +156,8 @@ class EnvRunner:
     rollout = episode.to_rollout(
         finish_reason=finish_reason, reward=reward,
         env_name=env_api.env_name_of(self._env, episode.request.prompt))
+    if self._work is not None:
+      self._work.scored(rollout)
     request = episode.request
     with self._lock:
       if episode.group_id in self._cancelled:

@@ -32,7 +32,7 @@ from arl_jax import rollout as rollout_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import drop_ledger as drop_ledger_lib
-from arl_jax.orchestrator import staleness
+from arl_jax.orchestrator import open_work, staleness
 
 
 def histogram(values) -> dict[str, int]:
@@ -114,8 +114,22 @@ class Orchestrator:
     newest = max(r.version_span[1] for r in group.rollouts)
     # Into the buffer before it stops counting as in flight, so that a learner
     # that sees the dispatcher drained has seen every group (see `cut`).
-    self.buffer.put(group, max(self.live_version, newest))
+    if self.buffer.put(group, max(self.live_version, newest)):
+      self.dispatcher.work.arrived(group.group_id, group.arrival_version)
     self.dispatcher.finished_generating(group.group_id)
+
+  def restore_work(self, work: dict) -> list[open_work.RestoredGroup]:
+    """Takes back the open work of a checkpoint (`Dispatcher.snapshot_work`),
+    before anything is dispatched: saved complete groups go back into the
+    buffer at the version they arrived at (the staleness sweep judges them as
+    before); the rest is returned for the sampler and the env runner."""
+    restored = self.dispatcher.restore_work(work)
+    for group in restored:
+      if group.complete is not None:
+        arrival = group.arrival_version
+        self.buffer.put(group.complete, self.live_version if arrival is None else arrival)
+        self.dispatcher.work.arrived(group.complete.group_id, group.complete.arrival_version)
+    return restored
 
   def try_cut(self, batch_version: int) -> Batch | None:
     """One attempt at `B_{batch_version}`: sweep, count and retire stale groups,

@@ -28,11 +28,17 @@ into the completion budget (`max_new_tokens` counts every completion token,
 observations included: a rollout always fits its TrainBatch row).
 
 Cancelled groups lose their waiting rows, their slots and any later resume at once.
+
+Checkpoints (`snapshot_work`, `restore`): the engine thread reads the tokens
+each occupied slot has sampled so far together with the dispatcher's open
+work, between two decode steps; a resumed run re-admits those episodes with
+their open segments in the context, and the segments go on where they stopped.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import dataclasses
 import functools
 import threading
@@ -66,7 +72,9 @@ class EngineConfig:
     kv_policy: one of KV_POLICIES (used by `in_flight`).
     seed: base of the per-rollout PRNG keys.
     multi_turn: episodes may be resumed after an environment turn.
-    context_bucket: granularity of re-admitted context lengths (multi-turn).
+    context_bucket: granularity of re-admitted context lengths (contexts
+      longer than the longest prompt: multi-turn episodes, and segments a
+      checkpoint left open; capped at `max_new_tokens`, see `context_step`).
   """
 
   num_slots: int
@@ -96,21 +104,26 @@ class EngineConfig:
     return self.prompt_buckets[-1]
 
   @property
+  def context_step(self) -> int:
+    """Granularity of continuation buckets: `context_bucket`, but no more than
+    the budget (a short single-turn budget should not pay for 16 spare columns)."""
+    return min(self.context_bucket, self.max_new_tokens)
+
+  @property
   def length(self) -> int:
     """L: columns of a slot (longest prompt bucket + max new tokens, plus the
     spare columns that continuation buckets may round into)."""
-    spare = self.context_bucket if self.multi_turn else 0
-    return self.prompt_buckets[-1] + self.max_new_tokens + spare
+    return self.prompt_buckets[-1] + self.max_new_tokens + self.context_step
 
   @property
   def continuation_buckets(self) -> tuple[int, ...]:
     """Lengths a re-admitted context is padded to: the prompt buckets, then
-    multiples of `context_bucket` up to the longest context that can still
-    sample a token (prompt_len + max_new_tokens - 1)."""
-    if not self.multi_turn:
-      return self.prompt_buckets
+    multiples of `context_step` up to the longest context that can still
+    sample a token (prompt_len + max_new_tokens - 1). A context padded to its
+    bucket leaves room for the rest of its budget: the bucket exceeds the
+    context by less than `context_step`, the spare columns of `length`."""
     longest = self.prompt_len + self.max_new_tokens - 1
-    g = self.context_bucket
+    g = self.context_step
     more = range((self.prompt_len // g + 1) * g, longest + g, g)
     return self.prompt_buckets + tuple(more)
 
@@ -205,7 +218,7 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
 
   Returns:
     `init()`, `insert(params, version, state, slots, tokens, mask, keys, max_new,
-    stop_mask)`,
+    stop_mask, open_len, open_logprobs, open_versions)`,
     `decode(params, version, state, stop_rows, rows)`,
     `recompute(params, state, rows)` and `take_rows(state, slots)`.
   """
@@ -289,6 +302,8 @@ class SamplerEngine:
     self.version: int | None = None  # newest version held
     self._checked_version: int | None = None
     self._draining = False
+    # (future, group ids to leave out) of `snapshot_work` calls, under _lock.
+    self._snapshot_requests: list[tuple[concurrent.futures.Future, frozenset]] = []
 
   # -- control ---------------------------------------------------------------
 
@@ -307,6 +322,10 @@ class SamplerEngine:
     if self._error is not None:
       raise RuntimeError("sampler engine failed") from self._error
 
+  @property
+  def failed(self) -> bool:
+    return self._error is not None
+
   def cancel(self, group_ids) -> None:
     """Cancels every sequence of the given groups (thread-safe; applied before the next step)."""
     with self._lock:
@@ -318,12 +337,48 @@ class SamplerEngine:
     it is re-admitted."""
     if not self._cfg.multi_turn:
       raise ValueError("resume() needs an engine configured with multi_turn=True")
-    used, budget = len(episode.completion_ids), episode.budget(self._cfg.max_new_tokens)
+    used, budget = episode.length, episode.budget(self._cfg.max_new_tokens)
     if used >= budget:
       raise ValueError(f"group {episode.group_id}: the episode has {used} completion tokens; "
                        f"nothing is left of its budget of {budget}")
     with self._lock:
       self._resumed.append(_Row(episode=episode, ready_time=time.monotonic()))
+
+  def restore(self, episodes) -> None:
+    """Queues the episodes a checkpoint left waiting for the sampler (fresh,
+    between turns, or with an open segment) ahead of any new request; they are
+    re-admitted under the weights live then. Call before `start`."""
+    if self._thread is not None:
+      raise RuntimeError("restore() must come before start()")
+    for episode in episodes:
+      self._check_request(episode.request)
+      budget = episode.budget(self._cfg.max_new_tokens)
+      if episode.length >= budget:
+        raise ValueError(f"group {episode.group_id}: a restored episode holds {episode.length} "
+                         f"completion tokens; nothing is left of its budget of {budget}")
+      self._pending.append(_Row(episode=episode, ready_time=time.monotonic()))
+
+  def snapshot_work(self, exclude=(), timeout_s: float = 300.0) -> dict:
+    """The dispatcher's open work (`Dispatcher.snapshot_work`) with the tokens
+    each occupied slot has sampled so far in its open segment, read by the
+    engine thread between two decode steps (so no group is dispatched, and no
+    slot advances, while it is read). `exclude`: group ids to leave out (the
+    batch being trained). Thread-safe."""
+    exclude = frozenset(exclude)
+    if self._thread is None or not self._thread.is_alive():
+      self.raise_if_failed()
+      return self._snapshot(exclude)
+    future = concurrent.futures.Future()
+    with self._lock:
+      self._snapshot_requests.append((future, exclude))
+    deadline = time.monotonic() + timeout_s
+    while True:
+      try:
+        return future.result(timeout=0.1)
+      except concurrent.futures.TimeoutError:
+        self.raise_if_failed()
+        if not self._thread.is_alive() or time.monotonic() > deadline:
+          raise RuntimeError("the sampler engine did not answer a checkpoint snapshot") from None
 
   @property
   def active_slots(self) -> int:
@@ -334,6 +389,7 @@ class SamplerEngine:
   def _run(self) -> None:
     try:
       while not self._stop.is_set():
+        self._serve_snapshots()
         # Cancel first: a swap must not re-prefill, nor keep params alive for,
         # sequences that are about to be cancelled.
         self._apply_cancellations()
@@ -348,6 +404,24 @@ class SamplerEngine:
           self._harvest()
     except BaseException as e:  # surfaced to the learner thread by raise_if_failed
       self._error = e
+
+  def _serve_snapshots(self) -> None:
+    with self._lock:
+      requests, self._snapshot_requests = self._snapshot_requests, []
+    for future, exclude in requests:
+      try:
+        future.set_result(self._snapshot(exclude))
+      except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
+        future.set_exception(e)
+
+  def _snapshot(self, exclude: frozenset) -> dict:
+    occupied = [i for i, row in enumerate(self._slots) if row is not None]
+    partials = {}
+    if occupied and self._state is not None:
+      for slot, (tokens, logprobs, versions, _) in zip(occupied, self._read_segments(occupied)):
+        episode = self._slots[slot].episode
+        partials[(episode.group_id, episode.sample_index)] = (tokens, logprobs, versions)
+    return self._dispatcher.snapshot_work(partials, exclude)
 
   def _rows_array(self, mask: np.ndarray):
     return jax.device_put(mask, _batch_sharding(self._mesh, 1))
@@ -421,16 +495,19 @@ class SamplerEngine:
     idle = not self.active_slots and not self._pending
     requests = self._dispatcher.take(max_groups, self.version, timeout=0.05 if idle else 0.0)
     for req in requests:
-      if req.group_size != self._cfg.group_size:
-        raise ValueError(f"group {req.group_id} has {req.group_size} rollouts; the engine was "
-                         f"configured for groups of {self._cfg.group_size}")
-      if not 0 < len(req.prompt_ids) <= self._cfg.prompt_len:
-        raise ValueError(f"group {req.group_id}: prompt has {len(req.prompt_ids)} tokens; the "
-                         f"sampler takes 1 to {self._cfg.prompt_len} (sampler.prompt_len)")
+      self._check_request(req)
       self._pending.extend(
           _Row(episode=episode_lib.Episode(request=req, sample_index=s),
                ready_time=req.dispatch_time)
           for s in range(req.group_size))
+
+  def _check_request(self, req: dispatcher_lib.GroupRequest) -> None:
+    if req.group_size != self._cfg.group_size:
+      raise ValueError(f"group {req.group_id} has {req.group_size} rollouts; the engine was "
+                       f"configured for groups of {self._cfg.group_size}")
+    if not 0 < len(req.prompt_ids) <= self._cfg.prompt_len:
+      raise ValueError(f"group {req.group_id}: prompt has {len(req.prompt_ids)} tokens; the "
+                       f"sampler takes 1 to {self._cfg.prompt_len} (sampler.prompt_len)")
 
   def _admit(self) -> None:
     if self._draining or not self._pending:
@@ -440,7 +517,7 @@ class SamplerEngine:
     by_bucket = collections.defaultdict(list)
     buckets = self._cfg.continuation_buckets
     for slot, row in zip(free, rows):
-      n = len(row.episode.prompt_ids) + len(row.episode.completion_ids)
+      n = len(row.episode.prompt_ids) + row.episode.length
       bucket = next(b for b in buckets if b >= n)
       by_bucket[bucket].append((slot, row))
     for bucket, items in by_bucket.items():
@@ -452,18 +529,27 @@ class SamplerEngine:
     padded = items + [items[-1]] * (r - len(items))  # duplicates rewrite the same slot
     tokens = np.full((r, bucket), self._settings.pad_id, np.int32)
     mask = np.zeros((r, bucket), bool)
+    # A segment left open by a checkpoint continues: its tokens end the context.
+    open_len = np.zeros((r,), np.int32)
+    open_logprobs = np.zeros((r, bucket), np.float32)
+    open_versions = np.full((r, bucket), sampling.NO_VERSION, np.int32)
     for i, (_, row) in enumerate(padded):
-      ids = row.episode.context_ids()
+      episode = row.episode
+      ids = episode.context_ids()
       tokens[i, bucket - len(ids):] = ids
       mask[i, bucket - len(ids):] = True
+      k = open_len[i] = len(episode.open_tokens)
+      if k:
+        open_logprobs[i, bucket - k:] = episode.open_logprobs
+        open_versions[i, bucket - k:] = episode.open_versions
     slots = np.array([slot for slot, _ in padded], np.int32)
     episodes = [row.episode for _, row in padded]
     stop_mask = np.stack([self._stop_mask(e.request) for e in episodes])
     keys = sampling.row_keys(self._cfg.seed, [e.group_id for e in episodes],
                              [e.sample_index for e in episodes], [e.turns for e in episodes])
     # Every completion token counts against the budget, observations included.
-    max_new = np.array([e.budget(self._cfg.max_new_tokens) - len(e.completion_ids)
-                        for e in episodes], np.int32)
+    max_new = np.array([e.budget(self._cfg.max_new_tokens) - e.length for e in episodes],
+                       np.int32)
     # The first tokens are sampled by this prefill under `self.version`; tell
     # the dispatcher before it runs, so that no publish in between can miss
     # them (under `oldest_token`, in-flight lag counts from the first token).
@@ -471,7 +557,8 @@ class SamplerEngine:
       self._dispatcher.note_sampling(row.group_id, self.version)
     self._state = self._fns.insert(self._params_by_version[self.version],
                                    self._version_scalar, self._state, slots, tokens, mask,
-                                   keys, max_new, stop_mask)
+                                   keys, max_new, stop_mask, open_len, open_logprobs,
+                                   open_versions)
     # Wait for the prefill so that its time is not billed to the next decode
     # step (dispatch is asynchronous); inserts are rarer than decode steps.
     jax.block_until_ready(self._state.done)
@@ -500,8 +587,7 @@ class SamplerEngine:
 
   def _count_cancelled(self, row: _Row) -> None:
     self.stats.cancelled_rollouts += 1
-    budget = row.budget or (row.episode.budget(self._cfg.max_new_tokens)
-                            - len(row.episode.completion_ids))
+    budget = row.budget or (row.episode.budget(self._cfg.max_new_tokens) - row.episode.length)
     self.stats.cancelled_tokens += max(budget - row.sampled, 0)
     self.stats.cancelled_sampled_tokens += row.sampled
 
@@ -563,24 +649,34 @@ class SamplerEngine:
     finished = [i for i, row in enumerate(self._slots) if row is not None and self._done[i]]
     if not finished:
       return
-    r = row_bucket(len(finished), self._cfg.num_slots)
-    idx = np.array(finished + [finished[-1]] * (r - len(finished)), np.int32)
-    host = jax.device_get(self._fns.take_rows(self._state, idx))
+    segments = self._read_segments(finished)
     now = time.monotonic()
     ended = []
-    for j, slot in enumerate(finished):
+    for slot, (tokens, logprobs, versions, stopped) in zip(finished, segments):
       row = self._slots[slot]
       self._slots[slot] = None
-      start = int(host["prompt_end"][j])
-      n = int(host["token_mask"][j, start:].sum())
-      cols = slice(start, start + n)
-      row.episode.add_segment(host["tokens"][j, cols], host["logprobs"][j, cols],
-                              host["versions"][j, cols], stopped=bool(host["stopped"][j]))
+      restored = len(row.episode.open_tokens)  # sampled before a resume (counted then)
+      row.episode.add_segment(tokens, logprobs, versions, stopped=stopped)
       row.episode.timings["generating"] += now - row.start_time
-      self.stats.sampled_tokens += n
+      self.stats.sampled_tokens += len(tokens) - restored
       self.stats.finished_segments += 1
       ended.append(row.episode)
     self._forget_unused_versions()
     # Handed over last: from here on the episodes belong to the callee.
     for episode in ended:
+      self._dispatcher.work.at_env(episode)  # its restart point, should a checkpoint come
       self._on_segment_fn(episode)
+
+  def _read_segments(self, slots: list[int]) -> list[tuple]:
+    """`(tokens, logprobs, versions, stopped)` of each slot's current segment
+    (from its first completion column, open tokens of a resume included)."""
+    r = row_bucket(len(slots), self._cfg.num_slots)
+    idx = np.array(slots + [slots[-1]] * (r - len(slots)), np.int32)
+    host = jax.device_get(self._fns.take_rows(self._state, idx))
+    segments = []
+    for j in range(len(slots)):
+      start = int(host["prompt_end"][j])
+      cols = slice(start, start + int(host["token_mask"][j, start:].sum()))
+      segments.append((host["tokens"][j, cols], host["logprobs"][j, cols],
+                       host["versions"][j, cols], bool(host["stopped"][j])))
+    return segments

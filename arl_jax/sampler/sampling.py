@@ -218,11 +218,19 @@ def _record(state: SlotState, live, columns, tokens, logp, version, settings):
 
 
 def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, prompt_mask, keys,
-           max_new_tokens, stop_mask=None, *, settings: SamplingSettings) -> SlotState:
+           max_new_tokens, stop_mask=None, open_len=None, open_logprobs=None,
+           open_versions=None, *, settings: SamplingSettings) -> SlotState:
   """Prefills R prompts into the given slots and samples their first tokens.
 
   The other slots are untouched. Duplicate entries in `slots` must carry
   identical rows (the engine pads R up to a bucket by repeating a row).
+
+  A row may end with an open segment: `open_len` tokens already sampled for
+  the segment this insert continues (a resumed checkpoint's partial work).
+  They become the segment's first tokens, with their recorded log-probs and
+  versions, and the draws go on at the offset after them, so the segment
+  samples what it would have sampled uninterrupted (up to the prefill's
+  rounding).
 
   Args:
     graphdef: nnx graph definition of the decoder (static).
@@ -236,6 +244,10 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
     max_new_tokens: `[R]` int32 completion budget of each row.
     stop_mask: `[R, S]` bool, which of `settings.stop_ids` end each row's
       segment; None: all of them.
+    open_len: `[R]` int32 open-segment tokens at the end of each row (None: 0).
+    open_logprobs: `[R, Pb]` float32 their behaviour log-probs (in the last
+      `open_len` columns; None: no open segments).
+    open_versions: `[R, Pb]` int32 their versions (likewise).
     settings: static sampling settings.
 
   Returns:
@@ -245,6 +257,12 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
   r, pb = prompt_tokens.shape
   length = state.tokens.shape[1]
   cfg = model.cfg
+  if open_len is None:
+    open_len = jnp.zeros((r,), jnp.int32)
+  if open_logprobs is None:
+    open_logprobs = jnp.zeros((r, pb), jnp.float32)
+  if open_versions is None:
+    open_versions = jnp.full((r, pb), NO_VERSION, jnp.int32)
   small = kv_cache_lib.KVCache.zeros(
       batch=r, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, length=pb,
       head_dim=cfg.head_dim, dtype=state.cache.keys[0].dtype)
@@ -267,9 +285,12 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
           [prompt_tokens, tail(settings.pad_id, jnp.int32)], axis=1)),
       token_mask=_set_rows(state.token_mask, slots, jnp.concatenate(
           [prompt_mask, tail(False, jnp.bool_)], axis=1)),
-      logprobs=_set_rows(state.logprobs, slots, jnp.zeros((r, length), jnp.float32)),
-      versions=_set_rows(state.versions, slots, jnp.full((r, length), NO_VERSION, jnp.int32)),
-      prompt_end=_set_rows(state.prompt_end, slots, jnp.full((r,), pb, jnp.int32)),
+      logprobs=_set_rows(state.logprobs, slots, jnp.concatenate(
+          [open_logprobs, tail(0.0, jnp.float32)], axis=1)),
+      versions=_set_rows(state.versions, slots, jnp.concatenate(
+          [open_versions, tail(NO_VERSION, jnp.int32)], axis=1)),
+      # The segment (harvested from here) starts with the open tokens.
+      prompt_end=_set_rows(state.prompt_end, slots, pb - open_len),
       limit=_set_rows(state.limit, slots, jnp.minimum(pb + max_new_tokens - 1, length - 1)),
       positions=_set_rows(state.positions, slots, jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)),
       done=_set_rows(state.done, slots, False),
@@ -278,7 +299,7 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
       keys=_set_rows(state.keys, slots, keys))
   # Sample the first completion token of the inserted rows only.
   column = jnp.full((r,), pb, jnp.int32)
-  tokens, logp = sample_from_logits(logits[:, -1], keys, jnp.zeros((r,), jnp.int32), settings)
+  tokens, logp = sample_from_logits(logits[:, -1], keys, open_len, settings)
   b = state.tokens.shape[0]
   live = jnp.zeros((b,), jnp.bool_).at[slots].set(True)
   full = lambda x, fill: jnp.full((b,), fill, x.dtype).at[slots].set(x)

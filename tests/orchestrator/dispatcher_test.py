@@ -131,23 +131,3 @@ def test_a_prompt_budget_rides_on_its_request_and_must_be_positive():
   with pytest.raises(ValueError, match="prompt 2: completion budget 0 is < 1"):
     dispatcher.take(1, 0, timeout=0.01)
 
-
-def test_pending_work_is_dispatched_again_first_with_the_same_ids_when_contiguous():
-  dispatcher, _ = _dispatcher(max_async_level=1, groups_per_batch=2)
-  dispatcher.take(4, 0, timeout=0.01)  # groups 0-3 on prompts 0-3
-  dispatcher.retire([0, 1])  # trained
-  work = dispatcher.pending_work()
-  assert [gid for gid, _, _ in work["unfinished"]] == [2, 3]
-  assert (work["prompts_drawn"], work["next_group_id"]) == (4, 4)
-  fresh, _ = _dispatcher(max_async_level=1, groups_per_batch=2)
-  fresh.restore_pending(work)
-  got = fresh.take(4, 0, timeout=0.01)
-  # Groups 2 and 3 come back with their ids and prompts, then the stream goes on.
-  assert [(r.group_id, r.prompt.prompt_id) for r in got] == [(2, 2), (3, 3), (4, 0), (5, 1)]
-  # Out-of-order retirement: new ids continue after the last issued (no key reuse).
-  dispatcher.retire([3])
-  later, _ = _dispatcher(max_async_level=1, groups_per_batch=2)
-  later.restore_pending(dispatcher.pending_work())
-  assert [r.group_id for r in later.take(1, 0, timeout=0.01)] == [4]
-  with pytest.raises(RuntimeError, match="before any dispatch"):
-    later.restore_pending(work)

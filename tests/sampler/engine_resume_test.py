@@ -1,0 +1,138 @@
+"""A checkpoint taken while segments are being sampled, and the engine that
+resumes it: open segments continue from their recorded tokens."""
+
+import itertools
+import json
+import time
+
+import numpy as np
+import pytest
+
+from arl_jax.envs import env_api
+from arl_jax.orchestrator import buffer as buffer_lib
+from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.sampler import engine as engine_lib
+from arl_jax.sampler import sampling
+from arl_jax.testing import tiny
+from tests.sampler import engine_test
+
+PAD, EOS = 256, 258
+NEW = 12
+
+
+class _Publisher:
+  def __init__(self, version, params):
+    self.version, self.params = version, params
+
+  def latest(self):
+    return self.version, self.params
+
+
+def _engine(setup, version, on_group):
+  rng = np.random.default_rng(0)
+  prompts = (env_api.TextPrompt(prompt_id=i, text="", answer="") for i in itertools.count())
+  encode = lambda p: rng.integers(0, 256, 5).tolist()
+  dispatcher = dispatcher_lib.Dispatcher(
+      dispatcher_lib.DispatchConfig(group_size=4, groups_per_batch=2, max_async_level=0),
+      prompts, encode, buffer_lib.RolloutBuffer(buffer_lib.BufferConfig()))
+  engine = engine_lib.SamplerEngine(
+      cfg=engine_lib.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
+                                  max_new_tokens=NEW, context_bucket=4),
+      settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=setup["graphdef"],
+      model_cfg=setup["cfg"], mesh=setup["meshes"].sampler,
+      publisher=_Publisher(version, setup["sampler_params"][version]), dispatcher=dispatcher,
+      on_segment_fn=engine_test.single_turn_groups(on_group))
+  return engine, dispatcher
+
+
+def _wait(engine, condition, timeout=60.0):
+  deadline = time.monotonic() + timeout
+  while not condition() and time.monotonic() < deadline:
+    engine.raise_if_failed()
+    time.sleep(0.01)
+  assert condition(), "the engine did not get there in time"
+
+
+@pytest.fixture(scope="module")
+def setup():
+  return tiny.two_published_versions()
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(setup):
+  groups = {}
+  engine, _ = _engine(setup, 0, lambda req, rs: groups.setdefault(req.group_id, rs))
+  engine.start()
+  _wait(engine, lambda: len(groups) >= 2)
+  engine.stop()
+  return groups
+
+
+@pytest.fixture(scope="module")
+def snapshot(setup):
+  """Open work saved while the first two groups' segments are half sampled."""
+  engine, _ = _engine(setup, 0, lambda req, rs: None)
+  engine.start()
+  found = {}
+
+  def half_sampled():
+    work = engine.snapshot_work()
+    lengths = [len(e.get("open", {}).get("tokens", ())) for g in work["groups"]
+               for e in g["episodes"]]
+    if sum(2 <= n <= NEW - 3 for n in lengths) >= 4:
+      found["work"] = work
+    return "work" in found
+
+  _wait(engine, half_sampled)
+  engine.stop()
+  return json.loads(json.dumps(found["work"]))
+
+
+def _resume(setup, work, version):
+  groups = {}
+  on_group = lambda req, rs: groups.setdefault(req.group_id, rs)
+  engine, dispatcher = _engine(setup, version, on_group)
+  restored = dispatcher.restore_work(work)
+  engine.restore([e for g in restored for e in g.to_sample])
+  on_segment = engine_test.single_turn_groups(on_group)
+  for episode in (e for g in restored for e in g.to_env):  # what an env runner would take
+    on_segment(episode)
+  engine.start()
+  _wait(engine, lambda: {0, 1} <= set(groups))
+  engine.stop()
+  return groups
+
+
+def test_open_segments_continue_into_the_uninterrupted_samples(setup, uninterrupted, snapshot):
+  """Same weights before and after: the resumed run samples what the
+  uninterrupted one did (draws are keyed by the offset inside the segment)."""
+  resumed = _resume(setup, snapshot, version=0)
+  for gid in (0, 1):
+    for a, b in zip(uninterrupted[gid], resumed[gid]):
+      np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+      np.testing.assert_array_equal(a.token_versions, b.token_versions)
+      np.testing.assert_allclose(a.behaviour_logprobs, b.behaviour_logprobs, atol=1e-5)
+      assert a.finish_reason == b.finish_reason
+
+
+def test_the_rest_is_sampled_under_the_weights_live_at_resume(setup, snapshot):
+  resumed = _resume(setup, snapshot, version=1)
+  opened = 0
+  for record in snapshot["groups"]:
+    for index, saved in enumerate(record["episodes"]):
+      if saved["stage"] != "sample":  # its segment had ended: nothing to continue
+        continue
+      rollout = resumed[record["group_id"]][index]
+      kept = saved.get("open", {"tokens": [], "logprobs": [], "versions": []})
+      k = len(kept["tokens"])
+      opened += k > 0
+      # The recorded start of the segment is kept as it was sampled...
+      np.testing.assert_array_equal(rollout.completion_ids[:k], kept["tokens"])
+      np.testing.assert_array_equal(rollout.token_versions[:k], kept["versions"])
+      np.testing.assert_array_equal(rollout.behaviour_logprobs[:k],
+                                    np.float32(kept["logprobs"]))
+      # ...and the rest is version 1, whose log-probs the learner reproduces.
+      assert set(rollout.token_versions[k:].tolist()) <= {1}
+      want = engine_test.teacher_forced(setup, rollout, 1)[k:]
+      np.testing.assert_allclose(rollout.behaviour_logprobs[k:], want, atol=1e-5)
+  assert opened >= 4
