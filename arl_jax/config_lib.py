@@ -8,6 +8,7 @@ and every error names the offending config key.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -21,6 +22,7 @@ from arl_jax.learner import losses as losses_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import update as update_lib
 from arl_jax.metrics import writer as writer_lib
+from arl_jax.models import hf_config
 from arl_jax.models import model_config as model_config_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
@@ -35,6 +37,9 @@ _TOP_KEYS = ("seed", "num_steps", "log_every", "eval_every", "eval_size")
 _OPTIONAL_TOP_KEYS = {"writers": "jsonl"}
 # Optional sections (every key has a default in its dataclass).
 _OPTIONAL_SECTIONS = {"checkpoint": checkpointing.CheckpointConfig}
+# Model keys that a Hugging Face folder's config.json provides (`model.hf_path`).
+_MODEL_SHAPE_KEYS = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+                     "rope_theta", "tie_embeddings")
 _SECTIONS = {
     "model": ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
               "max_seq_len", "rope_theta", "tie_embeddings", "param_dtype", "value_head"),
@@ -79,6 +84,9 @@ class RunSpec:
   writers: tuple[str, ...]  # metric sinks besides the progress line (metrics/writer.py)
   checkpoint: checkpointing.CheckpointConfig
   model: model_config_lib.ModelConfig
+  # A Hugging Face folder whose config.json gave `model` and whose weights
+  # start the run when nothing is resumed ("": none).
+  model_hf_path: str
   mesh: mesh_lib.MeshConfig
   env_name: str
   env: object  # the environment's config dataclass (registry.ENVS[env_name].config_cls)
@@ -150,6 +158,13 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
     _require(name in cfg, name, "missing section")
     if name == "env":  # the env's own fields have defaults; the common keys do not
       _check_keys(cfg[name], name, keys + env_fields)
+    elif name == "model":
+      _check_keys(cfg[name], name, keys + ("hf_path",))
+      if cfg[name].get("hf_path"):  # the shapes come from the folder's config.json
+        given = sorted(set(_MODEL_SHAPE_KEYS) & set(cfg[name]))
+        _require(not given, "model.hf_path", f"{given} come from the model's config.json; "
+                 "remove them (or model.hf_path)")
+        keys = tuple(k for k in keys if k not in _MODEL_SHAPE_KEYS)
     else:
       _check_keys(cfg[name], name, keys)
     missing = sorted(set(keys) - set(cfg[name]))
@@ -183,7 +198,22 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   s, o, m, lc, w = (cfg["sampler"], cfg["orchestrator"], cfg["model"], cfg["learner"],
                     cfg["warmup"])
 
-  model = _wrap("model", model_config_lib.ModelConfig, vocab_size=tokenizer.vocab_size, **m)
+  model_hf_path = m.get("hf_path", "")
+  if model_hf_path:
+    try:
+      hf = hf_config.read_config(model_hf_path)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"config.model.hf_path: {e}") from e
+    model = _wrap("model.hf_path", hf_config.model_config_from_hf, hf=hf,
+                  param_dtype=m["param_dtype"], max_seq_len=m["max_seq_len"],
+                  value_head=m["value_head"],
+                  where=os.path.join(model_hf_path, "config.json"))
+    _require(tokenizer.vocab_size <= model.vocab_size, "tokenizer",
+             f"{tokenizer.vocab_size} tokens, more than the model's vocab_size "
+             f"{model.vocab_size} ({model_hf_path}/config.json)")
+  else:
+    model = _wrap("model", model_config_lib.ModelConfig, vocab_size=tokenizer.vocab_size,
+                  **{k: v for k, v in m.items() if k != "hf_path"})
 
   env_cfg = cfg["env"]
   env_kwargs = {k: v for k, v in env_cfg.items() if k not in _SECTIONS["env"]}
@@ -355,7 +385,7 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   return RunSpec(
       seed=cfg["seed"], num_steps=cfg["num_steps"], log_every=cfg["log_every"],
       eval_every=cfg["eval_every"], eval_size=cfg["eval_size"], writers=writers,
-      checkpoint=checkpoint, model=model,
+      checkpoint=checkpoint, model=model, model_hf_path=model_hf_path,
       mesh=mesh,
       env_name=env_name, env=env, data=data_cfg, tokenizer=tokenizer_cfg,
       num_env_workers=env_cfg["num_workers"],

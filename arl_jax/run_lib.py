@@ -34,7 +34,7 @@ from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import update as update_lib
 from arl_jax.learner import warmup as warmup_lib
 from arl_jax.metrics import writer as writer_lib
-from arl_jax.models import init_lib
+from arl_jax.models import hf_params, init_lib
 from arl_jax.orchestrator import env_runner as env_runner_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
 from arl_jax.sampler import engine as engine_lib
@@ -100,8 +100,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
              f"{spec.dispatch.max_off_policy_steps}: the sampler may run further ahead than "
              f"groups may lag, so expect many stale drops and cancellations")
 
-  graphdef, params, _ = init_lib.init_params(spec.model, meshes.learner,
-                                             rules_lib.LEARNER_RULES, spec.seed)
+  # Restore order: this workdir's latest checkpoint, then checkpoint.resume_from
+  # (both restored below, onto the layout of these params), then the params of
+  # checkpoint.init_from, then model.hf_path's weights, then a random init.
+  checkpointer, resume = _checkpoints(spec.checkpoint, workdir)
+  graphdef, params = _initial_params(spec, meshes.learner, resume is not None, print_fn)
   _, abstract_state = init_lib.abstract_model(spec.model)
   sampler_shardings = rules_lib.state_shardings(abstract_state, meshes.sampler,
                                                 rules_lib.SAMPLER_RULES)
@@ -132,17 +135,6 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   holder = {"params": params}
   clock = {"rl_start": None}
   params_now = lambda: holder["params"]
-  # Restore order: this workdir's latest checkpoint, then checkpoint.resume_from,
-  # then the params of checkpoint.init_from, then scratch (the params above).
-  checkpointer, resume = _checkpoints(spec.checkpoint, workdir)
-  if resume is None and spec.checkpoint.init_from:
-    init = _existing_checkpoint(spec.checkpoint.init_from, "checkpoint.init_from",
-                                spec.checkpoint)
-    params = init.restore_params(checkpointing.abstract_like(
-        params, jax.tree.map(lambda x: x.sharding, params)))
-    print_fn(f"initialised params from {init.directory} (step {init.latest_step()})")
-    init.close()
-    holder["params"] = params
 
   if spec.warmup.steps and resume is None:
     evaluate(0, "warmup")
@@ -368,6 +360,32 @@ class _StopRequest:
     if self._previous is not None:
       signal.signal(signal.SIGTERM, self._previous)
       self._previous = None
+
+
+def _initial_params(spec, mesh, resuming: bool, print_fn):
+  """`(graphdef, params)` a run starts from, laid out on the learner `mesh`:
+  another checkpoint's params (`checkpoint.init_from`), else a Hugging Face
+  folder's weights (`model.hf_path`), else a random init (also the template
+  a resume restores onto)."""
+  rules = rules_lib.LEARNER_RULES
+  if not resuming and spec.checkpoint.init_from:
+    init = _existing_checkpoint(spec.checkpoint.init_from, "checkpoint.init_from",
+                                spec.checkpoint)
+    graphdef, abstract = init_lib.abstract_model(spec.model)
+    shardings = rules_lib.state_shardings(abstract, mesh, rules)
+    params = init.restore_params(jax.tree.map(
+        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings))
+    print_fn(f"initialised params from {init.directory} (step {init.latest_step()})")
+    init.close()
+    return graphdef, params
+  if not resuming and spec.model_hf_path:
+    start = time.monotonic()
+    graphdef, params = hf_params.load_params(spec.model_hf_path, spec.model, mesh, rules)
+    print_fn(f"imported {spec.model_hf_path} ({spec.model.num_params / 1e6:.1f}M params, "
+             f"{time.monotonic() - start:.1f}s)")
+    return graphdef, params
+  graphdef, params, _ = init_lib.init_params(spec.model, mesh, rules, spec.seed)
+  return graphdef, params
 
 
 def _checkpoints(cfg: checkpointing.CheckpointConfig, workdir: str):

@@ -1,33 +1,37 @@
-r"""Asynchronous GRPO on GSM8K-style problems with a Qwen2.5-0.5B-shaped model on a TPU v5e-8.
+r"""Asynchronous GRPO on GSM8K-style problems from Qwen2.5-0.5B-Instruct on a TPU v5e-8.
 
-Command (the `:ARG` is the folder holding the model's `tokenizer.json`;
-`data.*_path` are your GSM8K-style JSONL files, schema in the README):
+Command (the `:ARG` is a local Hugging Face folder: `config.json`,
+`*.safetensors` and `tokenizer.json`; `data.*_path` are your GSM8K-style JSONL
+files, schema in the README):
 
   python -m arl_jax.launch --config=configs/math_tpu.py:/models/Qwen2.5-0.5B-Instruct \
       --workdir=gs://BUCKET/math_tpu \
       --config.data.train_path=gsm8k_train.jsonl --config.data.heldout_path=gsm8k_test.jsonl
+
+The model's shapes come from the folder's `config.json` (`model.hf_path`) and
+its weights start the run (imported straight into the learner's sharded
+layout; `arl_jax/models/hf_params.py`); the tokenizer and chat template come
+from the same folder. Export the result with
+`python -m arl_jax.export_hf --checkpoint=WORKDIR/checkpoints --hf_path=ARG --out=DIR`.
+Any Llama, Qwen2 or Qwen3 folder of a similar size works the same way.
 
 Hardware: one TPU v5e-8 host (8 chips, 16 GiB HBM each). The default
 disaggregated split gives the learner 4 chips (fsdp=4) and the sampler the
 other 4 (data=4: each decodes its own 64 slots with a bfloat16 copy of the
 weights, published device to device after every update).
 
-The model has Qwen2.5-0.5B's shapes (d_model 896, 24 layers, 14 query / 2 KV
-heads of 64, SwiGLU 4864, tied 151,665-token embedding, RoPE base 1e6: 494M
-parameters; no QKV biases yet). Until the Hugging Face import lands (the
-models issue) it starts from random weights, so this config exercises the
-hardware plan and throughput of a realistic size, not learning: expect reward
-0. With imported weights the expectation is the usual one for GSM8K GRPO at
-this size (held-out accuracy rising over the first few hundred updates).
-
-What was checked (on a CPU machine, with a stand-in tokenizer of Qwen2.5's
-vocabulary size): `--dry_run --dry_run_devices=8` validates the config and
-plans 8.0 GiB per learner chip (params 0.46, Adam moments 0.92, gradients
-0.46, activations ~6.2 rough: 2 rows x 768 tokens per microbatch per chip,
-the float32 logits over 151,665 tokens alone ~0.9) and 2.4 GiB per sampler
-chip (two bfloat16 weight versions 1.84, KV cache 0.56): inside 16 GiB. The
-batch of 256 rollouts (32 prompts x 8) trains in 32 microbatches for that
-reason. Throughput on a v5e-8 has not been measured (no TPU here).
+What was checked (on a CPU machine, with a stand-in folder holding
+Qwen2.5-0.5B-Instruct's config.json and a tokenizer of its vocabulary size):
+`--dry_run --dry_run_devices=8` validates the config and plans about 8 GiB per
+learner chip (params 0.46, Adam moments 0.92, gradients 0.46, activations ~6.2
+rough: 2 rows x 768 tokens per microbatch per chip, the float32 logits over
+151,936 tokens alone ~0.9) and 2.4 GiB per sampler chip (two bfloat16 weight
+versions 1.84, KV cache 0.57): inside 16 GiB. The batch of 256 rollouts (32
+prompts x 8) trains in 32 microbatches for that reason. Import and logit parity
+with `transformers` are tested on small random models of each family
+(`tests/models/hf_parity_test.py`). Throughput on a v5e-8 has not been
+measured (no TPU here); expect the usual GSM8K GRPO behaviour at this size
+(held-out accuracy rising over the first few hundred updates), not verified.
 """
 
 import ml_collections
@@ -37,7 +41,7 @@ from arl_jax import sweep
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if not arg:
-    raise ValueError("configs/math_tpu.py needs the tokenizer folder as its argument: "
+    raise ValueError("configs/math_tpu.py needs a Hugging Face model folder as its argument: "
                      "--config=configs/math_tpu.py:/path/to/Qwen2.5-0.5B-Instruct")
   config = ml_collections.ConfigDict()
   config.seed = 0
@@ -47,10 +51,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval_size = 256
   config.writers = "jsonl,tensorboard"
 
+  # Shapes (Qwen2.5-0.5B: d_model 896, 24 layers, 14 query / 2 KV heads of 64,
+  # QKV biases, SwiGLU 4864, tied 151,936-row embedding, RoPE base 1e6: 494M
+  # parameters) and the starting weights come from the folder.
   config.model = ml_collections.ConfigDict(dict(
-      d_model=896, num_layers=24, num_heads=14, num_kv_heads=2, head_dim=64, mlp_dim=4864,
-      max_seq_len=768, rope_theta=1_000_000.0, tie_embeddings=True, param_dtype="float32",
-      value_head=False))
+      hf_path=arg, max_seq_len=768, param_dtype="float32", value_head=False))
 
   config.mesh = ml_collections.ConfigDict(dict(
       placement="auto", learner_devices=-1,

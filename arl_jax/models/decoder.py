@@ -1,4 +1,7 @@
-"""One flax.nnx decoder for the Llama/Qwen family: RMSNorm, RoPE, GQA, SwiGLU.
+"""One flax.nnx decoder for the Llama/Qwen family: RMSNorm, RoPE, GQA, SwiGLU,
+with the options of Qwen2 (QKV biases) and Qwen3 (QK-norm) and the RoPE
+scalings of Llama 3 (`rope.py`), so that Hugging Face checkpoints of these
+families import exactly (`hf_import.py`).
 
 The same module computes the sampler's and the learner's log-probabilities, so
 that at zero lag the importance ratio differs from 1 only by float rounding.
@@ -20,6 +23,7 @@ from flax import nnx
 
 from arl_jax.models import kv_cache as kv_cache_lib
 from arl_jax.models import model_config as model_config_lib
+from arl_jax.models import rope as rope_lib
 
 # Large negative instead of -inf: a row whose keys are all masked (a pad query)
 # then gets a uniform softmax instead of NaN, and its output is ignored anyway.
@@ -44,27 +48,6 @@ class RMSNorm(nnx.Module):
     return (normed * self.scale[...].astype(jnp.float32)).astype(x.dtype)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float) -> jax.Array:
-  """Rotary embedding (Su et al., 2021), half-split convention of Llama/Qwen.
-
-  Args:
-    x: `[B, T, N, Dh]` queries or keys.
-    positions: `[B, T]` int32 position of each token (pads excluded from the count).
-    theta: base frequency.
-
-  Returns:
-    `x` rotated, same shape and dtype.
-  """
-  half = x.shape[-1] // 2
-  freq = theta ** (-jnp.arange(half, dtype=jnp.float32) / half)
-  angles = positions.astype(jnp.float32)[..., None] * freq  # [B, T, Dh/2]
-  sin = jnp.sin(angles)[:, :, None, :]
-  cos = jnp.cos(angles)[:, :, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return rotated.astype(x.dtype)
-
-
 class Attention(nnx.Module):
   """Grouped-query attention with an optional KV cache."""
 
@@ -76,9 +59,18 @@ class Attention(nnx.Module):
     self.v_proj = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), dtype, std)
     self.o_proj = _param(rngs, (h, dh, d), ("q_heads", "head_dim", "embed"), dtype,
                          1.0 / math.sqrt(h * dh))
+    if cfg.qkv_bias:
+      self.q_bias = _param(rngs, (h, dh), ("q_heads", "head_dim"), dtype, 0.0)
+      self.k_bias = _param(rngs, (k, dh), ("kv_heads", "head_dim"), dtype, 0.0)
+      self.v_bias = _param(rngs, (k, dh), ("kv_heads", "head_dim"), dtype, 0.0)
+    if cfg.out_bias:
+      self.o_bias = _param(rngs, (d,), ("norm",), dtype, 0.0)
+    if cfg.qk_norm:
+      self.q_norm = RMSNorm(dh, cfg.norm_eps, dtype)
+      self.k_norm = RMSNorm(dh, cfg.norm_eps, dtype)
+    self.cfg = cfg
     self.num_kv_heads = k
     self.head_dim = dh
-    self.rope_theta = cfg.rope_theta
 
   def __call__(self, x, positions, attn_mask, layer_cache=None, cache_index=None,
                write_mask=None):
@@ -99,8 +91,15 @@ class Attention(nnx.Module):
     q = jnp.einsum("btd,dhe->bthe", x, self.q_proj[...])
     k = jnp.einsum("btd,dke->btke", x, self.k_proj[...])
     v = jnp.einsum("btd,dke->btke", x, self.v_proj[...])
-    q = apply_rope(q, positions, self.rope_theta)
-    k = apply_rope(k, positions, self.rope_theta)
+    if self.cfg.qkv_bias:
+      q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
+    if self.cfg.qk_norm:
+      q, k = self.q_norm(q), self.k_norm(k)
+    # A numpy constant of the static config (not state: nothing to learn or shard).
+    inv_freq = rope_lib.inverse_frequencies(self.head_dim, self.cfg.rope_theta,
+                                            self.cfg.rope_scaling)
+    q = rope_lib.apply_rope(q, positions, inv_freq)
+    k = rope_lib.apply_rope(k, positions, inv_freq)
     k = k.transpose(0, 2, 1, 3)  # [B, K, T, Dh], the cache layout
     v = v.transpose(0, 2, 1, 3)
     new_cache = None
@@ -120,7 +119,10 @@ class Attention(nnx.Module):
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bksd->bkgtd", probs, v.astype(jnp.float32)).astype(x.dtype)
     out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
-    return jnp.einsum("bthe,hed->btd", out, self.o_proj[...]), new_cache
+    out = jnp.einsum("bthe,hed->btd", out, self.o_proj[...])
+    if self.cfg.out_bias:
+      out = out + self.o_bias[...]
+    return out, new_cache
 
 
 class SwiGLU(nnx.Module):

@@ -2,10 +2,13 @@
 
 import dataclasses
 
+from arl_jax.models import rope as rope_lib
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-  """Llama/Qwen-style decoder hyper-parameters.
+  """Llama/Qwen-style decoder hyper-parameters (the Llama, Qwen2 and Qwen3
+  families: `hf_config.model_config_from_hf` builds one from a `config.json`).
 
   Attributes:
     vocab_size: V, number of token ids the embedding and the output head cover.
@@ -17,6 +20,10 @@ class ModelConfig:
     mlp_dim: hidden width of the SwiGLU feed-forward block.
     max_seq_len: context length the KV cache is allocated for.
     rope_theta: RoPE base frequency.
+    rope_scaling: optional RoPE frequency scaling (`rope.RopeScaling`).
+    qkv_bias: biases on the query, key and value projections (Qwen2).
+    out_bias: a bias on the attention output projection.
+    qk_norm: RMSNorm over each query and key head before RoPE (Qwen3).
     norm_eps: RMSNorm epsilon.
     tie_embeddings: reuse the input embedding as the output projection.
     param_dtype: dtype the parameters are stored and computed in.
@@ -33,6 +40,10 @@ class ModelConfig:
   mlp_dim: int
   max_seq_len: int
   rope_theta: float = 10_000.0
+  rope_scaling: rope_lib.RopeScaling | None = None
+  qkv_bias: bool = False
+  out_bias: bool = False
+  qk_norm: bool = False
   norm_eps: float = 1e-6
   tie_embeddings: bool = True
   param_dtype: str = "float32"
@@ -56,6 +67,8 @@ class ModelConfig:
   def num_params(self) -> int:
     """Exact parameter count, used by dry runs and progress lines."""
     attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
+    attn += self.qkv_bias * self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
+    attn += self.out_bias * self.d_model + self.qk_norm * 2 * self.head_dim
     mlp = 3 * self.d_model * self.mlp_dim
     block = attn + mlp + 2 * self.d_model
     head = 0 if self.tie_embeddings else self.d_model * self.vocab_size

@@ -1,5 +1,6 @@
 """`--dry_run`: the plan's exact parts equal what a run allocates, and the CLI validates."""
 
+import json
 import os
 import subprocess
 import sys
@@ -73,17 +74,30 @@ def test_the_cli_dry_run_prints_the_plan_and_rejects_bad_config():
   assert bad.returncode != 0 and "config.sampler.top_p" in bad.stderr
 
 
+# Qwen2.5-0.5B-Instruct's config.json (the keys the import reads).
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_act": "silu",
+    "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+    "num_attention_heads": 14, "num_key_value_heads": 2, "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "tie_word_embeddings": True,
+    "use_sliding_window": False, "vocab_size": 151936, "torch_dtype": "bfloat16",
+}
+
+
 def test_the_tpu_config_plans_inside_a_v5e_chip(tmp_path):
-  """configs/math_tpu.py validates and fits 16 GiB chips (a stand-in tokenizer
-  of Qwen2.5's vocabulary size; only its size matters to the plan)."""
+  """configs/math_tpu.py validates and fits 16 GiB chips (a stand-in folder:
+  Qwen2.5-0.5B's config.json and a tokenizer of its vocabulary size; the plan
+  needs no weights)."""
   tokenizers = pytest.importorskip("tokenizers")
   vocab = {f"t{i}": i for i in range(151_643)}
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, unk_token="t0"))
   tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
                          + [f"<|extra_{i}|>" for i in range(19)])
   tok.save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "config.json").write_text(json.dumps(QWEN25_05B))
   spec = config_lib.build(tiny.load_config("math_tpu", str(tmp_path)))
-  assert spec.model.vocab_size == 151_665 and 490e6 < spec.model.num_params < 500e6
+  assert spec.model.vocab_size == 151_936 and spec.model.qkv_bias
+  assert spec.model.num_params == 494_032_768  # the published parameter count
   plan = dry_run.plan(spec, 8)
   assert dict(plan.learner.mesh) == {"fsdp": 4, "tp": 1}
   assert plan.per_device_peak() < 0.9 * 16 * 1024**3

@@ -1,0 +1,230 @@
+"""Hugging Face safetensors <-> the decoder's params, through one declarative table.
+
+`param_table(cfg)` lists, for every arl_jax parameter, the Hugging Face tensor
+it comes from and the layout change between the two (`LAYOUTS`): Hugging Face
+stores `nn.Linear` weights as `[out, in]` with heads flattened; arl_jax keeps
+`[in, out]` with heads as their own axis, so that the sharding rules can name
+them. Import and export both walk this table, so they cannot disagree.
+
+Import (`load_params`) reads one tensor at a time from the `*.safetensors`
+shards (memory-mapped; `safetensors`' numpy loader, and the file's own byte
+offsets for bfloat16, which numpy lacks), converts it on the host, and puts it
+straight into its sharded layout on the learner mesh: the whole model is
+never on one device, nor on the host at once. Export (`save_params`) gathers
+one parameter at a time and writes float32 safetensors plus `config.json`
+that `transformers` loads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+
+import jax
+import ml_dtypes
+import numpy as np
+from jax.sharding import Mesh
+
+from arl_jax.models import hf_config, init_lib
+from arl_jax.models import model_config as model_config_lib
+from arl_jax.sharding import rules as rules_lib
+
+# Hugging Face tensors a checkpoint may hold that arl_jax does not need.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def _heads_in(w, shape):  # HF [H*Dh, D] -> [D, H, Dh]
+  return w.T.reshape(shape)
+
+
+def _heads_in_hf(x, shape):  # [D, H, Dh] -> [H*Dh, D]
+  return x.reshape(x.shape[0], -1).T
+
+
+def _heads_out(w, shape):  # HF [D, H*Dh] -> [H, Dh, D]
+  return w.T.reshape(shape)
+
+
+def _heads_out_hf(x, shape):  # [H, Dh, D] -> [D, H*Dh]
+  return x.reshape(-1, x.shape[-1]).T
+
+
+# name -> (to arl_jax, to Hugging Face); each takes the array and the target shape.
+LAYOUTS = {
+    "same": (lambda w, shape: w.reshape(shape), lambda x, shape: x.reshape(shape)),
+    "transpose": (lambda w, shape: w.T, lambda x, shape: x.T),
+    "heads_in": (_heads_in, _heads_in_hf),
+    "heads_out": (_heads_out, _heads_out_hf),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class HfParam:
+  """One row of the table: the Hugging Face tensor, its shape there, the layout change."""
+
+  name: str
+  hf_shape: tuple[int, ...]
+  layout: str
+
+
+def param_table(cfg: model_config_lib.ModelConfig) -> dict[tuple, HfParam]:
+  """arl_jax param path (as in `nnx.State`) -> its Hugging Face tensor."""
+  d, h, k, dh, f, v = (cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.mlp_dim,
+                       cfg.vocab_size)
+  table = {
+      ("embed",): HfParam("model.embed_tokens.weight", (v, d), "same"),
+      ("final_norm", "scale"): HfParam("model.norm.weight", (d,), "same"),
+  }
+  if not cfg.tie_embeddings:
+    table[("lm_head",)] = HfParam("lm_head.weight", (v, d), "transpose")
+  for i in range(cfg.num_layers):
+    layer = f"model.layers.{i}"
+    rows = {
+        ("attn_norm", "scale"): (f"{layer}.input_layernorm.weight", (d,), "same"),
+        ("mlp_norm", "scale"): (f"{layer}.post_attention_layernorm.weight", (d,), "same"),
+        ("attn", "q_proj"): (f"{layer}.self_attn.q_proj.weight", (h * dh, d), "heads_in"),
+        ("attn", "k_proj"): (f"{layer}.self_attn.k_proj.weight", (k * dh, d), "heads_in"),
+        ("attn", "v_proj"): (f"{layer}.self_attn.v_proj.weight", (k * dh, d), "heads_in"),
+        ("attn", "o_proj"): (f"{layer}.self_attn.o_proj.weight", (d, h * dh), "heads_out"),
+        ("mlp", "gate"): (f"{layer}.mlp.gate_proj.weight", (f, d), "transpose"),
+        ("mlp", "up"): (f"{layer}.mlp.up_proj.weight", (f, d), "transpose"),
+        ("mlp", "down"): (f"{layer}.mlp.down_proj.weight", (d, f), "transpose"),
+    }
+    if cfg.qkv_bias:
+      rows[("attn", "q_bias")] = (f"{layer}.self_attn.q_proj.bias", (h * dh,), "same")
+      rows[("attn", "k_bias")] = (f"{layer}.self_attn.k_proj.bias", (k * dh,), "same")
+      rows[("attn", "v_bias")] = (f"{layer}.self_attn.v_proj.bias", (k * dh,), "same")
+    if cfg.out_bias:
+      rows[("attn", "o_bias")] = (f"{layer}.self_attn.o_proj.bias", (d,), "same")
+    if cfg.qk_norm:
+      rows[("attn", "q_norm", "scale")] = (f"{layer}.self_attn.q_norm.weight", (dh,), "same")
+      rows[("attn", "k_norm", "scale")] = (f"{layer}.self_attn.k_norm.weight", (dh,), "same")
+    for path, (name, shape, layout) in rows.items():
+      table[("blocks", i, *path)] = HfParam(name, shape, layout)
+  return table
+
+
+def _state_path(path) -> tuple:
+  """A `tree_map_with_path` path of an nnx.State leaf -> its param path."""
+  return tuple(p.key for p in path if isinstance(p, jax.tree_util.DictKey))
+
+
+class SafetensorsFolder:
+  """The tensors of a Hugging Face folder's `*.safetensors` shards, read one at a time."""
+
+  def __init__(self, folder: str):
+    self.folder = folder
+    index = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index):
+      with open(index, encoding="utf-8") as f:
+        self.files = {name: os.path.join(folder, file)
+                      for name, file in json.load(f)["weight_map"].items()}
+    else:
+      single = os.path.join(folder, "model.safetensors")
+      if not os.path.isfile(single):
+        raise FileNotFoundError(f"{folder}: neither model.safetensors nor "
+                                "model.safetensors.index.json")
+      self.files = {name: single for name in _header(single)}
+    for path in set(self.files.values()):
+      if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: listed in the index but missing")
+
+  def names(self) -> list[str]:
+    return [n for n in self.files if n != "__metadata__"]
+
+  def read(self, name: str) -> np.ndarray:
+    """One tensor as a host numpy array (bfloat16 as `ml_dtypes.bfloat16`)."""
+    path = self.files[name]
+    entry = _header(path)[name]
+    if entry["dtype"] == "BF16":  # safetensors' numpy loader has no bfloat16
+      return _read_raw(path, entry, ml_dtypes.bfloat16)
+    import safetensors  # noqa: PLC0415 - only needed to import (the `hf` extra)
+    with safetensors.safe_open(path, framework="numpy") as f:
+      return f.get_tensor(name)
+
+
+def _header(path: str) -> dict:
+  with open(path, "rb") as f:
+    (size,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(size))
+  header.pop("__metadata__", None)
+  return header
+
+
+def _read_raw(path: str, entry: dict, dtype) -> np.ndarray:
+  with open(path, "rb") as f:
+    (size,) = struct.unpack("<Q", f.read(8))
+  begin, end = entry["data_offsets"]
+  data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + size + begin, shape=(end - begin,))
+  return np.frombuffer(data, dtype=dtype).reshape(entry["shape"])
+
+
+def load_params(folder: str, cfg: model_config_lib.ModelConfig, mesh: Mesh,
+                rules: rules_lib.Rules):
+  """`(graphdef, params)`: the folder's weights as an nnx.State laid out on
+  `mesh` by `rules`, in `cfg.param_dtype`. A value head (not in Hugging Face
+  checkpoints) keeps its zero initialisation.
+
+  Raises:
+    FileNotFoundError: a missing shard or tensor.
+    hf_config.HfConfigError: a tensor whose shape differs from `cfg`'s (named),
+      or one the table does not know (the model has parts this decoder lacks).
+  """
+  source = SafetensorsFolder(folder)
+  table = param_table(cfg)
+  known = {row.name for row in table.values()}
+  if cfg.tie_embeddings:
+    known.add("lm_head.weight")  # some tied checkpoints store the copy anyway
+  unknown = [n for n in source.names()
+             if n not in known and not n.endswith(_IGNORED_SUFFIXES)]
+  if unknown:
+    raise hf_config.HfConfigError(
+        f"{folder}: tensors this decoder has no place for: {unknown[:5]}"
+        f"{' ...' if len(unknown) > 5 else ''} (another architecture?)")
+  # Shapes and shardings only: nothing is initialised and then thrown away.
+  graphdef, abstract = init_lib.abstract_model(cfg)
+  shardings = rules_lib.state_shardings(abstract, mesh, rules)
+  dtype = np.dtype(ml_dtypes.bfloat16) if cfg.param_dtype == "bfloat16" else np.float32
+
+  def load(path, leaf, sharding):
+    key = _state_path(path)
+    if key == ("value_head",):  # zero-initialised, as in the decoder
+      return jax.device_put(np.zeros(leaf.shape, dtype), sharding)
+    row = table[key]
+    if row.name not in source.files:
+      raise FileNotFoundError(f"{folder}: tensor {row.name} (for {'.'.join(map(str, key))}) "
+                              "is in no safetensors shard")
+    w = source.read(row.name)
+    if tuple(w.shape) != row.hf_shape:
+      raise hf_config.HfConfigError(
+          f"{folder}: {row.name} has shape {tuple(w.shape)}; config.json implies {row.hf_shape}")
+    # Views where possible (the memory map, its transpose): the one copy is device_put's.
+    value = LAYOUTS[row.layout][0](w.astype(np.float32, copy=False), leaf.shape)
+    return jax.device_put(value.astype(dtype, copy=False), sharding)
+
+  params = jax.tree_util.tree_map_with_path(load, abstract, shardings)
+  return graphdef, params
+
+
+def save_params(params, cfg: model_config_lib.ModelConfig, folder: str, family: str,
+                base_config: dict | None = None) -> None:
+  """Writes `params` as a Hugging Face folder: `model.safetensors` (float32)
+  and `config.json` (`base_config` updated with `cfg`'s shapes)."""
+  import safetensors.numpy  # noqa: PLC0415 - only needed to export (the `hf` extra)
+  os.makedirs(folder, exist_ok=True)
+  table = param_table(cfg)
+  tensors = {}
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+    key = _state_path(path)
+    if key == ("value_head",):
+      continue  # not part of a Hugging Face causal LM
+    row = table[key]
+    host = np.asarray(jax.device_get(leaf), np.float32)
+    tensors[row.name] = np.ascontiguousarray(LAYOUTS[row.layout][1](host, row.hf_shape))
+  safetensors.numpy.save_file(tensors, os.path.join(folder, "model.safetensors"),
+                              metadata={"format": "pt"})
+  with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
+    json.dump(hf_config.hf_config_from_model(cfg, family, base_config), f, indent=2)
+
