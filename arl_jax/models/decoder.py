@@ -98,8 +98,9 @@ class Attention(nnx.Module):
     # A numpy constant of the static config (not state: nothing to learn or shard).
     inv_freq = rope_lib.inverse_frequencies(self.head_dim, self.cfg.rope_theta,
                                             self.cfg.rope_scaling)
-    q = rope_lib.apply_rope(q, positions, inv_freq)
-    k = rope_lib.apply_rope(k, positions, inv_freq)
+    scale = rope_lib.attention_factor(self.cfg.rope_scaling)
+    q = rope_lib.apply_rope(q, positions, inv_freq, scale)
+    k = rope_lib.apply_rope(k, positions, inv_freq, scale)
     k = k.transpose(0, 2, 1, 3)  # [B, K, T, Dh], the cache layout
     v = v.transpose(0, 2, 1, 3)
     new_cache = None

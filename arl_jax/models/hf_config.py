@@ -71,7 +71,17 @@ def _rope(hf: dict, where: str) -> tuple[float, rope_lib.RopeScaling | None]:
                   high_freq_factor=float(params["high_freq_factor"]),
                   original_max_position_embeddings=int(
                       params["original_max_position_embeddings"]))
-  return float(theta), rope_lib.RopeScaling(kind=kind, **fields)
+  if kind == "yarn":
+    fields["original_max_position_embeddings"] = int(
+        params.get("original_max_position_embeddings") or hf["max_position_embeddings"])
+    for name in ("beta_fast", "beta_slow", "attention_factor", "mscale", "mscale_all_dim"):
+      if params.get(name) is not None:
+        fields[name] = float(params[name])
+    fields["truncate"] = bool(params.get("truncate", True))
+  try:
+    return float(theta), rope_lib.RopeScaling(kind=kind, **fields)
+  except ValueError as e:
+    raise HfConfigError(f"{where}: {e}") from e
 
 
 def model_config_from_hf(hf: dict, *, param_dtype: str = "float32",
@@ -146,5 +156,11 @@ def hf_config_from_model(cfg: model_config_lib.ModelConfig, family: str,
       hf["rope_scaling"].update(
           low_freq_factor=s.low_freq_factor, high_freq_factor=s.high_freq_factor,
           original_max_position_embeddings=s.original_max_position_embeddings)
+    if s.kind == "yarn":
+      hf["rope_scaling"].update(
+          original_max_position_embeddings=s.original_max_position_embeddings,
+          beta_fast=s.beta_fast, beta_slow=s.beta_slow, truncate=s.truncate,
+          **{k: getattr(s, k) for k in ("attention_factor", "mscale", "mscale_all_dim")
+             if getattr(s, k) is not None})
   hf.pop("torch_dtype", None)
   return hf

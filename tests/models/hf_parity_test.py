@@ -31,6 +31,10 @@ FAMILIES = {
     "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=True, rope_theta=1e6)),
     "qwen3": (transformers.Qwen3Config, dict(tie_word_embeddings=False, head_dim=16,
                                              rope_theta=1e6)),
+    # Qwen's long-context setting: YaRN (changes frequencies and scales cos/sin).
+    "qwen2_yarn": (transformers.Qwen2Config, dict(
+        tie_word_embeddings=False, rope_theta=1e6,
+        rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16))),
 }
 
 
@@ -73,10 +77,10 @@ def _our_logits(graphdef, params, tokens):
 
 
 def test_the_config_names_each_family_s_options(imported):
-  cfg = imported["cfg"]
-  assert cfg.qkv_bias == (imported["family"] == "qwen2")
-  assert cfg.qk_norm == (imported["family"] == "qwen3")
-  assert (cfg.rope_scaling is not None) == (imported["family"] == "llama")
+  cfg, family = imported["cfg"], imported["family"]
+  assert cfg.qkv_bias == family.startswith("qwen2")
+  assert cfg.qk_norm == (family == "qwen3")
+  assert (cfg.rope_scaling is not None) == (family in ("llama", "qwen2_yarn"))
   assert cfg.num_params == sum(p.numel() for p in imported["model"].parameters())
 
 
@@ -90,7 +94,8 @@ def test_logits_match_transformers(imported):
 
 def test_export_reloads_into_transformers_exactly(imported, tmp_path):
   out = str(tmp_path / "export")
-  hf_params.save_params(imported["params"], imported["cfg"], out, imported["family"],
+  hf_params.save_params(imported["params"], imported["cfg"], out,
+                        hf_config.family_of(hf_config.read_config(imported["folder"])),
                         base_config=hf_config.read_config(imported["folder"]))
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
   want = imported["model"].state_dict()
@@ -129,9 +134,9 @@ def test_bad_folders_are_named(tmp_path, meshes):
     hf_config.read_config(str(tmp_path))
   with pytest.raises(hf_config.HfConfigError, match="architecture 'GPT2LMHeadModel'"):
     hf_config.model_config_from_hf({"architectures": ["GPT2LMHeadModel"]})
-  with pytest.raises(hf_config.HfConfigError, match="rope type 'yarn' is not supported"):
+  with pytest.raises(hf_config.HfConfigError, match="rope type 'longrope' is not supported"):
     hf_config.model_config_from_hf({**_COMMON, "architectures": ["Qwen2ForCausalLM"],
-                                    "rope_scaling": {"type": "yarn", "factor": 4.0}})
+                                    "rope_scaling": {"type": "longrope", "factor": 4.0}})
   folder = str(tmp_path / "m")
   _hf_model("qwen2", folder)
   hf = hf_config.read_config(folder)
