@@ -81,9 +81,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       entropy_coef=0.0, advantage="grpo", num_epochs=1, num_minibatches=1,
       num_microbatches=32, lr=1e-6, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0))
 
+  # Special tokens and chat template as the folder's tokenizer_config.json names
+  # them (for Qwen2.5-Instruct: <|im_end|>, <|endoftext|>, no BOS, chatml).
   config.tokenizer = ml_collections.ConfigDict(dict(
-      kind="hf", path=arg, eos_token="<|im_end|>", bos_token="", pad_token="<|endoftext|>",
-      chat_template="chatml"))
+      kind="hf", path=arg, eos_token="auto", bos_token="auto", pad_token="auto",
+      chat_template="auto"))
 
   config.data = ml_collections.ConfigDict(dict(train_path="", heldout_path="",
                                                on_malformed="skip", num_epochs=0))

@@ -72,3 +72,19 @@ CHAT_TEMPLATES = {
         end_of_turn="<|eot_id|>",
         specials=("<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")),
 }
+
+
+# Markers that identify a tokenizer_config.json Jinja template as one of ours.
+_MARKERS = {"chatml": "<|im_start|>", "llama3": "<|start_header_id|>"}
+
+
+def detect(jinja: str | None, where: str = "tokenizer_config.json") -> str:
+  """The named template a Hugging Face Jinja chat template writes (`none`
+  when there is none); an error for one arl_jax does not implement."""
+  if not jinja:
+    return "none"
+  found = [name for name, marker in _MARKERS.items() if marker in jinja]
+  if len(found) != 1:
+    raise ValueError(f"{where}: its chat template is not one arl_jax implements "
+                     f"({', '.join(_MARKERS)}); set tokenizer.chat_template explicitly")
+  return found[0]

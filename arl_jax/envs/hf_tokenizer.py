@@ -12,11 +12,46 @@ next to EOS.
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
 
 from arl_jax.envs import chat_template as chat_template_lib
+
+# A `tokenizer.*` setting that reads the folder's tokenizer_config.json.
+AUTO = "auto"
+
+
+def _from_tokenizer_config(folder: str, *settings):
+  """Replaces each `auto` setting (eos, bos, pad token, chat template) with what
+  the folder's `tokenizer_config.json` says, as `transformers` would use it."""
+  path = os.path.join(folder, "tokenizer_config.json")
+  if not os.path.isfile(path):
+    raise ValueError(f"{path}: no such file (needed by a tokenizer setting 'auto')")
+  with open(path, encoding="utf-8") as f:
+    config = json.load(f)
+
+  def token(key):
+    value = config.get(key)
+    return value.get("content") if isinstance(value, dict) else value
+
+  eos, bos, pad, template = settings
+  if eos == AUTO:
+    eos = token("eos_token")
+    if not eos:
+      raise ValueError(f"{path}: no eos_token; set tokenizer.eos_token")
+  bos = token("bos_token") if bos == AUTO else bos
+  pad = token("pad_token") if pad == AUTO else pad
+  if template == AUTO:
+    jinja = config.get("chat_template")
+    if jinja is None and os.path.isfile(os.path.join(folder, "chat_template.jinja")):
+      with open(os.path.join(folder, "chat_template.jinja"), encoding="utf-8") as f:
+        jinja = f.read()
+    if isinstance(jinja, list):  # named templates: the default one
+      jinja = next((t["template"] for t in jinja if t.get("name") == "default"), None)
+    template = chat_template_lib.detect(jinja, path)
+  return eos, bos, pad, template
 
 
 class HfTokenizer:
@@ -31,6 +66,10 @@ class HfTokenizer:
         (then `add_bos` adds nothing).
       pad_token: padding; defaults to the EOS token (padding is always masked).
       chat_template: one of chat_template_lib.CHAT_TEMPLATES.
+
+    Any of the four may be `auto`: taken from the folder's
+    `tokenizer_config.json` (a Hugging Face model folder), the chat template
+    recognised from its Jinja source (`chat_template.detect`).
     """
     try:
       import tokenizers  # noqa: PLC0415 - optional dependency (the `hf` extra)
@@ -40,6 +79,9 @@ class HfTokenizer:
       path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
       raise ValueError(f"no tokenizer file {path!r}")
+    if AUTO in (eos_token, bos_token, pad_token, chat_template):
+      eos_token, bos_token, pad_token, chat_template = _from_tokenizer_config(
+          os.path.dirname(path), eos_token, bos_token, pad_token, chat_template)
     templates = chat_template_lib.CHAT_TEMPLATES
     if chat_template not in templates:
       raise ValueError(f"chat_template must be one of {sorted(templates)}, got {chat_template!r}")

@@ -73,6 +73,10 @@ class TokenizerConfig:
       for none; pad defaults to EOS). For a chat model, EOS is usually its
       end-of-turn token (`<|im_end|>`, `<|eot_id|>`).
     chat_template: `none`, `chatml` or `llama3`, for `hf`.
+
+  Each of the four may be `auto` for `hf`: read from the `tokenizer_config.json`
+  beside `tokenizer.json` (a Hugging Face model folder), the chat template
+  recognised from its Jinja source.
   """
 
   kind: str = "byte"

@@ -96,3 +96,31 @@ def test_a_chat_agent_run_with_a_tokenizer_json(tokenizer_path, tmp_path):
   config.tokenizer.eos_token = "<eos>"
   with pytest.raises(config_lib.ConfigError, match="config.tokenizer: .*'<eos>' is not in"):
     config_lib.build(config)
+
+
+def test_auto_settings_come_from_the_folder_s_tokenizer_config(tokenizer_path, tmp_path):
+  """A Hugging Face folder names its special tokens and chat template in
+  tokenizer_config.json: `auto` reads them (the Jinja template is recognised)."""
+  import json
+  import shutil
+
+  from arl_jax.envs import hf_tokenizer
+
+  folder = tmp_path / "model"
+  folder.mkdir()
+  shutil.copy(tokenizer_path, folder / "tokenizer.json")
+  qwen_jinja = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
+                "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}")
+  (folder / "tokenizer_config.json").write_text(json.dumps({
+      "eos_token": "<|im_end|>", "pad_token": {"content": "<pad>"}, "bos_token": None,
+      "chat_template": qwen_jinja}))
+  tok = hf_tokenizer.HfTokenizer(str(folder), eos_token="auto", bos_token="auto",
+                                 pad_token="auto", chat_template="auto")
+  assert tok.template.end_of_turn == "<|im_end|>"
+  assert (tok.eos_id, tok.pad_id, tok.bos_id) == (
+      tok._token_id("<|im_end|>", ""), tok._token_id("<pad>", ""), None)
+  (folder / "tokenizer_config.json").write_text(json.dumps({
+      "eos_token": "</s>", "chat_template": "{{ bos_token }}[INST] {{ message }} [/INST]"}))
+  with pytest.raises(ValueError, match="chat template is not one arl_jax implements"):
+    hf_tokenizer.HfTokenizer(str(folder), eos_token="auto", chat_template="auto")
+  assert hf_tokenizer.HfTokenizer(str(folder), eos_token="auto").eos_id == tok._token_id("</s>", "")

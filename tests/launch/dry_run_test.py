@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from arl_jax import config_lib, dry_run
+from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.models import init_lib
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sharding import mesh_lib
@@ -95,9 +96,14 @@ def test_the_tpu_config_plans_inside_a_v5e_chip(tmp_path):
                          + [f"<|extra_{i}|>" for i in range(19)])
   tok.save(str(tmp_path / "tokenizer.json"))
   (tmp_path / "config.json").write_text(json.dumps(QWEN25_05B))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+      "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
+      "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}...{% endfor %}"}))
   spec = config_lib.build(tiny.load_config("math_tpu", str(tmp_path)))
   assert spec.model.vocab_size == 151_936 and spec.model.qkv_bias
   assert spec.model.num_params == 494_032_768  # the published parameter count
+  tokenizer = tokenizer_lib.make_tokenizer(spec.tokenizer)
+  assert tokenizer.template.end_of_turn == "<|im_end|>" and tokenizer.bos_id is None
   plan = dry_run.plan(spec, 8)
   assert dict(plan.learner.mesh) == {"fsdp": 4, "tp": 1}
   assert plan.per_device_peak() < 0.9 * 16 * 1024**3

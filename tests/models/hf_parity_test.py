@@ -57,15 +57,17 @@ def meshes():
   return tiny.role_meshes()
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def imported(request, meshes, tmp_path_factory):
-  family = request.param
-  folder = str(tmp_path_factory.mktemp(family))
+def _import(family, folder, meshes):
   model = _hf_model(family, folder)
   cfg = hf_config.model_config_from_hf(hf_config.read_config(folder))
   graphdef, params = hf_params.load_params(folder, cfg, meshes.learner, rules_lib.LEARNER_RULES)
   return dict(family=family, folder=folder, model=model, cfg=cfg, graphdef=graphdef,
               params=params)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def imported(request, meshes, tmp_path_factory):
+  return _import(request.param, str(tmp_path_factory.mktemp(request.param)), meshes)
 
 
 def _our_logits(graphdef, params, tokens):
@@ -105,9 +107,13 @@ def test_export_reloads_into_transformers_exactly(imported, tmp_path):
     assert torch.equal(got[name], tensor), name
 
 
-def test_sampler_logprobs_equal_the_learner_s(imported, meshes):
+# Between them every option: QK-norm, biases, untied, YaRN (qwen2 with tied
+# embeddings is checked in a whole run below).
+@pytest.mark.parametrize("family", ["qwen3", "qwen2_yarn"])
+def test_sampler_logprobs_equal_the_learner_s(family, meshes, tmp_path):
   """Sampled in slots (prefill + decode with a KV cache, on the sampler mesh)
   versus teacher-forced on the learner mesh: the same numbers."""
+  imported = _import(family, str(tmp_path), meshes)
   cfg, graphdef = imported["cfg"], imported["graphdef"]
   _, sampler_params = hf_params.load_params(imported["folder"], cfg, meshes.sampler,
                                             rules_lib.SAMPLER_RULES)
