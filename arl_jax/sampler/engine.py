@@ -406,6 +406,8 @@ class SamplerEngine:
       self._error = e
 
   def _serve_snapshots(self) -> None:
+    if not self._snapshot_requests:  # the common case: no lock on every step
+      return
     with self._lock:
       requests, self._snapshot_requests = self._snapshot_requests, []
     for future, exclude in requests:
