@@ -130,6 +130,7 @@ class SafetensorsFolder:
     for path in set(self.files.values()):
       if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: listed in the index but missing")
+    self._headers: dict[str, dict] = {}  # shard -> its parsed header, read once
 
   def names(self) -> list[str]:
     return [n for n in self.files if n != "__metadata__"]
@@ -137,7 +138,9 @@ class SafetensorsFolder:
   def read(self, name: str) -> np.ndarray:
     """One tensor as a host numpy array (bfloat16 as `ml_dtypes.bfloat16`)."""
     path = self.files[name]
-    entry = _header(path)[name]
+    if path not in self._headers:
+      self._headers[path] = _header(path)
+    entry = self._headers[path][name]
     if entry["dtype"] == "BF16":  # safetensors' numpy loader has no bfloat16
       return _read_raw(path, entry, ml_dtypes.bfloat16)
     import safetensors  # noqa: PLC0415 - only needed to import (the `hf` extra)
@@ -200,7 +203,8 @@ def load_params(folder: str, cfg: model_config_lib.ModelConfig, mesh: Mesh,
     if tuple(w.shape) != row.hf_shape:
       raise hf_config.HfConfigError(
           f"{folder}: {row.name} has shape {tuple(w.shape)}; config.json implies {row.hf_shape}")
-    # Views where possible (the memory map, its transpose): the one copy is device_put's.
+    # No conversion copies when the file already holds float32 (astype(copy=False)
+    # and the layout changes are views): the placed copy is device_put's.
     value = LAYOUTS[row.layout][0](w.astype(np.float32, copy=False), leaf.shape)
     return jax.device_put(value.astype(dtype, copy=False), sharding)
 
