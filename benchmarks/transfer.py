@@ -16,6 +16,13 @@ compiles), timed up to `jax.block_until_ready` on the result:
   the learner, so half the bytes move).
 - `host_round_trip`: `jax.device_get` of the learner params to numpy, then
   `jax.device_put` onto the sampler shardings (the path the publisher avoids).
+- `cross_process_pull`: a sampler in another process (4 CPU devices of its
+  own, mesh data=4) pulls the published version from a `WeightServer`
+  (`arl_jax/distributed/weight_transfer.py`: ZeroMQ control message, then
+  `jax.experimental.transfer` pull into its sampler shardings), timed in that
+  process from its request to `block_until_ready`; it re-pulls the same
+  version each repeat, and reports per-leaf float64 sums that must equal the
+  published ones.
 - `memcpy`: `np.copyto` of the same number of bytes into a preallocated buffer,
   single-threaded; every row carries the memcpy time of its own byte count.
 
@@ -50,7 +57,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse  # noqa: E402
 import itertools  # noqa: E402
+import json  # noqa: E402
 import statistics  # noqa: E402
+import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -58,6 +67,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from arl_jax.distributed import weight_transfer  # noqa: E402
 from arl_jax.learner import publish as publish_lib  # noqa: E402
 from arl_jax.models import init_lib  # noqa: E402
 from arl_jax.models import model_config as model_config_lib  # noqa: E402
@@ -164,7 +174,66 @@ def bench(model: str, meshes: mesh_lib.RoleMeshes, repeats: int) -> list[dict]:
     num_bytes = _nbytes(out)
     rows.append(_row(model, cfg, path, seconds, num_bytes, memcpy[num_bytes],
                      copies=_copies(out)))
+  seconds, pulled_bytes = cross_process_pull(model, cfg, publishers["float32"], params, repeats)
+  # The sampler process holds one replica per device (data=4), each pulled.
+  rows.append(_row(model, cfg, "cross_process_pull", seconds, float_bytes, memcpy[float_bytes],
+                   copies=pulled_bytes // float_bytes * meshes.sampler.shape["data"]))
   return rows
+
+
+# The sampler process of `cross_process_pull`: prints the median pull seconds
+# and per-leaf sums of what it pulled.
+_PULLER = r"""
+import json, os, statistics, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+sys.path.insert(0, sys.argv[4])
+import jax, numpy as np
+from jax.sharding import Mesh
+import learner as learner_bench
+from arl_jax.distributed import weight_transfer
+from arl_jax.models import init_lib, model_config as model_config_lib
+from arl_jax.sharding import rules as rules_lib
+address, model, repeats = sys.argv[1], sys.argv[2], int(sys.argv[3])
+cfg = model_config_lib.ModelConfig(vocab_size=learner_bench.VOCAB, max_seq_len=int(sys.argv[5]),
+                                   **learner_bench.MODELS[model])
+mesh = Mesh(np.array(jax.devices()).reshape(4, 1), ("data", "tp"))
+_, abstract = init_lib.abstract_model(cfg)
+shardings = rules_lib.state_shardings(abstract, mesh, rules_lib.SAMPLER_RULES)
+abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        abstract, shardings)
+client = weight_transfer.WeightClient(address, abstract, poll_interval_s=0.0)
+times = []
+for _ in range(repeats + 1):  # the first is a warm-up (connection set-up)
+  client.version = None  # pull the same version again
+  before = client.pull_seconds
+  _, params = client.latest()
+  times.append(client.pull_seconds - before)
+print(json.dumps({"seconds": statistics.median(times[1:]),
+                  "sums": [float(np.asarray(x, np.float64).sum()) for x in jax.tree.leaves(params)],
+                  "bytes": sum(x.nbytes for x in jax.tree.leaves(params))}))
+"""
+
+
+def cross_process_pull(model: str, cfg, publisher: publish_lib.WeightPublisher, params,
+                       repeats: int):
+  """`(seconds, bytes)` of a pull by a sampler in another process (checked equal)."""
+  publisher.publish(params, 10**6)
+  want = [float(np.asarray(x, np.float64).sum()) for x in jax.tree.leaves(publisher.latest()[1])]
+  server = weight_transfer.WeightServer(publisher)
+  try:
+    proc = subprocess.run(
+        [sys.executable, "-c", _PULLER, server.address, model, str(repeats),
+         os.path.dirname(os.path.abspath(__file__)), str(SEQ_LEN)],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, XLA_FLAGS=""))
+  finally:
+    server.close()
+  if proc.returncode:
+    raise RuntimeError(proc.stderr[-3000:])
+  result = json.loads(proc.stdout.strip().splitlines()[-1])
+  if result["sums"] != want:
+    raise AssertionError("the cross-process pull returned other values than were published")
+  return result["seconds"], result["bytes"]
 
 
 def _sig(x: float) -> float:
