@@ -6,8 +6,8 @@ r"""Exports a run's params as a Hugging Face folder that `transformers` loads.
 `--hf_path` is the folder the run started from (`model.hf_path`): its
 `config.json` gives the model's shapes and is the base of the exported one, and
 its tokenizer files are copied along, so `--out` is a complete model folder.
-The params of the checkpoint's latest step (or `--step`) are written as float32
-`model.safetensors`.
+The params of the checkpoint's latest step (or `--step`) are written as
+safetensors in `--dtype` (float32 or bfloat16; sharded with an index past 5 GiB).
 """
 
 from __future__ import annotations
@@ -34,10 +34,13 @@ _HF_PATH = flags.DEFINE_string("hf_path", None, "the Hugging Face folder the run
                                required=True)
 _OUT = flags.DEFINE_string("out", None, "folder to write", required=True)
 _STEP = flags.DEFINE_integer("step", None, "checkpoint step (default: the latest)")
+_DTYPE = flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "dtype of the tensors")
 
 
-def export(checkpoint_dir: str, hf_path: str, out: str, step: int | None = None) -> int:
-  """Writes checkpoint `step`'s params (default: the latest) to `out`; returns the step."""
+def export(checkpoint_dir: str, hf_path: str, out: str, step: int | None = None,
+           dtype: str = "float32") -> int:
+  """Writes checkpoint `step`'s params (default: the latest) to `out` in
+  `dtype`; returns the step."""
   base = hf_config.read_config(hf_path)
   family = hf_config.family_of(base, os.path.join(hf_path, "config.json"))
   cfg = hf_config.model_config_from_hf(base)
@@ -54,7 +57,7 @@ def export(checkpoint_dir: str, hf_path: str, out: str, step: int | None = None)
   params = reader.restore_params(jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings), step)
   reader.close()
-  hf_params.save_params(params, cfg, out, family, base_config=base)
+  hf_params.save_params(params, cfg, out, family, base_config=base, dtype=dtype)
   for name in TOKENIZER_FILES:
     if os.path.isfile(os.path.join(hf_path, name)):
       shutil.copy(os.path.join(hf_path, name), os.path.join(out, name))
@@ -63,7 +66,7 @@ def export(checkpoint_dir: str, hf_path: str, out: str, step: int | None = None)
 
 def main(argv):
   del argv
-  step = export(_CHECKPOINT.value, _HF_PATH.value, _OUT.value, _STEP.value)
+  step = export(_CHECKPOINT.value, _HF_PATH.value, _OUT.value, _STEP.value, _DTYPE.value)
   print(f"exported step {step} of {_CHECKPOINT.value} to {_OUT.value}")
 
 

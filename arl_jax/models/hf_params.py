@@ -11,8 +11,8 @@ shards (memory-mapped; `safetensors`' numpy loader, and the file's own byte
 offsets for bfloat16, which numpy lacks), converts it on the host, and puts it
 straight into its sharded layout on the learner mesh: the whole model is
 never on one device, nor on the host at once. Export (`save_params`) gathers
-one parameter at a time and writes float32 safetensors plus `config.json`
-that `transformers` loads.
+one parameter at a time and streams it into float32 or bfloat16 safetensors
+(sharded with an index past 5 GiB) plus `config.json` that `transformers` loads.
 """
 
 from __future__ import annotations
@@ -31,6 +31,9 @@ from arl_jax.models import hf_config, init_lib
 from arl_jax.models import model_config as model_config_lib
 from arl_jax.sharding import rules as rules_lib
 
+# File dtypes an import converts from (to the param dtype).
+_FLOAT_DTYPES = tuple(np.dtype(d) for d in (np.float32, np.float16, np.float64,
+                                            ml_dtypes.bfloat16))
 # Hugging Face tensors a checkpoint may hold that arl_jax does not need.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -203,32 +206,78 @@ def load_params(folder: str, cfg: model_config_lib.ModelConfig, mesh: Mesh,
     if tuple(w.shape) != row.hf_shape:
       raise hf_config.HfConfigError(
           f"{folder}: {row.name} has shape {tuple(w.shape)}; config.json implies {row.hf_shape}")
-    # No conversion copies when the file already holds float32 (astype(copy=False)
+    if w.dtype not in _FLOAT_DTYPES:
+      raise hf_config.HfConfigError(
+          f"{folder}: {row.name} is stored as {w.dtype}; the decoder runs in float32 or "
+          "bfloat16 and imports float weights only (quantised checkpoints are not supported)")
+    # No conversion copy when the file already holds the param dtype (astype(copy=False)
     # and the layout changes are views): the placed copy is device_put's.
-    value = LAYOUTS[row.layout][0](w.astype(np.float32, copy=False), leaf.shape)
-    return jax.device_put(value.astype(dtype, copy=False), sharding)
+    value = LAYOUTS[row.layout][0](w, leaf.shape).astype(dtype, copy=False)
+    return jax.device_put(value, sharding)
 
   params = jax.tree_util.tree_map_with_path(load, abstract, shardings)
   return graphdef, params
 
 
+# numpy dtype -> safetensors dtype name, for the dtypes an export writes.
+EXPORT_DTYPES = {"float32": (np.dtype(np.float32), "F32"),
+                 "bfloat16": (np.dtype(ml_dtypes.bfloat16), "BF16")}
+
+
 def save_params(params, cfg: model_config_lib.ModelConfig, folder: str, family: str,
-                base_config: dict | None = None) -> None:
-  """Writes `params` as a Hugging Face folder: `model.safetensors` (float32)
-  and `config.json` (`base_config` updated with `cfg`'s shapes)."""
-  import safetensors.numpy  # noqa: PLC0415 - only needed to export (the `hf` extra)
+                base_config: dict | None = None, *, dtype: str = "float32",
+                max_shard_bytes: int = 5 * 2**30) -> list[str]:
+  """Writes `params` as a Hugging Face folder that `transformers` loads:
+  safetensors in `dtype` (`float32` or `bfloat16`), split into shards of at
+  most `max_shard_bytes` with a `model.safetensors.index.json` when one file
+  would be larger, and `config.json` (`base_config` updated with `cfg`'s
+  shapes and `dtype`). Streams: each parameter is gathered to the host,
+  converted and written in turn (the file layout is known from the table
+  first), so the host never holds more than one of them. Returns the files."""
+  if dtype not in EXPORT_DTYPES:
+    raise ValueError(f"export dtype must be one of {sorted(EXPORT_DTYPES)}, got {dtype!r}")
+  np_dtype, st_dtype = EXPORT_DTYPES[dtype]
   os.makedirs(folder, exist_ok=True)
   table = param_table(cfg)
-  tensors = {}
-  for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
-    key = _state_path(path)
-    if key == ("value_head",):
-      continue  # not part of a Hugging Face causal LM
-    row = table[key]
-    host = np.asarray(jax.device_get(leaf), np.float32)
-    tensors[row.name] = np.ascontiguousarray(LAYOUTS[row.layout][1](host, row.hf_shape))
-  safetensors.numpy.save_file(tensors, os.path.join(folder, "model.safetensors"),
-                              metadata={"format": "pt"})
+  leaves = {_state_path(path): leaf
+            for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
+  rows = [(key, row) for key, row in table.items() if key in leaves]  # (value head: not HF)
+  missing = sorted(".".join(map(str, k)) for k in table if k not in leaves)
+  if missing:
+    raise ValueError(f"params lack {missing[:5]} for a {family} export")
+  nbytes = lambda row: int(np.prod(row.hf_shape)) * np_dtype.itemsize
+  shards, size = [[]], 0
+  for key, row in rows:
+    if shards[-1] and size + nbytes(row) > max_shard_bytes:
+      shards.append([])
+      size = 0
+    shards[-1].append((key, row))
+    size += nbytes(row)
+  if len(shards) == 1:
+    names = ["model.safetensors"]
+  else:
+    names = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map = {row.name: name for name, shard in zip(names, shards) for _, row in shard}
+    with open(os.path.join(folder, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+      json.dump({"metadata": {"total_size": sum(nbytes(r) for _, r in rows)},
+                 "weight_map": weight_map}, f, indent=2)
+  for name, shard in zip(names, shards):
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for _, row in shard:
+      header[row.name] = {"dtype": st_dtype, "shape": list(row.hf_shape),
+                          "data_offsets": [offset, offset + nbytes(row)]}
+      offset += nbytes(row)
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the format pads the header to 8 bytes
+    with open(os.path.join(folder, name), "wb") as f:
+      f.write(struct.pack("<Q", len(blob)) + blob)
+      for key, row in shard:
+        host = np.asarray(jax.device_get(leaves[key]), np.float32)
+        out = LAYOUTS[row.layout][1](host, row.hf_shape).astype(np_dtype)
+        f.write(np.ascontiguousarray(out).tobytes())
+  base = dict(base_config or {})
+  config = hf_config.hf_config_from_model(cfg, family, base)
+  config["dtype"] = dtype
   with open(os.path.join(folder, "config.json"), "w", encoding="utf-8") as f:
-    json.dump(hf_config.hf_config_from_model(cfg, family, base_config), f, indent=2)
-
+    json.dump(config, f, indent=2)
+  return names

@@ -152,6 +152,15 @@ def test_bad_folders_are_named(tmp_path, meshes):
                      match=r"model.layers.0.mlp.down_proj.weight has shape \(32, 48\); "
                            r"config.json implies \(32, 40\)"):
     hf_params.load_params(folder, cfg, meshes.learner, rules_lib.LEARNER_RULES)
+  # Integer (quantised) weights: named, not silently cast.
+  import safetensors.numpy  # noqa: PLC0415
+  path = os.path.join(folder, "model.safetensors")
+  tensors = safetensors.numpy.load_file(path)
+  tensors["model.norm.weight"] = tensors["model.norm.weight"].astype(np.int8)
+  safetensors.numpy.save_file(tensors, path, metadata={"format": "pt"})
+  with pytest.raises(hf_config.HfConfigError, match="model.norm.weight is stored as int8"):
+    hf_params.load_params(folder, hf_config.model_config_from_hf(hf), meshes.learner,
+                          rules_lib.LEARNER_RULES)
   os.remove(os.path.join(folder, "model.safetensors"))
   with pytest.raises(FileNotFoundError, match="neither model.safetensors"):
     hf_params.load_params(folder, hf_config.model_config_from_hf(hf), meshes.learner,
@@ -217,3 +226,42 @@ def test_a_run_starts_from_a_hugging_face_folder(tmp_path):
     before = model(torch.tensor(tokens)).logits.numpy()
   got = _our_logits(graphdef, params, tokens)
   assert np.abs(got - want).max() <= 1e-4 < np.abs(want - before).max()
+
+
+def test_a_bfloat16_export_in_shards_reloads_into_transformers(imported, tmp_path):
+  """bfloat16 tensors, split over several files with an index (a tiny shard
+  limit forces it): transformers loads exactly the bfloat16 rounding of the
+  float32 weights."""
+  out = str(tmp_path / "bf16")
+  files = hf_params.save_params(imported["params"], imported["cfg"], out,
+                                hf_config.family_of(hf_config.read_config(imported["folder"])),
+                                dtype="bfloat16", max_shard_bytes=4096)
+  assert len(files) > 1 and os.path.isfile(os.path.join(out, "model.safetensors.index.json"))
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+  got = reloaded.state_dict()
+  for name, tensor in imported["model"].state_dict().items():
+    assert torch.equal(got[name], tensor.to(torch.bfloat16)), name
+
+
+def test_a_bfloat16_checkpoint_imports_exactly(meshes, tmp_path):
+  """Published checkpoints are mostly bfloat16 (read from the file's own byte
+  offsets: safetensors' numpy loader has no bfloat16): imported into float32,
+  the logits are those of the same bfloat16 weights in transformers."""
+  model = _hf_model("qwen3", str(tmp_path / "f32")).to(torch.bfloat16)
+  folder = str(tmp_path / "bf16")
+  model.save_pretrained(folder, safe_serialization=True)
+  cfg = hf_config.model_config_from_hf(hf_config.read_config(folder))
+  graphdef, params = hf_params.load_params(folder, cfg, meshes.learner, rules_lib.LEARNER_RULES)
+  tokens = np.random.default_rng(3).integers(0, 96, (2, 24))
+  # (Loaded afresh: casting `model` back would also round its RoPE buffer.)
+  reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+  with torch.no_grad():
+    want = reference(torch.tensor(tokens)).logits.numpy()
+  assert np.abs(_our_logits(graphdef, params, tokens) - want).max() <= 1e-4
+  _, bf16_params = hf_params.load_params(
+      folder, hf_config.model_config_from_hf(hf_config.read_config(folder),
+                                             param_dtype="bfloat16"),
+      meshes.learner, rules_lib.LEARNER_RULES)
+  np.testing.assert_array_equal(  # bfloat16 in, bfloat16 kept: bit for bit
+      np.asarray(bf16_params["embed"][...]).view(np.uint16),
+      model.model.embed_tokens.weight.detach().view(torch.int16).numpy().view(np.uint16))
