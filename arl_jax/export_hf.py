@@ -54,8 +54,7 @@ def export(checkpoint_dir: str, hf_path: str, out: str, step: int | None = None,
   mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
   _, abstract = init_lib.abstract_model(cfg)
   shardings = rules_lib.state_shardings(abstract, mesh, rules_lib.LEARNER_RULES)
-  params = reader.restore_params(jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings), step)
+  params = reader.restore_params(checkpointing.abstract_like(abstract, shardings), step)
   reader.close()
   hf_params.save_params(params, cfg, out, family, base_config=base, dtype=dtype)
   for name in TOKENIZER_FILES:

@@ -373,8 +373,7 @@ def _initial_params(spec, mesh, resuming: bool, print_fn):
                                 spec.checkpoint)
     graphdef, abstract = init_lib.abstract_model(spec.model)
     shardings = rules_lib.state_shardings(abstract, mesh, rules)
-    params = init.restore_params(jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings))
+    params = init.restore_params(checkpointing.abstract_like(abstract, shardings))
     print_fn(f"initialised params from {init.directory} (step {init.latest_step()})")
     init.close()
     return graphdef, params

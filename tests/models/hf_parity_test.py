@@ -3,7 +3,6 @@ an exact export round trip, and sampler log-probs equal to the learner's."""
 
 import os
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -218,8 +217,7 @@ def test_a_run_starts_from_a_hugging_face_folder(tmp_path):
   shardings = rules_lib.state_shardings(abstract, meshes.learner, rules_lib.LEARNER_RULES)
   params = checkpointing.Checkpointer(str(tmp_path / "run" / "checkpoints"),
                                       checkpointing.CheckpointConfig()).restore_params(
-      jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract,
-                   shardings))
+      checkpointing.abstract_like(abstract, shardings))
   tokens = np.random.default_rng(2).integers(0, 272, (2, 16))
   with torch.no_grad():
     want = trained(torch.tensor(tokens)).logits.numpy()
