@@ -15,6 +15,7 @@ import jax
 import ml_collections
 
 from arl_jax import checkpointing
+from arl_jax.distributed import fleet as fleet_lib
 from arl_jax.envs import env_api, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import advantages as advantages_lib
@@ -36,7 +37,8 @@ _TOP_KEYS = ("seed", "num_steps", "log_every", "eval_every", "eval_size")
 # Optional top-level keys and their defaults.
 _OPTIONAL_TOP_KEYS = {"writers": "jsonl"}
 # Optional sections (every key has a default in its dataclass).
-_OPTIONAL_SECTIONS = {"checkpoint": checkpointing.CheckpointConfig}
+_OPTIONAL_SECTIONS = {"checkpoint": checkpointing.CheckpointConfig,
+                      "fleet": fleet_lib.FleetConfig}
 # Model keys that a Hugging Face folder's config.json provides (`model.hf_path`).
 _MODEL_SHAPE_KEYS = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
                      "rope_theta", "tie_embeddings")
@@ -83,6 +85,7 @@ class RunSpec:
   eval_size: int
   writers: tuple[str, ...]  # metric sinks besides the progress line (metrics/writer.py)
   checkpoint: checkpointing.CheckpointConfig
+  fleet: fleet_lib.FleetConfig  # where sampling runs: here, or in sampler processes
   model: model_config_lib.ModelConfig
   # A Hugging Face folder whose config.json gave `model` and whose weights
   # start the run when nothing is resumed ("": none).
@@ -189,6 +192,9 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   _check_keys(checkpoint_cfg, "checkpoint",
               tuple(f.name for f in dataclasses.fields(checkpointing.CheckpointConfig)))
   checkpoint = _wrap("checkpoint", checkpointing.CheckpointConfig, **checkpoint_cfg)
+  fleet_cfg = cfg.get("fleet", {})
+  _check_keys(fleet_cfg, "fleet", tuple(f.name for f in dataclasses.fields(fleet_lib.FleetConfig)))
+  fleet = _wrap("fleet", fleet_lib.FleetConfig, **fleet_cfg)
 
   tokenizer_cfg = _wrap("tokenizer", tokenizer_lib.TokenizerConfig, **cfg["tokenizer"])
   try:
@@ -385,7 +391,7 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   return RunSpec(
       seed=cfg["seed"], num_steps=cfg["num_steps"], log_every=cfg["log_every"],
       eval_every=cfg["eval_every"], eval_size=cfg["eval_size"], writers=writers,
-      checkpoint=checkpoint, model=model, model_hf_path=model_hf_path,
+      checkpoint=checkpoint, fleet=fleet, model=model, model_hf_path=model_hf_path,
       mesh=mesh,
       env_name=env_name, env=env, data=data_cfg, tokenizer=tokenizer_cfg,
       num_env_workers=env_cfg["num_workers"],

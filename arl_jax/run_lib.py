@@ -26,6 +26,7 @@ import numpy as np
 
 from arl_jax import checkpointing, config_lib, evaluation
 from arl_jax import train_batch as train_batch_lib
+from arl_jax.distributed import fleet as fleet_lib
 from arl_jax.envs import env_api, prompt_data, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
@@ -79,9 +80,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   audit = writer_lib.JsonlWriter(workdir, "groups.jsonl")
   writer = writer_lib.make_writer(
       workdir, spec.writers, run_config=config.to_dict() if hasattr(config, "to_dict") else config)
+  placement = ("remote samplers" if spec.fleet.remote else
+               "colocated" if meshes.colocated else "disaggregated")
   print_fn(f"arl_jax: {spec.model.num_params / 1e6:.2f}M params | learner mesh "
            f"{dict(meshes.learner.shape)} | sampler mesh {dict(meshes.sampler.shape)} | "
-           f"{'colocated' if meshes.colocated else 'disaggregated'} | K="
+           f"{placement} | K="
            f"{spec.dispatch.max_off_policy_steps} max_async_level="
            f"{spec.dispatch.max_async_level} | {len(train_prompts)} train / "
            f"{len(eval_prompts)} eval prompts")
@@ -191,16 +194,26 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       mask_truncated_completions=spec.mask_truncated_completions,
       budget_fn=functools.partial(env_api.budget_of, env),
       audit_fn=audit.write)
-  env_runner = env_runner_lib.EnvRunner(
-      env, on_group_fn=orchestrator.group_finished, max_new_tokens=spec.engine.max_new_tokens,
-      num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s,
-      vocab_size=spec.model.vocab_size, work=orchestrator.dispatcher.work)
-  engine = engine_lib.SamplerEngine(
-      cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, model_cfg=spec.sampler_model,
-      mesh=meshes.sampler, publisher=publisher, dispatcher=orchestrator.dispatcher,
-      on_segment_fn=env_runner.submit,
-      stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env))
-  env_runner.connect(engine.resume)
+  fleet = None
+  if spec.fleet.remote:
+    # Sampler processes join over the network; the fleet stands in for the
+    # local engine and env runner (their counters, cancellations, snapshots).
+    fleet = engine = env_runner = fleet_lib.SamplerFleet(
+        spec.fleet, orchestrator=orchestrator, publisher=publisher,
+        run_config=config.to_dict() if hasattr(config, "to_dict") else dict(config),
+        sampler_mesh_shape=meshes.sampler.shape.items(), workdir=workdir, print_fn=print_fn,
+        event_fn=lambda event: writer.write({"phase": "fleet", **event}))
+  else:
+    env_runner = env_runner_lib.EnvRunner(
+        env, on_group_fn=orchestrator.group_finished, max_new_tokens=spec.engine.max_new_tokens,
+        num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s,
+        vocab_size=spec.model.vocab_size, work=orchestrator.dispatcher.work)
+    engine = engine_lib.SamplerEngine(
+        cfg=spec.engine, settings=spec.sampling, graphdef=graphdef,
+        model_cfg=spec.sampler_model, mesh=meshes.sampler, publisher=publisher,
+        dispatcher=orchestrator.dispatcher, on_segment_fn=env_runner.submit,
+        stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env))
+    env_runner.connect(engine.resume)
 
   groups_trained = 0
   restored = []
@@ -216,9 +229,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   engine.cancel(cancelled)
   env_runner.cancel(cancelled)
   restored = [g for g in restored if g.group_id not in cancelled]
-  engine.restore([e for g in restored for e in g.to_sample])
-  env_runner.restore([r for g in restored for r in g.scored],
-                     [e for g in restored for e in g.to_env])
+  if fleet is not None:
+    fleet.restart([g.group_id for g in restored if g.complete is None])
+  else:
+    engine.restore([e for g in restored for e in g.to_sample])
+    env_runner.restore([r for g in restored for r in g.scored],
+                       [e for g in restored for e in g.to_env])
   engine.start()
   history: list[dict] = []
   batches: list[dict] = []
@@ -274,7 +290,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
             checkpoint_open_tokens=sum(len(e["completion_ids"]) + len(e.get("open", {}).get(
                 "tokens", ())) for g in run_record["work"]["groups"] for e in g["episodes"]))
       engine.cancel(cancelled)
-      env_runner.cancel(cancelled)
+      if fleet is None:  # (the fleet's cancel did both)
+        env_runner.cancel(cancelled)
       metrics = jax.device_get(metrics)
       now = time.monotonic()
       record = _step_record(step, version, host_batch, batch, metrics, orchestrator, engine,
@@ -284,6 +301,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       # Saved at this step: the learner's pause (open-work snapshot and the
       # device-to-host copy) and how much sampled work the checkpoint kept.
       record.update(saving)
+      if fleet is not None:
+        record.update(fleet.metrics())
       last_time = now
       if keep_batches:
         batches.append({"batch_version": batch.batch_version, "lag": host_batch.lag.copy(),

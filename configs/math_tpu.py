@@ -104,6 +104,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, keep=3, save_final=True,
                                                      resume_from="",
                                                      init_from=""))
+  # Sampling in separate processes that join over the network (README "Sampler
+  # processes"): python -m arl_jax.distributed.sampler_worker --learner=ADDRESS.
+  config.fleet = ml_collections.ConfigDict(dict(remote=False, host="127.0.0.1", port=0,
+                                                heartbeat_s=0.5, timeout_s=20.0))
 
   # No supervised warm-up: an instruction-tuned checkpoint already answers.
   config.warmup = ml_collections.ConfigDict(dict(steps=0, batch_size=64, lr=1e-5,

@@ -16,6 +16,11 @@ Requeueing (`requeue_dropped = n`): the prompt of a group dropped as stale or
 cancelled is dispatched again, ahead of new prompts, up to `n` times, so that
 slow (often hard) tasks are not silently lost from training.
 
+Reassignment (`reassign`): the groups of a sampler that died start again from
+scratch, with their ids and dispatch versions (their lag keeps counting from
+the original dispatch), handed out by `take` before anything else; they hold
+their admission capacity throughout.
+
 Checkpoints: `work` records every open group at its restart points
 (`open_work.py`); `snapshot_work` and `restore_work` carry it, with the prompt
 stream's position, across a restart.
@@ -99,6 +104,8 @@ class Dispatcher:
     # Dropped groups' prompts, and after a resume the unfinished ones.
     self._requeued: collections.deque[tuple[object, tuple[int, ...] | None, int]] = (
         collections.deque())
+    # Open groups whose sampler was lost, to be generated again (`reassign`).
+    self._reassigned: collections.deque[GroupRequest] = collections.deque()
     # Every open group at its restart points, for checkpoints.
     self.work = open_work.OpenWork()
     self._closed = False
@@ -106,6 +113,7 @@ class Dispatcher:
     self.num_started = 0
     self.num_cancelled = 0
     self.num_requeued = 0
+    self.num_reassigned = 0
     self.exhausted = False  # the prompt stream has ended
     self.prompts_drawn = 0  # taken from the stream (requeued prompts not counted again)
 
@@ -120,10 +128,15 @@ class Dispatcher:
     requests = []
     with self._cond:
       if not self._cond.wait_for(
-          lambda: self._closed or len(self._in_system) < self._cfg.capacity, timeout):
+          lambda: (self._closed or self._reassigned
+                   or len(self._in_system) < self._cfg.capacity), timeout):
         return []
       if live_version < self._live_version:
         return []
+      while self._reassigned and len(requests) < max_groups and not self._closed:
+        request = self._reassigned.popleft()
+        if request.group_id in self._in_system:  # else cancelled while it waited
+          requests.append(request)
       while (not self._closed and len(requests) < max_groups
              and len(self._in_system) < self._cfg.capacity):
         if self._requeued:
@@ -181,6 +194,21 @@ class Dispatcher:
       self.work.close(group_ids)
       self._cond.notify_all()
 
+  def reassign(self, group_ids) -> list[int]:
+    """Starts the given in-flight groups again from scratch (their sampler was
+    lost): the next `take` hands them out first, with their ids and dispatch
+    versions. Returns the ids reassigned (those still in flight)."""
+    with self._cond:
+      waiting = {r.group_id for r in self._reassigned}
+      ids = sorted(gid for gid in set(group_ids) if gid in self._generating and gid not in waiting)
+      for gid in ids:
+        self._oldest_sampled.pop(gid, None)  # its sampled tokens are gone
+        self.work.restart(gid)
+      self._reassigned.extend(self._in_system[gid] for gid in ids)
+      self.num_reassigned += len(ids)
+      self._cond.notify_all()
+    return ids
+
   def on_publish(self, live_version: int) -> list[GroupRequest]:
     """Announces a newly published version; cancels, retires and returns the
     in-flight groups that can no longer ship."""
@@ -222,7 +250,7 @@ class Dispatcher:
                        for prompt, _, attempt in self._requeued],
           "next_group_id": self._next_group_id,
           "counters": {"started": self.num_started, "cancelled": self.num_cancelled,
-                       "requeued": self.num_requeued},
+                       "requeued": self.num_requeued, "reassigned": self.num_reassigned},
       }
 
   def restore_work(self, work: dict) -> list[open_work.RestoredGroup]:
@@ -260,6 +288,7 @@ class Dispatcher:
       self.num_started = int(counters["started"])
       self.num_cancelled = int(counters["cancelled"])
       self.num_requeued = int(counters["requeued"])
+      self.num_reassigned = int(counters.get("reassigned", 0))
     return restored
 
   @property

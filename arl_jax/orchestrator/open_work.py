@@ -103,6 +103,13 @@ class OpenWork:
       self._groups[request.group_id] = _Group(
           request=request, points=[_Point("sample") for _ in range(request.group_size)])
 
+  def restart(self, group_id: int) -> None:
+    """The group starts again from scratch (its sampler was lost)."""
+    with self._lock:
+      group = self._groups.get(group_id)
+      if group is not None:
+        group.points = [_Point("sample") for _ in group.points]
+
   def at_sampler(self, episode: episode_lib.Episode) -> None:
     """`episode` goes (back) to the sampler, its completion as it is now."""
     self._mark(episode, "sample")

@@ -131,3 +131,26 @@ def test_a_prompt_budget_rides_on_its_request_and_must_be_positive():
   with pytest.raises(ValueError, match="prompt 2: completion budget 0 is < 1"):
     dispatcher.take(1, 0, timeout=0.01)
 
+
+
+def test_reassigned_groups_go_out_first_with_their_ids_and_dispatch_versions():
+  dispatcher, _ = _dispatcher(max_async_level=0, groups_per_batch=2)
+  first = dispatcher.take(10, live_version=0, timeout=0.01)
+  assert [r.group_id for r in first] == [0, 1]
+  dispatcher.finished_generating(0)  # group 0 is done; only 1 can be reassigned
+  dispatcher.on_publish(1)
+  assert dispatcher.reassign([0, 1, 7]) == [1]
+  assert dispatcher.reassign([1]) == []  # already waiting to go out again
+  # At capacity, yet the reassigned group goes out (it holds its capacity).
+  again = dispatcher.take(10, live_version=1, timeout=0.01)
+  assert [(r.group_id, r.dispatch_version, r.prompt.prompt_id) for r in again] == [(1, 0, 1)]
+  assert dispatcher.num_reassigned == 1 and dispatcher.in_system == 2
+  assert dispatcher.take(10, live_version=1, timeout=0.01) == []
+
+
+def test_a_reassigned_group_cancelled_while_waiting_is_not_handed_out():
+  dispatcher, _ = _dispatcher(max_async_level=3, k=1)
+  dispatcher.take(1, live_version=0, timeout=0.01)
+  dispatcher.reassign([0])
+  assert [r.group_id for r in dispatcher.on_publish(2)] == [0]  # lag 2 > K
+  assert [r.group_id for r in dispatcher.take(1, live_version=2, timeout=0.01)] == [1]

@@ -1,0 +1,381 @@
+"""The learner's side of a disaggregated sampler fleet (DESIGN.md section 8).
+
+With `fleet.remote = True` the learner process runs no sampler engine: sampler
+processes (`python -m arl_jax.distributed.sampler_worker --learner=ADDRESS`),
+each a separate JAX program with its own devices and env workers, join over
+ZeroMQ. `SamplerFleet` is what the learner loop talks to instead of a local
+engine; it keeps every rule of the single-process run in the one orchestrator:
+
+- requests: a sampler asks for groups (`take`: free slots, the version it
+  holds) and the dispatcher answers under the same admission control as a
+  local engine (nothing for a sampler behind the newest version: it must pull
+  first). Each handed-out group is owned by that sampler.
+- results: finished, scored groups come back and enter the rollout buffer
+  through `Orchestrator.group_finished`, stamped with the version live on
+  arrival; the staleness sweep, assembly and drop accounting are unchanged.
+- cancellation: the groups a publish cancels are pushed to their owners, which
+  drop their slots and environment calls.
+- weights: a `WeightServer` serves each published version; samplers pull it
+  with `jax.experimental.transfer` (the sampler layout is made here first).
+- faults: a sampler silent for `timeout_s` (dead, hung, partitioned) is lost:
+  its groups start again from scratch on the other samplers
+  (`Dispatcher.reassign`, same ids and dispatch versions), and anything it
+  sends later is refused. A restarted sampler joins as a new one and pulls
+  the newest version first.
+
+Sockets: one ROUTER, used only by this class's thread (ZeroMQ sockets are not
+thread-safe); the learner thread hands it cancellations through a queue.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import queue
+import threading
+import time
+
+import zmq
+
+from arl_jax.distributed import weight_transfer, wire
+from arl_jax.sampler import engine as engine_lib
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FleetConfig:
+  """Attributes:
+    remote: sample in sampler processes that join over the network instead of
+      in the learner process (the learner's `mesh.sampler` devices then only
+      stage each version in the samplers' layout, and each sampler process
+      needs that many devices).
+    host: interface the learner listens on (`0.0.0.0` for other hosts).
+    port: control port (0: any free port; the address is printed and written
+      to `WORKDIR/fleet.json`).
+    heartbeat_s: how often a sampler reports (stats; it is alive).
+    timeout_s: a sampler silent this long is lost and its groups reassigned.
+  """
+
+  remote: bool = False
+  host: str = "127.0.0.1"
+  port: int = 0
+  heartbeat_s: float = 0.5
+  timeout_s: float = 20.0
+
+  def __post_init__(self):
+    if self.heartbeat_s <= 0:
+      raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
+    if self.timeout_s < 4 * self.heartbeat_s:
+      raise ValueError(f"timeout_s={self.timeout_s} must be >= 4 x heartbeat_s="
+                       f"{self.heartbeat_s}, or a busy sampler would be declared lost")
+    if not 0 <= self.port < 65536:
+      raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
+@dataclasses.dataclass
+class _Sampler:
+  """A sampler process as the learner knows it."""
+
+  sampler_id: int
+  name: str
+  identity: bytes
+  last_seen: float
+  alive: bool = True
+  owned: set[int] = dataclasses.field(default_factory=set)  # group ids it generates
+  groups_delivered: int = 0
+  stats: engine_lib.EngineStats = dataclasses.field(default_factory=engine_lib.EngineStats)
+  env_errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  env_timeouts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  env_turns: int = 0
+
+
+class SamplerFleet:
+  """Sampler processes behind the interface the learner loop uses for a local
+  engine and env runner (`cancel`, `stats`, `errors`, `snapshot_work`, ...)."""
+
+  def __init__(self, cfg: FleetConfig, *, orchestrator, publisher, run_config: dict,
+               sampler_mesh_shape, workdir: str | None = None, print_fn=print,
+               event_fn=lambda event: None):
+    """Args:
+      cfg: fleet settings.
+      orchestrator: the run's orchestrator (dispatcher, buffer).
+      publisher: the `WeightPublisher` whose versions samplers pull.
+      run_config: the run's config as a dict; joining samplers build from it.
+      sampler_mesh_shape: `[(axis, size), ...]` the samplers must build (the
+        layout `publisher` stages versions in).
+      workdir: where `fleet.json` (the addresses) is written; None: nowhere.
+      print_fn: progress lines (joins, losses).
+      event_fn: receives one dict per fleet event (for metrics.jsonl).
+    """
+    self._cfg = cfg
+    self._orchestrator = orchestrator
+    self._dispatcher = orchestrator.dispatcher
+    self._run_config = run_config
+    self._mesh_shape = [[str(a), int(n)] for a, n in sampler_mesh_shape]
+    self._print = print_fn
+    self._event_fn = event_fn
+    self._weights = weight_transfer.WeightServer(publisher, host=cfg.host)
+    self._socket = zmq.Context.instance().socket(zmq.ROUTER)
+    self._socket.linger = 0
+    if cfg.port:
+      self._socket.bind(f"tcp://{cfg.host}:{cfg.port}")
+      port = cfg.port
+    else:
+      port = self._socket.bind_to_random_port(f"tcp://{cfg.host}")
+    self.address = f"tcp://{cfg.host}:{port}"
+    if workdir is not None:
+      with open(os.path.join(workdir, "fleet.json"), "w", encoding="utf-8") as f:
+        json.dump({"address": self.address, "weights_address": self._weights.address}, f)
+    self._lock = threading.Lock()  # guards the samplers' records and the counters
+    self._samplers: dict[bytes, _Sampler] = {}
+    self._owner: dict[int, _Sampler] = {}  # group id -> the sampler generating it
+    self._outbox: queue.Queue = queue.Queue()  # (kind, payload) from the learner thread
+    self._stop = threading.Event()
+    self._thread: threading.Thread | None = None
+    self._error: BaseException | None = None
+    # The engine and env-runner counters of a local run, summed over samplers
+    # (each sampler reports its totals; the learner adds what grew).
+    self.stats = engine_lib.EngineStats()
+    self.errors: collections.Counter = collections.Counter()
+    self.timeouts: collections.Counter = collections.Counter()
+    self.turns = 0
+    self.samplers_lost = 0
+    self.late_groups = 0  # sent by a sampler that no longer owned them (cancelled, lost)
+    self.bad_groups = 0  # malformed groups (reassigned)
+
+  # -- the learner loop's interface --------------------------------------------
+
+  def start(self) -> None:
+    self._print(f"fleet: waiting for sampler processes at {self.address} "
+                f"(python -m arl_jax.distributed.sampler_worker --learner={self.address})")
+    self._thread = threading.Thread(target=self._run, name="sampler-fleet", daemon=True)
+    self._thread.start()
+
+  def cancel(self, group_ids) -> None:
+    """Tells the owners of these groups to drop them (the publish cancelled them)."""
+    group_ids = list(group_ids)
+    if group_ids:
+      self._outbox.put(("cancel", group_ids))
+
+  def restart(self, group_ids) -> None:
+    """Open groups a checkpoint restored: they start again from scratch on
+    whichever sampler asks first (the sampled tokens of a remote group live in
+    its sampler process, which the learner's checkpoint does not hold)."""
+    self._dispatcher.reassign(group_ids)
+
+  def snapshot_work(self, exclude=()) -> dict:
+    # Every remote group is at its `sample` restart point (from scratch);
+    # take and snapshot share the dispatcher's lock, so the groups and the
+    # prompt stream's position are read at one instant.
+    return self._dispatcher.snapshot_work({}, frozenset(exclude))
+
+  @property
+  def failed(self) -> bool:
+    return self._error is not None
+
+  def raise_if_failed(self) -> None:
+    if self._error is not None:
+      raise RuntimeError("the sampler fleet's server thread failed") from self._error
+
+  def stop(self, raise_errors: bool = True) -> None:
+    """Tells every live sampler the run is over and closes the sockets."""
+    if self._thread is not None:
+      self._outbox.put(("stop", None))
+      self._stop.set()
+      self._thread.join()
+    self._socket.close(linger=1000)  # let the `stop` messages leave
+    self._weights.close()
+    if raise_errors:
+      self.raise_if_failed()
+
+  def close(self) -> None:
+    """(The env runner's `close`: env workers live in the sampler processes.)"""
+
+  def metrics(self) -> dict:
+    """Fleet numbers for the step records."""
+    with self._lock:
+      samplers = list(self._samplers.values())
+      return {
+          "fleet_samplers_live": sum(s.alive for s in samplers),
+          "fleet_samplers_lost": self.samplers_lost,
+          "fleet_groups_reassigned": self._dispatcher.num_reassigned,
+          "fleet_groups_by_sampler": {str(s.sampler_id): s.groups_delivered for s in samplers},
+          "fleet_late_groups": self.late_groups,
+          "fleet_weight_pulls": self._weights.pulls_served,
+      }
+
+  # -- the server thread ------------------------------------------------------------
+
+  def _run(self) -> None:
+    try:
+      poller = zmq.Poller()
+      poller.register(self._socket, zmq.POLLIN)
+      while True:
+        self._send_outbox()
+        if self._stop.is_set():
+          return
+        if poller.poll(10):
+          while self._socket.poll(0):
+            identity, frame = self._socket.recv_multipart()
+            self._handle(identity, frame)
+        self._find_lost(time.monotonic())
+    except BaseException as e:  # surfaced to the learner thread by raise_if_failed
+      self._error = e
+
+  def _send(self, identity: bytes, message: dict) -> None:
+    self._socket.send_multipart([identity, wire.encode(message)])
+
+  def _send_outbox(self) -> None:
+    while True:
+      try:
+        kind, payload = self._outbox.get_nowait()
+      except queue.Empty:
+        return
+      if kind == "stop":
+        with self._lock:
+          live = [s for s in self._samplers.values() if s.alive]
+        for sampler in live:
+          self._send(sampler.identity, {"type": "stop"})
+        continue
+      by_owner = collections.defaultdict(list)
+      with self._lock:
+        for gid in payload:
+          owner = self._owner.pop(gid, None)
+          if owner is not None:
+            owner.owned.discard(gid)
+            by_owner[owner.identity].append(gid)
+      for identity, gids in by_owner.items():
+        self._send(identity, {"type": "cancel", "group_ids": gids})
+
+  def _handle(self, identity: bytes, frame: bytes) -> None:
+    message = wire.decode(frame)
+    kind = message["type"]
+    now = time.monotonic()
+    if kind == "hello":
+      self._join(identity, message, now)
+      return
+    with self._lock:
+      sampler = self._samplers.get(identity)
+      if sampler is not None and sampler.alive:
+        sampler.last_seen = now
+    if sampler is None or not sampler.alive:
+      # Lost (its groups went elsewhere) or never joined: it must start over.
+      self._send(identity, {"type": "rejected", "reason": (
+          "unknown sampler" if sampler is None else
+          f"declared lost after {self._cfg.timeout_s}s without a message; its groups were "
+          "reassigned")})
+      return
+    for gid, version in message.get("notes", ()):
+      self._dispatcher.note_sampling(int(gid), int(version))
+    if kind == "take":
+      requests = self._dispatcher.take(int(message["n"]), int(message["version"]), timeout=0.0)
+      with self._lock:
+        for request in requests:
+          self._owner[request.group_id] = sampler
+          sampler.owned.add(request.group_id)
+      self._send(identity, {"type": "groups",
+                            "requests": [wire.request_to_json(r) for r in requests]})
+    elif kind == "group":
+      self._receive_group(sampler, message["group"])
+    elif kind == "heartbeat":
+      self._account(sampler, message)
+      self._send(identity, {"type": "ack"})  # the sampler's sign that the learner lives
+    elif kind == "bye":
+      self._account(sampler, message)
+      self._lose(sampler, "left")
+    else:
+      raise ValueError(f"unknown message type {kind!r} from sampler {sampler.sampler_id}")
+
+  def _join(self, identity: bytes, message: dict, now: float) -> None:
+    want = 1
+    for _, size in self._mesh_shape:
+      want *= size
+    if int(message["devices"]) < want:
+      self._send(identity, {"type": "refused", "reason": (
+          f"this run's samplers use mesh.sampler={self._mesh_shape} ({want} devices); the "
+          f"process has {message['devices']}")})
+      return
+    with self._lock:
+      sampler = _Sampler(sampler_id=len(self._samplers), name=str(message["name"]),
+                         identity=identity, last_seen=now)
+      self._samplers[identity] = sampler
+    self._send(identity, {"type": "welcome", "sampler_id": sampler.sampler_id,
+                          "config": self._run_config, "sampler_mesh": self._mesh_shape,
+                          "weights_address": self._weights.address,
+                          "heartbeat_s": self._cfg.heartbeat_s, "timeout_s": self._cfg.timeout_s})
+    self._print(f"fleet: sampler {sampler.sampler_id} joined ({sampler.name})")
+    self._event_fn({"event": "sampler_joined", "sampler": sampler.sampler_id,
+                    "name": sampler.name})
+
+  def _receive_group(self, sampler: _Sampler, record: dict) -> None:
+    gid = int(record["group_id"])
+    with self._lock:
+      owned = self._owner.get(gid) is sampler
+      if not owned:
+        self.late_groups += 1
+        return
+      del self._owner[gid]
+      sampler.owned.discard(gid)
+    try:
+      group = wire.group_from_json(record)
+      if len(group.rollouts) != self._dispatcher_group_size():
+        raise ValueError(f"{len(group.rollouts)} rollouts")
+    except (ValueError, KeyError, TypeError) as e:
+      with self._lock:
+        self.bad_groups += 1
+      self._print(f"fleet: sampler {sampler.sampler_id} sent a malformed group {gid} ({e}); "
+                  "it is generated again")
+      self._dispatcher.reassign([gid])
+      return
+    for rollout in group.rollouts:  # its restart points, should a checkpoint come
+      self._dispatcher.work.scored(rollout)
+    self._orchestrator.group_finished(group)
+    with self._lock:
+      sampler.groups_delivered += 1
+
+  def _dispatcher_group_size(self) -> int:
+    return self._orchestrator.dispatch_cfg.group_size
+
+  def _account(self, sampler: _Sampler, message: dict) -> None:
+    """Adds what a sampler's reported totals grew by since its last report."""
+    stats = wire.stats_from_json(message["stats"])
+    env = message["env"]
+    with self._lock:
+      for f in dataclasses.fields(stats):
+        new, old = getattr(stats, f.name), getattr(sampler.stats, f.name)
+        if f.name == "max_versions_held":
+          self.stats.max_versions_held = max(self.stats.max_versions_held, new)
+        else:
+          setattr(self.stats, f.name, getattr(self.stats, f.name) + new - old)
+      sampler.stats = stats
+      for total, mine, key in ((self.errors, sampler.env_errors, "errors"),
+                               (self.timeouts, sampler.env_timeouts, "timeouts")):
+        reported = collections.Counter(env[key])
+        total.update(reported - mine)
+        mine.clear()
+        mine.update(reported)
+      self.turns += int(env["turns"]) - sampler.env_turns
+      sampler.env_turns = int(env["turns"])
+
+  def _find_lost(self, now: float) -> None:
+    with self._lock:
+      silent = [s for s in self._samplers.values()
+                if s.alive and now - s.last_seen > self._cfg.timeout_s]
+    for sampler in silent:
+      self._lose(sampler, f"no message for {self._cfg.timeout_s}s")
+
+  def _lose(self, sampler: _Sampler, why: str) -> None:
+    with self._lock:
+      sampler.alive = False
+      owned = sorted(sampler.owned)
+      sampler.owned.clear()
+      for gid in owned:
+        self._owner.pop(gid, None)
+      if why != "left":
+        self.samplers_lost += 1
+    reassigned = self._dispatcher.reassign(owned)
+    self._print(f"fleet: sampler {sampler.sampler_id} {why}; {len(reassigned)} of its groups "
+                "start again on the other samplers")
+    self._event_fn({"event": "sampler_lost" if why != "left" else "sampler_left",
+                    "sampler": sampler.sampler_id, "reason": why, "reassigned": reassigned})

@@ -1,0 +1,201 @@
+"""The learner's sampler fleet, spoken to by fake samplers over the real protocol:
+ownership, loss detection and reassignment, late and malformed groups."""
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+import zmq
+
+from arl_jax import rollout as rollout_lib
+from arl_jax.distributed import fleet as fleet_lib
+from arl_jax.distributed import wire
+from arl_jax.envs import env_api
+from arl_jax.orchestrator import buffer as buffer_lib
+from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import orchestrator as orchestrator_lib
+
+_G = 2
+
+
+class _NoWeights:
+  def latest(self):
+    return None, None
+
+
+def _orchestrator(groups_per_batch=2):
+  k = 8
+  prompts = (env_api.TextPrompt(prompt_id=i, text=f"p{i}", answer="a")
+             for i in itertools.count())
+  return orchestrator_lib.Orchestrator(
+      dispatch_cfg=dispatcher_lib.DispatchConfig(
+          group_size=_G, groups_per_batch=groups_per_batch, max_async_level=1,
+          max_off_policy_steps=k),
+      buffer_cfg=buffer_lib.BufferConfig(max_off_policy_steps=k),
+      prompts=prompts, encode_fn=lambda p: [5, p.prompt_id + 1], env_name_of=lambda p: "t",
+      max_new_tokens=8)
+
+
+class _FakeSampler:
+  """A DEALER socket speaking the sampler side of the protocol by hand."""
+
+  def __init__(self, address, devices=4):
+    self.socket = zmq.Context.instance().socket(zmq.DEALER)
+    self.socket.linger = 0
+    self.socket.connect(address)
+    self.welcome = self.ask({"type": "hello", "name": "fake", "devices": devices})
+
+  def send(self, message):
+    self.socket.send(wire.encode(message))
+
+  def ask(self, message, timeout_s=10.0):
+    self.send(message)
+    return self.receive(timeout_s)
+
+  def receive(self, timeout_s=10.0):
+    assert self.socket.poll(int(timeout_s * 1000)), "the fleet did not answer"
+    return wire.decode(self.socket.recv())
+
+  def take(self, n, version=0):
+    reply = self.ask({"type": "take", "n": n, "version": version})
+    assert reply["type"] == "groups"
+    return [wire.request_from_json(r) for r in reply["requests"]]
+
+  def deliver(self, request, reward=1.0):
+    rollouts = [rollout_lib.Rollout(
+        group_id=request.group_id, sample_index=s,
+        prompt_ids=np.asarray(request.prompt_ids, np.int32),
+        completion_ids=np.array([7, 8], np.int32), loss_mask=np.ones(2, np.float32),
+        behaviour_logprobs=np.array([-0.5, -0.25], np.float32),
+        token_versions=np.array([0, 0], np.int32), dispatch_version=request.dispatch_version,
+        finish_reason="stop", reward=reward, env_name="t") for s in range(_G)]
+    self.send({"type": "group", "group": wire.group_to_json(rollout_lib.Group(
+        group_id=request.group_id, prompt_id=request.prompt.prompt_id,
+        dispatch_version=request.dispatch_version, rollouts=rollouts))})
+
+  def close(self):
+    self.socket.close()
+
+
+@pytest.fixture
+def fleet():
+  orchestrator = _orchestrator()
+  events = []
+  fleet = fleet_lib.SamplerFleet(
+      fleet_lib.FleetConfig(remote=True, heartbeat_s=0.05, timeout_s=0.5),
+      orchestrator=orchestrator, publisher=_NoWeights(), run_config={"seed": 0},
+      sampler_mesh_shape=[("data", 4), ("tp", 1)], print_fn=lambda line: None,
+      event_fn=events.append)
+  fleet.events = events
+  fleet.orchestrator = orchestrator
+  fleet.start()
+  yield fleet
+  fleet.stop()
+
+
+def _wait(condition, timeout_s=5.0):
+  deadline = time.monotonic() + timeout_s
+  while not condition():
+    assert time.monotonic() < deadline, "timed out"
+    time.sleep(0.01)
+
+
+def test_a_joining_sampler_gets_the_config_and_its_groups_reach_the_buffer(fleet):
+  sampler = _FakeSampler(fleet.address)
+  assert sampler.welcome["type"] == "welcome"
+  assert sampler.welcome["config"] == {"seed": 0}
+  assert sampler.welcome["sampler_mesh"] == [["data", 4], ["tp", 1]]
+  requests = sampler.take(3)
+  assert [r.group_id for r in requests] == [0, 1, 2]
+  assert [r.prompt.prompt_id for r in requests] == [0, 1, 2]
+  for request in requests[:2]:
+    sampler.deliver(request)
+  batch = fleet.orchestrator.cut(0, timeout=5.0)  # FIFO: groups 0 and 1
+  assert [g.group_id for g in batch.groups] == [0, 1]
+  np.testing.assert_array_equal(batch.groups[0].rollouts[1].behaviour_logprobs, [-0.5, -0.25])
+  assert fleet.metrics()["fleet_groups_by_sampler"] == {"0": 2}
+  sampler.close()
+
+
+def test_a_sampler_with_too_few_devices_is_refused(fleet):
+  sampler = _FakeSampler(fleet.address, devices=2)
+  assert sampler.welcome["type"] == "refused"
+  assert "mesh.sampler" in sampler.welcome["reason"]
+  sampler.close()
+
+
+def test_a_silent_sampler_is_lost_and_its_groups_go_to_another(fleet):
+  quiet, busy = _FakeSampler(fleet.address), _FakeSampler(fleet.address)
+  held = quiet.take(2)
+  other = busy.take(1)  # capacity is 4 groups: 2 held by `quiet`, 1 here
+  assert [r.group_id for r in held] == [0, 1] and [r.group_id for r in other] == [2]
+
+  def heartbeat():  # `busy` stays alive; `quiet` says nothing more
+    reply = busy.ask({"type": "heartbeat", "stats": {}, "env": {
+        "errors": {}, "timeouts": {}, "turns": 0}})
+    assert reply["type"] == "ack"
+    return any(e["event"] == "sampler_lost" for e in fleet.events)
+
+  _wait(heartbeat)
+  lost = [e for e in fleet.events if e["event"] == "sampler_lost"]
+  assert lost == [{"event": "sampler_lost", "sampler": 0, "reason": "no message for 0.5s",
+                   "reassigned": [0, 1]}]
+  again = busy.take(4)
+  # The lost groups first, same ids, prompts and dispatch versions; then a new one.
+  assert [(r.group_id, r.prompt.prompt_id, r.dispatch_version) for r in again] == [
+      (0, 0, 0), (1, 1, 0), (3, 3, 0)]
+  # The lost sampler wakes up: its late group is refused and never trained.
+  quiet.deliver(held[0], reward=-5.0)
+  assert quiet.receive()["type"] == "rejected"
+  for request in again[:2]:
+    busy.deliver(request)
+  batch = fleet.orchestrator.cut(0, timeout=5.0)
+  assert [g.group_id for g in batch.groups] == [0, 1]
+  assert all(r.reward == 1.0 for g in batch.groups for r in g.rollouts)
+  metrics = fleet.metrics()
+  assert metrics["fleet_samplers_lost"] == 1 and metrics["fleet_groups_reassigned"] == 2
+  assert metrics["fleet_samplers_live"] == 1
+  quiet.close()
+  busy.close()
+
+
+def test_cancellations_reach_the_owner_and_its_late_group_is_ignored(fleet):
+  sampler = _FakeSampler(fleet.address)
+  requests = sampler.take(2)
+  fleet.cancel([requests[1].group_id])
+  message = sampler.receive()
+  assert message == {"type": "cancel", "group_ids": [1]}
+  sampler.deliver(requests[1])
+  sampler.deliver(requests[0])
+  _wait(lambda: fleet.metrics()["fleet_groups_by_sampler"] == {"0": 1})
+  assert fleet.late_groups == 1
+  sampler.close()
+
+
+def test_a_malformed_group_is_generated_again(fleet):
+  sampler = _FakeSampler(fleet.address)
+  (request,) = sampler.take(1)
+  record = {"group_id": request.group_id, "prompt_id": 0, "dispatch_version": 0,
+            "rollouts": []}  # no rollouts
+  sampler.send({"type": "group", "group": record})
+  _wait(lambda: fleet.bad_groups == 1)
+  assert [r.group_id for r in sampler.take(1)] == [request.group_id]
+  sampler.close()
+
+
+def test_counters_add_what_each_sampler_reports_since_its_last_report(fleet):
+  a, b = _FakeSampler(fleet.address), _FakeSampler(fleet.address)
+  for sampler, tokens, errors in ((a, 10, 1), (b, 5, 0), (a, 30, 2)):
+    reply = sampler.ask({"type": "heartbeat", "stats": {"sampled_tokens": tokens},
+                         "env": {"errors": {"t": errors}, "timeouts": {}, "turns": tokens}})
+    assert reply["type"] == "ack"
+  assert fleet.stats.sampled_tokens == 35 and fleet.turns == 35
+  assert fleet.errors == {"t": 2}
+  a.close()
+  b.close()
+
+
+def test_fleet_config_checks():
+  with pytest.raises(ValueError, match="timeout_s=1.0 must be >= 4 x heartbeat_s=0.5"):
+    fleet_lib.FleetConfig(heartbeat_s=0.5, timeout_s=1.0)
