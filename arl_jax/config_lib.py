@@ -11,7 +11,6 @@ import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 
-import jax
 import ml_collections
 
 from arl_jax import checkpointing
@@ -372,9 +371,8 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
                              learner_devices=cfg["mesh"]["learner_devices"],
                              learner=_tuples(cfg["mesh"]["learner"]),
                              sampler=_tuples(cfg["mesh"]["sampler"]))
-  devices = jax.devices() if devices is None else devices
   try:
-    learner_devs, sampler_devs = mesh_lib.split_devices(mesh, devices)
+    learner_devs, sampler_devs = mesh_lib.role_devices(mesh, devices)
     learner_shape = dict(mesh_lib.resolve_shape(mesh.learner, len(learner_devs), "learner"))
     sampler_shape = dict(mesh_lib.resolve_shape(mesh.sampler, len(sampler_devs), "sampler"))
   except ValueError as e:

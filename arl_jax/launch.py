@@ -42,6 +42,9 @@ def _initialize_distributed() -> None:
   kwargs = {k: v for k, v in (("coordinator_address", _COORDINATOR.value),
                               ("num_processes", _NUM_PROCESSES.value),
                               ("process_id", _PROCESS_ID.value)) if v is not None}
+  # Collectives between CPU processes (tests, CPU clusters); TPUs and GPUs
+  # use their own interconnect and ignore this.
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(**kwargs)
 
 

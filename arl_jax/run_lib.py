@@ -27,6 +27,7 @@ import numpy as np
 from arl_jax import checkpointing, config_lib, evaluation
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.distributed import fleet as fleet_lib
+from arl_jax.distributed import lockstep, sampler_worker
 from arl_jax.envs import env_api, prompt_data, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
@@ -69,6 +70,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   start_time = time.monotonic()
   spec = config_lib.build(config)
   meshes = mesh_lib.make_role_meshes(spec.mesh)
+  # Multi-controller (jax.distributed): process 0 leads (orchestrator, logs);
+  # the others follow its decisions in lockstep and sample for it.
+  multi, leader = lockstep.is_multi_controller(), lockstep.is_leader()
+  log_dir = workdir
+  if not leader:
+    log_dir = os.path.join(workdir, f"process_{jax.process_index()}")
+    os.makedirs(log_dir, exist_ok=True)
+    print_fn = functools.partial(_prefixed, print_fn, f"[process {jax.process_index()}] ")
   tokenizer = tokenizer_lib.make_tokenizer(spec.tokenizer)
   env_entry = registry.ENVS[spec.env_name]
   env = env_entry.make_env_fn(spec.env, tokenizer)
@@ -77,9 +86,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   train_prompts, heldout = train.prompts, heldout_source.prompts
   eval_prompts = _eval_prompts(env, heldout, spec.eval_size)
   # What happened to every group: trained at a version, or dropped (and why).
-  audit = writer_lib.JsonlWriter(workdir, "groups.jsonl")
+  audit = writer_lib.JsonlWriter(log_dir, "groups.jsonl")
   writer = writer_lib.make_writer(
-      workdir, spec.writers, run_config=config.to_dict() if hasattr(config, "to_dict") else config)
+      log_dir, spec.writers, run_config=config.to_dict() if hasattr(config, "to_dict") else config)
   placement = ("remote samplers" if spec.fleet.remote else
                "colocated" if meshes.colocated else "disaggregated")
   print_fn(f"arl_jax: {spec.model.num_params / 1e6:.2f}M params | learner mesh "
@@ -183,6 +192,15 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
 
   publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings,
                                           dtype=spec.sampler_model.param_dtype)
+  if not leader:
+    try:
+      return _follow(spec, meshes=meshes, graphdef=graphdef, state=state, update_fn=update_fn,
+                     publisher=publisher, checkpointer=checkpointer, reference=reference,
+                     evaluate=evaluate, version=start_step, eval_history=eval_history,
+                     print_fn=print_fn, start_time=start_time)
+    finally:
+      writer.close()
+      audit.close()
   orchestrator = orchestrator_lib.Orchestrator(
       dispatch_cfg=spec.dispatch, buffer_cfg=spec.buffer,
       prompts=_resumed_stream(
@@ -195,14 +213,21 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       budget_fn=functools.partial(env_api.budget_of, env),
       audit_fn=audit.write)
   fleet = None
-  if spec.fleet.remote:
-    # Sampler processes join over the network; the fleet stands in for the
-    # local engine and env runner (their counters, cancellations, snapshots).
-    fleet = engine = env_runner = fleet_lib.SamplerFleet(
+  if spec.fleet.remote or multi:
+    # Sampler processes join over the network (and in a multi-controller run
+    # the other processes' samplers do).
+    fleet = fleet_lib.SamplerFleet(
         spec.fleet, orchestrator=orchestrator, publisher=publisher,
         run_config=config.to_dict() if hasattr(config, "to_dict") else dict(config),
         sampler_mesh_shape=meshes.sampler.shape.items(), workdir=workdir, print_fn=print_fn,
         event_fn=lambda event: writer.write({"phase": "fleet", **event}))
+    fleet.start()  # (before the first publish: other processes join it first)
+    if multi:
+      lockstep.share_text(fleet.address, meshes.learner)
+  if spec.fleet.remote:
+    # No sampler here: the fleet stands in for the local engine and env
+    # runner (their counters, cancellations, snapshots).
+    engine = env_runner = fleet
   else:
     env_runner = env_runner_lib.EnvRunner(
         env, on_group_fn=orchestrator.group_finished, max_new_tokens=spec.engine.max_new_tokens,
@@ -226,10 +251,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   publisher.publish(state.params, version)
   # On a resume: the groups this publish cancelled when the run saved, again.
   cancelled = set(orchestrator.publish(version, trained=[]))
-  engine.cancel(cancelled)
-  env_runner.cancel(cancelled)
+  cancel = functools.partial(_cancel, engine, env_runner, fleet)
+  cancel(cancelled)
   restored = [g for g in restored if g.group_id not in cancelled]
-  if fleet is not None:
+  if fleet is engine:
     fleet.restart([g.group_id for g in restored if g.complete is None])
   else:
     engine.restore([e for g in restored for e in g.to_sample])
@@ -243,6 +268,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   learner_wait = 0.0  # seconds the learner spent waiting for a batch
   stop_requested = _StopRequest()
   saved_version = start_step
+  final_eval = None  # the step to evaluate at after the loop (data exhausted)
   failed = True  # until the loop ends without an exception (then the state is valid)
   try:
     for step in range(start_step, spec.num_steps):
@@ -251,12 +277,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
         break
       wait_start = time.monotonic()
       try:
-        batch = _cut_batch(orchestrator, (engine, env_runner), version)
+        batch = _cut_batch(orchestrator, (engine, env_runner, fleet), version)
       except orchestrator_lib.DataExhausted as e:
         print_fn(f"data exhausted after {step} updates (data.num_epochs="
                  f"{spec.data.num_epochs}): {e}")
         if spec.eval_every and step % spec.eval_every:
-          evaluate(step, "rl")
+          final_eval = step  # after the other processes hear that the run stops
         break
       learner_wait += time.monotonic() - wait_start
       host_batch = train_batch_lib.assemble(
@@ -268,6 +294,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
           advantage_estimator=spec.advantage_estimator,
           staleness_reference=spec.buffer.staleness_reference,
           mask_truncated_completions=spec.mask_truncated_completions)
+      if multi:  # every process trains on this batch
+        fleet.announce(step)
+        lockstep.share(lockstep.Step(lockstep.BATCH, host_batch), meshes.learner)
       state, metrics = update_fn(state, host_batch)
       version += 1
       holder["params"] = state.params
@@ -289,9 +318,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
             checkpoint_open_groups=len(run_record["work"]["groups"]),
             checkpoint_open_tokens=sum(len(e["completion_ids"]) + len(e.get("open", {}).get(
                 "tokens", ())) for g in run_record["work"]["groups"] for e in g["episodes"]))
-      engine.cancel(cancelled)
-      if fleet is None:  # (the fleet's cancel did both)
-        env_runner.cancel(cancelled)
+      cancel(cancelled)
       metrics = jax.device_get(metrics)
       now = time.monotonic()
       record = _step_record(step, version, host_batch, batch, metrics, orchestrator, engine,
@@ -332,20 +359,31 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     stop_requested.restore()
     # Not after an error, nor if an interrupt hit between the donating update
     # and its result: the state's buffers may be gone.
-    if (checkpointer is not None and spec.checkpoint.save_final and not failed
-        and version != saved_version and not engine.failed
-        and not any(x.is_deleted() for x in jax.tree.leaves(state))):
+    save_final = (checkpointer is not None and spec.checkpoint.save_final and not failed
+                  and version != saved_version and not engine.failed
+                  and not any(x.is_deleted() for x in jax.tree.leaves(state)))
+    if multi:  # the other processes stop with us (and evaluate, save as we do)
+      fleet.announce(spec.num_steps)
+      lockstep.share(lockstep.Step(lockstep.STOP, evaluate=final_eval is not None and not failed,
+                                   save_final=save_final), meshes.learner)
+    if final_eval is not None and not failed:
+      evaluate(final_eval, "rl")
+    if save_final:
       checkpointer.save(version, state, _run_record(version, orchestrator, engine, env_runner,
                                                     groups_trained), reference)
     if checkpointer is not None:
       checkpointer.close()  # waits for the last asynchronous save
     orchestrator.close()
     engine.stop(raise_errors=False)
+    if fleet is not None and fleet is not engine:
+      fleet.stop(raise_errors=False)
     env_runner.close()
     writer.close()
     audit.close()
   engine.raise_if_failed()
   env_runner.raise_if_failed()
+  if fleet is not None:
+    fleet.raise_if_failed()
   wall = time.monotonic() - start_time
   _write_task_drops(workdir, orchestrator.ledger)
   drops = orchestrator.ledger.metrics()
@@ -356,6 +394,64 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
            f"{drops['tasks_seen']} tasks never trained; {wall:.1f}s wall")
   return RunResult(history=history, eval_history=eval_history, groups_trained=groups_trained,
                    final_version=version, trained_batches=batches, wall_seconds=wall)
+
+
+def _follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer, reference,
+            evaluate, version: int, eval_history: list, print_fn, start_time: float) -> RunResult:
+  """A multi-controller process other than 0: trains on the batches process 0
+  cuts (`lockstep.share`), in the same SPMD programs, checkpoints and
+  evaluates when it does, and samples on its own devices for process 0's
+  orchestrator (a member of its sampler fleet, weights from the local publish)."""
+  link = sampler_worker.LearnerLink(lockstep.share_text(None, meshes.learner),
+                                    name=f"process {jax.process_index()}",
+                                    num_devices=meshes.sampler.devices.size)
+  sampling = sampler_worker.LocalSampling(spec, mesh=meshes.sampler, graphdef=graphdef,
+                                          weights=publisher, link=link)
+  publisher.publish(state.params, version)
+  sampling.start()
+  try:
+    for index in itertools.count(version):
+      # Into the collective only once process 0 is (a collective waiting for
+      # it would hold back this process's sampler, whose rollouts process 0
+      # may be waiting for; lockstep.py).
+      link.wait_for_lockstep(min(index, spec.num_steps))
+      step = lockstep.share(None, meshes.learner)
+      if step.kind != lockstep.BATCH:
+        break
+      state, _ = update_fn(state, step.batch)
+      version += 1
+      publisher.publish(state.params, version)
+      if checkpointer is not None and checkpointer.should_save(version):
+        checkpointer.save(version, state, {"version": version}, reference)
+      if spec.eval_every and (version % spec.eval_every == 0 or version == spec.num_steps):
+        evaluate(version, "rl")
+      if sampling.failed:
+        print_fn(f"sampler failed: {sampling.describe_failure()}")
+    if step.evaluate:
+      evaluate(version, "rl")
+    if step.save_final:
+      checkpointer.save(version, state, {"version": version}, reference)
+  finally:
+    if checkpointer is not None:
+      checkpointer.close()
+    sampling.stop(say_bye=False)
+  print_fn(f"done: {version} updates (following process 0)")
+  return RunResult(history=[], eval_history=eval_history, groups_trained=0,
+                   final_version=version, wall_seconds=time.monotonic() - start_time)
+
+
+def _prefixed(print_fn, prefix: str, line: str) -> None:
+  print_fn(prefix + line)
+
+
+def _cancel(engine, env_runner, fleet, group_ids) -> None:
+  """Stops cancelled groups wherever they are: the local engine and env
+  workers, and the sampler processes holding them."""
+  engine.cancel(group_ids)
+  if env_runner is not engine:
+    env_runner.cancel(group_ids)
+  if fleet is not None and fleet is not engine:
+    fleet.cancel(group_ids)
 
 
 class _StopRequest:
@@ -501,12 +597,15 @@ def _prompt_stream(env, prompts, seed, num_epochs: int = 0):
   """Training prompts: one shuffled stream, or for a mixture of environments a
   stream drawing from each in proportion to its weight."""
   weights = getattr(env, "weights", None)
+  # One stream for the whole run, not a shard per process: in a
+  # multi-controller run only process 0's orchestrator draws prompts.
+  whole = {"shard_index": 0, "shard_count": 1}
   if not weights:
-    return prompt_data.prompt_iterator(prompts, seed, num_epochs=num_epochs or None)
+    return prompt_data.prompt_iterator(prompts, seed, num_epochs=num_epochs or None, **whole)
   by_env = collections.defaultdict(list)
   for p in prompts:
     by_env[env_api.env_name_of(env, p)].append(p)
-  return prompt_data.mixed_iterator(by_env, weights, seed)
+  return prompt_data.mixed_iterator(by_env, weights, seed, **whole)
 
 
 def _reward_by_env(groups) -> dict[str, float]:
@@ -524,7 +623,8 @@ def _cut_batch(orchestrator, workers, version):
       return orchestrator.cut(version, timeout=1.0)
     except TimeoutError:
       for worker in workers:
-        worker.raise_if_failed()
+        if worker is not None:
+          worker.raise_if_failed()
 
 
 def _write_task_drops(workdir: str, ledger) -> None:

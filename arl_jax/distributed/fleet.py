@@ -147,8 +147,11 @@ class SamplerFleet:
   # -- the learner loop's interface --------------------------------------------
 
   def start(self) -> None:
-    self._print(f"fleet: waiting for sampler processes at {self.address} "
-                f"(python -m arl_jax.distributed.sampler_worker --learner={self.address})")
+    if self._thread is not None:
+      return
+    if self._cfg.remote:
+      self._print(f"fleet: waiting for sampler processes at {self.address} "
+                  f"(python -m arl_jax.distributed.sampler_worker --learner={self.address})")
     self._thread = threading.Thread(target=self._run, name="sampler-fleet", daemon=True)
     self._thread.start()
 
@@ -157,6 +160,11 @@ class SamplerFleet:
     group_ids = list(group_ids)
     if group_ids:
       self._outbox.put(("cancel", group_ids))
+
+  def announce(self, step: int) -> None:
+    """Multi-controller lockstep: tells the other processes that process 0 is
+    about to enter collective `step` (see `lockstep.py`)."""
+    self._outbox.put(("lockstep", step))
 
   def restart(self, group_ids) -> None:
     """Open groups a checkpoint restored: they start again from scratch on
@@ -232,11 +240,11 @@ class SamplerFleet:
         kind, payload = self._outbox.get_nowait()
       except queue.Empty:
         return
-      if kind == "stop":
+      if kind in ("stop", "lockstep"):
         with self._lock:
           live = [s for s in self._samplers.values() if s.alive]
         for sampler in live:
-          self._send(sampler.identity, {"type": "stop"})
+          self._send(sampler.identity, {"type": kind, "step": payload})
         continue
       by_owner = collections.defaultdict(list)
       with self._lock:

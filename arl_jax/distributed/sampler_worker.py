@@ -72,6 +72,7 @@ class LearnerLink:
     self._on_cancel = lambda group_ids: None
     self._report_fn = dict
     self._last_heard = time.monotonic()
+    self._lockstep = -1  # the newest lockstep step process 0 announced
     self.ended = threading.Event()
     self.end_code = EXIT_STOPPED
     self.end_reason = ""
@@ -97,6 +98,13 @@ class LearnerLink:
       self._lock.wait_for(lambda: self._arrived or self.ended.is_set(), timeout)
       arrived, self._arrived = self._arrived, []
     return arrived
+
+  def wait_for_lockstep(self, step: int) -> None:
+    """Blocks until process 0 announced lockstep `step` (multi-controller)."""
+    with self._lock:
+      self._lock.wait_for(lambda: self._lockstep >= step or self.ended.is_set())
+    if self._lockstep < step:
+      raise LearnerGone(f"process 0 went away before lockstep step {step}: {self.end_reason}")
 
   def note_sampling(self, group_id: int, version: int) -> None:
     with self._lock:
@@ -172,6 +180,10 @@ class LearnerLink:
         self._cancelled.update(group_ids)
         self._arrived = [r for r in self._arrived if r.group_id not in self._cancelled]
       self._on_cancel(group_ids)
+    elif kind == "lockstep":
+      with self._lock:
+        self._lockstep = max(self._lockstep, int(message["step"]))
+        self._lock.notify_all()
     elif kind == "stop":
       self._end(EXIT_STOPPED, "the learner ended the run")
     elif kind == "rejected":
@@ -200,11 +212,82 @@ class RemoteDispatcher:
   def take(self, max_groups: int, live_version: int, timeout: float) -> list:
     return self._link.take(max_groups, live_version, timeout)
 
+  def wait_for_lockstep(self, step: int) -> None:
+    """Blocks until process 0 announced lockstep `step` (multi-controller)."""
+    with self._lock:
+      self._lock.wait_for(lambda: self._lockstep >= step or self.ended.is_set())
+    if self._lockstep < step:
+      raise LearnerGone(f"process 0 went away before lockstep step {step}: {self.end_reason}")
+
   def note_sampling(self, group_id: int, version: int) -> None:
     self._link.note_sampling(group_id, version)
 
   def snapshot_work(self, partials, exclude=frozenset()):
     raise RuntimeError("a sampler process holds no checkpoint state (the learner's does)")
+
+
+class LocalSampling:
+  """The engine and env workers of one sampler process (or of one process of a
+  multi-controller run), working for the learner at the other end of `link`."""
+
+  def __init__(self, spec, *, mesh, graphdef, weights, link: LearnerLink):
+    """Args:
+      spec: the run's `config_lib.RunSpec`.
+      mesh: this process's sampler mesh.
+      graphdef: the decoder's graph definition.
+      weights: source of `(version, params)` (`latest()`).
+      link: the connection to the learner (joined, not started).
+    """
+    from arl_jax.envs import env_api, registry  # noqa: PLC0415 - JAX after flags
+    from arl_jax.envs import tokenizer as tokenizer_lib  # noqa: PLC0415
+    from arl_jax.orchestrator import env_runner as env_runner_lib  # noqa: PLC0415
+    from arl_jax.sampler import engine as engine_lib  # noqa: PLC0415
+
+    tokenizer = tokenizer_lib.make_tokenizer(spec.tokenizer)
+    env = registry.ENVS[spec.env_name].make_env_fn(spec.env, tokenizer)
+    self.link = link
+    self.env_runner = env_runner_lib.EnvRunner(
+        env, on_group_fn=link.send_group, max_new_tokens=spec.engine.max_new_tokens,
+        num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s,
+        vocab_size=spec.model.vocab_size)
+    self.engine = engine_lib.SamplerEngine(
+        cfg=spec.engine, settings=spec.sampling, graphdef=graphdef,
+        model_cfg=spec.sampler_model, mesh=mesh, publisher=weights,
+        dispatcher=RemoteDispatcher(link), on_segment_fn=self.env_runner.submit,
+        stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env))
+    self.env_runner.connect(self.engine.resume)
+    self._weights = weights
+
+  def start(self) -> None:
+    self.link.start(on_cancel=self._cancel, report_fn=self._report)
+    self.engine.start()
+
+  def _cancel(self, group_ids) -> None:
+    self.engine.cancel(group_ids)
+    self.env_runner.cancel(group_ids)
+
+  def _report(self) -> dict:
+    return {"stats": wire.stats_to_json(self.engine.stats),
+            "env": {"errors": dict(self.env_runner.errors),
+                    "timeouts": dict(self.env_runner.timeouts), "turns": self.env_runner.turns},
+            "version": self.engine.version}
+
+  @property
+  def failed(self) -> bool:
+    return self.engine.failed or _failed(self.env_runner)
+
+  def stop(self, say_bye: bool) -> None:
+    self.engine.stop(raise_errors=False)
+    self.env_runner.close()
+    self.link.close(say_bye=say_bye)
+
+  def describe_failure(self) -> str:
+    for component in (self.engine, self.env_runner):
+      try:
+        component.raise_if_failed()
+      except RuntimeError as e:
+        return f"{e} ({e.__cause__!r})"
+    return ""
 
 
 def run_sampler(learner_address: str, *, name: str | None = None, print_fn=print) -> int:
@@ -214,11 +297,7 @@ def run_sampler(learner_address: str, *, name: str | None = None, print_fn=print
 
   from arl_jax import config_lib  # noqa: PLC0415
   from arl_jax.distributed import weight_transfer  # noqa: PLC0415
-  from arl_jax.envs import env_api, registry  # noqa: PLC0415
-  from arl_jax.envs import tokenizer as tokenizer_lib  # noqa: PLC0415
   from arl_jax.models import init_lib  # noqa: PLC0415
-  from arl_jax.orchestrator import env_runner as env_runner_lib  # noqa: PLC0415
-  from arl_jax.sampler import engine as engine_lib  # noqa: PLC0415
   from arl_jax.sharding import mesh_lib  # noqa: PLC0415
   from arl_jax.sharding import rules as rules_lib  # noqa: PLC0415
 
@@ -242,8 +321,6 @@ def run_sampler(learner_address: str, *, name: str | None = None, print_fn=print
                      sampler=[list(axis) for axis in sampler_mesh])
   spec = config_lib.build(config, devices=devices)
   mesh = mesh_lib.make_role_meshes(spec.mesh, devices=devices).sampler
-  tokenizer = tokenizer_lib.make_tokenizer(spec.tokenizer)
-  env = registry.ENVS[spec.env_name].make_env_fn(spec.env, tokenizer)
   graphdef, abstract = init_lib.abstract_model(spec.model)
   shardings = rules_lib.state_shardings(abstract, mesh, rules_lib.SAMPLER_RULES)
   dtype = jax.numpy.dtype(spec.sampler_model.param_dtype)
@@ -252,40 +329,19 @@ def run_sampler(learner_address: str, *, name: str | None = None, print_fn=print
                           abstract, shardings)
   weights = weight_transfer.WeightClient(welcome["weights_address"], abstract,
                                          timeout_s=link.timeout_s)
-  env_runner = env_runner_lib.EnvRunner(
-      env, on_group_fn=link.send_group, max_new_tokens=spec.engine.max_new_tokens,
-      num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s,
-      vocab_size=spec.model.vocab_size)
-  engine = engine_lib.SamplerEngine(
-      cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, model_cfg=spec.sampler_model,
-      mesh=mesh, publisher=weights, dispatcher=RemoteDispatcher(link),
-      on_segment_fn=env_runner.submit,
-      stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env))
-  env_runner.connect(engine.resume)
-
-  def cancel(group_ids):
-    engine.cancel(group_ids)
-    env_runner.cancel(group_ids)
-
-  def report():
-    return {"stats": wire.stats_to_json(engine.stats),
-            "env": {"errors": dict(env_runner.errors), "timeouts": dict(env_runner.timeouts),
-                    "turns": env_runner.turns},
-            "version": engine.version, "weight_pulls": weights.pulls}
-
+  sampling = LocalSampling(spec, mesh=mesh, graphdef=graphdef, weights=weights, link=link)
   stop = threading.Event()
   previous = None
   if threading.current_thread() is threading.main_thread():
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
   print_fn(f"sampler {name}: joined {learner_address} as sampler {welcome['sampler_id']} "
            f"(mesh {dict(mesh.shape)})")
-  link.start(on_cancel=cancel, report_fn=report)
-  engine.start()
+  sampling.start()
   code, reason = EXIT_STOPPED, ""
   try:
     while not link.ended.is_set() and not stop.is_set():
-      if engine.failed or _failed(env_runner):
-        code, reason = EXIT_FAILED, "a sampler or environment thread failed"
+      if sampling.failed:
+        code, reason = EXIT_FAILED, sampling.describe_failure()
         break
       time.sleep(0.05)
   except KeyboardInterrupt:
@@ -297,19 +353,11 @@ def run_sampler(learner_address: str, *, name: str | None = None, print_fn=print
       code, reason = link.end_code, link.end_reason
     elif stop.is_set():
       reason = "stopped by a signal"
-    engine.stop(raise_errors=False)
-    env_runner.close()
     # Leaving on our own: say so, so that the learner reassigns our groups now.
-    link.close(say_bye=code != EXIT_STOPPED or stop.is_set())
+    sampling.stop(say_bye=code != EXIT_STOPPED or stop.is_set())
     weights.close()
-  print_fn(f"sampler {name}: {reason}; {engine.stats.sampled_tokens} tokens sampled, "
+  print_fn(f"sampler {name}: {reason}; {sampling.engine.stats.sampled_tokens} tokens sampled, "
            f"{weights.pulls} weight versions pulled")
-  if code == EXIT_FAILED:
-    for component in (engine, env_runner):
-      try:
-        component.raise_if_failed()
-      except RuntimeError as e:
-        print_fn(f"sampler {name}: {e!r} caused by {e.__cause__!r}")
   return code
 
 

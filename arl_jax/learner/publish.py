@@ -6,6 +6,11 @@ onto the sampler mesh, which then moves identical shards between devices.
 Moving arrays between disjoint device sets with a *different* per-shard layout
 stages through host memory in jax 0.10 (JAX_NOTES.md); step (1) avoids that,
 and `tests/learner/publish_test.py` proves it under a transfer guard.
+
+Multi-controller runs: the learner mesh spans processes and each process
+samples on its own devices, so step (1) gathers a whole replica onto every
+learner device (a collective across processes, in the sampler's dtype) and
+step (2) moves this process's replica to its sampler mesh.
 """
 
 from __future__ import annotations
@@ -14,7 +19,8 @@ import threading
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from arl_jax.sharding import rules as rules_lib
 
@@ -46,7 +52,11 @@ class WeightPublisher:
     _check_axes_match(sampler_shardings, learner_mesh, sampler_mesh)
     specs = rules_lib.specs_of(sampler_shardings)
     self._sampler_shardings = sampler_shardings
-    bridge_shardings = rules_lib.with_mesh(specs, learner_mesh)
+    # Several processes: a whole replica everywhere (see the module docstring).
+    self._gather = not all(d.process_index == jax.process_index()
+                           for d in learner_mesh.devices.flat)
+    bridge_shardings = (jax.tree.map(lambda _: NamedSharding(learner_mesh, P()), specs)
+                        if self._gather else rules_lib.with_mesh(specs, learner_mesh))
     # jnp.copy: publishing must never alias the learner's buffers, which the
     # next (donating) update step invalidates.
     cast = lambda x: jnp.copy(x) if dtype is None or x.dtype == dtype else x.astype(dtype)
@@ -60,7 +70,10 @@ class WeightPublisher:
     with self._cond:
       if self._version is not None and version <= self._version:
         raise ValueError(f"published version {version} is not newer than {self._version}")
-    sampler_params = jax.device_put(self._reshard(params), self._sampler_shardings)
+    bridged = self._reshard(params)
+    if self._gather:  # this process's replica (the first of its learner devices)
+      bridged = jax.tree.map(lambda x: x.addressable_shards[0].data, bridged)
+    sampler_params = jax.device_put(bridged, self._sampler_shardings)
     with self._cond:
       self._version, self._params = version, sampler_params
       self._cond.notify_all()

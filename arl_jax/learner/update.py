@@ -303,13 +303,19 @@ def make_update_fn(*, graphdef, optimizer, settings: LossSettings | None, state_
   (laid out like the state's params) are passed to every step when given.
   """
   step = functools.partial(step_fn, graphdef=graphdef, optimizer=optimizer, settings=settings)
-  if reference_params is None:
-    return jax.jit(step, in_shardings=(state_shardings, batch_shardings(mesh)),
-                   out_shardings=(state_shardings, NamedSharding(mesh, P())),
-                   donate_argnums=0)
-  jitted = jax.jit(step, in_shardings=(state_shardings, batch_shardings(mesh),
-                                       state_shardings.params),
+  rows = batch_shardings(mesh)
+  in_shardings = (state_shardings, rows) + (() if reference_params is None else
+                                            (state_shardings.params,))
+  jitted = jax.jit(step, in_shardings=in_shardings,
                    out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
-  update = lambda state, batch: jitted(state, batch, reference_params)
+  extra = () if reference_params is None else (reference_params,)
+
+  def update(state, batch):
+    # Host rows placed explicitly: jit takes host arrays only for replicated
+    # inputs when the mesh spans processes (each process fills its shards
+    # from its copy of the whole batch).
+    return jitted(state, jax.device_put(batch, rows), *extra)
+
   update._cache_size = jitted._cache_size  # noqa: SLF001 - tests check it compiles once
+  update.lower = lambda state, batch: jitted.lower(state, batch, *extra)  # memory analysis
   return update

@@ -3,6 +3,12 @@
 Devices are split between a `learner` and a `sampler` role. Disaggregated
 (disjoint device sets) is the default when there are at least two devices;
 colocated (both roles on the same devices, time-sliced) otherwise or on request.
+
+Multi-controller runs (`jax.distributed`, several processes): each process
+splits its own devices the same way; the learner mesh spans the learner
+devices of every process (one SPMD program), and each process has its own
+sampler mesh on its local sampler devices (each host samples on its own,
+DESIGN.md section 8). `learner_devices` then counts per process.
 """
 
 from __future__ import annotations
@@ -97,10 +103,22 @@ def split_devices(cfg: MeshConfig, devices: Sequence[jax.Device]) -> tuple[list,
   return devices[:n_learner], devices[n_learner:]
 
 
+def role_devices(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> tuple[list, list]:
+  """`(learner devices, this process's sampler devices)`: `split_devices` of
+  `devices`, or with None and several processes, of each process's own
+  devices (the learner gets every process's share, the sampler this one's)."""
+  if devices is not None or jax.process_count() == 1:
+    return split_devices(cfg, jax.devices() if devices is None else devices)
+  learner = []
+  for process in range(jax.process_count()):
+    local = [d for d in jax.devices() if d.process_index == process]
+    learner += split_devices(cfg, local)[0]
+  return learner, split_devices(cfg, jax.local_devices())[1]
+
+
 def make_role_meshes(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> RoleMeshes:
   """Builds the learner and sampler meshes (validates before touching devices)."""
-  devices = jax.devices() if devices is None else devices
-  learner_devices, sampler_devices = split_devices(cfg, devices)
+  learner_devices, sampler_devices = role_devices(cfg, devices)
   learner_shape = resolve_shape(cfg.learner, len(learner_devices), "learner")
   sampler_shape = resolve_shape(cfg.sampler, len(sampler_devices), "sampler")
   return RoleMeshes(

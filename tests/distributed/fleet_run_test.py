@@ -48,7 +48,7 @@ def test_killing_a_sampler_mid_run_loses_no_prompt(tmp_path, monkeypatch):
 
   monkeypatch.setattr(run_lib.fleet_lib, "SamplerFleet", RecordedFleet)
   config = tiny.load_config("arith", "tiny")
-  config.fleet = dict(remote=True, heartbeat_s=0.25, timeout_s=3.0)
+  config.fleet = dict(remote=True, heartbeat_s=0.25, timeout_s=5.0)
   # Steps take ~50 ms here: enough of them that the kill comes well before the
   # end (the learner then waits for the lost groups, FIFO, until they are reassigned).
   config.num_steps = 40

@@ -1,0 +1,135 @@
+"""Multi-controller lockstep: process 0 decides, every process executes.
+
+In a multi-controller run every process must call the same jitted programs in
+the same order with the same shapes (DESIGN.md section 8). The decisions that
+change them (which rollouts train, the batch's width, when the run stops,
+whether a final checkpoint is saved) are made once, by process 0's
+orchestrator, and broadcast before each step: a small header first, then the
+batch arrays in the shape it names.
+
+The broadcast is a sum over the learner devices only (gloo on CPU), not over
+every device as `multihost_utils.broadcast_one_to_all` is: a collective
+queued on the sampler devices would hold this process's sampler engine behind
+it until process 0 joins, and process 0 waits for that engine's rollouts to
+cut the batch (a deadlock).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from arl_jax import train_batch as train_batch_lib
+
+BATCH, STOP = 0, 1
+_HEADER = ("kind", "rows", "columns", "evaluate", "save_final")
+
+
+@dataclasses.dataclass(frozen=True)
+class Step:
+  """What every process does next: train on `batch`, or stop (after an
+  evaluation and a final checkpoint, when the flags say so)."""
+
+  kind: int
+  batch: train_batch_lib.TrainBatch | None = None
+  evaluate: bool = False
+  save_final: bool = False
+
+
+def is_multi_controller() -> bool:
+  return jax.process_count() > 1
+
+
+def is_leader() -> bool:
+  return jax.process_index() == 0
+
+
+def _fields():
+  return [f.name for f in dataclasses.fields(train_batch_lib.TrainBatch)]
+
+
+def broadcast(tree, mesh: Mesh):
+  """Process 0's numpy arrays `tree` on every process (the others pass arrays
+  of the same shapes and dtypes), through a collective over `mesh`'s devices
+  (the learner mesh: one or more devices of every process)."""
+  devices = mesh.devices.flatten()
+  count = jax.process_count()
+  by_process = np.array(devices).reshape(count, -1)
+  if any(d.process_index != p for p, row in enumerate(by_process) for d in row):
+    raise ValueError("the mesh must hold the same number of devices of every process, in "
+                     "process order")
+  rows = Mesh(by_process, ("processes", "local"))
+  leader = is_leader()
+
+  def one(x):
+    x = np.asarray(x)
+    local = (x if leader else np.zeros_like(x))[None]
+    return jax.make_array_from_process_local_data(NamedSharding(rows, P("processes")), local,
+                                                  (count, *x.shape))
+
+  summed = _sum_rows(rows)(jax.tree.map(one, tree))
+  return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), summed)
+
+
+@functools.cache
+def _sum_rows(mesh: Mesh):
+  return jax.jit(lambda tree: jax.tree.map(lambda x: x.sum(0, dtype=x.dtype), tree),
+                 out_shardings=NamedSharding(mesh, P()))
+
+
+def share(step: Step | None, mesh: Mesh) -> Step:
+  """Process 0 passes its `Step`, the others None; every process gets it.
+  `mesh`: the learner mesh (see `broadcast`)."""
+  leader = step is not None
+  if leader:
+    rows, columns = (step.batch.tokens.shape if step.batch is not None else (0, 0))
+    header = np.array([step.kind, rows, columns, step.evaluate, step.save_final], np.int32)
+  else:
+    header = np.zeros(len(_HEADER), np.int32)
+  header = dict(zip(_HEADER, (int(x) for x in broadcast(header, mesh))))
+  if header["kind"] != BATCH:
+    return Step(kind=header["kind"], evaluate=bool(header["evaluate"]),
+                save_final=bool(header["save_final"]))
+  # The same shapes and dtypes on every process (the leader's cast to them).
+  arrays = _template(header["rows"], header["columns"])
+  dtypes = {name: a.dtype for name, a in arrays.items()}
+  if leader:
+    arrays = {name: np.asarray(getattr(step.batch, name)).astype(dtypes[name])
+              for name in _fields()}
+  # (Booleans travel as bytes: the broadcast is a sum over devices.)
+  sent = {name: a.astype(np.uint8) if a.dtype == bool else a for name, a in arrays.items()}
+  received = broadcast(sent, mesh)
+  batch = train_batch_lib.TrainBatch(**{
+      name: np.asarray(received[name]).astype(dtypes[name]) for name in _fields()})
+  return Step(kind=BATCH, batch=batch, evaluate=bool(header["evaluate"]))
+
+
+def _template(rows: int, columns: int) -> dict:
+  """Zeros shaped and typed like `train_batch.assemble`'s output."""
+  matrix = {"tokens": np.int32, "token_mask": bool, "loss_mask": np.float32,
+            "behaviour_logprobs": np.float32, "token_versions": np.int32}
+  vector = {"advantages": np.float32, "rewards": np.float32, "group_ids": np.int32,
+            "lag": np.int32}
+  out = {name: np.zeros((rows, columns), dtype) for name, dtype in matrix.items()}
+  out.update({name: np.zeros((rows,), dtype) for name, dtype in vector.items()})
+  missing = set(_fields()) - set(out)
+  if missing:
+    raise RuntimeError(f"lockstep does not know TrainBatch fields {sorted(missing)}")
+  return out
+
+
+def share_text(text: str | None, mesh: Mesh, size: int = 512) -> str:
+  """Process 0's `text` (e.g. an address) on every process."""
+  buffer = np.zeros(size, np.uint8)
+  if text is not None:
+    data = text.encode()
+    if len(data) > size:
+      raise ValueError(f"{len(data)} bytes do not fit the {size}-byte broadcast")
+    buffer[:len(data)] = np.frombuffer(data, np.uint8)
+  received = broadcast(buffer, mesh)
+  return received.tobytes().rstrip(b"\0").decode()
