@@ -129,6 +129,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   eval_history: list[dict] = []
 
   def evaluate(step: int, phase: str) -> float | None:
+    # (Multi-controller: every process runs it, on the learner mesh, in step.)
     if evaluator is None:
       return None
     result = evaluator(params_now())
@@ -196,8 +197,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     try:
       return _follow(spec, meshes=meshes, graphdef=graphdef, state=state, update_fn=update_fn,
                      publisher=publisher, checkpointer=checkpointer, reference=reference,
-                     evaluate=evaluate, version=start_step, eval_history=eval_history,
-                     print_fn=print_fn, start_time=start_time)
+                     evaluate=evaluate, holder=holder, version=start_step,
+                     eval_history=eval_history, print_fn=print_fn, start_time=start_time)
     finally:
       writer.close()
       audit.close()
@@ -397,7 +398,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
 
 
 def _follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer, reference,
-            evaluate, version: int, eval_history: list, print_fn, start_time: float) -> RunResult:
+            evaluate, holder: dict, version: int, eval_history: list, print_fn,
+            start_time: float) -> RunResult:
   """A multi-controller process other than 0: trains on the batches process 0
   cuts (`lockstep.share`), in the same SPMD programs, checkpoints and
   evaluates when it does, and samples on its own devices for process 0's
@@ -419,6 +421,7 @@ def _follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer
       if step.kind != lockstep.BATCH:
         break
       state, _ = update_fn(state, step.batch)
+      holder["params"] = state.params  # (what `evaluate` reads; the old ones were donated)
       version += 1
       publisher.publish(state.params, version)
       if checkpointer is not None and checkpointer.should_save(version):

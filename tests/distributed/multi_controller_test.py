@@ -23,7 +23,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # Synchronous (on-policy, one batch in flight); a warm-up long enough that
 # some answers are right, so the RL updates have a reward signal to follow.
 _OVERRIDES = {"orchestrator.max_async_level": 0, "orchestrator.max_off_policy_steps": 0,
-              "sampler.weight_update": "drain", "eval_every": 0, "checkpoint.save_final": True,
+              "sampler.weight_update": "drain", "eval_every": 2, "eval_size": 8,
+              "checkpoint.save_final": True,
               "warmup.steps": 60, "warmup.lr": 0.003}
 
 
@@ -103,6 +104,10 @@ def test_two_processes_train_like_one(tmp_path):
   assert [r["reward_mean"] for r in two] == [r["reward_mean"] for r in one]
   assert max(r["reward_mean"] for r in one) > 0  # the updates had a signal to follow
   np.testing.assert_allclose([r["loss"] for r in two], [r["loss"] for r in one], atol=1e-5)
+  # Evaluation ran on both processes, in step (greedy: the same answers).
+  assert [r["eval_reward"] for r in two if "eval_reward" in r] == [
+      r["eval_reward"] for r in one if "eval_reward" in r]
+  assert all("[process 1] eval [rl step 4]" in log for log in logs[1:])
   assert result.groups_trained == 32
 
   # The same parameters, to float rounding (the gradient sums run in another
