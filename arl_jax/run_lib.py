@@ -425,11 +425,16 @@ def _follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer
       version += 1
       publisher.publish(state.params, version)
       if checkpointer is not None and checkpointer.should_save(version):
+        # Every process writes its shards; orbax writes the run record from
+        # process 0 only (this one's is a placeholder).
         checkpointer.save(version, state, {"version": version}, reference)
       if spec.eval_every and (version % spec.eval_every == 0 or version == spec.num_steps):
         evaluate(version, "rl")
       if sampling.failed:
-        print_fn(f"sampler failed: {sampling.describe_failure()}")
+        # Fail fast, as a multi-controller job does: this process's groups
+        # would never come back, and the job restarts from its checkpoint.
+        raise RuntimeError(f"process {jax.process_index()}'s sampler failed: "
+                           f"{sampling.describe_failure()}")
     if step.evaluate:
       evaluate(version, "rl")
     if step.save_final:

@@ -212,13 +212,6 @@ class RemoteDispatcher:
   def take(self, max_groups: int, live_version: int, timeout: float) -> list:
     return self._link.take(max_groups, live_version, timeout)
 
-  def wait_for_lockstep(self, step: int) -> None:
-    """Blocks until process 0 announced lockstep `step` (multi-controller)."""
-    with self._lock:
-      self._lock.wait_for(lambda: self._lockstep >= step or self.ended.is_set())
-    if self._lockstep < step:
-      raise LearnerGone(f"process 0 went away before lockstep step {step}: {self.end_reason}")
-
   def note_sampling(self, group_id: int, version: int) -> None:
     self._link.note_sampling(group_id, version)
 
