@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import queue
+import socket
 import threading
 import time
 
@@ -50,7 +51,8 @@ class FleetConfig:
       in the learner process (the learner's `mesh.sampler` devices then only
       stage each version in the samplers' layout, and each sampler process
       needs that many devices).
-    host: interface the learner listens on (`0.0.0.0` for other hosts).
+    host: interface the learner listens on (`0.0.0.0`: every interface, for
+      samplers on other hosts; they are given this host's address).
     port: control port (0: any free port; the address is printed and written
       to `WORKDIR/fleet.json`).
     heartbeat_s: how often a sampler reports (stats; it is alive).
@@ -71,6 +73,17 @@ class FleetConfig:
                        f"{self.heartbeat_s}, or a busy sampler would be declared lost")
     if not 0 <= self.port < 65536:
       raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
+_ANY_INTERFACE = ("0.0.0.0", "*")
+
+
+def _this_host() -> str:
+  """An address of this machine that other hosts can reach (its name's)."""
+  try:
+    return socket.gethostbyname(socket.gethostname())
+  except OSError:
+    return socket.gethostname()
 
 
 @dataclasses.dataclass
@@ -115,7 +128,9 @@ class SamplerFleet:
     self._mesh_shape = [[str(a), int(n)] for a, n in sampler_mesh_shape]
     self._print = print_fn
     self._event_fn = event_fn
-    self._weights = weight_transfer.WeightServer(publisher, host=cfg.host)
+    # Listening on every interface: samplers are told this host's address.
+    advertised = cfg.host if cfg.host not in _ANY_INTERFACE else _this_host()
+    self._weights = weight_transfer.WeightServer(publisher, host=advertised)
     self._socket = zmq.Context.instance().socket(zmq.ROUTER)
     self._socket.linger = 0
     if cfg.port:
@@ -123,7 +138,7 @@ class SamplerFleet:
       port = cfg.port
     else:
       port = self._socket.bind_to_random_port(f"tcp://{cfg.host}")
-    self.address = f"tcp://{cfg.host}:{port}"
+    self.address = f"tcp://{advertised}:{port}"
     if workdir is not None:
       with open(os.path.join(workdir, "fleet.json"), "w", encoding="utf-8") as f:
         json.dump({"address": self.address, "weights_address": self._weights.address}, f)
@@ -327,7 +342,7 @@ class SamplerFleet:
       sampler.owned.discard(gid)
     try:
       group = wire.group_from_json(record)
-      if len(group.rollouts) != self._dispatcher_group_size():
+      if len(group.rollouts) != self._orchestrator.dispatch_cfg.group_size:
         raise ValueError(f"{len(group.rollouts)} rollouts")
     except (ValueError, KeyError, TypeError) as e:
       with self._lock:
@@ -341,9 +356,6 @@ class SamplerFleet:
     self._orchestrator.group_finished(group)
     with self._lock:
       sampler.groups_delivered += 1
-
-  def _dispatcher_group_size(self) -> int:
-    return self._orchestrator.dispatch_cfg.group_size
 
   def _account(self, sampler: _Sampler, message: dict) -> None:
     """Adds what a sampler's reported totals grew by since its last report."""

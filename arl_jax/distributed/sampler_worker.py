@@ -249,7 +249,6 @@ class LocalSampling:
         dispatcher=RemoteDispatcher(link), on_segment_fn=self.env_runner.submit,
         stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env))
     self.env_runner.connect(self.engine.resume)
-    self._weights = weights
 
   def start(self) -> None:
     self.link.start(on_cancel=self._cancel, report_fn=self._report)

@@ -87,16 +87,3 @@ def stats_from_json(record: dict) -> engine_lib.EngineStats:
   fields = {f.name for f in dataclasses.fields(engine_lib.EngineStats)}
   return engine_lib.EngineStats(**{k: v for k, v in record.items() if k in fields})
 
-
-def sum_stats(all_stats) -> engine_lib.EngineStats:
-  """Counters and seconds summed over samplers (seconds are each sampler's own
-  busy time, so their sum can exceed the wall time); versions held: the max."""
-  total = engine_lib.EngineStats()
-  for stats in all_stats:
-    for f in dataclasses.fields(total):
-      value = getattr(stats, f.name)
-      if f.name == "max_versions_held":
-        total.max_versions_held = max(total.max_versions_held, value)
-      else:
-        setattr(total, f.name, getattr(total, f.name) + value)
-  return total
