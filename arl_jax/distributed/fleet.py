@@ -77,6 +77,24 @@ class FleetConfig:
 
 _ANY_INTERFACE = ("0.0.0.0", "*")
 
+# What each message from a sampler must hold.
+_MESSAGE_KEYS = {"hello": ("name", "devices"), "take": ("n", "version"), "group": ("group",),
+                 "heartbeat": ("stats", "env"), "bye": ("stats", "env")}
+
+
+def _parse(frame: bytes) -> dict | str:
+  """A sampler's message, or what is wrong with it."""
+  try:
+    message = wire.decode(frame)
+  except ValueError as e:
+    return str(e)
+  kind = message["type"]
+  keys = _MESSAGE_KEYS.get(kind) if isinstance(kind, str) else None
+  if keys is None:
+    return f"unknown message type {kind!r}"
+  missing = [k for k in keys if k not in message]
+  return f"{message['type']!r} without {missing}" if missing else message
+
 
 def _this_host() -> str:
   """An address of this machine that other hosts can reach (its name's)."""
@@ -241,7 +259,11 @@ class SamplerFleet:
         if poller.poll(10):
           while self._socket.poll(0):
             identity, frame = self._socket.recv_multipart()
-            self._handle(identity, frame)
+            message = _parse(frame)
+            if isinstance(message, str):  # a sampler's fault, not the run's
+              self._refuse(identity, f"sent a malformed message ({message})")
+            else:
+              self._handle(identity, message)
         self._find_lost(time.monotonic())
     except BaseException as e:  # surfaced to the learner thread by raise_if_failed
       self._error = e
@@ -271,8 +293,7 @@ class SamplerFleet:
       for identity, gids in by_owner.items():
         self._send(identity, {"type": "cancel", "group_ids": gids})
 
-  def _handle(self, identity: bytes, frame: bytes) -> None:
-    message = wire.decode(frame)
+  def _handle(self, identity: bytes, message: dict) -> None:
     kind = message["type"]
     now = time.monotonic()
     if kind == "hello":
@@ -304,11 +325,17 @@ class SamplerFleet:
     elif kind == "heartbeat":
       self._account(sampler, message)
       self._send(identity, {"type": "ack"})  # the sampler's sign that the learner lives
-    elif kind == "bye":
+    else:  # bye
       self._account(sampler, message)
       self._lose(sampler, "left")
-    else:
-      raise ValueError(f"unknown message type {kind!r} from sampler {sampler.sampler_id}")
+
+  def _refuse(self, identity: bytes, why: str) -> None:
+    """Drops a sampler that broke the protocol (its groups go elsewhere)."""
+    with self._lock:
+      sampler = self._samplers.get(identity)
+    if sampler is not None and sampler.alive:
+      self._lose(sampler, why)
+    self._send(identity, {"type": "rejected", "reason": why})
 
   def _join(self, identity: bytes, message: dict, now: float) -> None:
     want = 1

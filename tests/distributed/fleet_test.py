@@ -184,6 +184,19 @@ def test_a_malformed_group_is_generated_again(fleet):
   sampler.close()
 
 
+def test_a_sampler_breaking_the_protocol_is_dropped_and_the_run_goes_on(fleet):
+  bad, good = _FakeSampler(fleet.address), _FakeSampler(fleet.address)
+  held = bad.take(2)
+  reply = bad.ask({"type": "gossip"})
+  assert reply["type"] == "rejected" and "malformed message" in reply["reason"]
+  assert [e["reassigned"] for e in fleet.events if e["event"] == "sampler_lost"] == [
+      [r.group_id for r in held]]
+  assert [r.group_id for r in good.take(2)] == [r.group_id for r in held]
+  assert not fleet.failed
+  bad.close()
+  good.close()
+
+
 def test_counters_add_what_each_sampler_reports_since_its_last_report(fleet):
   a, b = _FakeSampler(fleet.address), _FakeSampler(fleet.address)
   for sampler, tokens, errors in ((a, 10, 1), (b, 5, 0), (a, 30, 2)):
