@@ -27,7 +27,7 @@ import numpy as np
 from arl_jax import checkpointing, config_lib, evaluation
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.distributed import fleet as fleet_lib
-from arl_jax.distributed import lockstep, sampler_worker
+from arl_jax.distributed import follower, lockstep
 from arl_jax.envs import env_api, prompt_data, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
@@ -195,13 +195,16 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
                                           dtype=spec.sampler_model.param_dtype)
   if not leader:
     try:
-      return _follow(spec, meshes=meshes, graphdef=graphdef, state=state, update_fn=update_fn,
-                     publisher=publisher, checkpointer=checkpointer, reference=reference,
-                     evaluate=evaluate, holder=holder, version=start_step,
-                     eval_history=eval_history, print_fn=print_fn, start_time=start_time)
+      version = follower.follow(
+          spec, meshes=meshes, graphdef=graphdef, state=state, update_fn=update_fn,
+          publisher=publisher, checkpointer=checkpointer, reference=reference,
+          evaluate=evaluate, holder=holder, version=start_step)
     finally:
       writer.close()
       audit.close()
+    print_fn(f"done: {version} updates (following process 0)")
+    return RunResult(history=[], eval_history=eval_history, groups_trained=0,
+                     final_version=version, wall_seconds=time.monotonic() - start_time)
   orchestrator = orchestrator_lib.Orchestrator(
       dispatch_cfg=spec.dispatch, buffer_cfg=spec.buffer,
       prompts=_resumed_stream(
@@ -395,57 +398,6 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
            f"{drops['tasks_seen']} tasks never trained; {wall:.1f}s wall")
   return RunResult(history=history, eval_history=eval_history, groups_trained=groups_trained,
                    final_version=version, trained_batches=batches, wall_seconds=wall)
-
-
-def _follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer, reference,
-            evaluate, holder: dict, version: int, eval_history: list, print_fn,
-            start_time: float) -> RunResult:
-  """A multi-controller process other than 0: trains on the batches process 0
-  cuts (`lockstep.share`), in the same SPMD programs, checkpoints and
-  evaluates when it does, and samples on its own devices for process 0's
-  orchestrator (a member of its sampler fleet, weights from the local publish)."""
-  link = sampler_worker.LearnerLink(lockstep.share_text(None, meshes.learner),
-                                    name=f"process {jax.process_index()}",
-                                    num_devices=meshes.sampler.devices.size)
-  sampling = sampler_worker.LocalSampling(spec, mesh=meshes.sampler, graphdef=graphdef,
-                                          weights=publisher, link=link)
-  publisher.publish(state.params, version)
-  sampling.start()
-  try:
-    for index in itertools.count(version):
-      # Into the collective only once process 0 is (a collective waiting for
-      # it would hold back this process's sampler, whose rollouts process 0
-      # may be waiting for; lockstep.py).
-      link.wait_for_lockstep(min(index, spec.num_steps))
-      step = lockstep.share(None, meshes.learner)
-      if step.kind != lockstep.BATCH:
-        break
-      state, _ = update_fn(state, step.batch)
-      holder["params"] = state.params  # (what `evaluate` reads; the old ones were donated)
-      version += 1
-      publisher.publish(state.params, version)
-      if checkpointer is not None and checkpointer.should_save(version):
-        # Every process writes its shards; orbax writes the run record from
-        # process 0 only (this one's is a placeholder).
-        checkpointer.save(version, state, {"version": version}, reference)
-      if spec.eval_every and (version % spec.eval_every == 0 or version == spec.num_steps):
-        evaluate(version, "rl")
-      if sampling.failed:
-        # Fail fast, as a multi-controller job does: this process's groups
-        # would never come back, and the job restarts from its checkpoint.
-        raise RuntimeError(f"process {jax.process_index()}'s sampler failed: "
-                           f"{sampling.describe_failure()}")
-    if step.evaluate:
-      evaluate(version, "rl")
-    if step.save_final:
-      checkpointer.save(version, state, {"version": version}, reference)
-  finally:
-    if checkpointer is not None:
-      checkpointer.close()
-    sampling.stop(say_bye=False)
-  print_fn(f"done: {version} updates (following process 0)")
-  return RunResult(history=[], eval_history=eval_history, groups_trained=0,
-                   final_version=version, wall_seconds=time.monotonic() - start_time)
 
 
 def _prefixed(print_fn, prefix: str, line: str) -> None:

@@ -1,0 +1,66 @@
+"""A multi-controller process other than 0 (a follower).
+
+It trains on the batches process 0 cuts (`lockstep.share`), in the same SPMD
+programs, checkpoints and evaluates when process 0 does, and samples on its
+own devices for process 0's orchestrator: a member of its sampler fleet, with
+weights from its own share of each publish.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+
+from arl_jax.distributed import lockstep, sampler_worker
+
+
+def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer, reference,
+           evaluate, holder: dict, version: int) -> int:
+  """Runs a follower until process 0 stops the run; returns the final version.
+
+  Args (`run_lib.run`'s): the run spec, role meshes, decoder graphdef, the
+  TrainState and update function, the weight publisher, the checkpointer (or
+  None) and KL reference params, `evaluate(step, phase)`, the dict whose
+  "params" `evaluate` reads, and the version the run starts at.
+  """
+  link = sampler_worker.LearnerLink(lockstep.share_text(None, meshes.learner),
+                                    name=f"process {jax.process_index()}",
+                                    num_devices=meshes.sampler.devices.size)
+  sampling = sampler_worker.LocalSampling(spec, mesh=meshes.sampler, graphdef=graphdef,
+                                          weights=publisher, link=link)
+  publisher.publish(state.params, version)
+  sampling.start()
+  try:
+    for index in itertools.count(version):
+      # Into the collective only once process 0 is (a collective waiting for
+      # it would hold back this process's sampler, whose rollouts process 0
+      # may be waiting for; lockstep.py).
+      link.wait_for_lockstep(min(index, spec.num_steps))
+      step = lockstep.share(None, meshes.learner)
+      if step.kind != lockstep.BATCH:
+        break
+      state, _ = update_fn(state, step.batch)
+      holder["params"] = state.params  # (what `evaluate` reads; the old ones were donated)
+      version += 1
+      publisher.publish(state.params, version)
+      if checkpointer is not None and checkpointer.should_save(version):
+        # Every process writes its shards; orbax writes the run record from
+        # process 0 only (this one's is a placeholder).
+        checkpointer.save(version, state, {"version": version}, reference)
+      if spec.eval_every and (version % spec.eval_every == 0 or version == spec.num_steps):
+        evaluate(version, "rl")
+      if sampling.failed:
+        # Fail fast, as a multi-controller job does: this process's groups
+        # would never come back, and the job restarts from its checkpoint.
+        raise RuntimeError(f"process {jax.process_index()}'s sampler failed: "
+                           f"{sampling.describe_failure()}")
+    if step.evaluate:
+      evaluate(version, "rl")
+    if step.save_final:
+      checkpointer.save(version, state, {"version": version}, reference)
+  finally:
+    if checkpointer is not None:
+      checkpointer.close()
+    sampling.stop(say_bye=False)
+  return version
