@@ -59,6 +59,8 @@ def _config(workload: str, mode: str, steps: int, quick: bool):
   settings = MODES[mode]
   config.num_steps = steps
   config.eval_every = 0 if quick else steps  # once, after the last update
+  if quick:  # (a smoke test: a short warm-up; the policy rarely calls the tool)
+    config.warmup.steps = 5
   config.log_every = 0
   config.orchestrator.update(max_async_level=settings["max_async_level"],
                              max_off_policy_steps=settings["max_off_policy_steps"],
@@ -99,7 +101,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=100)
   parser.add_argument("--workloads", default=",".join(WORKLOADS))
   parser.add_argument("--quick", action="store_true",
-                      help="tool_agent's tiny config, 3 updates, no evaluation")
+                      help="tool_agent's tiny config, 5 warm-up steps, 3 updates, no evaluation")
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
   args = parser.parse_args()
   steps = 3 if args.quick else args.steps

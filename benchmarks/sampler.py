@@ -305,7 +305,7 @@ def main() -> None:
             "speedup": round(cont / static, 2)})
       for policy in ("keep", "recompute"):
         stats = swap_pause(cfg, meshes, graphdef, params, b, policy,
-                           seconds=3 if args.quick else 20, publish_every=0.5)
+                           seconds=1 if args.quick else 20, publish_every=0.5)
         emit({"benchmark": "sampler", "part": "swap_pause", "model": name, "slots": b,
               "kv_policy": policy, "swaps": stats["swaps"],
               "pause_ms_per_swap": round(1e3 * stats["swap_seconds"] / max(stats["swaps"], 1), 3),
