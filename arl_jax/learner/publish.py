@@ -70,18 +70,13 @@ class WeightPublisher:
     with self._cond:
       if self._version is not None and version <= self._version:
         raise ValueError(f"published version {version} is not newer than {self._version}")
-    sampler_params = self._replica(params)
-    with self._cond:
-      self._version, self._params = version, sampler_params
-      self._cond.notify_all()
-
-  def _replica(self, params):
-    """`params` (on the learner mesh) as the sampler holds them: its layout and
-    dtype, on this process's sampler mesh."""
     bridged = self._reshard(params)
     if self._gather:  # this process's replica (the first of its learner devices)
       bridged = jax.tree.map(lambda x: x.addressable_shards[0].data, bridged)
-    return jax.device_put(bridged, self._sampler_shardings)
+    sampler_params = jax.device_put(bridged, self._sampler_shardings)
+    with self._cond:
+      self._version, self._params = version, sampler_params
+      self._cond.notify_all()
 
   def latest(self):
     """`(version, params)` of the newest publish, or `(None, None)`."""
