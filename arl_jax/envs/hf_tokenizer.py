@@ -30,7 +30,12 @@ def _from_tokenizer_config(folder: str, *settings):
   if not os.path.isfile(path):
     raise ValueError(f"{path}: no such file (needed by a tokenizer setting 'auto')")
   with open(path, encoding="utf-8") as f:
-    config = json.load(f)
+    try:
+      config = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f"{path}: not JSON: {e}") from e
+  if not isinstance(config, dict):
+    raise ValueError(f"{path}: must hold a JSON object")
 
   def token(key):
     value = config.get(key)
@@ -86,7 +91,13 @@ class HfTokenizer:
     if chat_template not in templates:
       raise ValueError(f"chat_template must be one of {sorted(templates)}, got {chat_template!r}")
     self.path = path
-    self._tok = tokenizers.Tokenizer.from_file(path)
+    try:
+      self._tok = tokenizers.Tokenizer.from_file(path)
+    # `tokenizers` raises a bare Exception ("EOF while parsing a string at line
+    # 1 column 25") that names no file.
+    except Exception as e:  # noqa: BLE001 - its only type; re-raised with the path
+      raise ValueError(f"{path}: not a tokenizer.json the tokenizers library can load "
+                       f"(corrupt or truncated?): {e}") from e
     self.template = templates[chat_template]
     self.eos_id = self._token_id(eos_token, "eos_token")
     self.bos_id = None if bos_token is None else self._token_id(bos_token, "bos_token")

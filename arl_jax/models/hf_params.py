@@ -115,47 +115,128 @@ def _state_path(path) -> tuple:
 
 
 class SafetensorsFolder:
-  """The tensors of a Hugging Face folder's `*.safetensors` shards, read one at a time."""
+  """The tensors of a Hugging Face folder's `*.safetensors` shards, read one at a time.
+
+  Every shard's header is read and checked up front (cheap: the tensors are
+  not touched), so a truncated download, a corrupt file or an index that does
+  not match its shards is an error naming the file before anything is loaded.
+  """
 
   def __init__(self, folder: str):
     self.folder = folder
     index = os.path.join(folder, "model.safetensors.index.json")
+    self._headers: dict[str, dict] = {}  # shard -> its parsed header
     if os.path.isfile(index):
-      with open(index, encoding="utf-8") as f:
-        self.files = {name: os.path.join(folder, file)
-                      for name, file in json.load(f)["weight_map"].items()}
+      self.files = _weight_map(index)
     else:
       single = os.path.join(folder, "model.safetensors")
       if not os.path.isfile(single):
         raise FileNotFoundError(f"{folder}: neither model.safetensors nor "
                                 "model.safetensors.index.json")
-      self.files = {name: single for name in _header(single)}
-    for path in set(self.files.values()):
-      if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: listed in the index but missing")
-    self._headers: dict[str, dict] = {}  # shard -> its parsed header, read once
+      self._headers[single] = _header(single)
+      self.files = dict.fromkeys(self._headers[single], single)
+    for name, path in self.files.items():
+      if path not in self._headers:
+        if not os.path.isfile(path):
+          raise FileNotFoundError(f"{index}: puts {name} in {os.path.basename(path)}, "
+                                  f"but {path} does not exist")
+        self._headers[path] = _header(path)
+      if name not in self._headers[path]:
+        raise hf_config.HfConfigError(
+            f"{index}: puts {name} in {os.path.basename(path)}, but that shard has no "
+            "such tensor (the index and the shards disagree)")
 
   def names(self) -> list[str]:
-    return [n for n in self.files if n != "__metadata__"]
+    return list(self.files)
 
   def read(self, name: str) -> np.ndarray:
-    """One tensor as a host numpy array (bfloat16 as `ml_dtypes.bfloat16`)."""
+    """One tensor as a host numpy array (bfloat16 as `ml_dtypes.bfloat16`).
+
+    The header was checked when the folder was opened, so a failure here is a
+    file cut or changed since, or bytes safetensors refuses: named, never a
+    bare `struct.error` or mmap error.
+    """
     path = self.files[name]
-    if path not in self._headers:
-      self._headers[path] = _header(path)
     entry = self._headers[path][name]
     if entry["dtype"] == "BF16":  # safetensors' numpy loader has no bfloat16
-      return _read_raw(path, entry, ml_dtypes.bfloat16)
+      try:
+        return _read_raw(path, entry, ml_dtypes.bfloat16)
+      except (OSError, ValueError, struct.error) as e:
+        raise _unreadable(path, name, e) from e
     import safetensors  # noqa: PLC0415 - only needed to import (the `hf` extra)
-    with safetensors.safe_open(path, framework="numpy") as f:
-      return f.get_tensor(name)
+    try:
+      with safetensors.safe_open(path, framework="numpy") as f:
+        return f.get_tensor(name)
+    except (OSError, ValueError, safetensors.SafetensorError) as e:
+      raise _unreadable(path, name, e) from e
+
+
+def _unreadable(path: str, name: str, e: Exception) -> hf_config.HfConfigError:
+  return hf_config.HfConfigError(f"{path}: cannot read tensor {name} ({type(e).__name__}: {e}); "
+                                 "the file looks truncated or corrupt")
+
+
+def _weight_map(index: str) -> dict[str, str]:
+  """tensor name -> shard path, from a `model.safetensors.index.json`."""
+  with open(index, encoding="utf-8") as f:
+    try:
+      weight_map = json.load(f).get("weight_map")
+    except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
+      raise hf_config.HfConfigError(f"{index}: not a JSON object ({e})") from e
+  if not isinstance(weight_map, dict) or not all(
+      isinstance(v, str) for v in weight_map.values()):
+    raise hf_config.HfConfigError(
+        f"{index}: weight_map must be an object of tensor name -> shard file")
+  folder = os.path.dirname(index)
+  return {name: os.path.join(folder, file) for name, file in weight_map.items()
+          if name != "__metadata__"}
+
+
+# safetensors dtype -> bytes per element, to check each tensor's byte range.
+_ITEMSIZES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1,
+              "U64": 8, "U32": 4, "U16": 2, "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 
 
 def _header(path: str) -> dict:
+  """A shard's tensor entries (`dtype`, `shape`, `data_offsets`), each checked
+  to lie inside the file: a truncated download fails here, naming the file
+  and the first tensor it cut, instead of as a `struct.error` or an mmap error
+  at the first read."""
+  corrupt = f"{path}: looks truncated or corrupt"
+  file_size = os.path.getsize(path)
   with open(path, "rb") as f:
-    (size,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(size))
+    prefix = f.read(8)
+    if len(prefix) < 8:
+      raise hf_config.HfConfigError(f"{corrupt}: {file_size} bytes, shorter than the 8-byte "
+                                    "header length")
+    (size,) = struct.unpack("<Q", prefix)
+    if size > file_size - 8:
+      raise hf_config.HfConfigError(f"{corrupt}: its header claims {size} bytes, the file "
+                                    f"holds {file_size - 8} after the length")
+    try:
+      header = json.loads(f.read(size))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise hf_config.HfConfigError(f"{corrupt}: its header is not JSON ({e})") from e
+  if not isinstance(header, dict):
+    raise hf_config.HfConfigError(f"{corrupt}: its header is not a JSON object")
   header.pop("__metadata__", None)
+  data_size = file_size - 8 - size
+  for name, entry in header.items():
+    try:
+      begin, end = entry["data_offsets"]
+      count = int(np.prod(entry["shape"], dtype=np.int64))
+      itemsize = _ITEMSIZES.get(entry["dtype"])
+      valid = (all(type(x) is int for x in (begin, end)) and 0 <= begin <= end
+               and (itemsize is None or end - begin == count * itemsize))
+    except (KeyError, TypeError, ValueError):
+      valid = False
+    if not valid:
+      raise hf_config.HfConfigError(f"{corrupt}: tensor {name} has a malformed header entry "
+                                    f"{entry}")
+    if end > data_size:
+      raise hf_config.HfConfigError(
+          f"{corrupt}: tensor {name} needs bytes up to {end} of the data, the file holds "
+          f"{data_size} (cut short?)")
   return header
 
 
@@ -176,13 +257,16 @@ def load_params(folder: str, cfg: model_config_lib.ModelConfig, mesh: Mesh,
   Raises:
     FileNotFoundError: a missing shard or tensor.
     hf_config.HfConfigError: a tensor whose shape differs from `cfg`'s (named),
-      or one the table does not know (the model has parts this decoder lacks).
+      one the table does not know (the model has parts this decoder lacks), a
+      stored `lm_head.weight` unlike the embedding it is tied to, a truncated
+      or corrupt shard, or an index that disagrees with its shards.
   """
   source = SafetensorsFolder(folder)
   table = param_table(cfg)
   known = {row.name for row in table.values()}
   if cfg.tie_embeddings:
     known.add("lm_head.weight")  # some tied checkpoints store the copy anyway
+    _check_tied_head(source)
   unknown = [n for n in source.names()
              if n not in known and not n.endswith(_IGNORED_SUFFIXES)]
   if unknown:
@@ -217,6 +301,29 @@ def load_params(folder: str, cfg: model_config_lib.ModelConfig, mesh: Mesh,
 
   params = jax.tree_util.tree_map_with_path(load, abstract, shardings)
   return graphdef, params
+
+
+def _check_tied_head(source: SafetensorsFolder, rows_per_chunk: int = 4096):
+  """A tied config whose files also hold an `lm_head.weight`: accepted only if
+  that copy is the embedding. transformers unties the two when they differ
+  and uses the stored head, so ignoring it would give other logits."""
+  head, embed = "lm_head.weight", "model.embed_tokens.weight"
+  if head not in source.files or embed not in source.files:
+    return  # (no copy; a missing embedding is named where it is loaded)
+  h, e = source.read(head), source.read(embed)
+  same = h.shape == e.shape
+  # In chunks of rows: a float32 copy of a whole 150k-token vocabulary is GBs.
+  for start in range(0, e.shape[0] if same else 0, rows_per_chunk):
+    rows = slice(start, start + rows_per_chunk)
+    if not np.array_equal(h[rows].astype(np.float32), e[rows].astype(np.float32)):
+      same = False
+      break
+  if not same:
+    raise hf_config.HfConfigError(
+        f"{source.files[head]}: holds {head} {tuple(h.shape)}, which differs from {embed} "
+        f"{tuple(e.shape)}, but config.json has tie_word_embeddings=true (transformers would "
+        "untie them and use the stored head); set tie_word_embeddings to false if the model "
+        "has its own output layer")
 
 
 # numpy dtype -> safetensors dtype name, for the dtypes an export writes.

@@ -124,3 +124,19 @@ def test_auto_settings_come_from_the_folder_s_tokenizer_config(tokenizer_path, t
   with pytest.raises(ValueError, match="chat template is not one arl_jax implements"):
     hf_tokenizer.HfTokenizer(str(folder), eos_token="auto", chat_template="auto")
   assert hf_tokenizer.HfTokenizer(str(folder), eos_token="auto").eos_id == tok._token_id("</s>", "")
+
+
+def test_a_corrupt_tokenizer_file_is_named(tokenizer_path, tmp_path):
+  """A cut download: the `tokenizers` library's own error names no file."""
+  import re
+
+  path = tmp_path / "tokenizer.json"
+  with open(tokenizer_path, encoding="utf-8") as f:
+    path.write_text(f.read()[:200])
+  with pytest.raises(ValueError, match=re.escape(f"{path}: not a tokenizer.json the tokenizers "
+                                                 "library can load (corrupt or truncated?): ")):
+    hf_tokenizer.HfTokenizer(str(tmp_path), eos_token="</s>")
+  (tmp_path / "tokenizer_config.json").write_text('{"eos_token": ')
+  with pytest.raises(ValueError,
+                     match=re.escape(f"{tmp_path / 'tokenizer_config.json'}: not JSON")):
+    hf_tokenizer.HfTokenizer(str(tmp_path), eos_token="auto")

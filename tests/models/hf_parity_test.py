@@ -2,6 +2,7 @@
 an exact export round trip, and sampler log-probs equal to the learner's."""
 
 import os
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -104,6 +105,56 @@ def test_export_reloads_into_transformers_exactly(imported, tmp_path):
   assert set(got) == set(want)
   for name, tensor in want.items():
     assert torch.equal(got[name], tensor), name
+
+
+def test_an_export_without_a_base_config_keeps_the_model_s_rope(imported, tmp_path):
+  """No base config.json (a model trained from scratch, or exported without its
+  folder): the written config still carries the RoPE scaling (llama3, YaRN),
+  so transformers computes the same logits from the folder."""
+  out = str(tmp_path / "export")
+  family = hf_config.family_of(hf_config.read_config(imported["folder"]))
+  hf_params.save_params(imported["params"], imported["cfg"], out, family)
+  assert hf_config.model_config_from_hf(hf_config.read_config(out)) == imported["cfg"]
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+  tokens = torch.tensor(np.random.default_rng(4).integers(0, 96, (2, 40)))
+  with torch.no_grad():
+    want = imported["model"](tokens).logits.numpy()
+    got = reloaded(tokens).logits.numpy()
+  assert np.abs(got - want).max() <= 1e-5
+
+
+def test_a_tied_checkpoint_s_stored_head_must_be_its_embedding(meshes, tmp_path):
+  """Some tied checkpoints store `lm_head.weight` too. A copy of the embedding
+  imports as before; a different one is refused, since transformers then
+  unties the two and uses the stored head."""
+  import safetensors.numpy  # noqa: PLC0415
+
+  folder = str(tmp_path / "m")
+  model = _hf_model("qwen2", folder)  # tied
+  cfg = hf_config.model_config_from_hf(hf_config.read_config(folder))
+  path = os.path.join(folder, "model.safetensors")
+  tensors = safetensors.numpy.load_file(path)
+  embed = tensors["model.embed_tokens.weight"]
+  safetensors.numpy.save_file({**tensors, "lm_head.weight": embed.copy()}, path,
+                              metadata={"format": "pt"})
+  graphdef, params = hf_params.load_params(folder, cfg, meshes.learner, rules_lib.LEARNER_RULES)
+  tokens = np.random.default_rng(5).integers(0, 96, (2, 24))
+  with torch.no_grad():
+    want = model(torch.tensor(tokens)).logits.numpy()
+  assert np.abs(_our_logits(graphdef, params, tokens) - want).max() <= 1e-4
+
+  safetensors.numpy.save_file({**tensors, "lm_head.weight": embed + 0.5}, path,
+                              metadata={"format": "pt"})
+  untied = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+  assert not torch.equal(untied.lm_head.weight, untied.model.embed_tokens.weight)
+  with pytest.raises(hf_config.HfConfigError, match=re.escape(
+      f"{path}: holds lm_head.weight (96, 32), which differs from model.embed_tokens.weight "
+      "(96, 32), but config.json has tie_word_embeddings=true")):
+    hf_params.load_params(folder, cfg, meshes.learner, rules_lib.LEARNER_RULES)
+  safetensors.numpy.save_file({**tensors, "lm_head.weight": embed[:90]}, path,
+                              metadata={"format": "pt"})
+  with pytest.raises(hf_config.HfConfigError, match=re.escape("lm_head.weight (90, 32), which")):
+    hf_params.load_params(folder, cfg, meshes.learner, rules_lib.LEARNER_RULES)
 
 
 # Between them every option: QK-norm, biases, untied, YaRN (qwen2 with tied
