@@ -291,7 +291,12 @@ def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) ->
   for split in env_api.SPLITS:
     key = f"data.{split}_path" if data_cfg.path(split) else "env"
     try:
-      prompts_by_split[split] = prompt_source.load(env_name, env, data_cfg, split).prompts
+      loaded = prompt_source.load(env_name, env, data_cfg, split)
+      # A file's prompt too long for the sampler is a bad line of the file
+      # (named; skipped with data.on_malformed='skip'); the env's own are checked below.
+      data_cfg, loaded = prompt_source.drop_long_prompts(
+          data_cfg, loaded, lambda p: len(env_instance.encode_prompt(p)), s["prompt_len"])
+      prompts_by_split[split] = loaded.prompts
     except (OSError, ValueError) as e:
       raise ConfigError(f"config.{key}: {e}") from e
     _require(bool(prompts_by_split[split]), key,

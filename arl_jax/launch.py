@@ -8,6 +8,10 @@ each role, the parameter count and the memory per device (`arl_jax/dry_run.py`),
 then exits without compiling; `--dry_run_devices=N` plans for N devices instead
 of the ones present (e.g. a v5e-8 config on a laptop).
 
+Bad input (a config error, a missing file, an unusable `--workdir`) is
+printed as one `error: ...` line on stderr, without a traceback, and the
+process exits with status 2; anything else is a bug and keeps its traceback.
+
 Multi-host: `--distributed` (implied by `--coordinator_address`) calls
 `jax.distributed.initialize()` first, with `--coordinator_address`,
 `--num_processes` and `--process_id` when given (on TPU VMs and SLURM JAX
@@ -28,7 +32,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Folder for metrics (and checkpo
 _DRY_RUN = flags.DEFINE_bool("dry_run", False,
                              "Validate and plan (meshes, memory per device); do not train.")
 _DRY_RUN_DEVICES = flags.DEFINE_integer(
-    "dry_run_devices", None, "Plan for this many devices (default: the devices present).")
+    "dry_run_devices", None, "Plan for this many devices (default: the devices present).",
+    lower_bound=1)
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
                                  "Call jax.distributed.initialize() before anything else.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
@@ -48,13 +53,40 @@ def _initialize_distributed() -> None:
   jax.distributed.initialize(**kwargs)
 
 
+# Exit status for bad input: 2, the usual status of a usage error (absl's own
+# flag errors, e.g. `--dry_run_devices=0`, exit with 1).
+EXIT_BAD_INPUT = 2
+
+
+class _BadInput(Exception):
+  """A problem with the command line that launch itself finds."""
+
+
+def _check_workdir(workdir: str) -> None:
+  """Raises _BadInput unless `workdir` is, or can be made, a writable folder."""
+  if os.path.lexists(workdir) and not os.path.isdir(workdir):
+    raise _BadInput(f"--workdir={workdir} exists and is not a folder")
+  existing = workdir  # the folder itself, or its nearest existing ancestor
+  while not os.path.lexists(existing):
+    existing = os.path.dirname(existing)
+  if not os.path.isdir(existing):
+    raise _BadInput(f"--workdir={workdir}: {existing} is a file, so the folder cannot be "
+                    "created")
+  if not os.access(existing, os.W_OK | os.X_OK):
+    raise _BadInput(f"--workdir={workdir}: no permission to write in {existing}")
+
+
 def dry_run(config, num_devices: int | None, print_fn=print) -> None:
-  """Prints the resolved config and the run's plan; raises ConfigError on bad config."""
+  """Prints the resolved config and the run's plan; raises ConfigError on bad config.
+
+  With `num_devices`, the meshes are validated and planned for that many
+  devices instead of the ones present.
+  """
   import jax  # noqa: PLC0415
 
   from arl_jax import config_lib, dry_run  # noqa: PLC0415
 
-  spec = config_lib.build(config)
+  spec = config_lib.build(config, None if num_devices is None else list(range(num_devices)))
   print_fn("resolved config:\n" + str(config))
   print_fn(f"process {jax.process_index()} of {jax.process_count()} (jax.distributed "
            f"{'initialized' if jax.distributed.is_initialized() else 'not initialized'})")
@@ -67,24 +99,43 @@ def dry_run(config, num_devices: int | None, print_fn=print) -> None:
   print_fn(dry_run.format_plan(dry_run.plan(spec, count), memory))
 
 
+def _launch() -> None:
+  if not _DRY_RUN.value:
+    if _WORKDIR.value is None:
+      raise _BadInput("--workdir is required (except with --dry_run)")
+    workdir = os.path.abspath(os.path.expanduser(_WORKDIR.value))
+    _check_workdir(workdir)  # before JAX starts
+  if _DISTRIBUTED.value or _COORDINATOR.value:
+    _initialize_distributed()
+  if _DRY_RUN.value:
+    dry_run(_CONFIG.value, _DRY_RUN_DEVICES.value)
+    return
+  # Imported here so that `--help` and flag errors do not initialise JAX.
+  from arl_jax import run_lib  # noqa: PLC0415
+
+  run_lib.run(_CONFIG.value, workdir)
+
+
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
   if not flags.FLAGS["verbosity"].present:
     # orbax logs every checkpoint step at INFO; the progress line says what matters.
     logging.set_verbosity(logging.WARNING)
-  if _DISTRIBUTED.value or _COORDINATOR.value:
-    _initialize_distributed()
-  if _DRY_RUN.value:
-    dry_run(_CONFIG.value, _DRY_RUN_DEVICES.value)
-    return
-  if _WORKDIR.value is None:
-    raise app.UsageError("--workdir is required (except with --dry_run)")
-  # Imported here so that `--help` and flag errors do not initialise JAX.
-  from arl_jax import run_lib  # noqa: PLC0415
+  # (Importing these initialises no JAX backend: distributed init still comes first.)
+  from arl_jax import checkpointing, config_lib  # noqa: PLC0415
 
-  workdir = os.path.abspath(os.path.expanduser(_WORKDIR.value))
-  run_lib.run(_CONFIG.value, workdir)
+  # What the user can fix: a config key, a missing data, model or checkpoint
+  # file, a checkpoint of another model, the workdir. Their messages name the
+  # problem, so a traceback would only bury it; every other exception is a bug
+  # and keeps its traceback.
+  bad_input = (_BadInput, config_lib.ConfigError, checkpointing.CheckpointFormatError,
+               FileNotFoundError)
+  try:
+    _launch()
+  except bad_input as e:
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_BAD_INPUT)
 
 
 def cli() -> None:

@@ -1,12 +1,15 @@
 """Bad configuration is rejected, naming the problem, before anything compiles."""
 
+import json
 import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from arl_jax import config_lib, run_lib
+from arl_jax.envs import prompt_source
 from arl_jax.testing import tiny
 
 
@@ -142,11 +145,67 @@ def test_a_malformed_prompt_file_fails_the_config_naming_file_and_line(tmp_path)
     config_lib.build(config)
   config.data.on_malformed = "skip"
   assert config_lib.build(config).data.on_malformed == "skip"
-  # A prompt too long for the sampler is caught from the file as well.
-  path.write_text('{"prompt": "1234567890+1=", "answer": "2"}\n')
-  config.data.on_malformed = "error"
-  with pytest.raises(config_lib.ConfigError, match=r"sampler.prompt_len: a prompt of env"):
+
+
+def test_a_file_prompt_too_long_names_file_and_line_and_can_be_skipped(tmp_path):
+  path = tmp_path / "train.jsonl"
+  path.write_text('{"prompt": "1+1=", "answer": "2"}\n'
+                  '{"prompt": "1234567890+1=", "answer": "2"}\n')
+  config = _config()  # sampler.prompt_len=6
+  config.data.train_path = str(path)
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"config.data.train_path: .*train.jsonl:2: prompt has 14 tokens, "
+                           r"more than sampler.prompt_len=6"):
     config_lib.build(config)
+  config.data.on_malformed = "skip"
+  spec = config_lib.build(config)
+  # What the run loads (run_lib: prompt_source.load of spec.data) leaves the
+  # line out and reports it with the other skipped lines.
+  train = prompt_source.load(spec.env_name, spec.env, spec.data, "train")
+  assert [p.text for p in train.prompts] == ["1+1="]
+  assert train.skipped == [f"{path}:2: prompt has 14 tokens, more than sampler.prompt_len=6"]
+
+
+def test_a_run_reports_the_too_long_lines_it_skipped(tmp_path):
+  path = tmp_path / "train.jsonl"
+  path.write_text('{"prompt": "1+1=", "answer": "2"}\n'
+                  '{"prompt": "1234567890+1=", "answer": "2"}\n')
+  config = _config(num_steps=0, eval_every=0, warmup__steps=0)
+  config.data.update(train_path=str(path), on_malformed="skip")
+  lines = []
+  run_lib.run(config, str(tmp_path / "run"), print_fn=lines.append)
+  assert any(line.startswith("warning: skipped 1 malformed train line(s), first: ")
+             and "train.jsonl:2: prompt has 14 tokens" in line for line in lines), lines
+  with open(tmp_path / "run" / "metrics.jsonl", encoding="utf-8") as f:
+    records = [json.loads(line) for line in f]
+  data = [r for r in records if r.get("phase") == "data"]
+  assert data == [{"phase": "data", "split": "train", "skipped_lines": 1, "skipped": [
+      f"{path}:2: prompt has 14 tokens, more than sampler.prompt_len=6"]}]
+
+
+def test_an_arith_answer_that_is_not_a_number_names_file_line_and_field(tmp_path):
+  path = tmp_path / "train.jsonl"
+  path.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "1+2=", "answer": "abcdefgh"}\n')
+  config = _config()
+  config.data.train_path = str(path)
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"config.data.train_path: .*train.jsonl:2: field 'answer' must be an "
+                           r"integer for env 'arith', got 'abcdefgh'"):
+    config_lib.build(config)
+  config.data.on_malformed = "skip"
+  assert config_lib.build(config).env_name == "arith"
+
+
+def test_explicit_learner_devices_need_the_devices_to_split():
+  config = _config(mesh__learner_devices=4)
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"config.mesh.learner_devices=4 asks for 4 learner device\(s\) per "
+                           r"process .* only 1 device\(s\) are present"):
+    config_lib.build(config, devices=jax.devices()[:1])
+  # Planning for more devices than are here (--dry_run_devices) counts those.
+  assert config_lib.build(config, devices=list(range(8))).mesh.learner_devices == 4
+  # The automatic split still falls back to colocated on one device.
+  config_lib.build(_config(), devices=jax.devices()[:1])
 
 
 def test_math_answer_configs_build():

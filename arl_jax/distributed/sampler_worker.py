@@ -16,10 +16,15 @@ would, on this process's devices:
 One `LearnerLink` thread owns the ZeroMQ DEALER socket (sockets are not
 thread-safe); the engine and env threads hand it messages through a queue.
 
-Exit codes: 0 the learner ended the run; 1 a failure here or the learner went
-silent; 3 the learner refused this process (wrong device count) or declared
-it lost (it was silent too long; its groups went elsewhere): restart it to
-join as a new sampler.
+The address is checked before anything starts (`tcp://HOST:PORT`); while no
+learner answers at it, a line says so every few seconds, and after
+`--connect_timeout_s` the process gives up.
+
+Exit codes: 0 the learner ended the run; 1 a failure here, no learner
+answered, or the learner went silent; 2 a bad command line or config; 3 the
+learner refused this process (wrong device count) or declared it lost (it was
+silent too long; its groups went elsewhere): restart it to join as a new
+sampler.
 """
 
 from __future__ import annotations
@@ -37,25 +42,84 @@ import zmq
 
 from arl_jax.distributed import wire
 
-EXIT_STOPPED, EXIT_FAILED, EXIT_REJECTED = 0, 1, 3
+EXIT_STOPPED, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REJECTED = 0, 1, 2, 3
 
 
 class LearnerGone(RuntimeError):
   """The learner refused or dropped this sampler, or stopped answering."""
 
 
+class LearnerUnreachable(LearnerGone):
+  """No learner answered the first message within the connect timeout."""
+
+
+def check_address(address: str) -> str:
+  """Returns `address` if it is `tcp://HOST:PORT` with a port in 1..65535.
+
+  Raises:
+    ValueError: saying what is wrong and what to write instead.
+  """
+  scheme, sep, rest = address.partition("://")
+  if not sep:
+    raise ValueError(f"{address!r} has no scheme: write tcp://HOST:PORT (e.g. "
+                     f"tcp://{address}), as the learner prints it and writes it to fleet.json")
+  if scheme != "tcp":
+    raise ValueError(f"{address!r}: only tcp:// addresses are supported (tcp://HOST:PORT)")
+  host, sep, port = rest.rpartition(":")
+  if not sep or not host or host == "*" or any(c.isspace() for c in host):
+    raise ValueError(f"{address!r}: expected tcp://HOST:PORT with the learner's host name or "
+                     "IP address as HOST")
+  if not (port.isascii() and port.isdigit()) or not 1 <= int(port) <= 65535:
+    raise ValueError(f"{address!r}: port {port!r} is not a number in 1..65535")
+  return address
+
+
 class LearnerLink:
   """This process's connection to the learner's `SamplerFleet`."""
 
   def __init__(self, address: str, *, name: str, num_devices: int,
-               connect_timeout_s: float = 120.0):
+               connect_timeout_s: float = 120.0, print_fn=None, notice_every_s: float = 5.0):
+    """Joins the learner: says hello and waits for its welcome.
+
+    Args:
+      address: the learner's fleet address, `tcp://HOST:PORT`.
+      name: this sampler's name in the learner's log.
+      num_devices: devices this process samples on.
+      connect_timeout_s: how long to wait for the learner's first answer.
+      print_fn: where to say, every `notice_every_s` seconds, that no learner
+        has answered yet (None: nowhere).
+      notice_every_s: see `print_fn`.
+
+    Raises:
+      LearnerUnreachable: no answer within `connect_timeout_s`.
+      LearnerGone: the learner refused this sampler.
+    """
     self._socket = zmq.Context.instance().socket(zmq.DEALER)
     self._socket.linger = 1000  # let a last `bye` or group leave
-    self._socket.connect(address)
+    try:
+      self._socket.connect(address)
+    except zmq.ZMQError as e:
+      self._socket.close(linger=0)
+      raise ValueError(f"cannot connect to {address!r}: {e}") from None
     self.address = address
+    # ZeroMQ keeps reconnecting in the background and sends the hello once
+    # a connection is up, so waiting is retrying; the notices tell the user
+    # early that nothing answers (a wrong address, or no learner yet).
     self._socket.send(wire.encode({"type": "hello", "name": name, "devices": num_devices}))
-    if not self._socket.poll(int(connect_timeout_s * 1000)):
-      raise LearnerGone(f"no learner answered at {address} within {connect_timeout_s}s")
+    start = time.monotonic()
+    while True:
+      left = start + connect_timeout_s - time.monotonic()
+      if self._socket.poll(int(max(0.0, min(notice_every_s, left)) * 1000)):
+        break
+      waited = time.monotonic() - start
+      if waited >= connect_timeout_s:
+        self._socket.close(linger=0)  # (the unsent hello would hold up the exit)
+        raise LearnerUnreachable(
+            f"no learner answered at {address} within {connect_timeout_s:g}s: is the learner "
+            "running, with fleet.remote=True, and is this its address (fleet.json)?")
+      if print_fn is not None:
+        print_fn(f"sampler {name}: no answer from {address} after {waited:.0f}s; still "
+                 f"trying (giving up after {connect_timeout_s:g}s)")
     welcome = wire.decode(self._socket.recv())
     if welcome["type"] == "refused":
       raise LearnerGone(f"the learner refused this sampler: {welcome['reason']}")
@@ -282,8 +346,16 @@ class LocalSampling:
     return ""
 
 
-def run_sampler(learner_address: str, *, name: str | None = None, print_fn=print) -> int:
-  """Joins the learner, samples until it ends the run; returns the exit code."""
+def run_sampler(learner_address: str, *, name: str | None = None, print_fn=print,
+                connect_timeout_s: float = 30.0) -> int:
+  """Joins the learner, samples until it ends the run; returns the exit code.
+
+  Args:
+    learner_address: the learner's fleet address, `tcp://HOST:PORT`.
+    name: this sampler's name in the learner's log (default HOST:PID).
+    print_fn: where progress and errors go.
+    connect_timeout_s: how long to wait for the learner to answer at first.
+  """
   import jax  # noqa: PLC0415 - after the caller set XLA flags
   import ml_collections  # noqa: PLC0415
 
@@ -295,7 +367,11 @@ def run_sampler(learner_address: str, *, name: str | None = None, print_fn=print
 
   name = name or f"{socket.gethostname()}:{os.getpid()}"
   try:
-    link = LearnerLink(learner_address, name=name, num_devices=len(jax.local_devices()))
+    link = LearnerLink(learner_address, name=name, num_devices=len(jax.local_devices()),
+                       connect_timeout_s=connect_timeout_s, print_fn=print_fn)
+  except LearnerUnreachable as e:
+    print_fn(f"sampler {name}: error: {e}")
+    return EXIT_FAILED
   except LearnerGone as e:
     print_fn(f"sampler {name}: {e}")
     return EXIT_REJECTED
@@ -311,7 +387,12 @@ def run_sampler(learner_address: str, *, name: str | None = None, print_fn=print
   # only satisfies the config checks (nothing is placed on it).
   config.mesh.update(placement="colocated", learner=[("fsdp", 1), ("tp", -1)],
                      sampler=[list(axis) for axis in sampler_mesh])
-  spec = config_lib.build(config, devices=devices)
+  try:
+    spec = config_lib.build(config, devices=devices)
+  except config_lib.ConfigError as e:  # e.g. a data file missing on this host
+    print_fn(f"sampler {name}: error: {e}")
+    link.close(say_bye=False)
+    return EXIT_BAD_INPUT
   mesh = mesh_lib.make_role_meshes(spec.mesh, devices=devices).sampler
   graphdef, abstract = init_lib.abstract_model(spec.model)
   shardings = rules_lib.state_shardings(abstract, mesh, rules_lib.SAMPLER_RULES)
@@ -364,12 +445,27 @@ def _failed(env_runner) -> bool:
 def main(argv=None) -> int:
   import argparse  # noqa: PLC0415
 
+  def address(text: str) -> str:
+    try:
+      return check_address(text)
+    except ValueError as e:  # argparse prints this message and exits with status 2
+      raise argparse.ArgumentTypeError(str(e)) from None
+
+  def positive(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+      raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  parser.add_argument("--learner", required=True,
+  parser.add_argument("--learner", required=True, type=address,
                       help="the learner's fleet address (tcp://HOST:PORT, see fleet.json)")
   parser.add_argument("--name", default=None, help="name in the learner's log")
+  parser.add_argument("--connect_timeout_s", type=positive, default=30.0,
+                      help="give up when no learner answers within this many seconds "
+                           "(a line says so every 5 s meanwhile)")
   args = parser.parse_args(argv)
-  return run_sampler(args.learner, name=args.name,
+  return run_sampler(args.learner, name=args.name, connect_timeout_s=args.connect_timeout_s,
                      print_fn=functools.partial(print, flush=True))
 
 

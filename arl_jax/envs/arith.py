@@ -3,11 +3,15 @@
 A prompt is `"<bos>a+b="`; the completion must be the decimal sum followed by
 `<eos>`. The (a, b) pairs are split deterministically into a training set and a
 held-out set, so evaluation measures generalisation, not memorisation.
+
+Prompt records from a file (`data.train_path`) must have an integer answer
+(`check_record`): a completion is scored against its decimal text.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 import zlib
 
 from arl_jax.envs import env_api
@@ -40,6 +44,21 @@ _OPERATORS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b
 
 # One task instance; `prompt_id` is stable across runs (it names the pair).
 Prompt = env_api.TextPrompt
+
+# What `make_prompts` writes as an answer: `str(int)`.
+_INTEGER = re.compile(r"-?[0-9]+")
+
+
+def check_record(prompt: Prompt) -> None:
+  """Raises ValueError unless the record's answer is an integer.
+
+  Arith's answers are integers (as `make_prompts` writes them); anything
+  else in a file is a typo or a record for another task, and would otherwise
+  surface later as a confusing length error on `sampler.max_new_tokens`.
+  """
+  if not _INTEGER.fullmatch(prompt.answer):
+    raise ValueError(f"field 'answer' must be an integer for env 'arith', got "
+                     f"{prompt.answer!r}")
 
 
 def _is_heldout(a: int, b: int, fraction: float) -> bool:

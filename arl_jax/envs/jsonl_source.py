@@ -16,10 +16,11 @@ whose records are UTF-8 JSON; README "Prompt data"):
   are). An id used twice is malformed (the message names both lines).
 
 A malformed line (not JSON, not an object, a missing or empty field, a wrong
-type, another environment) raises `MalformedRecord` naming `file:line` (for
-ArrayRecord, `file:record N`, 1-based) and the problem, or with
-`on_malformed="skip"` is skipped and listed in `JsonlPrompts.skipped` (each
-entry `file:line: problem`), so the run can report how many it lost.
+type, another environment, or a record its environment cannot use: `check_fn`)
+raises `MalformedRecord` naming `file:line` (for ArrayRecord, `file:record N`,
+1-based) and the problem, or with `on_malformed="skip"` is skipped and listed
+in `JsonlPrompts.skipped` (each entry `file:line: problem`), so the run can
+report how many it lost.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import grain
 
@@ -47,11 +48,14 @@ class JsonlPrompts:
   """Attributes:
     prompts: the valid records, in file order.
     skipped: `file:line: problem` for every skipped line.
+    envs: each valid record's `env` (None where it has none).
+    wheres: each valid record's `file:line` (`file:record N` for ArrayRecord).
   """
 
   prompts: list[env_api.TextPrompt]
   skipped: list[str]
-  envs: list[str | None] = dataclasses.field(default_factory=list)  # each record's `env`
+  envs: list[str | None] = dataclasses.field(default_factory=list)
+  wheres: list[str] = dataclasses.field(default_factory=list)
 
 
 def _string_id(text: str) -> int:
@@ -100,11 +104,15 @@ def _raw_records(path: str):
 
 
 def load(paths: str | Sequence[str], *, env_name: str | None = None,
-         on_malformed: str = "error", mixture_envs=None) -> JsonlPrompts:
+         on_malformed: str = "error", mixture_envs=None,
+         check_fn: Callable[[env_api.TextPrompt, str | None], None] | None = None
+         ) -> JsonlPrompts:
   """Reads and validates every line of `paths` (blank lines are ignored).
 
   `mixture_envs` (for a mixture of environments): every record must name one
-  of them in `env`.
+  of them in `env`. `check_fn(prompt, env)`: the environment's own checks of
+  a record that passed the schema (`env`: the record's environment, else
+  `env_name`); a ValueError it raises makes the line malformed.
 
   Raises:
     MalformedRecord: on the first bad line when `on_malformed == "error"`.
@@ -113,12 +121,14 @@ def load(paths: str | Sequence[str], *, env_name: str | None = None,
   if on_malformed not in ON_MALFORMED:
     raise ValueError(f"on_malformed must be one of {ON_MALFORMED}, got {on_malformed!r}")
   paths = [paths] if isinstance(paths, str) else list(paths)
-  prompts, skipped, envs, seen = [], [], [], {}
+  prompts, skipped, envs, wheres, seen = [], [], [], [], {}
   for path in paths:
     for where, raw in _raw_records(path):
       try:
         prompt, env = _record(json.loads(raw), env_name, mixture_envs,
                               len(prompts) + len(skipped))
+        if check_fn is not None:
+          check_fn(prompt, env if env is not None else env_name)
         if (env, prompt.prompt_id) in seen:
           raise ValueError(f"prompt id {prompt.prompt_id} was already used at "
                            f"{seen[(env, prompt.prompt_id)]} (without an `id`, a record's id "
@@ -126,8 +136,9 @@ def load(paths: str | Sequence[str], *, env_name: str | None = None,
         seen[(env, prompt.prompt_id)] = where
         prompts.append(prompt)
         envs.append(env)
+        wheres.append(where)
       except ValueError as e:  # json.JSONDecodeError and UnicodeDecodeError are ValueErrors
         if on_malformed == "error":
           raise MalformedRecord(f"{where}: {e}") from None
         skipped.append(f"{where}: {e}")
-  return JsonlPrompts(prompts=prompts, skipped=skipped, envs=envs)
+  return JsonlPrompts(prompts=prompts, skipped=skipped, envs=envs, wheres=wheres)

@@ -33,8 +33,10 @@ class MeshConfig:
   Attributes:
     placement: `auto` (disaggregated when >= 2 devices), `disaggregated` or
       `colocated`.
-    learner_devices: devices given to the learner when disaggregated; -1 means
-      half of them (the sampler gets the rest).
+    learner_devices: devices given to the learner when disaggregated (per
+      process); -1 (automatic) means half of them, the sampler gets the rest.
+      An explicit count needs a disaggregated split: with `auto` on a single
+      device it is an error, not a silent fallback to colocated.
     learner: learner mesh axes, e.g. `(("fsdp", -1), ("tp", 1))`.
     sampler: sampler mesh axes, e.g. `(("data", -1), ("tp", 1))`.
   """
@@ -89,6 +91,18 @@ def split_devices(cfg: MeshConfig, devices: Sequence[jax.Device]) -> tuple[list,
   placement = cfg.placement
   if placement not in PLACEMENTS:
     raise ValueError(f"mesh.placement must be one of {PLACEMENTS}, got {placement!r}")
+  explicit = cfg.learner_devices != -1
+  if explicit and (type(cfg.learner_devices) is not int or cfg.learner_devices < 1):
+    raise ValueError(f"mesh.learner_devices must be -1 (automatic: half of the devices) or an "
+                     f"int >= 1, got {cfg.learner_devices!r}")
+  if placement == "auto" and explicit and n < 2:
+    # `auto` would fall back to colocated here and silently give the learner
+    # every device (shared with the sampler), not the count asked for.
+    k = cfg.learner_devices
+    raise ValueError(
+        f"mesh.learner_devices={k} asks for {k} learner device(s) per process plus at least "
+        f"one for the sampler ({k + 1} devices), but only {n} device(s) are present; use "
+        "mesh.learner_devices=-1 (automatic: on one device both roles share it)")
   if placement == "auto":
     placement = "disaggregated" if n >= 2 else "colocated"
   if placement == "colocated":
@@ -99,7 +113,7 @@ def split_devices(cfg: MeshConfig, devices: Sequence[jax.Device]) -> tuple[list,
   if not 1 <= n_learner < n:
     raise ValueError(
         f"mesh.learner_devices={cfg.learner_devices} must leave at least one device to "
-        f"each role; {n} devices exist")
+        f"each role; {n} devices exist (per process)")
   return devices[:n_learner], devices[n_learner:]
 
 

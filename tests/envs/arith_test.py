@@ -53,3 +53,15 @@ def test_bad_env_config():
     arith.ArithConfig(operator="/")
   with pytest.raises(ValueError, match="heldout_fraction"):
     arith.ArithConfig(heldout_fraction=1.5)
+
+
+@pytest.mark.parametrize("answer, ok", [
+    ("19", True), ("-3", True), ("0", True),
+    ("abc", False), ("1.5", False), (" 19", False), ("19\n", False), ("", False)])
+def test_a_record_answer_must_be_an_integer(answer, ok):
+  prompt = arith.Prompt(prompt_id=0, text="1+1=", answer=answer)
+  if ok:
+    arith.check_record(prompt)
+  else:
+    with pytest.raises(ValueError, match="field 'answer' must be an integer for env 'arith'"):
+      arith.check_record(prompt)

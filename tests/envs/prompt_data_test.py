@@ -141,3 +141,63 @@ def test_array_record_files_hold_the_same_records(tmp_path):
   loaded = jsonl_source.load(path, on_malformed="skip")
   assert [(p.prompt_id, p.text) for p in loaded.prompts] == [(0, "1+1="), (9, "2+2=")]
   assert len(loaded.skipped) == 1
+
+
+def test_an_environment_checks_its_records_by_file_and_line(tmp_path):
+  from arl_jax.envs import arith, mixture
+  path = _write(tmp_path, [json.dumps({"prompt": "1+1=", "answer": "2"}),
+                           json.dumps({"prompt": "1+2=", "answer": "abc"}),
+                           json.dumps({"prompt": "1+3=", "answer": 4})])
+  cfg = arith.ArithConfig(max_operand=9)
+  data = prompt_source.DataConfig(train_path=path)
+  with pytest.raises(jsonl_source.MalformedRecord,
+                     match=r"p.jsonl:2: field 'answer' must be an integer for env 'arith', "
+                           r"got 'abc'"):
+    prompt_source.load("arith", cfg, data, "train")
+  data = prompt_source.DataConfig(train_path=path, on_malformed="skip")
+  loaded = prompt_source.load("arith", cfg, data, "train")
+  assert [p.answer for p in loaded.prompts] == ["2", "4"]
+  assert loaded.skipped == [f"{path}:2: field 'answer' must be an integer for env 'arith', "
+                            "got 'abc'"]
+  # In a mixture, a record is checked by the environment it names.
+  mixed = _write(tmp_path, [json.dumps({"prompt": "1+2=", "answer": "abc", "env": "arith"}),
+                            json.dumps({"prompt": "k3?", "answer": "abc", "env": "tool_agent"})],
+                 name="mixed.jsonl")
+  mixture_cfg = mixture.MixtureConfig(components=dict(arith=dict(weight=1.0),
+                                                      tool_agent=dict(weight=1.0)))
+  loaded = prompt_source.load("mixture", mixture_cfg, prompt_source.DataConfig(
+      train_path=mixed, on_malformed="skip"), "train")
+  assert [p.env for p in loaded.prompts] == ["tool_agent"]
+  assert loaded.skipped[0].startswith(f"{mixed}:1: field 'answer' must be an integer")
+
+
+def test_prompts_too_long_are_named_or_skipped_on_every_load(tmp_path):
+  from arl_jax.envs import arith
+  path = _write(tmp_path, [json.dumps({"prompt": "1+1=", "answer": "2"}),
+                           json.dumps({"prompt": "12345+67890=", "answer": "80235"}),
+                           json.dumps({"prompt": "2+2=", "answer": "4"}),
+                           json.dumps({"prompt": "99999+1=", "answer": "100000"})])
+  cfg = arith.ArithConfig(max_operand=9)
+  data = prompt_source.DataConfig(train_path=path)
+  loaded = prompt_source.load("arith", cfg, data, "train")
+  assert loaded.wheres == [f"{path}:{i}" for i in (1, 2, 3, 4)]
+  def len_fn(prompt):
+    return len(prompt.text)
+
+  with pytest.raises(jsonl_source.MalformedRecord,
+                     match=r"p.jsonl:2: prompt has 12 tokens, more than sampler.prompt_len=7; "
+                           r"1 more line\(s\) too long"):
+    prompt_source.drop_long_prompts(data, loaded, len_fn, 7)
+  data = prompt_source.DataConfig(train_path=path, on_malformed="skip")
+  loaded = prompt_source.load("arith", cfg, data, "train")
+  data, kept = prompt_source.drop_long_prompts(data, loaded, len_fn, 8)
+  expected = [f"{path}:2: prompt has 12 tokens, more than sampler.prompt_len=8"]
+  assert [p.text for p in kept.prompts] == ["1+1=", "2+2=", "99999+1="] and kept.skipped == expected
+  # Every later load of this data config (the run's) skips the same line;
+  # ids stay those of the lines' positions.
+  again = prompt_source.load("arith", cfg, data, "train")
+  assert again.prompts == kept.prompts and again.skipped == expected
+  assert [p.prompt_id for p in again.prompts] == [0, 2, 3]
+  # The environment's own prompts are not this function's to judge.
+  own = prompt_source.load("arith", cfg, prompt_source.DataConfig(), "train")
+  assert prompt_source.drop_long_prompts(prompt_source.DataConfig(), own, len_fn, 1)[1] is own

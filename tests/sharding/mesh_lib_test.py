@@ -36,3 +36,19 @@ def test_uneven_split_and_errors():
     mesh_lib.resolve_shape((("a", 3), ("b", -1)), 4, "sampler")
   with pytest.raises(ValueError, match="duplicate axis names"):
     mesh_lib.resolve_shape((("a", 2), ("a", 2)), 4, "learner")
+
+
+def test_explicit_learner_devices_are_honoured_or_rejected():
+  one = jax.devices()[:1]
+  with pytest.raises(ValueError, match=r"mesh.learner_devices=4 asks for 4 learner device\(s\) "
+                                       r"per process .* only 1 device\(s\) are present"):
+    mesh_lib.split_devices(mesh_lib.MeshConfig(learner_devices=4), one)
+  with pytest.raises(ValueError, match=r"mesh.learner_devices must be -1 .* got 0"):
+    mesh_lib.split_devices(mesh_lib.MeshConfig(learner_devices=0), jax.devices())
+  # Automatic (-1) on one device, and an explicit colocated placement (what a
+  # sampler process runs with), still share the devices.
+  assert mesh_lib.split_devices(mesh_lib.MeshConfig(), one) == (one, one)
+  assert mesh_lib.split_devices(
+      mesh_lib.MeshConfig(placement="colocated", learner_devices=4), one) == (one, one)
+  learner, sampler = mesh_lib.split_devices(mesh_lib.MeshConfig(learner_devices=4), range(5))
+  assert (learner, sampler) == ([0, 1, 2, 3], [4])

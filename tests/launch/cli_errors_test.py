@@ -1,0 +1,87 @@
+"""`python -m arl_jax.launch` on bad input: one `error: ...` line naming the
+problem, no traceback, a non-zero exit status; real bugs keep their traceback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+BAD_INPUT = 2  # launch.EXIT_BAD_INPUT (importing launch here would define its flags)
+
+
+def _launch(*args, devices=1):
+  env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  return subprocess.run([sys.executable, "-m", "arl_jax.launch", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=120)
+
+
+def _assert_clean_error(proc, message):
+  assert proc.returncode == BAD_INPUT, proc.stderr[-3000:]
+  assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert proc.stderr.strip().splitlines()[-1].startswith(f"error: {message}"), proc.stderr
+
+
+def test_a_config_error_is_one_line_without_a_traceback():
+  proc = _launch("--config=configs/arith.py:tiny", "--dry_run", "--config.sampler.prompt_len=4")
+  _assert_clean_error(proc, "config.sampler.prompt_len: a prompt of env 'arith' has 5 tokens")
+
+
+def test_a_training_run_with_a_missing_data_file_fails_cleanly_before_writing(tmp_path):
+  workdir = tmp_path / "run"
+  proc = _launch("--config=configs/arith.py:tiny", f"--workdir={workdir}",
+                 f"--config.data.train_path={tmp_path / 'missing.jsonl'}")
+  _assert_clean_error(proc, "config.data.train_path: ")
+  assert "missing.jsonl" in proc.stderr
+  assert not workdir.exists() or not os.listdir(workdir)
+
+
+@pytest.mark.parametrize("relative, problem", [
+    ("a_file", "exists and is not a folder"),
+    ("a_file/run", "a_file is a file, so the folder cannot be created"),
+])
+def test_a_workdir_that_cannot_be_a_folder_is_named(tmp_path, relative, problem):
+  (tmp_path / "a_file").write_text("not a folder")
+  workdir = tmp_path / relative
+  proc = _launch("--config=configs/arith.py:tiny", f"--workdir={workdir}")
+  _assert_clean_error(proc, f"--workdir={workdir}")
+  assert problem in proc.stderr
+
+
+def test_dry_run_devices_must_be_positive():
+  proc = _launch("--config=configs/arith.py:tiny", "--dry_run", "--dry_run_devices=-4")
+  assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+  assert "--dry_run_devices=-4" in proc.stderr and "positive" in proc.stderr
+
+
+def test_learner_devices_that_cannot_be_honoured_are_an_error_but_plan_for_more_devices():
+  override = "--config.mesh.learner_devices=4"
+  proc = _launch("--config=configs/arith.py:tiny", "--dry_run", override, devices=1)
+  _assert_clean_error(proc, "config.mesh.learner_devices=4 asks for 4 learner device(s)")
+  assert "only 1 device(s) are present" in proc.stderr
+  # Planning for 8 devices validates the split against those 8, not the one present.
+  proc = _launch("--config=configs/arith.py:tiny", "--dry_run", override, "--dry_run_devices=8",
+                 devices=1)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "learner mesh {'fsdp': 4, 'tp': 1}" in proc.stdout
+
+
+def test_a_missing_checkpoint_to_resume_from_is_named(tmp_path):
+  proc = _launch("--config=configs/arith.py:tiny", f"--workdir={tmp_path / 'run'}",
+                 f"--config.checkpoint.resume_from={tmp_path / 'nowhere'}")
+  _assert_clean_error(proc, f"checkpoint.resume_from='{tmp_path / 'nowhere'}': no such folder")
+
+
+def test_a_bug_keeps_its_traceback():
+  # In a subprocess: importing arl_jax.launch here would define its flags in
+  # the test process (and clash with launch/xm_launch.py's).
+  script = ("from arl_jax import launch\n"
+            "def bug():\n"
+            "  raise KeyError('a bug, not bad input')\n"
+            "launch._launch = bug\n"
+            "launch.main(['launch'])\n")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True,
+                        text=True, timeout=120)
+  assert proc.returncode == 1 and "Traceback" in proc.stderr, proc.stderr[-3000:]
+  assert "KeyError: 'a bug, not bad input'" in proc.stderr
