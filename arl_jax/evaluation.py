@@ -6,12 +6,19 @@ greedily, without waiting for a publish. Multi-turn environments are played
 turn by turn: all episodes sample a segment together, the environment answers,
 and the still-running episodes are re-prefilled with their whole context, as
 the engine re-admits them.
+
+Environment faults are counted, not hidden: a `step` or `score` that raises
+or answers something malformed (a non-finite reward, an observation id
+outside the vocabulary) ends that episode with reward 0, as in the env runner,
+and `EvalResult.env_errors` counts it per environment.
 """
 
 from __future__ import annotations
 
 import collections
 import dataclasses
+import math
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -28,10 +35,24 @@ _DONE_CHECK_EVERY = 8
 
 @dataclasses.dataclass(frozen=True)
 class EvalResult:
+  """Attributes:
+    reward: mean reward over the prompts (0 for an episode a fault ended).
+    num_prompts: prompts evaluated.
+    examples: (prompt, completion) of the first few prompts, for a glance.
+    reward_by_env: mean reward per environment name.
+    env_errors: environment faults per environment name, every environment
+      of the evaluation set listed (0 included).
+  """
+
   reward: float
   num_prompts: int
-  examples: tuple[tuple[str, str], ...]  # (prompt, completion) for a glance
+  examples: tuple[tuple[str, str], ...]
   reward_by_env: dict[str, float] = dataclasses.field(default_factory=dict)
+  env_errors: dict[str, int] = dataclasses.field(default_factory=dict)
+
+  @property
+  def num_env_errors(self) -> int:
+    return sum(self.env_errors.values())
 
 
 class Evaluator:
@@ -51,6 +72,8 @@ class Evaluator:
     self._env = env
     self._tokenizer = tokenizer
     self._prompts = list(prompts)
+    self._env_names = [env_api.env_name_of(env, p) for p in self._prompts]
+    self._vocab_size = model_cfg.vocab_size
     self._cfg = engine_cfg
     self._multi_turn = env_api.is_multi_turn(env)
     if self._multi_turn and not engine_cfg.multi_turn:
@@ -99,18 +122,34 @@ class Evaluator:
     host = jax.device_get(self._fns.take_rows(state, self._slots))
     return state, host
 
-  @staticmethod
-  def _safe(fn, *args):
-    """An environment fault ends the episode with reward 0, as in the env runner."""
+  def _env_call(self, errors: collections.Counter, fn, i: int, completion: list[int],
+                convert_fn):
+    """`(convert_fn(fn(prompt_i, completion)), True)`, or `(None, False)` after
+    counting an environment fault of prompt i's environment in `errors`."""
     try:
-      return fn(*args)
+      return convert_fn(fn(self._prompts[i], completion)), True
     except Exception:  # noqa: BLE001 - an environment fault is data, not a crash
+      errors[self._env_names[i]] += 1
+      return None, False
+
+  def _to_observation(self, value) -> list[int] | None:
+    if value is None:
       return None
+    tokens = [operator.index(t) for t in value]  # ints only (no floats, no strings)
+    # An id outside the embedding table would be silently clamped by the
+    # model's gather: a fault instead, as in the env runner.
+    bad = [t for t in tokens if t < 0 or t >= self._vocab_size]
+    if bad:
+      raise ValueError(f"observation ids {bad} are outside the vocabulary "
+                       f"[0, {self._vocab_size})")
+    return tokens
 
   def __call__(self, params) -> EvalResult:
     default = self._cfg.max_new_tokens
     n_max = [min(default, env_api.budget_of(self._env, p) or default) for p in self._prompts]
     completions = [[] for _ in self._prompts]
+    errors = collections.Counter()
+    faulted = [False] * len(self._prompts)
     active = list(range(len(self._prompts)))
     state = self._fns.init()
     buckets = self._cfg.prompt_buckets
@@ -126,19 +165,33 @@ class Evaluator:
         room = n_max[i] - len(completions[i])
         if not (self._multi_turn and host["stopped"][i] and room > 0):
           continue
-        observation = self._safe(self._env.step, self._prompts[i], list(completions[i]))
+        observation, ok = self._env_call(errors, self._env.step, i, list(completions[i]),
+                                         self._to_observation)
+        faulted[i] = not ok
         if observation is not None and len(observation) < room:
           completions[i].extend(int(t) for t in observation)
           still.append(i)
       active = still
       buckets = self._cfg.continuation_buckets
-    rewards = [self._safe(self._env.score, p, c) or 0.0
-               for p, c in zip(self._prompts, completions)]
+    rewards = []
+    for i, completion in enumerate(completions):
+      reward = None
+      if not faulted[i]:  # an episode a fault ended is not scored, as in the env runner
+        reward, _ = self._env_call(errors, self._env.score, i, list(completion), _to_reward)
+      rewards.append(0.0 if reward is None else reward)
     examples = tuple((p.text, self._tokenizer.decode(c))
                      for p, c in zip(self._prompts[:3], completions[:3]))
     by_env = collections.defaultdict(list)
-    for p, r in zip(self._prompts, rewards):
-      by_env[env_api.env_name_of(self._env, p)].append(r)
+    for name, r in zip(self._env_names, rewards):
+      by_env[name].append(r)
     return EvalResult(reward=float(np.mean(rewards)), num_prompts=len(rewards),
                       examples=examples,
-                      reward_by_env={k: float(np.mean(v)) for k, v in sorted(by_env.items())})
+                      reward_by_env={k: float(np.mean(v)) for k, v in sorted(by_env.items())},
+                      env_errors={k: errors[k] for k in sorted(by_env)})
+
+
+def _to_reward(value) -> float:
+  reward = float(value)
+  if not math.isfinite(reward):
+    raise ValueError(f"reward {reward} is not finite")
+  return reward

@@ -23,8 +23,17 @@ constant weight `w_t = pi_prox / mu`, optionally truncated at `tis_cap`
 
 Age-aware trust region (`age_decay > 0`, off by default): a token sampled
 `lag_t` versions ago gets the clip range `eps / (1 + age_decay * lag_t)` (and
-V-trace truncation levels shrink the same way towards 1), so the oldest
-tokens may move the policy the least.
+V-trace truncation levels above 1 shrink the same way towards 1,
+`truncation_level`, for the policy loss and the critic's targets alike), so
+the oldest tokens may move the policy the least.
+
+Masked columns (prompt, observation, padding, errored rollouts) may hold
+anything, NaN and inf included (a behaviour log-prob the sampler never
+recorded properly): every loss replaces them by 0 before its first nonlinear
+op (`_zero_masked`) and selects with `jnp.where`, so they reach neither the
+loss nor its gradient nor the metrics. Multiplying by the mask would not do:
+`NaN * 0` is NaN, and so is the cotangent `0 * exp(NaN)` of a `where` placed
+only on the output.
 """
 
 from __future__ import annotations
@@ -37,8 +46,18 @@ AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
 
 
 def masked_mean(x, mask):
-  """Mean of `x` over `mask` (0 when the mask is empty)."""
-  return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+  """Mean of `x` over `mask` (0 when the mask is empty); entries of `x` where
+  the mask is 0 never count, even NaN or inf."""
+  return jnp.sum(jnp.where(mask > 0, x, 0.0) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _zero_masked(loss_mask, *arrays):
+  """Each array with 0 on the columns `loss_mask` leaves out (None stays None).
+
+  Applied to a loss's inputs before any nonlinear op: the gradient of
+  `where(on, x, 0)` is exactly 0 off the mask, whatever x held there."""
+  on = loss_mask > 0
+  return tuple(None if x is None else jnp.where(on, x, jnp.zeros_like(x)) for x in arrays)
 
 
 def _check(logprobs, behaviour_logprobs, advantages, loss_mask, *optional):
@@ -82,14 +101,28 @@ def _age_scale(token_lag, age_decay: float):
   return 1.0 / (1.0 + age_decay * jnp.maximum(token_lag, 0).astype(jnp.float32))
 
 
+def truncation_level(bar: float, token_lag=None, age_decay: float = 0.0):
+  """A V-trace truncation level (`rho_bar` or `c_bar`) under the age-aware
+  trust region: `min(bar, 1 + (bar - 1) / (1 + age_decay * lag_t))` per token.
+
+  A level above 1 shrinks towards 1 as the token ages; a level at or below 1
+  is left as it is (moving it towards 1 would loosen it). Returns `bar`
+  itself when `age_decay` is 0 or no lag is given, else `[B, L]` float32.
+  """
+  if not age_decay or token_lag is None:
+    return bar
+  return jnp.minimum(bar, 1.0 + (bar - 1.0) * _age_scale(token_lag, age_decay))
+
+
 def _trust_region_ratio(logprobs, behaviour_logprobs, loss_mask, proximal_logprobs,
                         tis_cap: float | None):
   """`(r, w, metrics)`: the ratio the trust region acts on, and the constant
-  off-policy weight (see the module docstring)."""
+  off-policy weight (see the module docstring). Inputs are already 0 off the
+  mask (`_zero_masked`), so both are 1 there."""
   if proximal_logprobs is None:
-    return jnp.exp((logprobs - behaviour_logprobs) * loss_mask), 1.0, {}
-  r = jnp.exp((logprobs - proximal_logprobs) * loss_mask)
-  w = jnp.exp(jax.lax.stop_gradient((proximal_logprobs - behaviour_logprobs) * loss_mask))
+    return jnp.exp(logprobs - behaviour_logprobs), 1.0, {}
+  r = jnp.exp(logprobs - proximal_logprobs)
+  w = jnp.exp(jax.lax.stop_gradient(proximal_logprobs - behaviour_logprobs))
   metrics = {"behaviour_weight_mean": masked_mean(w, loss_mask)}
   if tis_cap is not None:
     metrics["tis_truncated_fraction"] = masked_mean((w > tis_cap).astype(jnp.float32),
@@ -126,6 +159,8 @@ def clipped_ratio(logprobs, behaviour_logprobs, advantages, loss_mask, *,
     `(per_token_loss [B, L], metrics)`.
   """
   _check(logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag)
+  logprobs, behaviour_logprobs, advantages, proximal_logprobs = _zero_masked(
+      loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
   r, w, metrics = _trust_region_ratio(logprobs, behaviour_logprobs, loss_mask,
                                       proximal_logprobs, tis_cap)
   scale = _age_scale(token_lag, age_decay)
@@ -137,7 +172,7 @@ def clipped_ratio(logprobs, behaviour_logprobs, advantages, loss_mask, *,
   # A token is "clipped" when the clipped branch is the active one.
   is_clipped = (r * advantages > clipped * advantages).astype(jnp.float32)
   metrics["clip_fraction"] = masked_mean(is_clipped, loss_mask)
-  return -w * surrogate * loss_mask, metrics
+  return jnp.where(loss_mask > 0, -w * surrogate, 0.0), metrics
 
 
 def vtrace(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logprobs=None,
@@ -150,18 +185,21 @@ def vtrace(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logp
   Its gradient is `-min(rho_t, rho_bar) A_t grad log pi_theta`. With a critic,
   `A_t` are the V-trace policy-gradient advantages
   `min(rho_t, rho_bar) (r_t + v_{t+1} - V(s_t))` without the leading weight
-  (`vtrace_lib.vtrace_advantages`); without one, the group-relative advantage
+  (`vtrace_lib.vtrace_targets`); without one, the group-relative advantage
   of the rollout. V-trace corrects against mu directly, so it takes no
-  proximal policy.
+  proximal policy. With `age_decay`, `rho_bar_t = truncation_level(rho_bar,
+  lag_t, age_decay)`.
   """
   _check(logprobs, behaviour_logprobs, advantages, loss_mask, token_lag)
   if proximal_logprobs is not None:
     raise ValueError("vtrace corrects against the behaviour policy; it takes no proximal policy")
-  rho = jnp.exp(jax.lax.stop_gradient((logprobs - behaviour_logprobs) * loss_mask))
-  level = 1.0 + (rho_bar - 1.0) * _age_scale(token_lag, age_decay)
+  logprobs, behaviour_logprobs, advantages = _zero_masked(loss_mask, logprobs,
+                                                          behaviour_logprobs, advantages)
+  rho = jnp.exp(jax.lax.stop_gradient(logprobs - behaviour_logprobs))
+  level = truncation_level(rho_bar, token_lag, age_decay)
   truncated = jnp.minimum(rho, level)
   metrics = {"clip_fraction": masked_mean((rho > level).astype(jnp.float32), loss_mask)}
-  return -truncated * advantages * logprobs * loss_mask, metrics
+  return jnp.where(loss_mask > 0, -truncated * advantages * logprobs, 0.0), metrics
 
 
 def m2po_keep_mask(log_ratio, loss_mask, tau: float):
@@ -195,21 +233,24 @@ def m2po(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logpro
   of this call (the whole batch, or one microbatch when accumulating).
   """
   _check(logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag)
+  logprobs, behaviour_logprobs, advantages, proximal_logprobs = _zero_masked(
+      loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
   r, w, metrics = _trust_region_ratio(logprobs, behaviour_logprobs, loss_mask,
                                       proximal_logprobs, tis_cap)
-  log_ratio = jax.lax.stop_gradient((logprobs - behaviour_logprobs) * loss_mask)
+  log_ratio = jax.lax.stop_gradient(logprobs - behaviour_logprobs)
   keep = m2po_keep_mask(log_ratio, loss_mask, tau)
   metrics["masked_fraction"] = masked_mean(1.0 - keep, loss_mask)
   metrics["m2_kept"] = masked_mean(jnp.square(log_ratio), keep)
-  return -keep * w * r * advantages, metrics
+  return jnp.where(keep > 0, -w * r * advantages, 0.0), metrics
 
 
 def kl_to_reference(logprobs, reference_logprobs, loss_mask):
   """Per-token k3 estimate of KL(pi_theta || pi_ref) (Schulman, 2020), as GRPO:
   with `log q = logp_ref - logp_theta`, `exp(log q) - log q - 1 >= 0`."""
   chex.assert_equal_shape([logprobs, reference_logprobs, loss_mask])
-  log_q = (reference_logprobs - logprobs) * loss_mask
-  return (jnp.exp(log_q) - log_q - 1.0) * loss_mask
+  logprobs, reference_logprobs = _zero_masked(loss_mask, logprobs, reference_logprobs)
+  log_q = reference_logprobs - logprobs
+  return jnp.where(loss_mask > 0, jnp.exp(log_q) - log_q - 1.0, 0.0)
 
 
 def ratio_statistics(log_ratio, mask):
@@ -218,6 +259,7 @@ def ratio_statistics(log_ratio, mask):
   `ratio_m2` is `E[rho^2]`; `ess` is the normalised effective sample size
   `E[rho]^2 / E[rho^2]` (1 on-policy, toward 0 as the weights degenerate).
   """
+  (log_ratio,) = _zero_masked(mask, log_ratio)
   ratio = jnp.exp(log_ratio)
   big = jnp.finfo(jnp.float32).max
   mean = masked_mean(ratio, mask)

@@ -15,7 +15,14 @@ weights of its minibatch (`losses.token_weights`), so accumulation gives the
 same gradient as one pass over the minibatch.
 
 A non-finite loss or gradient skips that optimizer step: params and optimizer
-state stay as they were and `skipped_steps` counts it.
+state stay as they were and `skipped_steps` counts it. Only the trained tokens
+can cause that: whatever masked columns hold (a NaN behaviour log-prob of an
+errored rollout) is selected away with `jnp.where` before any arithmetic, here
+and in `losses`, so it reaches neither the loss, its gradient nor the metrics.
+
+With a critic, its V-trace targets use the same per-token truncation levels as
+the policy loss: under the age-aware trust region both `rho_bar` and `c_bar`
+shrink with each token's lag (`losses.truncation_level`).
 
 `make_update_fn` applies `jax.jit` with explicit in/out shardings (outputs
 pinned to the inputs' layout, so a donated state never changes shape or
@@ -144,6 +151,7 @@ def staleness_metrics(log_ratio, loss_mask, token_lag):
   """Ratio statistics of the policy at the start of the batch against the
   behaviour policy, overall and per token-lag bucket (lag 0 is trainer/
   inference mismatch alone); plus the fraction of tokens in each bucket."""
+  log_ratio = jnp.where(loss_mask > 0, log_ratio, 0.0)  # masked columns may hold NaN
   metrics = losses_lib.ratio_statistics(log_ratio, loss_mask)
   metrics["kl_behaviour"] = losses_lib.masked_mean(jnp.exp(log_ratio) - 1 - log_ratio,
                                                    loss_mask)
@@ -196,16 +204,20 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
   if reference_params is not None:
     rows["reference"] = frozen_logprobs(reference_params)
 
-  def critic_targets(logp, values, mb):
+  def critic_targets(logp, values, mb, token_lag):
     """V-trace targets from the critic: per-token policy-gradient advantages
-    and the value loss `0.5 (v_s - V)^2` (targets are constants). Explained
-    variance is per microbatch, then token-weighted (exact with one)."""
+    and the value loss `0.5 (v_s - V)^2` (targets are constants), truncated
+    at the policy loss's per-token levels. Explained variance is per
+    microbatch, then token-weighted (exact with one)."""
     mask = mb.loss_mask
-    log_rhos = jax.lax.stop_gradient(logp - mb.behaviour_logprobs) * mask
+    on = mask > 0
+    log_rhos = jnp.where(on, jax.lax.stop_gradient(logp - mb.behaviour_logprobs), 0.0)
     rewards = vtrace_lib.last_token_rewards(mb.rewards, mask)
-    vs, advantages = vtrace_lib.vtrace_targets(values, rewards, log_rhos, mask,
-                                               rho_bar=s.rho_bar, c_bar=s.c_bar, lam=s.lam)
-    value_loss = 0.5 * jnp.square(vs - values) * mask
+    vs, advantages = vtrace_lib.vtrace_targets(
+        values, rewards, log_rhos, mask, lam=s.lam,
+        rho_bar=losses_lib.truncation_level(s.rho_bar, token_lag, s.age_decay),
+        c_bar=losses_lib.truncation_level(s.c_bar, token_lag, s.age_decay))
+    value_loss = jnp.where(on, 0.5 * jnp.square(vs - values), 0.0)
     error_var = losses_lib.masked_mean(jnp.square(vs - values), mask) - jnp.square(
         losses_lib.masked_mean(vs - values, mask))
     target_var = losses_lib.masked_mean(jnp.square(vs), mask) - jnp.square(
@@ -219,14 +231,16 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     mb = micro["batch"]
     if s.critic:
       logp, entropy, values = logprobs(params, mb, with_values=True)
-      advantages, value_loss, critic_metrics = critic_targets(logp, values, mb)
+      advantages, value_loss, critic_metrics = critic_targets(logp, values, mb,
+                                                              micro["token_lag"])
     else:
       logp, entropy = logprobs(params, mb)
       advantages, value_loss, critic_metrics = micro["advantages"], 0.0, {}
     per_token, metrics = s.token_loss(logp, mb, advantages, micro.get("proximal"),
                                       micro["token_lag"])
     metrics.update(critic_metrics)
-    total = per_token + s.vf_coef * value_loss - s.entropy_coef * entropy * mb.loss_mask
+    on = mb.loss_mask > 0
+    total = per_token + s.vf_coef * value_loss - s.entropy_coef * jnp.where(on, entropy, 0.0)
     if "reference" in micro:
       kl = losses_lib.kl_to_reference(logp, micro["reference"], mb.loss_mask)
       total = total + s.kl_coef * kl
@@ -234,7 +248,7 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     metrics["entropy"] = losses_lib.masked_mean(entropy, mb.loss_mask)
     if start_logp is None:  # one optimizer step: these are the start policy's log-probs
       metrics["start_log_ratio"] = jax.lax.stop_gradient(
-          (logp - mb.behaviour_logprobs) * mb.loss_mask)
+          jnp.where(on, logp - mb.behaviour_logprobs, 0.0))
     return jnp.sum(weights * total), metrics
 
   grad_fn = jax.value_and_grad(objective, has_aux=True)
@@ -272,7 +286,8 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
       jnp.arange(s.optimizer_steps))
   metrics = _combine(metrics)  # optimizer steps count equally
   if start_logp is not None:
-    start_log_ratio = (start_logp - batch.behaviour_logprobs) * batch.loss_mask
+    start_log_ratio = jnp.where(batch.loss_mask > 0, start_logp - batch.behaviour_logprobs,
+                                0.0)
   else:  # the single optimizer step's microbatches, back in row order
     start_log_ratio = _unsplit(start_log_ratios[0])
   metrics.update(staleness_metrics(start_log_ratio, batch.loss_mask, token_lag))

@@ -1,11 +1,15 @@
 """V-trace targets over completions (Espeholt et al., 2018, IMPALA, eq. 1).
 
-A completion is one episode with discount 1 and a single reward R at its last
-sampled token. Only the tokens the policy sampled (`loss_mask = 1`) are
-actions; environment tokens and padding between or after them are skipped by
-the recursion, as if the observation were part of the next state. For the
-sampled tokens `t_1 < ... < t_n` of a row, with `V_i = V(s_{t_i})`,
-`V_{n+1} = 0`, `r_i = R [i = n]`, `rho_i = pi / mu` at `t_i`:
+A completion is one episode with discount 1. Only the tokens the policy
+sampled (`loss_mask = 1`) are actions; environment tokens and padding between
+or after them are skipped by the recursion, as if the observation were part of
+the next state. A reward placed on such a skipped column is therefore earned
+by the action before it: `r_i` is the sum of the rewards on the columns from
+`t_i` up to (not including) `t_{i+1}`, or to the end of the row for `i = n`
+(rewards before `t_1` follow no action of the row and are dropped). With the
+usual single reward R at the last sampled token (`last_token_rewards`),
+`r_i = R [i = n]`. For the sampled tokens `t_1 < ... < t_n` of a row, with
+`V_i = V(s_{t_i})`, `V_{n+1} = 0`, `rho_i = pi / mu` at `t_i`:
 
   delta_i = min(rho_bar, rho_i) * (r_i + V_{i+1} - V_i)
   v_i     = V_i + delta_i + lambda * min(c_bar, rho_i) * (v_{i+1} - V_{i+1})
@@ -31,42 +35,56 @@ def last_token_rewards(rewards, loss_mask):
   return jnp.where(cols[None, :] == last[:, None], rewards[:, None], 0.0)
 
 
-def vtrace_targets(values, rewards, log_rhos, loss_mask, *, rho_bar: float = 1.0,
-                   c_bar: float = 1.0, lam: float = 1.0):
+def vtrace_targets(values, rewards, log_rhos, loss_mask, *, rho_bar=1.0, c_bar=1.0,
+                   lam: float = 1.0):
   """V-trace value targets and policy-gradient advantages.
 
   Args:
     values: `[B, L]` V(s_t) at every column (the critic's estimate of the
       return before the token of that column is sampled).
-    rewards: `[B, L]` per-token rewards (see `last_token_rewards`).
+    rewards: `[B, L]` per-column rewards (see `last_token_rewards`); a reward
+      on a column that is not sampled counts for the last sampled token
+      before it (module docstring).
     log_rhos: `[B, L]` log pi_theta - log mu (treated as constants).
     loss_mask: `[B, L]`, 1 on the tokens the policy sampled.
-    rho_bar, c_bar: truncation levels (rho_bar >= c_bar as in the paper).
+    rho_bar, c_bar: truncation levels (rho_bar >= c_bar as in the paper):
+      floats, or `[B, L]` per-token levels (the age-aware trust region,
+      `losses.truncation_level`).
     lam: the lambda of the trace.
 
   Returns:
     `(vs, advantages)`, both `[B, L]` float32, 0 where `loss_mask` is 0;
-    stop-gradient (they are targets).
+    stop-gradient (they are targets). Values and log-ratios on columns that
+    are not sampled never count, even NaN or inf.
   """
   chex.assert_rank([values, rewards, log_rhos, loss_mask], 2)
   chex.assert_equal_shape([values, rewards, log_rhos, loss_mask])
+  for level in (rho_bar, c_bar):
+    if jnp.ndim(level):
+      chex.assert_equal_shape([level, loss_mask])
   values, rewards, log_rhos = jax.lax.stop_gradient((values, rewards, log_rhos))
-  rhos = jnp.exp(log_rhos * loss_mask)
+  on = loss_mask > 0
+  # A `where`, not a product with the mask: `NaN * 0` would still be NaN.
+  rhos = jnp.exp(jnp.where(on, log_rhos, 0.0))
   clipped_rho = jnp.minimum(rho_bar, rhos)
   cs = lam * jnp.minimum(c_bar, rhos)
 
   def step(carry, column):
-    next_value, next_correction = carry  # V_{i+1} and v_{i+1} - V_{i+1}
-    value, reward, rho_c, c, mask = column
+    # V_{i+1}, v_{i+1} - V_{i+1}, and the rewards of the skipped columns
+    # since t_i (they belong to r_i, discount 1).
+    next_value, next_correction, pending = carry
+    value, reward, rho_c, c, on = column
+    reward = reward + pending
     delta = rho_c * (reward + next_value - value)
     correction = delta + c * next_correction
     advantage = reward + next_value + next_correction - value
-    on = mask > 0
-    new_carry = (jnp.where(on, value, next_value), jnp.where(on, correction, next_correction))
+    new_carry = (jnp.where(on, value, next_value), jnp.where(on, correction, next_correction),
+                 jnp.where(on, 0.0, reward))
     return new_carry, (jnp.where(on, value + correction, 0.0), jnp.where(on, advantage, 0.0))
 
-  columns = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1).astype(jnp.float32),
-                         (values, rewards, clipped_rho, cs, loss_mask))
+  columns = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1),
+                         (values.astype(jnp.float32), rewards.astype(jnp.float32),
+                          clipped_rho.astype(jnp.float32), cs.astype(jnp.float32), on))
   zeros = jnp.zeros(values.shape[0], jnp.float32)
-  _, (vs, advantages) = jax.lax.scan(step, (zeros, zeros), columns, reverse=True)
+  _, (vs, advantages) = jax.lax.scan(step, (zeros, zeros, zeros), columns, reverse=True)
   return jnp.swapaxes(vs, 0, 1), jnp.swapaxes(advantages, 0, 1)

@@ -241,3 +241,151 @@ def test_grpo_advantages_ignore_errored_rollouts():
   # Statistics over [1, 1, 0] only: mean 2/3, std sqrt(2)/3.
   np.testing.assert_allclose(adv[0], [1 / np.sqrt(2), 0.0, 1 / np.sqrt(2), -np.sqrt(2)],
                              rtol=1e-5)
+
+
+# Masked columns holding NaN and inf: (0, 0) and (0, 3) of row 0, (1, 2) and
+# (1, 3) of row 1 (a prompt column, padding, an errored token).
+WIDE_MASK = np.array([[0, 1, 1, 0], [1, 1, 0, 0]], np.float32)
+POISON = np.array([[np.nan, 0, 0, np.inf], [0, 0, -np.inf, np.nan]], np.float32)
+
+
+def _poisoned(x):
+  return np.where(WIDE_MASK > 0, x, POISON).astype(np.float32)
+
+
+def _wide_inputs():
+  rng = np.random.default_rng(3)
+  logp = rng.normal(-1.0, 0.3, (2, 4)).astype(np.float32)
+  return {"logprobs": logp,
+          "behaviour_logprobs": (logp + rng.normal(0, 0.4, (2, 4))).astype(np.float32),
+          "proximal_logprobs": (logp + rng.normal(0, 0.2, (2, 4))).astype(np.float32),
+          "advantages": rng.normal(size=(2, 4)).astype(np.float32),
+          "reference": (logp + rng.normal(0, 0.3, (2, 4))).astype(np.float32)}
+
+
+@pytest.mark.parametrize("name,knobs", [
+    ("clipped_ratio", dict(dual_clip=3.0)),
+    ("clipped_ratio", dict(proximal=True, tis_cap=1.2, age_decay=0.5)),
+    ("vtrace", dict(rho_bar=1.2, age_decay=0.5)),
+    ("m2po", dict(tau=0.1)),
+    ("m2po", dict(proximal=True, tis_cap=1.2)),
+])
+@pytest.mark.parametrize("jit", [False, True])
+def test_nan_and_inf_on_masked_columns_reach_no_loss_metric_or_gradient(name, knobs, jit):
+  """Every input that is not the mask holds NaN or inf off the mask: the
+  per-token loss, the KL term, the metrics and the gradient are exactly those
+  of finite inputs."""
+  knobs = dict(knobs)
+  with_proximal = knobs.pop("proximal", False)
+  lag = np.array([[5, 1, 3, 9], [0, 2, 4, 1]], np.int32)
+  if "age_decay" in knobs:
+    knobs["token_lag"] = lag
+
+  def run(inputs):
+    def objective(logp):
+      per_token, metrics = losses.LOSSES[name](
+          logp, inputs["behaviour_logprobs"], inputs["advantages"], WIDE_MASK,
+          proximal_logprobs=inputs["proximal_logprobs"] if with_proximal else None, **knobs)
+      kl = losses.kl_to_reference(logp, inputs["reference"], WIDE_MASK)
+      weights = losses.token_weights(jnp.asarray(WIDE_MASK), "token_mean")
+      return jnp.sum(weights * (per_token + 0.1 * kl)), (per_token, kl, metrics)
+    fn = jax.value_and_grad(objective, has_aux=True)
+    (loss, aux), grad = (jax.jit(fn) if jit else fn)(jnp.asarray(inputs["logprobs"]))
+    return loss, aux, grad
+
+  clean = _wide_inputs()
+  loss, (per_token, kl, metrics), grad = run(clean)
+  assert np.isfinite(loss) and np.all(np.asarray(per_token)[WIDE_MASK == 0] == 0)
+  bad_loss, (bad_per_token, bad_kl, bad_metrics), bad_grad = run(
+      {k: _poisoned(v) for k, v in clean.items()})
+  np.testing.assert_array_equal(bad_loss, loss)
+  np.testing.assert_array_equal(bad_per_token, per_token)
+  np.testing.assert_array_equal(bad_kl, kl)
+  np.testing.assert_array_equal(bad_grad, grad)
+  assert set(bad_metrics) == set(metrics)
+  for key in metrics:
+    np.testing.assert_array_equal(bad_metrics[key], metrics[key], err_msg=key)
+
+
+def test_ratio_statistics_and_masked_mean_ignore_nan_and_inf_off_the_mask():
+  log_ratio = _wide_inputs()["logprobs"] + 1.0
+  clean = losses.ratio_statistics(log_ratio, WIDE_MASK)
+  bad = losses.ratio_statistics(_poisoned(log_ratio), WIDE_MASK)
+  for key in clean:
+    assert np.isfinite(clean[key])
+    np.testing.assert_array_equal(bad[key], clean[key], err_msg=key)
+  np.testing.assert_array_equal(losses.masked_mean(_poisoned(log_ratio), WIDE_MASK),
+                                losses.masked_mean(log_ratio, WIDE_MASK))
+
+
+def test_truncation_level_shrinks_levels_above_one_with_lag():
+  lag = np.array([[0, 1, 3]], np.int32)
+  # 1 + 0.5 / (1 + lag): 1.5, 1.25, 1.125.
+  np.testing.assert_allclose(losses.truncation_level(1.5, lag, 1.0), [[1.5, 1.25, 1.125]],
+                             rtol=1e-6)
+  # A level at or below 1 never loosens toward 1.
+  np.testing.assert_array_equal(losses.truncation_level(0.8, lag, 1.0),
+                                np.full((1, 3), 0.8, np.float32))
+  np.testing.assert_array_equal(losses.truncation_level(1.0, lag, 1.0), [[1.0, 1.0, 1.0]])
+  assert losses.truncation_level(1.5, lag, 0.0) == 1.5
+  assert losses.truncation_level(1.5, None, 1.0) == 1.5
+
+
+@pytest.mark.parametrize("jit", [False, True])
+def test_vtrace_targets_carry_rewards_on_skipped_columns_to_the_action_before(jit):
+  """Sampled columns 1, 2, 4; rewards 0.3 on the prompt column 0 (before any
+  action: dropped), 0.5 on the environment column 3 (r_2) and 1.0 on the
+  padding column 5 (r_3). V = 0.5, 0.2, 0.9; rho = 2, 0.5, 1; lambda 0.9:
+
+    i=3: r3 = 1;   delta = 1 * (1 + 0 - 0.9) = 0.1;  v3 = 1.0;  A3 = 0.1
+    i=2: r2 = 0.5; delta = 0.5 * (0.5 + 0.9 - 0.2) = 0.6
+         v2 = 0.2 + 0.6 + 0.9 * 0.5 * (1.0 - 0.9) = 0.845;  A2 = 0.5 + 1.0 - 0.2 = 1.3
+    i=1: r1 = 0;   delta = 1 * (0 + 0.2 - 0.5) = -0.3
+         v1 = 0.5 - 0.3 + 0.9 * 1 * (0.845 - 0.2) = 0.7805;  A1 = 0.845 - 0.5 = 0.345
+  """
+  mask = np.array([[0, 1, 1, 0, 1, 0]], np.float32)
+  values = np.array([[9.0, 0.5, 0.2, 7.0, 0.9, 3.0]], np.float32)
+  log_rhos = np.log(np.array([[5.0, 2.0, 0.5, 5.0, 1.0, 5.0]], np.float32))
+  rewards = np.array([[0.3, 0.0, 0.0, 0.5, 0.0, 1.0]], np.float32)
+  fn = maybe_jit(vtrace_lib.vtrace_targets, jit, lam=0.9)
+  vs, adv = fn(values, rewards, log_rhos, mask)
+  np.testing.assert_allclose(vs, [[0, 0.7805, 0.845, 0, 1.0, 0]], rtol=1e-5)
+  np.testing.assert_allclose(adv, [[0, 0.345, 1.3, 0, 0.1, 0]], rtol=1e-5, atol=1e-7)
+  # The same as the rewards placed on the sampled tokens they are carried to,
+  # whatever the values and ratios off the mask hold.
+  moved = np.array([[0.0, 0.0, 0.5, 0.0, 1.0, 0.0]], np.float32)
+  poison = np.array([[np.nan, 0, 0, np.inf, 0, -np.inf]], np.float32)
+  vs2, adv2 = fn(np.where(mask > 0, values, poison), moved,
+                 np.where(mask > 0, log_rhos, poison), mask)
+  np.testing.assert_allclose(vs2, vs, rtol=1e-6)
+  np.testing.assert_allclose(adv2, adv, rtol=1e-6)
+
+
+def test_vtrace_targets_with_rewards_on_skipped_columns_on_policy_are_the_returns():
+  # lambda = 1, ratios 1: v_i is the sum of every reward from t_i to the row's end.
+  mask = np.array([[1, 0, 1, 0, 0], [0, 1, 1, 0, 1]], np.float32)
+  rewards = np.array([[0.1, 0.2, 0.4, 0.8, 1.6], [5.0, 0.1, 0.2, 0.4, 0.8]], np.float32)
+  values = np.random.default_rng(0).normal(size=(2, 5)).astype(np.float32)
+  vs, _ = vtrace_lib.vtrace_targets(values, rewards, np.zeros_like(values), mask)
+  np.testing.assert_allclose(vs, [[3.1, 0, 2.8, 0, 0], [0, 1.5, 1.4, 0, 0.8]], rtol=1e-6)
+
+
+def test_vtrace_targets_with_per_token_truncation_levels():
+  """rho = 1.4 at both tokens, levels rho_bar = 1.5, 1.2 and c_bar = 1.3, 1.1;
+  V = 0.5, 0.2; R = 1; lambda 1:
+
+    i=2: delta = min(1.2, 1.4) * (1 - 0.2) = 0.96;  v2 = 1.16;  A2 = 0.8
+    i=1: delta = min(1.5, 1.4) * (0.2 - 0.5) = -0.42
+         v1 = 0.5 - 0.42 + min(1.3, 1.4) * (1.16 - 0.2) = 1.328;  A1 = 1.16 - 0.5 = 0.66
+  """
+  mask = np.ones((1, 2), np.float32)
+  values = np.array([[0.5, 0.2]], np.float32)
+  log_rhos = np.log(np.full((1, 2), 1.4, np.float32))
+  rewards = np.array([[0.0, 1.0]], np.float32)
+  vs, adv = vtrace_lib.vtrace_targets(values, rewards, log_rhos, mask,
+                                      rho_bar=np.array([[1.5, 1.2]], np.float32),
+                                      c_bar=np.array([[1.3, 1.1]], np.float32))
+  np.testing.assert_allclose(vs, [[1.328, 1.16]], rtol=1e-5)
+  np.testing.assert_allclose(adv, [[0.66, 0.8]], rtol=1e-5)
+  with pytest.raises(AssertionError):
+    vtrace_lib.vtrace_targets(values, rewards, log_rhos, mask, rho_bar=np.ones((1, 3)))

@@ -337,3 +337,85 @@ def test_completion_width_is_a_power_of_two_within_the_budget():
   assert width([_Group(3), _Group(17)], 256) == 32  # the longest completion of the batch
   assert width([_Group(200)], 256) == 256
   assert width([_Group(10)], 12) == 12  # never past the budget
+
+
+def _poison_masked_columns(batch):
+  """The batch with NaN, inf and -inf behaviour log-probs on every column it
+  does not train on (prompt, padding, the tail of ragged rows)."""
+  poison = np.resize(np.array([np.nan, np.inf, -np.inf], np.float32), batch.loss_mask.shape)
+  return batch.replace(behaviour_logprobs=np.where(batch.loss_mask > 0,
+                                                   batch.behaviour_logprobs, poison))
+
+
+@pytest.mark.parametrize("settings", [
+    update_lib.LossSettings(kl_coef=0.1, entropy_coef=0.01),
+    update_lib.LossSettings(num_minibatches=2, tis_cap=2.0, age_decay=0.5),
+    update_lib.LossSettings(name="vtrace", critic=True, rho_bar=1.5, c_bar=1.2, lam=0.9,
+                            age_decay=0.5, entropy_coef=0.01),
+    update_lib.LossSettings(name="m2po", tau=0.5),
+], ids=["clipped_ratio_kl_entropy", "decoupled", "vtrace_critic", "m2po"])
+def test_nan_and_inf_on_masked_columns_do_not_skip_or_change_the_update(settings):
+  mesh = _mesh((("fsdp", 2), ("tp", 1)))
+  _, state, update_fn = _state_and_update(settings, mesh, optimizer=optax.adam(1e-3),
+                                          reference=settings.kl_coef > 0)
+  batch = _ragged(_random_batch(np.random.default_rng(13)))
+  batch = batch.replace(rewards=np.linspace(0, 1, 8).astype(np.float32))
+  poisoned = _poison_masked_columns(batch)
+  assert not np.all(np.isfinite(poisoned.behaviour_logprobs))
+  twin = jax.tree.map(jnp.copy, state)
+  state, metrics = update_fn(state, batch)
+  twin, bad_metrics = update_fn(twin, poisoned)
+  assert float(bad_metrics["skipped_steps"]) == 0 and float(bad_metrics["update_norm"]) > 0
+  metrics, bad_metrics = _host(metrics), _host(bad_metrics)
+  for key, value in metrics.items():
+    assert np.isfinite(bad_metrics[key]), key
+    np.testing.assert_allclose(bad_metrics[key], value, rtol=1e-6, atol=1e-9, err_msg=key)
+  params, bad_params = _host(state.params), _host(twin.params)
+  assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(bad_params))
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-9), params,
+               bad_params)
+
+
+def test_the_critic_targets_shrink_their_truncation_levels_with_age_decay():
+  """With `age_decay`, the critic's V-trace targets use the policy loss's
+  per-token levels `1 + (bar - 1) / (1 + age_decay * lag)` for rho_bar and
+  c_bar; at lag 0 they are the plain levels."""
+  from arl_jax.learner import vtrace as vtrace_lib
+  mesh = _mesh((("fsdp", 2), ("tp", 1)))
+  rho_bar, c_bar, age_decay = 1.5, 1.3, 1.0
+  settings = update_lib.LossSettings(name="vtrace", critic=True, lam=0.9, rho_bar=rho_bar,
+                                     c_bar=c_bar, age_decay=age_decay)
+  graphdef, state, update_fn = _state_and_update(settings, mesh, optimizer=optax.sgd(0.0))
+  state = state.replace(params=jax.tree_util.tree_map_with_path(
+      lambda path, x: x + 0.3 if "value_head" in jax.tree_util.keystr(path) else x,
+      state.params))
+  batch = _ragged(_random_batch(np.random.default_rng(14)))
+  batch = batch.replace(rewards=np.linspace(0, 1, 8).astype(np.float32))
+  logp, _, values = logprobs_lib.token_logprobs_and_entropy(
+      graphdef, state.params, batch.tokens, batch.token_mask, 1.0, with_values=True)
+  logp, values, mask = np.asarray(logp), np.asarray(values), batch.loss_mask
+  # rho = e^0.4 = 1.49 on every other trained column: under rho_bar = 1.5 and
+  # c_bar = 1.3 at lag 0, above both levels at lag 2 (1.1667 and 1.1).
+  shift = np.where(np.arange(mask.shape[1]) % 2 == 0, 0.4, -0.1)[None, :]
+  batch = batch.replace(behaviour_logprobs=((logp - shift) * mask).astype(np.float32))
+  log_rhos = (logp - batch.behaviour_logprobs) * mask
+  rewards = vtrace_lib.last_token_rewards(batch.rewards, mask)
+
+  def value_loss(rho_level, c_level):
+    vs, _ = vtrace_lib.vtrace_targets(values, rewards, log_rhos, mask, lam=0.9,
+                                      rho_bar=rho_level, c_bar=c_level)
+    return np.sum(0.5 * (np.asarray(vs) - values) ** 2 * mask) / mask.sum()
+
+  plain = value_loss(rho_bar, c_bar)
+  for lag in (0, 2):
+    lags = np.full(mask.shape, lag, np.float32)
+    expected = value_loss(1 + (rho_bar - 1) / (1 + age_decay * lags),
+                          1 + (c_bar - 1) / (1 + age_decay * lags))
+    if lag == 0:
+      assert expected == plain
+    else:  # the decayed levels really truncate (a margin far above the tolerance)
+      assert abs(expected - plain) > 1e-2 * plain
+    versions = np.where(mask > 0, int(state.step) - lag, -1).astype(np.int32)
+    state, metrics = update_fn(state, batch.replace(token_versions=versions))
+    np.testing.assert_allclose(float(metrics["value_loss"]), expected, rtol=1e-4,
+                               err_msg=f"lag {lag}")
