@@ -42,8 +42,9 @@ def export(checkpoint_dir: str, hf_path: str, out: str, step: int | None = None,
   """Writes checkpoint `step`'s params (default: the latest) to `out` in
   `dtype`; returns the step."""
   base = hf_config.read_config(hf_path)
-  family = hf_config.family_of(base, os.path.join(hf_path, "config.json"))
-  cfg = hf_config.model_config_from_hf(base)
+  where = os.path.join(hf_path, "config.json")
+  family = hf_config.family_of(base, where)
+  cfg = hf_config.model_config_from_hf(base, where=where)
   if not os.path.isdir(checkpoint_dir):
     raise FileNotFoundError(f"--checkpoint={checkpoint_dir!r}: no such folder")
   reader = checkpointing.Checkpointer(checkpoint_dir, checkpointing.CheckpointConfig())

@@ -8,9 +8,11 @@ each role, the parameter count and the memory per device (`arl_jax/dry_run.py`),
 then exits without compiling; `--dry_run_devices=N` plans for N devices instead
 of the ones present (e.g. a v5e-8 config on a laptop).
 
-Bad input (a config error, a missing file, an unusable `--workdir`) is
-printed as one `error: ...` line on stderr, without a traceback, and the
-process exits with status 2; anything else is a bug and keeps its traceback.
+Bad input (a config error, a missing file, an unusable `--workdir`, a
+workdir another run holds) is printed as one `error: ...` line on stderr,
+without a traceback, and the process exits with status 2; anything else is a
+bug and keeps its traceback. Once the run has started, SIGINT (Ctrl-C) and
+SIGTERM ask it to stop cleanly (`arl_jax/training/stop.py`) and it exits 0.
 
 Multi-host: `--distributed` (implied by `--coordinator_address`) calls
 `jax.distributed.initialize()` first, with `--coordinator_address`,
@@ -99,7 +101,7 @@ def dry_run(config, num_devices: int | None, print_fn=print) -> None:
   print_fn(dry_run.format_plan(dry_run.plan(spec, count), memory))
 
 
-def _launch() -> None:
+def _launch(stop) -> None:
   if not _DRY_RUN.value:
     if _WORKDIR.value is None:
       raise _BadInput("--workdir is required (except with --dry_run)")
@@ -113,7 +115,7 @@ def _launch() -> None:
   # Imported here so that `--help` and flag errors do not initialise JAX.
   from arl_jax import run_lib  # noqa: PLC0415
 
-  run_lib.run(_CONFIG.value, workdir)
+  run_lib.run(_CONFIG.value, workdir, stop=stop)
 
 
 def main(argv) -> None:
@@ -122,17 +124,27 @@ def main(argv) -> None:
   if not flags.FLAGS["verbosity"].present:
     # orbax logs every checkpoint step at INFO; the progress line says what matters.
     logging.set_verbosity(logging.WARNING)
+  from arl_jax.training import stop as stop_lib  # noqa: PLC0415 - (no JAX)
+
+  # Signals ask for a clean stop from here on (training/stop.py): one that
+  # comes while the run is still being built stops it at its first safe point.
+  with stop_lib.StopRequest() as stop:
+    _main(stop)
+
+
+def _main(stop) -> None:
   # (Importing these initialises no JAX backend: distributed init still comes first.)
   from arl_jax import checkpointing, config_lib  # noqa: PLC0415
+  from arl_jax.training import workdir_lock  # noqa: PLC0415
 
   # What the user can fix: a config key, a missing data, model or checkpoint
   # file, a checkpoint of another model, the workdir. Their messages name the
   # problem, so a traceback would only bury it; every other exception is a bug
   # and keeps its traceback.
   bad_input = (_BadInput, config_lib.ConfigError, checkpointing.CheckpointFormatError,
-               FileNotFoundError)
+               checkpointing.DamagedCheckpoint, FileNotFoundError, workdir_lock.WorkdirInUse)
   try:
-    _launch()
+    _launch(stop)
   except bad_input as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(EXIT_BAD_INPUT)

@@ -2,6 +2,7 @@
 prompt trained at most once along the surviving lineage, versions continuous,
 and nothing unfinished at a checkpoint lost."""
 
+import collections
 import json
 import os
 import signal
@@ -81,15 +82,14 @@ def test_killed_runs_resume_without_losing_or_repeating_prompts(tmp_path):
   # The last run finishes.
   assert _run_until(workdir, lambda: False) == 0
 
-  # The surviving lineage: a resume at version c supersedes later events.
-  lineage, resumes = [], []
-  for e in _events(workdir):
-    if e["event"] == "resumed":
-      resumes.append(e["version"])
-      lineage = [x for x in lineage if x["version"] <= e["version"]]
-    else:
-      lineage.append(e)
+  # A resume sets aside the events written after its checkpoint
+  # (`training/records.py`): groups.jsonl is the surviving lineage itself.
+  events = _events(workdir)
+  resumes = [e["version"] for e in events if e["event"] == "resumed"]
+  lineage = [e for e in events if e["event"] != "resumed"]
   assert len(resumes) == 2 and resumes[0] >= 2
+  terminal = collections.Counter(e["group_id"] for e in lineage)
+  assert max(terminal.values()) == 1, "a group has two terminal records"
   trained = [e for e in lineage if e["event"] == "trained"]
   versions = sorted({e["version"] for e in trained})
   assert versions == list(range(1, STEPS + 1))

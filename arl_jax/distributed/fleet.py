@@ -122,8 +122,9 @@ class _Sampler:
 
 
 class SamplerFleet:
-  """Sampler processes behind the interface the learner loop uses for a local
-  engine and env runner (`cancel`, `stats`, `errors`, `snapshot_work`, ...)."""
+  """The learner's server for sampler processes (`training.rollouts.RemoteRollouts`
+  wraps it as the run's rollout side; a multi-controller run's process 0 uses
+  it beside its local engine for the other processes' samplers)."""
 
   def __init__(self, cfg: FleetConfig, *, orchestrator, publisher, run_config: dict,
                sampler_mesh_shape, workdir: str | None = None, print_fn=print,
@@ -205,12 +206,6 @@ class SamplerFleet:
     its sampler process, which the learner's checkpoint does not hold)."""
     self._dispatcher.reassign(group_ids)
 
-  def snapshot_work(self, exclude=()) -> dict:
-    # Every remote group is at its `sample` restart point (from scratch);
-    # take and snapshot share the dispatcher's lock, so the groups and the
-    # prompt stream's position are read at one instant.
-    return self._dispatcher.snapshot_work({}, frozenset(exclude))
-
   @property
   def failed(self) -> bool:
     return self._error is not None
@@ -230,8 +225,27 @@ class SamplerFleet:
     if raise_errors:
       self.raise_if_failed()
 
-  def close(self) -> None:
-    """(The env runner's `close`: env workers live in the sampler processes.)"""
+  def sampler_metrics(self) -> dict:
+    """The samplers' engine and env-runner numbers, summed (for the step
+    records of a run whose sampling is all remote)."""
+    with self._lock:
+      return {**self.stats.metrics(),
+              "env_errors": int(sum(self.errors.values())),
+              "env_timeouts": int(sum(self.timeouts.values())), "env_turns": self.turns}
+
+  def state_dict(self) -> dict:
+    """The summed counters a checkpoint carries (as a local run's)."""
+    with self._lock:
+      return {"sampler": self.stats.state_dict(),
+              "env": {"errors": dict(self.errors), "timeouts": dict(self.timeouts),
+                      "turns": self.turns}}
+
+  def load_state_dict(self, state: dict) -> None:
+    with self._lock:
+      self.stats.load_state_dict(state["sampler"])
+      self.errors.update(state["env"]["errors"])
+      self.timeouts.update(state["env"]["timeouts"])
+      self.turns = int(state["env"]["turns"])
 
   def metrics(self) -> dict:
     """Fleet numbers for the step records."""

@@ -1,9 +1,12 @@
 """A multi-controller process other than 0 (a follower).
 
-It trains on the batches process 0 cuts (`lockstep.share`), in the same SPMD
-programs, checkpoints and evaluates when process 0 does, and samples on its
-own devices for process 0's orchestrator: a member of its sampler fleet, with
-weights from its own share of each publish.
+It executes what process 0 decides, step by step (`lockstep.Step`): train on
+the batch process 0 cut, in the same SPMD program, publish, then evaluate and
+save a checkpoint when the step says so, until a `STOP` (which may ask for a
+last evaluation and save). It decides nothing itself: a second copy of the
+schedule could disagree with process 0's, and the collectives would deadlock.
+Meanwhile it samples on its own devices for process 0's orchestrator, as a
+member of its sampler fleet, with weights from its own share of each publish.
 """
 
 from __future__ import annotations
@@ -16,13 +19,13 @@ from arl_jax.distributed import lockstep, sampler_worker
 
 
 def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer, reference,
-           evaluate, holder: dict, version: int) -> int:
+           eval_log, version: int) -> int:
   """Runs a follower until process 0 stops the run; returns the final version.
 
   Args (`run_lib.run`'s): the run spec, role meshes, decoder graphdef, the
   TrainState and update function, the weight publisher, the checkpointer (or
-  None) and KL reference params, `evaluate(step, phase)`, the dict whose
-  "params" `evaluate` reads, and the version the run starts at.
+  None) and KL reference params, the run's `EvalLog`, and the version the
+  run starts at.
   """
   link = sampler_worker.LearnerLink(lockstep.share_text(None, meshes.learner),
                                     name=f"process {jax.process_index()}",
@@ -38,27 +41,23 @@ def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer,
       # may be waiting for; lockstep.py).
       link.wait_for_lockstep(min(index, spec.num_steps))
       step = lockstep.share(None, meshes.learner)
-      if step.kind != lockstep.BATCH:
-        break
-      state, _ = update_fn(state, step.batch)
-      holder["params"] = state.params  # (what `evaluate` reads; the old ones were donated)
-      version += 1
-      publisher.publish(state.params, version)
-      if checkpointer is not None and checkpointer.should_save(version):
+      if step.kind == lockstep.BATCH:
+        state, _ = update_fn(state, step.batch)
+        version += 1
+        publisher.publish(state.params, version)
+      if step.evaluate:  # (the current params: the old ones were donated)
+        eval_log(state.params, version, "rl")
+      if step.save:
         # Every process writes its shards; orbax writes the run record from
         # process 0 only (this one's is a placeholder).
         checkpointer.save(version, state, {"version": version}, reference)
-      if spec.eval_every and (version % spec.eval_every == 0 or version == spec.num_steps):
-        evaluate(version, "rl")
+      if step.kind != lockstep.BATCH:
+        break
       if sampling.failed:
         # Fail fast, as a multi-controller job does: this process's groups
         # would never come back, and the job restarts from its checkpoint.
         raise RuntimeError(f"process {jax.process_index()}'s sampler failed: "
                            f"{sampling.describe_failure()}")
-    if step.evaluate:
-      evaluate(version, "rl")
-    if step.save_final:
-      checkpointer.save(version, state, {"version": version}, reference)
   finally:
     if checkpointer is not None:
       checkpointer.close()

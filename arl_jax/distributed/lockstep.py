@@ -27,18 +27,19 @@ from jax.sharding import PartitionSpec as P
 from arl_jax import train_batch as train_batch_lib
 
 BATCH, STOP = 0, 1
-_HEADER = ("kind", "rows", "columns", "evaluate", "save_final")
+_HEADER = ("kind", "rows", "columns", "evaluate", "save")
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-  """What every process does next: train on `batch`, or stop (after an
-  evaluation and a final checkpoint, when the flags say so)."""
+  """What every process does next: train on `batch` (`BATCH`), or stop
+  (`STOP`); then evaluate and save a checkpoint when the flags say so.
+  Process 0 decides; the others only execute (`follower.py`)."""
 
   kind: int
   batch: train_batch_lib.TrainBatch | None = None
   evaluate: bool = False
-  save_final: bool = False
+  save: bool = False
 
 
 def is_multi_controller() -> bool:
@@ -82,19 +83,31 @@ def _sum_rows(mesh: Mesh):
                  out_shardings=NamedSharding(mesh, P()))
 
 
+def leader_broadcast_fn(fleet, mesh: Mesh):
+  """Process 0's `(step_index, Step) -> None`: announces collective
+  `step_index` to the other processes over the fleet's sockets, then shares
+  `Step` over the learner `mesh` (the announcement first: see the module
+  docstring of `follower.py`)."""
+
+  def broadcast(index: int, step: Step) -> None:
+    fleet.announce(index)
+    share(step, mesh)
+
+  return broadcast
+
+
 def share(step: Step | None, mesh: Mesh) -> Step:
   """Process 0 passes its `Step`, the others None; every process gets it.
   `mesh`: the learner mesh (see `broadcast`)."""
   leader = step is not None
   if leader:
     rows, columns = (step.batch.tokens.shape if step.batch is not None else (0, 0))
-    header = np.array([step.kind, rows, columns, step.evaluate, step.save_final], np.int32)
+    header = np.array([step.kind, rows, columns, step.evaluate, step.save], np.int32)
   else:
     header = np.zeros(len(_HEADER), np.int32)
   header = dict(zip(_HEADER, (int(x) for x in broadcast(header, mesh))))
   if header["kind"] != BATCH:
-    return Step(kind=header["kind"], evaluate=bool(header["evaluate"]),
-                save_final=bool(header["save_final"]))
+    return Step(kind=header["kind"], evaluate=bool(header["evaluate"]), save=bool(header["save"]))
   # The same shapes and dtypes on every process (the leader's cast to them).
   arrays = _template(header["rows"], header["columns"])
   dtypes = {name: a.dtype for name, a in arrays.items()}
@@ -106,7 +119,8 @@ def share(step: Step | None, mesh: Mesh) -> Step:
   received = broadcast(sent, mesh)
   batch = train_batch_lib.TrainBatch(**{
       name: np.asarray(received[name]).astype(dtypes[name]) for name in _fields()})
-  return Step(kind=BATCH, batch=batch, evaluate=bool(header["evaluate"]))
+  return Step(kind=BATCH, batch=batch, evaluate=bool(header["evaluate"]),
+              save=bool(header["save"]))
 
 
 def _template(rows: int, columns: int) -> dict:

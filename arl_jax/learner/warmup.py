@@ -62,11 +62,17 @@ def supervised_batch(prompt_ids: list[list[int]], demonstrations: list, *,
 
 def run_warmup(*, params, graphdef, mesh, optimizer, steps: int, batch_size: int, prompt_ids,
                demonstrations, prompt_len: int, max_new_tokens: int, pad_id: int, seed: int,
-               log_fn=None):
+               log_fn=None, should_stop=None):
   """Runs `steps` supervised updates on random minibatches of (prompt, demonstration) pairs.
 
+  Args (besides the data and its geometry):
+    log_fn: `(step, metrics)`, called every 50 steps and at the last.
+    should_stop: `() -> bool`, asked before every step; True ends the
+      warm-up early (a stop was requested).
+
   Returns:
-    The updated params (same shardings as given).
+    `(params, steps_done)`: the updated params (same shardings as given) and
+    how many steps ran (`steps` unless stopped).
   """
   state, state_shardings = train_state_lib.create(params, optimizer, mesh)
   step_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer, settings=None,
@@ -75,10 +81,12 @@ def run_warmup(*, params, graphdef, mesh, optimizer, steps: int, batch_size: int
   # Stream 1 of the seed; stream 0 chose the warm-up subset (run_lib).
   rng = np.random.default_rng((seed, 1))
   for step in range(steps):
+    if should_stop is not None and should_stop():
+      return state.params, step
     idx = rng.integers(0, len(prompt_ids), batch_size)
     batch = supervised_batch([prompt_ids[i] for i in idx], [demonstrations[i] for i in idx],
                              prompt_len=prompt_len, max_new_tokens=max_new_tokens, pad_id=pad_id)
     state, metrics = step_fn(state, batch)
     if log_fn is not None and (step % 50 == 0 or step == steps - 1):
       log_fn(step, jax.device_get(metrics))
-  return state.params
+  return state.params, steps

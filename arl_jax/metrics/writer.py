@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Mapping
 
@@ -41,16 +42,29 @@ def check_available(name: str) -> None:
 
 
 class JsonlWriter:
-  """Appends one JSON object per call to `<workdir>/metrics.jsonl`."""
+  """Appends one JSON object per call to `<workdir>/metrics.jsonl`.
+
+  `lines` counts the file's lines (those already there included): a
+  checkpoint records it, and a resume keeps exactly that many
+  (`training/records.py`).
+  """
 
   def __init__(self, workdir: str, filename: str = "metrics.jsonl"):
     os.makedirs(workdir, exist_ok=True)
     self.path = os.path.join(workdir, filename)
+    self.lines = 0
+    if os.path.exists(self.path):
+      with open(self.path, "rb") as f:
+        self.lines = sum(1 for _ in f)
     self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - closed in close()
+    self._lock = threading.Lock()  # (the fleet's thread writes its events too)
 
   def write(self, record: Mapping) -> None:
-    self._file.write(json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n")
-    self._file.flush()
+    line = json.dumps({k: _jsonable(v) for k, v in record.items()}) + "\n"
+    with self._lock:
+      self._file.write(line)
+      self._file.flush()
+      self.lines += 1
 
   def close(self) -> None:
     self._file.close()
@@ -127,6 +141,11 @@ class MultiWriter:
 
   def __init__(self, writers):
     self.writers = list(writers)
+
+  @property
+  def lines(self) -> int:
+    """Lines of the JSON-lines file (the first sink)."""
+    return self.writers[0].lines
 
   def write(self, record: Mapping) -> None:
     for w in self.writers:

@@ -115,6 +115,28 @@ class EnvRunner:
       if self._failure is not None:
         raise RuntimeError("environment worker failed") from self._failure
 
+  @property
+  def failed(self) -> bool:
+    with self._lock:
+      return self._failure is not None
+
+  def metrics(self) -> dict:
+    """Environment faults and turns so far, for the step records."""
+    with self._lock:
+      return {"env_errors": int(sum(self.errors.values())),
+              "env_timeouts": int(sum(self.timeouts.values())), "env_turns": self.turns}
+
+  def state_dict(self) -> dict:
+    """The counters a checkpoint carries (per environment)."""
+    with self._lock:
+      return {"errors": dict(self.errors), "timeouts": dict(self.timeouts), "turns": self.turns}
+
+  def load_state_dict(self, state: dict) -> None:
+    with self._lock:
+      self.errors.update(state["errors"])
+      self.timeouts.update(state["timeouts"])
+      self.turns = int(state["turns"])
+
   # -- one episode ---------------------------------------------------------------
 
   def _advance(self, episode: episode_lib.Episode) -> None:

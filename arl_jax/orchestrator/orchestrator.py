@@ -191,6 +191,34 @@ class Orchestrator:
       self._audit(g.group_id, g.prompt_id, "trained", version, g.dispatch_version)
     return [r.group_id for r in cancelled]
 
+  def metrics(self) -> dict:
+    """Drops (cumulative, in rollouts: drop_ledger.py), cancellations,
+    requeues and what is in the system now, for the step records."""
+    dispatcher = self.dispatcher
+    return {**self.ledger.metrics(), "cancelled_groups": dispatcher.num_cancelled,
+            "requeued_groups": dispatcher.num_requeued, "buffer_size": len(self.buffer),
+            "in_system_groups": dispatcher.in_system}
+
+  def snapshot(self, open_segments: dict) -> dict:
+    """The orchestrator's part of a checkpoint, as JSON: the open work (every
+    group in flight or in the buffer at its restart point, with the prompt
+    stream's position; `Dispatcher.snapshot_work`) and the drop ledger.
+
+    Args:
+      open_segments: what each occupied sampler slot has sampled of its
+        current segment (`SamplerEngine.open_segments`), read at the same
+        instant: the caller holds the sampler still meanwhile.
+    """
+    return {"work": self.dispatcher.snapshot_work(open_segments),
+            "drop_ledger": self.ledger.to_json()}
+
+  def restore(self, saved: dict) -> list[open_work.RestoredGroup]:
+    """Takes back a `snapshot` (before anything is dispatched); returns the
+    groups whose parts go back to the sampler and the env workers."""
+    restored = self.restore_work(saved["work"])
+    self.ledger.restore(saved["drop_ledger"])
+    return restored
+
   def _audit(self, group_id: int, prompt_id: int, event: str, version: int,
              dispatch_version: int) -> None:
     self._audit_fn({"event": event, "version": version, "group_id": group_id,

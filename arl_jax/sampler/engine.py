@@ -29,16 +29,17 @@ observations included: a rollout always fits its TrainBatch row).
 
 Cancelled groups lose their waiting rows, their slots and any later resume at once.
 
-Checkpoints (`snapshot_work`, `restore`): the engine thread reads the tokens
-each occupied slot has sampled so far together with the dispatcher's open
-work, between two decode steps; a resumed run re-admits those episodes with
-their open segments in the context, and the segments go on where they stopped.
+Checkpoints (`paused`, `open_segments`, `restore`): the learner holds the
+engine between two decode steps, reads the tokens each occupied slot has
+sampled so far and, at the same instant, the dispatcher's open work; a resumed
+run re-admits those episodes with their open segments in the context, and the
+segments go on where they stopped.
 """
 
 from __future__ import annotations
 
 import collections
-import concurrent.futures
+import contextlib
 import dataclasses
 import functools
 import threading
@@ -161,6 +162,34 @@ class EngineStats:
   def occupancy(self) -> float:
     """Mean fraction of slots holding a live sequence per decode step."""
     return self.occupied_slot_steps / max(self.slot_steps, 1)
+
+  def metrics(self) -> dict:
+    """The sampler's numbers in a step record (cumulative)."""
+    return {
+        # Upper bound: cancelled rollouts' unsampled budget (they might have stopped earlier).
+        "cancelled_tokens_saved_max": self.cancelled_tokens,
+        "cancelled_tokens_discarded": self.cancelled_sampled_tokens,
+        "sampler_resumes": self.resumes,
+        "sampler_busy_s": self.busy_seconds,
+        "sampler_swaps": self.swaps,
+        "sampler_occupancy": self.occupancy,
+        "sampler_tokens_per_s": self.sampled_tokens / max(self.busy_seconds, 1e-9),
+        "sampler_prefill_s": self.prefill_seconds,
+        "sampler_decode_s": self.decode_seconds,
+        "sampler_swap_pause_s": self.swap_seconds,
+        "sampler_queue_wait_s": self.queue_wait_seconds / max(self.inserts, 1),
+        "sampler_versions_held": self.max_versions_held,
+    }
+
+  # The counters a checkpoint carries (the rest describe this process's time).
+  _CHECKPOINTED = ("cancelled_rollouts", "cancelled_tokens", "cancelled_sampled_tokens")
+
+  def state_dict(self) -> dict:
+    return {name: getattr(self, name) for name in self._CHECKPOINTED}
+
+  def load_state_dict(self, state: dict) -> None:
+    for name in self._CHECKPOINTED:
+      setattr(self, name, int(state[name]))
 
 
 @dataclasses.dataclass
@@ -302,8 +331,12 @@ class SamplerEngine:
     self.version: int | None = None  # newest version held
     self._checked_version: int | None = None
     self._draining = False
-    # (future, group ids to leave out) of `snapshot_work` calls, under _lock.
-    self._snapshot_requests: list[tuple[concurrent.futures.Future, frozenset]] = []
+    # `paused`: the caller asks, the engine thread acknowledges between two
+    # steps and waits for the release.
+    self._pause_lock = threading.Lock()
+    self._pause_requested = threading.Event()
+    self._paused = threading.Event()
+    self._release = threading.Event()
 
   # -- control ---------------------------------------------------------------
 
@@ -313,6 +346,7 @@ class SamplerEngine:
 
   def stop(self, raise_errors: bool = True) -> None:
     self._stop.set()
+    self._release.set()  # (a paused engine thread must see the stop)
     if self._thread is not None:
       self._thread.join()
     if raise_errors:
@@ -358,27 +392,57 @@ class SamplerEngine:
                          f"completion tokens; nothing is left of its budget of {budget}")
       self._pending.append(_Row(episode=episode, ready_time=time.monotonic()))
 
-  def snapshot_work(self, exclude=(), timeout_s: float = 300.0) -> dict:
-    """The dispatcher's open work (`Dispatcher.snapshot_work`) with the tokens
-    each occupied slot has sampled so far in its open segment, read by the
-    engine thread between two decode steps (so no group is dispatched, and no
-    slot advances, while it is read). `exclude`: group ids to leave out (the
-    batch being trained). Thread-safe."""
-    exclude = frozenset(exclude)
-    if self._thread is None or not self._thread.is_alive():
-      self.raise_if_failed()
-      return self._snapshot(exclude)
-    future = concurrent.futures.Future()
-    with self._lock:
-      self._snapshot_requests.append((future, exclude))
-    deadline = time.monotonic() + timeout_s
-    while True:
+  @contextlib.contextmanager
+  def paused(self, timeout_s: float = 300.0):
+    """Holds the engine thread between two decode steps for the duration of
+    the `with` block: no slot advances and no group is taken meanwhile, so
+    the caller sees one instant of the sampler (`open_segments`) and of the
+    dispatcher's open work. Thread-safe; one caller at a time."""
+    with self._pause_lock:
+      running = self._thread is not None and self._thread.is_alive()
+      if running:
+        self._release.clear()
+        self._pause_requested.set()
+        deadline = time.monotonic() + timeout_s
+        while not self._paused.wait(0.1):
+          self.raise_if_failed()
+          if not self._thread.is_alive() or time.monotonic() > deadline:
+            self._pause_requested.clear()
+            self._release.set()
+            raise RuntimeError("the sampler engine did not pause for a checkpoint snapshot")
       try:
-        return future.result(timeout=0.1)
-      except concurrent.futures.TimeoutError:
-        self.raise_if_failed()
-        if not self._thread.is_alive() or time.monotonic() > deadline:
-          raise RuntimeError("the sampler engine did not answer a checkpoint snapshot") from None
+        yield
+      finally:
+        if running:
+          self._pause_requested.clear()
+          self._paused.clear()
+          self._release.set()
+
+  def open_segments(self) -> dict:
+    """`{(group_id, sample_index): (tokens, logprobs, versions)}`: what each
+    occupied slot has sampled of its current segment. Only while `paused` (or
+    before `start` / after `stop`): it reads the engine thread's slots.
+    Cancellations asked for so far are applied first, so a cancelled group's
+    slots are not read and its counters are those of the snapshot."""
+    if self._thread is not None and self._thread.is_alive() and not self._paused.is_set():
+      raise RuntimeError("open_segments() reads the slots: hold the engine with paused()")
+    self._apply_cancellations()
+    occupied = [i for i, row in enumerate(self._slots) if row is not None]
+    partials = {}
+    if occupied and self._state is not None:
+      for slot, (tokens, logprobs, versions, _) in zip(occupied, self._read_segments(occupied)):
+        episode = self._slots[slot].episode
+        partials[(episode.group_id, episode.sample_index)] = (tokens, logprobs, versions)
+    return partials
+
+  def metrics(self) -> dict:
+    return self.stats.metrics()
+
+  def state_dict(self) -> dict:
+    return self.stats.state_dict()
+
+  def load_state_dict(self, state: dict) -> None:
+    self.stats.load_state_dict(state)
 
   @property
   def active_slots(self) -> int:
@@ -389,7 +453,7 @@ class SamplerEngine:
   def _run(self) -> None:
     try:
       while not self._stop.is_set():
-        self._serve_snapshots()
+        self._serve_pause()
         # Cancel first: a swap must not re-prefill, nor keep params alive for,
         # sequences that are about to be cancelled.
         self._apply_cancellations()
@@ -405,25 +469,11 @@ class SamplerEngine:
     except BaseException as e:  # surfaced to the learner thread by raise_if_failed
       self._error = e
 
-  def _serve_snapshots(self) -> None:
-    if not self._snapshot_requests:  # the common case: no lock on every step
+  def _serve_pause(self) -> None:
+    if not self._pause_requested.is_set():  # the common case: one flag read per step
       return
-    with self._lock:
-      requests, self._snapshot_requests = self._snapshot_requests, []
-    for future, exclude in requests:
-      try:
-        future.set_result(self._snapshot(exclude))
-      except BaseException as e:  # noqa: BLE001 - raised on the caller's thread
-        future.set_exception(e)
-
-  def _snapshot(self, exclude: frozenset) -> dict:
-    occupied = [i for i, row in enumerate(self._slots) if row is not None]
-    partials = {}
-    if occupied and self._state is not None:
-      for slot, (tokens, logprobs, versions, _) in zip(occupied, self._read_segments(occupied)):
-        episode = self._slots[slot].episode
-        partials[(episode.group_id, episode.sample_index)] = (tokens, logprobs, versions)
-    return self._dispatcher.snapshot_work(partials, exclude)
+    self._paused.set()
+    self._release.wait()
 
   def _rows_array(self, mask: np.ndarray):
     return jax.device_put(mask, _batch_sharding(self._mesh, 1))

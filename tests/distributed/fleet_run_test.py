@@ -13,6 +13,7 @@ import time
 from arl_jax import run_lib
 from arl_jax.distributed import fleet as fleet_lib
 from arl_jax.testing import tiny
+from arl_jax.training import rollouts
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -20,9 +21,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _start_sampler(address: str, name: str, log_dir) -> subprocess.Popen:
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
   log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
+  # A learner on a loaded machine (this suite, 2 cores) can take longer than
+  # the default 30 s to answer a sampler that joins mid-run.
   return subprocess.Popen(
       [sys.executable, "-m", "arl_jax.distributed.sampler_worker", f"--learner={address}",
-       f"--name={name}"], cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+       f"--name={name}", "--connect_timeout_s=120"], cwd=REPO, env=env, stdout=log,
+      stderr=subprocess.STDOUT)
 
 
 def _sampler_named(fleet, name):
@@ -46,7 +50,7 @@ def test_killing_a_sampler_mid_run_loses_no_prompt(tmp_path, monkeypatch):
       super().__init__(*args, **kwargs)
       fleets.append(self)
 
-  monkeypatch.setattr(run_lib.fleet_lib, "SamplerFleet", RecordedFleet)
+  monkeypatch.setattr(rollouts.fleet_lib, "SamplerFleet", RecordedFleet)
   config = tiny.load_config("arith", "tiny")
   config.fleet = dict(remote=True, heartbeat_s=0.25, timeout_s=5.0)
   # Steps take ~50 ms here: enough of them that the kill comes well before the

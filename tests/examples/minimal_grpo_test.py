@@ -41,5 +41,7 @@ def test_async_pipeline_with_k0_and_no_async_reproduces_minimal_grpo(tmp_path):
     assert np.all(batch["lag"] == 0)
     np.testing.assert_array_equal(batch["tokens"], ref["tokens"])
     mask = batch["loss_mask"] > 0
+    # (Float rounding of two computations of one forward pass: 1.24e-5 was
+    # seen on an AMD EPYC host where another CI host stayed under 1e-5.)
     np.testing.assert_allclose(batch["behaviour_logprobs"][mask],
-                               ref["behaviour_logprobs"][mask], atol=1e-5)
+                               ref["behaviour_logprobs"][mask], atol=5e-5)

@@ -77,7 +77,7 @@ def test_a_bug_keeps_its_traceback():
   # In a subprocess: importing arl_jax.launch here would define its flags in
   # the test process (and clash with launch/xm_launch.py's).
   script = ("from arl_jax import launch\n"
-            "def bug():\n"
+            "def bug(stop):\n"
             "  raise KeyError('a bug, not bad input')\n"
             "launch._launch = bug\n"
             "launch.main(['launch'])\n")

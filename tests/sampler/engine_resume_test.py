@@ -71,12 +71,13 @@ def uninterrupted(setup):
 @pytest.fixture(scope="module")
 def snapshot(setup):
   """Open work saved while the first two groups' segments are half sampled."""
-  engine, _ = _engine(setup, 0, lambda req, rs: None)
+  engine, dispatcher = _engine(setup, 0, lambda req, rs: None)
   engine.start()
   found = {}
 
   def half_sampled():
-    work = engine.snapshot_work()
+    with engine.paused():
+      work = dispatcher.snapshot_work(engine.open_segments())
     lengths = [len(e.get("open", {}).get("tokens", ())) for g in work["groups"]
                for e in g["episodes"]]
     if sum(2 <= n <= NEW - 3 for n in lengths) >= 4:

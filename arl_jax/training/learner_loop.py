@@ -1,0 +1,272 @@
+"""The learner loop: cut a batch, train, publish, record, save; then stop, one way.
+
+One update (`_update`) runs as a unit that a signal never splits (signals
+only set a flag, `stop.py`):
+
+1. cut `B_u` (the buffer sweeps stale groups first) and assemble it;
+2. in a multi-controller run, tell the other processes what to do with it
+   (train; evaluate after; save after);
+3. the jitted update, then publish version `u + 1` to the sampler;
+4. with the sampler held still: the orchestrator retires the trained groups
+   and cancels those that can no longer ship (`groups.jsonl` events), and
+   when this version is checkpointed, the open work is read at that instant;
+5. evaluate if due, and write the update's `metrics.jsonl` row;
+6. save the checkpoint, with the number of lines each record file has now,
+   so a resume from it keeps exactly these records (`records.py`).
+
+The stop sequence (`_stop`) is the only way out, whatever ended the loop (the
+last step, a signal, the data running out, an error): stop dispatching,
+finish the save in flight, evaluate once more when the data ran out, save the
+final checkpoint once (if asked, if this version is not saved yet and the
+state is sound), then close every component.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import jax
+
+from arl_jax import train_batch as train_batch_lib
+from arl_jax.distributed import lockstep
+from arl_jax.metrics import writer as writer_lib
+from arl_jax.orchestrator import orchestrator as orchestrator_lib
+from arl_jax.training import step_record as step_record_lib
+
+
+@dataclasses.dataclass
+class LoopResult:
+  """Attributes:
+    version: the last version trained (the run's final version).
+    groups_trained: groups trained since the run began (resumes included).
+    history: this process's step records.
+    batches: summaries of the trained batches (with `keep_batches`).
+  """
+
+  version: int
+  groups_trained: int
+  history: list[dict]
+  batches: list[dict]
+
+
+class LearnerLoop:
+  """Trains until `num_steps`, a stop request, the end of the data or an error."""
+
+  def __init__(self, spec, *, state, update_fn, publisher, orchestrator, rollouts,
+               checkpointer, reference, eval_log, writer, audit, stop, pad_id: int,
+               config: dict, version: int, groups_trained: int, broadcast_fn=None,
+               print_fn=writer_lib.print_line, keep_batches: bool = False):
+    """Args:
+      spec: the run's `config_lib.RunSpec`.
+      state: the TrainState (donated to each update).
+      update_fn: the jitted update (`update.make_update_fn`).
+      publisher: the `WeightPublisher` the sampler reads versions from.
+      orchestrator: the run's orchestrator.
+      rollouts: the rollout side (`rollouts.Rollouts`), started.
+      checkpointer: where to save (None: nowhere).
+      reference: the KL penalty's reference params (saved with the state), or None.
+      eval_log: the run's `EvalLog`.
+      writer: the metric writer (`metrics.jsonl`, ...).
+      audit: the `groups.jsonl` writer the orchestrator writes to.
+      stop: the run's `StopRequest`.
+      pad_id: the tokenizer's padding id.
+      config: the run's config as a dict (saved with checkpoints).
+      version: the version the loop starts at.
+      groups_trained: groups trained before (a resumed run's count).
+      broadcast_fn: `(step_index, lockstep.Step)` -> None, tells the other
+        processes of a multi-controller run what to do next (None: alone).
+      print_fn: progress lines.
+      keep_batches: keep a summary of every trained batch (tests).
+    """
+    self._spec = spec
+    self._state = state
+    self._update_fn = update_fn
+    self._publisher = publisher
+    self._orchestrator = orchestrator
+    self._rollouts = rollouts
+    self._checkpointer = checkpointer
+    self._reference = reference
+    self._eval_log = eval_log
+    self._writer = writer
+    self._audit = audit
+    self._stop_request = stop
+    self._pad_id = pad_id
+    self._config = config
+    self._broadcast_fn = broadcast_fn
+    self._print = print_fn
+    self._keep_batches = keep_batches
+    self.version = version
+    self.groups_trained = groups_trained
+    self._saved_version = version  # (a resumed version is saved; a fresh 0 needs no save)
+    self._history: list[dict] = []
+    self._batches: list[dict] = []
+    self._learner_wait = 0.0  # seconds spent waiting for a batch
+    self._blocking_s = 0.0  # seconds spent inside checkpoint save calls
+    self._data_exhausted = False
+    self._first_step = version
+
+  @property
+  def params(self):
+    """The params of the current version (what evaluation reads)."""
+    return self._state.params
+
+  def run(self) -> LoopResult:
+    failed = True
+    try:
+      self._rl_start = self._last_time = time.monotonic()
+      self._eval_log.rl_start = self._rl_start
+      for step in range(self.version, self._spec.num_steps):
+        batch = self._cut(step)
+        if batch is None:
+          break
+        self._update(step, batch)
+      failed = False
+    finally:
+      self._stop(failed)
+    return LoopResult(version=self.version, groups_trained=self.groups_trained,
+                      history=self._history, batches=self._batches)
+
+  # -- one update ---------------------------------------------------------------
+
+  def _cut(self, step: int) -> orchestrator_lib.Batch | None:
+    """`B_step`, or None when the loop must end (a stop request, or the data
+    ran out); waiting, it keeps checking for both and for failures."""
+    self._stop_request.phase = f"waiting for the batch of update {step}"
+    start = time.monotonic()
+    try:
+      while not self._stop_request:
+        try:
+          return self._orchestrator.cut(self.version, timeout=0.5)
+        except TimeoutError:
+          self._rollouts.raise_if_failed()
+      self._print(f"stopping after {step} updates: {self._stop_request.reason}")
+      return None
+    except orchestrator_lib.DataExhausted as e:
+      self._print(f"data exhausted after {step} updates (data.num_epochs="
+                  f"{self._spec.data.num_epochs}): {e}")
+      self._data_exhausted = True
+      return None
+    finally:
+      self._learner_wait += time.monotonic() - start
+
+  def _update(self, step: int, batch: orchestrator_lib.Batch) -> None:
+    spec = self._spec
+    self._stop_request.phase = f"update {step}"
+    host_batch = train_batch_lib.assemble(
+        batch.groups, batch_version=self.version, prompt_len=spec.engine.prompt_len,
+        # Trained columns follow the batch's longest completion, not the budget.
+        max_new_tokens=train_batch_lib.completion_width(batch.groups,
+                                                        spec.engine.max_new_tokens),
+        pad_id=self._pad_id, advantage_estimator=spec.advantage_estimator,
+        staleness_reference=spec.buffer.staleness_reference,
+        mask_truncated_completions=spec.mask_truncated_completions)
+    version = self.version + 1
+    evaluate = self._eval_due(version)
+    save = self._checkpointer is not None and self._checkpointer.should_save(version)
+    if self._broadcast_fn is not None:
+      self._broadcast_fn(step, lockstep.Step(lockstep.BATCH, host_batch, evaluate=evaluate,
+                                             save=save))
+    self._state, update_metrics = self._update_fn(self._state, host_batch)
+    self.version = version
+    self._publisher.publish(self._state.params, version)
+    self.groups_trained += len(batch.groups)
+    snapshot_start = time.monotonic()
+    with self._rollouts.paused():
+      cancelled = self._orchestrator.publish(version, trained=batch.groups)
+      self._rollouts.cancel(cancelled)
+      run_record = self._run_record() if save else None
+    update_metrics = jax.device_get(update_metrics)
+    now = time.monotonic()
+    record = step_record_lib.step_record(
+        step=step, version=version, host_batch=host_batch, batch=batch,
+        update_metrics=update_metrics,
+        components={**self._orchestrator.metrics(), **self._rollouts.metrics(),
+                    "checkpoint_blocking_s_total": self._blocking_s},
+        step_seconds=now - self._last_time, rl_seconds=now - self._rl_start,
+        learner_wait=self._learner_wait)
+    self._last_time = now
+    # At the mean pace so far (evaluations included).
+    record["eta_s"] = (now - self._rl_start) / (step + 1 - self._first_step) * (
+        spec.num_steps - step - 1)
+    if run_record is not None:
+      # The learner's pause to read the open work, and how much sampled work
+      # the checkpoint keeps.
+      groups = run_record["work"]["groups"]
+      record.update(
+          checkpoint_snapshot_s=time.monotonic() - snapshot_start,
+          checkpoint_open_groups=len(groups),
+          checkpoint_open_tokens=sum(len(e["completion_ids"]) + len(e.get("open", {}).get(
+              "tokens", ())) for g in groups for e in g["episodes"]))
+    if evaluate:
+      record["eval_reward"] = self._eval_log(self.params, version, "rl")
+    self._history.append(record)
+    self._writer.write({"phase": "rl", **record})
+    if self._keep_batches:
+      self._batches.append(step_record_lib.batch_summary(batch, host_batch))
+    is_last = step == spec.num_steps - 1
+    if spec.log_every and (step % spec.log_every == 0 or is_last or "eval_reward" in record):
+      self._print(writer_lib.progress_line(record))
+    if run_record is not None:
+      self._save(run_record)
+
+  def _eval_due(self, version: int) -> bool:
+    every = self._spec.eval_every
+    return bool(self._eval_log.enabled and every
+                and (version % every == 0 or version == self._spec.num_steps))
+
+  def _run_record(self) -> dict:
+    """What a resume needs besides the TrainState (JSON), read while the
+    rollouts are held still: the open work, the drop ledger, every
+    component's counters, and the config."""
+    return {"version": self.version, **self._orchestrator.snapshot(self._rollouts.open_segments()),
+            "counters": {"groups_trained": self.groups_trained,
+                         "rollouts": self._rollouts.state_dict()},
+            "config": self._config}
+
+  def _save(self, run_record: dict) -> None:
+    # How many lines of each record file belong to this checkpoint's run.
+    run_record["records"] = {"metrics.jsonl": self._writer.lines,
+                             "groups.jsonl": self._audit.lines}
+    start = time.monotonic()
+    self._checkpointer.save(self.version, self._state, run_record, self._reference)
+    self._blocking_s += time.monotonic() - start
+    self._saved_version = self.version
+
+  # -- the stop sequence -------------------------------------------------------------
+
+  def _stop(self, failed: bool) -> None:
+    """Runs whatever ended the loop (see the module docstring)."""
+    self._stop_request.phase = "stopping"
+    spec = self._spec
+    try:
+      self._orchestrator.dispatcher.close()  # nothing new starts; what runs, runs on
+      final_eval = (not failed and self._data_exhausted and self._eval_log.enabled
+                    and spec.eval_every and self.version % spec.eval_every != 0)
+      # Not after an error, nor over a state whose buffers an interrupted
+      # update donated, nor with a sampler whose slots cannot be read.
+      save_final = (self._checkpointer is not None and spec.checkpoint.save_final
+                    and not failed and self.version != self._saved_version
+                    and not self._rollouts.failed
+                    and not any(x.is_deleted() for x in jax.tree.leaves(self._state)))
+      if self._broadcast_fn is not None:  # the other processes stop with us
+        self._broadcast_fn(spec.num_steps, lockstep.Step(
+            lockstep.STOP, evaluate=bool(final_eval), save=bool(save_final)))
+      if self._checkpointer is not None:
+        self._stop_request.phase = "finishing the checkpoint being written"
+        self._checkpointer.wait()
+      if final_eval:
+        self._eval_log(self.params, self.version, "rl")
+      if save_final:
+        self._stop_request.phase = "saving the final checkpoint"
+        with self._rollouts.paused():
+          run_record = self._run_record()
+        self._save(run_record)
+    finally:
+      try:
+        if self._checkpointer is not None:
+          self._checkpointer.close()  # waits for the last save
+      finally:
+        self._orchestrator.close()
+        self._rollouts.stop()
+

@@ -1,0 +1,249 @@
+"""Where a run starts: the restore order, and the checks on what it resumes.
+
+1. This workdir's newest intact checkpoint (the whole run: learner state, open
+   work, counters). Newer damaged steps are skipped, said so, and set aside.
+2. `checkpoint.resume_from`, another folder's newest intact checkpoint.
+3. `checkpoint.init_from`: another checkpoint's params only (version 0, a
+   fresh optimizer and prompt stream).
+4. `model.hf_path`: a Hugging Face folder's weights.
+5. A random init (also the layout template that 1 and 2 restore onto).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import time
+
+from arl_jax import checkpointing
+from arl_jax.learner import train_state as train_state_lib
+from arl_jax.models import hf_params, init_lib
+from arl_jax.sharding import rules as rules_lib
+
+# Config keys a resumed run may change without a warning: how long it runs,
+# what it logs, where it saves, and how it is laid out on devices.
+_FREE_TO_CHANGE = ("num_steps", "log_every", "eval_every", "eval_size", "writers", "checkpoint.",
+                   "fleet.", "mesh.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpoints:
+  """Attributes:
+    saver: where this run saves (None: checkpointing is off).
+    resume: what it resumes from (None: a fresh start).
+    own: `resume` is this workdir's own folder (its records continue).
+  """
+
+  saver: checkpointing.Checkpointer | None
+  resume: checkpointing.Checkpointer | None
+  own: bool
+
+  def close(self) -> None:
+    if self.resume is not None and self.resume is not self.saver:
+      self.resume.close()
+    if self.saver is not None:
+      self.saver.close()
+
+
+def open_checkpoints(cfg: checkpointing.CheckpointConfig, workdir: str) -> Checkpoints:
+  own = os.path.join(workdir, "checkpoints")
+  saver = checkpointing.Checkpointer(own, cfg) if cfg.enabled else None
+  if saver is not None and saver.latest_step() is not None:
+    return Checkpoints(saver, saver, own=True)
+  if not cfg.enabled and os.path.isdir(own):
+    reader = checkpointing.Checkpointer(own, cfg)
+    if reader.latest_step() is not None:
+      return Checkpoints(None, reader, own=True)
+    reader.close()
+  if cfg.resume_from:
+    return Checkpoints(saver, existing(cfg.resume_from, "checkpoint.resume_from", cfg), own=False)
+  return Checkpoints(saver, None, own=False)
+
+
+def existing(path: str, key: str, cfg) -> checkpointing.Checkpointer:
+  """A checkpoint folder the config names, which must hold a checkpoint."""
+  if not os.path.isdir(path):  # (a Checkpointer would create it)
+    raise FileNotFoundError(f"{key}={path!r}: no such folder")
+  reader = checkpointing.Checkpointer(path, cfg)
+  if reader.latest_step() is None:
+    raise FileNotFoundError(f"{key}={path!r}: no checkpoint there")
+  return reader
+
+
+def initial_params(spec, mesh, resuming: bool, print_fn):
+  """`(graphdef, params)` a run starts from, laid out on the learner `mesh`
+  (steps 3-5 of the restore order; a resume restores onto these)."""
+  rules = rules_lib.LEARNER_RULES
+  if not resuming and spec.checkpoint.init_from:
+    init = existing(spec.checkpoint.init_from, "checkpoint.init_from", spec.checkpoint)
+    graphdef, abstract = init_lib.abstract_model(spec.model)
+    shardings = rules_lib.state_shardings(abstract, mesh, rules)
+    params = init.restore_params(checkpointing.abstract_like(abstract, shardings))
+    print_fn(f"initialised params from {init.directory} (step {init.latest_step()})")
+    init.close()
+    return graphdef, params
+  if not resuming and spec.model_hf_path:
+    start = time.monotonic()
+    graphdef, params = hf_params.load_params(spec.model_hf_path, spec.model, mesh, rules)
+    print_fn(f"imported {spec.model_hf_path} ({spec.model.num_params / 1e6:.1f}M params, "
+             f"{time.monotonic() - start:.1f}s)")
+    return graphdef, params
+  graphdef, params, _ = init_lib.init_params(spec.model, mesh, rules, spec.seed)
+  return graphdef, params
+
+
+@dataclasses.dataclass(frozen=True)
+class Beginning:
+  """What a run starts from.
+
+  Attributes:
+    graphdef: the decoder's graph definition.
+    params: the starting params (a fresh start: before any warm-up).
+    restored: the checkpoint resumed (None: a fresh start).
+    state_shardings: the restored TrainState's shardings (None: a fresh start).
+    own: `restored` is this workdir's own (its records continue).
+  """
+
+  graphdef: object
+  params: object
+  restored: checkpointing.Restored | None = None
+  state_shardings: object = None
+  own: bool = False
+
+  @property
+  def version(self) -> int:
+    return int(self.restored.run["version"]) if self.restored is not None else 0
+
+
+def begin(spec, mesh, checkpoints: Checkpoints, *, optimizer, config: dict, set_aside: bool,
+          print_fn) -> Beginning:
+  """Follows the restore order (module docstring) onto the learner `mesh`."""
+  resuming = checkpoints.resume is not None
+  graphdef, params = initial_params(spec, mesh, resuming, print_fn)
+  if not resuming:
+    return Beginning(graphdef=graphdef, params=params)
+  # Restored onto the layout of freshly initialised params.
+  state, state_shardings = train_state_lib.create(params, optimizer, mesh)
+  restored = resume(checkpoints, state=state, state_shardings=state_shardings,
+                    reference=state.params if spec.loss.kl_coef > 0 else None, config=config,
+                    print_fn=print_fn, set_aside=set_aside)
+  print_fn(f"resumed from {checkpoints.resume.directory} at version {restored.run['version']}: "
+           f"{describe_work(restored.run['work'])}")
+  return Beginning(graphdef=graphdef, params=restored.state.params, restored=restored,
+                   state_shardings=state_shardings, own=checkpoints.own)
+
+
+def describe_work(work: dict) -> str:
+  groups = work["groups"]
+  stages = collections.Counter(e["stage"] for g in groups for e in g["episodes"])
+  open_tokens = sum(len(e.get("open", {}).get("tokens", ())) for g in groups
+                    for e in g["episodes"])
+  return (f"{work['prompts_drawn']} prompts drawn; {len(groups)} open groups go on (rollouts: "
+          f"{stages['done']} scored, {stages['env']} at their environment, {stages['sample']} "
+          f"at the sampler, {open_tokens} tokens of open segments kept); "
+          f"{len(work['requeued'])} requeued prompts")
+
+
+def resume(checkpoints: Checkpoints, *, state, state_shardings, reference, config: dict,
+           print_fn, set_aside: bool = True) -> checkpointing.Restored:
+  """Restores the newest intact checkpoint of `checkpoints.resume` onto the
+  layout of `state` (and `reference`, the KL penalty's params, if any).
+
+  Damaged newer steps are reported; in the run's own folder they are moved
+  aside (`set_aside`), so that the steps this run saves next do not collide
+  with them. A config that differs from the checkpoint's in what the run
+  does (not how long, or where) is reported too.
+  """
+  reader = checkpoints.resume
+  abstract_reference = None
+  if reference is not None:
+    abstract_reference = checkpointing.abstract_like(reference, state_shardings.params)
+  restored = reader.restore_latest_intact(
+      checkpointing.abstract_like(state, state_shardings),
+      abstract_reference=abstract_reference, check_run_fn=prepare_run_record)
+  for step, why in restored.skipped:
+    print_fn(f"warning: skipped checkpoint step {step}: {why}")
+  if restored.skipped and checkpoints.own and set_aside:
+    where = reader.set_aside([step for step, _ in restored.skipped])
+    print_fn(f"moved the skipped step(s) to {where}")
+  saved_config = restored.run.get("config")
+  if saved_config is not None:
+    changes = config_changes(saved_config, config)
+    if changes:
+      print_fn("warning: resuming with a config that differs from the checkpoint's in "
+               f"{', '.join(changes)}; the saved open work and prompt stream go on under the "
+               "new settings")
+  return restored
+
+
+def prepare_run_record(run: dict) -> dict:
+  """`run` in this code's format (records of format 2 are upgraded).
+
+  Raises:
+    KeyError, TypeError: naming the key, if `run` lacks what a resume reads.
+  """
+  if run.get("format_version") == 2:  # flat counters, no record positions or config
+    flat = _require(run, "counters", dict)
+    run = {**run, "format_version": checkpointing.FORMAT_VERSION, "counters": {
+        "groups_trained": flat.get("groups_trained"),
+        "rollouts": {"sampler": {k: flat.get(k) for k in ("cancelled_rollouts",
+                                                          "cancelled_tokens",
+                                                          "cancelled_sampled_tokens")},
+                     "env": {"errors": flat.get("env_errors"),
+                             "timeouts": flat.get("env_timeouts"),
+                             "turns": flat.get("env_turns")}}}}
+  check_run_record(run)
+  return run
+
+
+def check_run_record(run: dict) -> None:
+  """Raises (naming the key) if `run` lacks what a resume reads."""
+  _require(run, "version", int)
+  work = _require(run, "work", dict)
+  for key, kind in (("groups", list), ("prompts_drawn", int), ("requeued", list),
+                    ("next_group_id", int), ("counters", dict)):
+    _require(work, key, kind, f"work.{key}")
+  if "stream_state" not in work:
+    raise KeyError("work.stream_state is missing")
+  _require(run, "drop_ledger", dict)
+  counters = _require(run, "counters", dict)
+  _require(counters, "groups_trained", int, "counters.groups_trained")
+  rollouts = _require(counters, "rollouts", dict, "counters.rollouts")
+  _require(rollouts, "sampler", dict, "counters.rollouts.sampler")
+  _require(rollouts, "env", dict, "counters.rollouts.env")
+
+
+def _require(mapping: dict, key: str, kind, name: str | None = None):
+  name = name or key
+  if key not in mapping:
+    raise KeyError(f"{name} is missing")
+  if not isinstance(mapping[key], kind) or (kind is int and isinstance(mapping[key], bool)):
+    raise TypeError(f"{name} is {type(mapping[key]).__name__}, not {kind.__name__}")
+  return mapping[key]
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+  """`key: old -> new` for each setting that changed, except those a resumed
+  run may change freely (`_FREE_TO_CHANGE`)."""
+  old, new = _flat(_jsonable(saved)), _flat(_jsonable(current))
+  changes = []
+  for key in sorted(set(old) | set(new)):
+    if key.startswith(_FREE_TO_CHANGE) or old.get(key) == new.get(key):
+      continue
+    changes.append(f"{key}: {old.get(key, '(unset)')!r} -> {new.get(key, '(unset)')!r}")
+  return changes
+
+
+def _jsonable(value):
+  return json.loads(json.dumps(value, default=str))
+
+
+def _flat(tree, prefix: str = "") -> dict:
+  if not isinstance(tree, dict):
+    return {prefix.rstrip("."): tree}
+  out = {}
+  for key, value in tree.items():
+    out.update(_flat(value, f"{prefix}{key}."))
+  return out

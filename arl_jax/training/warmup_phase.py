@@ -1,0 +1,45 @@
+"""The supervised warm-up before RL, as a run wires it (fresh starts only)."""
+
+from __future__ import annotations
+
+from arl_jax.learner import optim as optim_lib
+from arl_jax.learner import warmup as warmup_lib
+from arl_jax.training import inputs as inputs_lib
+
+
+def warm_up(spec, *, params, graphdef, mesh, inputs: inputs_lib.Inputs, writer, eval_log, stop,
+            print_fn):
+  """Evaluates the starting params, then runs `warmup.steps` supervised steps
+  on a `warmup.fraction` subset of the training prompts.
+
+  A stop request ends it between two steps: nothing of a warm-up is saved (no
+  checkpoint exists before RL starts), so the stop is recorded and a rerun
+  starts over (setting this run's records aside, `records.py`).
+
+  Returns:
+    `(params, finished)`: the warmed-up params, and False if it was stopped.
+  """
+  w = spec.warmup
+  eval_log(params, 0, "warmup")
+  chosen = inputs_lib.warmup_subset(spec, inputs)
+  env = inputs.env
+
+  def log(step, metrics):
+    writer.write({"phase": "warmup", "step": step, **metrics})
+    print_fn(f"warmup {step:>4d} | loss {float(metrics['loss']):.4f}")
+
+  stop.phase = "warm-up"
+  params, done = warmup_lib.run_warmup(
+      params=params, graphdef=graphdef, mesh=mesh,
+      optimizer=optim_lib.make_optimizer(optim_lib.OptimConfig(lr=w.lr)), steps=w.steps,
+      batch_size=w.batch_size, prompt_ids=[env.encode_prompt(p) for p in chosen],
+      demonstrations=[env.demonstration(p) for p in chosen], prompt_len=spec.engine.prompt_len,
+      max_new_tokens=spec.engine.max_new_tokens, pad_id=inputs.tokenizer.pad_id, seed=spec.seed,
+      log_fn=log, should_stop=lambda: bool(stop))
+  if done == w.steps:
+    return params, True
+  writer.write({"phase": "stopped", "during": "warmup", "step": done, "steps": w.steps,
+                "reason": stop.reason})
+  print_fn(f"stopping during the warm-up after {done} of {w.steps} steps: {stop.reason}; "
+           "nothing is saved before RL starts, so a rerun starts over")
+  return params, False
