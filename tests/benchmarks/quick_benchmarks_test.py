@@ -22,6 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("benchmarks/checkpoint.py", None),
     ("benchmarks/hf_import.py", None),
     ("benchmarks/fleet.py", None),
+    ("benchmarks/soak.py", {"window", "summary"}),
 ])
 def test_benchmark_quick_mode_writes_json_rows(tmp_path, script, parts):
   out = tmp_path / "rows.jsonl"
