@@ -20,10 +20,10 @@ short) is skipped, and the caller is told which step and why; orbax keeps
 `keep` steps, so the previous one is usually there. Temporary folders of
 saves that never finished are removed when the folder is opened.
 
-The run record (`run_lib._run_record`) holds the rest of the run: the prompt
-stream's position (the grain iterator's state and the count of prompts
-drawn), every group in flight or in the buffer with each rollout at its
-restart point (tokens, behaviour log-probs and versions sampled so far, open
+The run record (`LearnerLoop._run_record`, `training/learner_loop.py`) holds
+the rest of the run: the prompt stream's position (the grain iterator's state
+and the count of prompts drawn), every group in flight or in the buffer with
+each rollout at its restart point (tokens, behaviour log-probs and versions sampled so far, open
 segments included: `orchestrator/open_work.py`), the drop ledger and the
 counters. A resume continues that work where it stopped, so no prompt is
 lost or trained twice and no sampled token is thrown away.

@@ -1,6 +1,6 @@
 """Greedy evaluation on held-out prompts, with the learner's current params.
 
-It runs the sampler's own slot functions (`engine.make_sampler_fns`) on the
+It runs the sampler's own slot functions (`slot_fns.make_sampler_fns`) on the
 learner mesh, so evaluation measures exactly what the sampler would generate
 greedily, without waiting for a publish. Multi-turn environments are played
 turn by turn: all episodes sample a segment together, the environment answers,
@@ -25,9 +25,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from arl_jax import rows as rows_lib
 from arl_jax.envs import env_api
-from arl_jax.sampler import engine as engine_lib
-from arl_jax.sampler import sampling
+from arl_jax.sampler import engine_config, sampling, slot_fns
 
 # Decode steps between two checks whether every episode's segment has ended.
 _DONE_CHECK_EVERY = 8
@@ -59,7 +59,7 @@ class Evaluator:
   """Compiles greedy insert/decode once for a fixed eval set and reuses them."""
 
   def __init__(self, *, graphdef, model_cfg, env, tokenizer, prompts, mesh: Mesh,
-               engine_cfg: engine_lib.EngineConfig):
+               engine_cfg: engine_config.EngineConfig):
     """Args:
       graphdef: decoder graph definition.
       model_cfg: the decoder's ModelConfig.
@@ -72,10 +72,10 @@ class Evaluator:
     self._env = env
     self._tokenizer = tokenizer
     self._prompts = list(prompts)
-    self._env_names = [env_api.env_name_of(env, p) for p in self._prompts]
+    self._env_names = [env.env_name_of(p) for p in self._prompts]
     self._vocab_size = model_cfg.vocab_size
     self._cfg = engine_cfg
-    self._multi_turn = env_api.is_multi_turn(env)
+    self._multi_turn = env.multi_turn
     if self._multi_turn and not engine_cfg.multi_turn:
       raise ValueError(f"env {env.name!r} is multi-turn but engine_cfg.multi_turn is False")
     self._prompt_ids = [env.encode_prompt(p) for p in self._prompts]
@@ -90,7 +90,7 @@ class Evaluator:
     self._stop_mask = np.array(
         [sampling.stop_mask_row(settings, env_api.segment_stop_ids(tokenizer, env, p))
          for p in self._prompts], bool).reshape(rows, len(settings.stop_ids))
-    self._fns = engine_lib.make_sampler_fns(
+    self._fns = slot_fns.make_sampler_fns(
         graphdef=graphdef, model_cfg=model_cfg, mesh=mesh, settings=settings, num_slots=rows,
         length=engine_cfg.length)
 
@@ -103,13 +103,10 @@ class Evaluator:
     for i, ids in contexts.items():
       by_bucket.setdefault(next(b for b in buckets if b >= len(ids)), []).append(i)
     for bucket, rows in by_bucket.items():
-      r = engine_lib.row_bucket(len(rows), len(self._prompts))
+      r = slot_fns.row_bucket(len(rows), len(self._prompts))
       rows = rows + [rows[-1]] * (r - len(rows))  # duplicates rewrite the same slot
-      tokens = np.full((r, bucket), self._tokenizer.pad_id, np.int32)
-      mask = np.zeros((r, bucket), bool)
-      for j, i in enumerate(rows):
-        tokens[j, bucket - len(contexts[i]):] = contexts[i]
-        mask[j, bucket - len(contexts[i]):] = True
+      tokens, mask = rows_lib.left_pad([contexts[i] for i in rows], bucket,
+                                       self._tokenizer.pad_id)
       state = self._fns.insert(params, version, state, np.asarray(rows, np.int32), tokens, mask,
                                self._keys[rows], np.asarray([budgets[i] for i in rows], np.int32),
                                self._stop_mask[rows])
@@ -146,7 +143,7 @@ class Evaluator:
 
   def __call__(self, params) -> EvalResult:
     default = self._cfg.max_new_tokens
-    n_max = [min(default, env_api.budget_of(self._env, p) or default) for p in self._prompts]
+    n_max = [min(default, self._env.max_new_tokens_for(p) or default) for p in self._prompts]
     completions = [[] for _ in self._prompts]
     errors = collections.Counter()
     faulted = [False] * len(self._prompts)

@@ -1,4 +1,4 @@
-"""Data contracts of sampled work: `Rollout` and `Group` (DESIGN.md section 3).
+"""Data contracts of sampled work: `Rollout` and `Group` (docs/design.md section 3).
 
 Versions are always explicit: a missing version is an error, never 0.
 """

@@ -26,7 +26,6 @@ import ml_collections
 
 from arl_jax import config_lib, evaluation
 from arl_jax.distributed import follower, lockstep
-from arl_jax.envs import env_api
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib
 from arl_jax.learner import train_state as train_state_lib
@@ -44,7 +43,17 @@ from arl_jax.training import stop as stop_lib
 
 @dataclasses.dataclass
 class RunResult:
-  """What a run did, for tests and sweeps."""
+  """What a run did, for tests and sweeps.
+
+  Attributes:
+    history: this run's update rows, read back from `metrics.jsonl` (those of
+      the updates it ran: from its starting version on).
+    eval_history: its evaluation rows.
+    groups_trained: groups trained since the run began (resumes included).
+    final_version: the last version trained.
+    trained_batches: batch summaries (with `keep_batches`).
+    wall_seconds: wall time of `run`.
+  """
 
   history: list[dict]
   eval_history: list[dict]
@@ -73,7 +82,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     workdir_lock.WorkdirInUse: another run holds `workdir`.
   """
   start_time = time.monotonic()
-  spec = config_lib.build(config)
+  resolved = config_lib.resolve(config)
+  spec, inputs = resolved.spec, resolved.inputs
   config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   meshes = mesh_lib.make_role_meshes(spec.mesh)
   # Multi-controller (jax.distributed): process 0 leads (orchestrator, logs);
@@ -90,7 +100,6 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       holder = lock.previous_holder
       print_fn(f"note: the previous run in this workdir (process {holder.get('pid')} on "
                f"{holder.get('host')}, started {holder.get('started')}) did not stop cleanly")
-    inputs = inputs_lib.load(spec)
     _print_header(spec, meshes, inputs, print_fn)
     checkpoints = start.open_checkpoints(spec.checkpoint, workdir)
     try:
@@ -115,7 +124,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
         audit.close()
     finally:
       checkpoints.close()
-  return RunResult(history=result.history, eval_history=eval_log.history,
+  return RunResult(history=records.step_rows(log_dir, first_step=beginning.version),
+                   eval_history=eval_log.history,
                    groups_trained=result.groups_trained, final_version=result.version,
                    trained_batches=result.batches, wall_seconds=time.monotonic() - start_time)
 
@@ -132,7 +142,7 @@ def _train(spec, config_dict, meshes, *, workdir, inputs, beginning, optimizer, 
           spec, params=params, graphdef=beginning.graphdef, mesh=meshes.learner,
           inputs=inputs, writer=writer, eval_log=eval_log, stop=stop, print_fn=print_fn)
       if not finished:
-        return learner_loop.LoopResult(version=0, groups_trained=0, history=[], batches=[])
+        return learner_loop.LoopResult(version=0, groups_trained=0, batches=[])
     state, state_shardings = train_state_lib.create(params, optimizer, meshes.learner)
   else:
     state, state_shardings = restored.state, beginning.state_shardings
@@ -158,7 +168,7 @@ def _train(spec, config_dict, meshes, *, workdir, inputs, beginning, optimizer, 
                               checkpointer=checkpoints.saver, reference=reference,
                               eval_log=eval_log, version=beginning.version)
     print_fn(f"done: {version} updates (following process 0)")
-    return learner_loop.LoopResult(version=version, groups_trained=0, history=[], batches=[])
+    return learner_loop.LoopResult(version=version, groups_trained=0, batches=[])
   return _lead(spec, config_dict, meshes, workdir=workdir, graphdef=beginning.graphdef,
                inputs=inputs, state=state, update_fn=update_fn, publisher=publisher,
                checkpoints=checkpoints, reference=reference, eval_log=eval_log, writer=writer,
@@ -197,11 +207,11 @@ def _lead(spec, config_dict, meshes, *, workdir, graphdef, inputs, state, update
   orchestrator = orchestrator_lib.Orchestrator(
       dispatch_cfg=spec.dispatch, buffer_cfg=spec.buffer,
       prompts=inputs_lib.prompt_stream(spec, inputs, work), encode_fn=env.encode_prompt,
-      env_name_of=functools.partial(env_api.env_name_of, env),
+      env_name_of=env.env_name_of,
       max_new_tokens=spec.engine.max_new_tokens,
       mask_truncated_completions=spec.mask_truncated_completions,
-      budget_fn=functools.partial(env_api.budget_of, env), audit_fn=audit.write)
-  sampling = rollouts.build(spec, config=config_dict, meshes=meshes, graphdef=graphdef,
+      budget_fn=env.max_new_tokens_for, audit_fn=audit.write)
+  sampling = rollouts.build(spec, meshes=meshes, graphdef=graphdef,
                             inputs=inputs, orchestrator=orchestrator, publisher=publisher,
                             workdir=workdir, writer=writer, print_fn=print_fn,
                             multi_controller=multi)
@@ -217,8 +227,9 @@ def _lead(spec, config_dict, meshes, *, workdir, graphdef, inputs, state, update
     sampling.load_state_dict(counters["rollouts"])
     groups_trained = int(counters["groups_trained"])
   publisher.publish(state.params, version)
-  # On a resume from a checkpoint of format 2 (taken before its version's
-  # publish): the groups that publish cancelled, again; otherwise none.
+  # The publish of the starting version: nothing to cancel on a fresh start
+  # or a resume from format 3 (its snapshot follows the publish); a format-2
+  # snapshot was taken before it, so its cancellations happen again here.
   cancelled = set(orchestrator.publish(version, trained=[]))
   sampling.cancel(cancelled)
   if restored is not None:

@@ -1,7 +1,9 @@
-"""`TrainBatch`: fixed-shape arrays the learner step consumes (DESIGN.md section 3).
+"""`TrainBatch`: fixed-shape arrays the learner step consumes (docs/design.md section 3).
 
-Rows are rollouts, `[B, L]` with `L = prompt bucket + max new tokens` fixed for
-the run, so the jitted update step never recompiles. Prompts are left-padded to
+Rows are rollouts, `[B, L]` with `L = prompt bucket + completion width`: the
+width is the batch's longest completion rounded up to a power of two (at least
+16, at most `max_new_tokens`; `completion_width`), so the jitted update
+compiles once per width (a handful), not per batch. Prompts are left-padded to
 the bucket so that every completion starts at the same column, exactly as in
 the sampler: the same columns, masks and positions give the same log-probs.
 """
@@ -12,8 +14,9 @@ import flax.struct
 import jax
 import numpy as np
 
+from arl_jax import advantages as advantages_lib
 from arl_jax import rollout as rollout_lib
-from arl_jax.learner import advantages as advantages_lib
+from arl_jax import rows as rows_lib
 from arl_jax.orchestrator import staleness
 
 
@@ -42,6 +45,22 @@ class TrainBatch:
   lag: jax.Array
 
 
+# Each field's dtype and whether it is per token (`[B, L]`) or per row
+# (`[B]`): the one definition of a batch's layout (`zeros`, the
+# multi-controller broadcast) that `assemble` produces.
+FIELDS = {"tokens": (np.int32, True), "token_mask": (np.bool_, True),
+          "loss_mask": (np.float32, True), "behaviour_logprobs": (np.float32, True),
+          "token_versions": (np.int32, True), "advantages": (np.float32, False),
+          "rewards": (np.float32, False), "group_ids": (np.int32, False),
+          "lag": (np.int32, False)}
+
+
+def zeros(rows: int, columns: int) -> TrainBatch:
+  """A host batch of zeros shaped and typed as `assemble` makes them."""
+  return TrainBatch(**{name: np.zeros((rows, columns) if per_token else (rows,), dtype)
+                       for name, (dtype, per_token) in FIELDS.items()})
+
+
 def completion_width(groups: list[rollout_lib.Group], max_new_tokens: int,
                      floor: int = 16) -> int:
   """Columns a batch's completions are padded to: the smallest power of two
@@ -64,21 +83,12 @@ def assemble(groups: list[rollout_lib.Group], *, batch_version: int, prompt_len:
   record but get loss mask 0 and do not shift their group's baseline: they
   carry no signal.
   """
-  rows = [r for g in groups for r in g.rollouts]
-  b, length = len(rows), prompt_len + max_new_tokens
-  tokens = np.full((b, length), pad_id, np.int32)
-  token_mask = np.zeros((b, length), bool)
-  loss_mask = np.zeros((b, length), np.float32)
-  behaviour = np.zeros((b, length), np.float32)
-  versions = np.full((b, length), -1, np.int32)
   rewards = np.stack([g.rewards for g in groups])  # [num_groups, G]
   valid = np.array([[not r.is_masked(mask_truncated_completions) for r in g.rollouts]
                     for g in groups])
   advantages = advantages_lib.group_advantages(rewards, advantage_estimator,
                                                valid=valid).reshape(-1)
-  lag = np.zeros((b,), np.int32)
-  group_ids = np.zeros((b,), np.int32)
-  i = 0
+  lag, group_ids = [], []
   for g in groups:
     group_lag = staleness.lag(batch_version, g, staleness_reference)
     for r in g.rollouts:
@@ -86,17 +96,27 @@ def assemble(groups: list[rollout_lib.Group], *, batch_version: int, prompt_len:
       if p > prompt_len or c > max_new_tokens:
         raise ValueError(f"rollout of group {g.group_id} has prompt {p} / completion {c} tokens; "
                          f"the batch holds {prompt_len} / {max_new_tokens}")
-      tokens[i, prompt_len - p:prompt_len] = r.prompt_ids
-      token_mask[i, prompt_len - p:prompt_len + c] = True
-      cols = slice(prompt_len, prompt_len + c)
-      tokens[i, cols] = r.completion_ids
-      loss_mask[i, cols] = 0.0 if r.is_masked(mask_truncated_completions) else r.loss_mask
-      behaviour[i, cols] = r.behaviour_logprobs
-      versions[i, cols] = r.token_versions
-      lag[i] = group_lag
-      group_ids[i] = g.group_id
-      i += 1
-  return TrainBatch(tokens=tokens, token_mask=token_mask, loss_mask=loss_mask,
-                    behaviour_logprobs=behaviour, token_versions=versions,
-                    advantages=advantages, rewards=rewards.reshape(-1).astype(np.float32),
-                    group_ids=group_ids, lag=lag)
+      lag.append(group_lag)
+      group_ids.append(g.group_id)
+  rows = [r for g in groups for r in g.rollouts]
+  # Prompts end at column `prompt_len`, where every completion starts; prompt
+  # columns carry no loss, no behaviour log-prob and no version.
+  prompts, prompt_mask = rows_lib.left_pad([r.prompt_ids for r in rows], prompt_len, pad_id)
+  completion = lambda values, fill, dtype: rows_lib.right_pad(values, max_new_tokens, fill,
+                                                              dtype)
+  prompt_cols = lambda fill, dtype: np.full((len(rows), prompt_len), fill, dtype)
+  completions, completion_mask = completion([r.completion_ids for r in rows], pad_id, np.int32)
+  loss_mask, _ = completion([np.zeros(len(r.completion_ids))
+                             if r.is_masked(mask_truncated_completions) else r.loss_mask
+                             for r in rows], 0.0, np.float32)
+  behaviour, _ = completion([r.behaviour_logprobs for r in rows], 0.0, np.float32)
+  versions, _ = completion([r.token_versions for r in rows], rollout_lib.NO_VERSION, np.int32)
+  return TrainBatch(
+      tokens=np.concatenate([prompts, completions], axis=1),
+      token_mask=np.concatenate([prompt_mask, completion_mask], axis=1),
+      loss_mask=np.concatenate([prompt_cols(0.0, np.float32), loss_mask], axis=1),
+      behaviour_logprobs=np.concatenate([prompt_cols(0.0, np.float32), behaviour], axis=1),
+      token_versions=np.concatenate([prompt_cols(rollout_lib.NO_VERSION, np.int32), versions],
+                                    axis=1),
+      advantages=advantages, rewards=rewards.reshape(-1).astype(np.float32),
+      group_ids=np.array(group_ids, np.int32), lag=np.array(lag, np.int32))

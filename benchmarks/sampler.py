@@ -31,7 +31,7 @@ from arl_jax.models import model_config as model_config_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import engine as engine_lib
-from arl_jax.sampler import sampling
+from arl_jax.sampler import engine_config, sampling, slot_fns
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
 
@@ -214,7 +214,7 @@ def swap_pause(cfg, meshes, graphdef, params, num_slots, kv_policy, seconds, pub
                                          lambda p: rng.integers(0, 256, 16).tolist(),
                                          buffer_lib.RolloutBuffer(buffer_lib.BufferConfig()))
   engine = engine_lib.SamplerEngine(
-      cfg=engine_lib.EngineConfig(num_slots=num_slots, group_size=group, prompt_buckets=(16,),
+      cfg=engine_config.EngineConfig(num_slots=num_slots, group_size=group, prompt_buckets=(16,),
                                   max_new_tokens=128, kv_policy=kv_policy),
       settings=SETTINGS, graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
       publisher=publisher, dispatcher=dispatcher, on_segment_fn=lambda _: None)
@@ -266,7 +266,7 @@ def main() -> None:
   for name in sizes:
     cfg, meshes, graphdef, params = _model(name, prompt_len + 256)
     for b in slot_counts[name]:
-      fns = engine_lib.make_sampler_fns(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
+      fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
                                         settings=SETTINGS, num_slots=b,
                                         length=prompt_len + new_tokens)
       prompts = _prompts(b, prompt_len)
@@ -292,7 +292,7 @@ def main() -> None:
     rng = np.random.default_rng(1)
     n = 4 * b if args.quick else 8 * b
     lengths = np.clip(rng.lognormal(np.log(16), 1.0, n), 2, 256).astype(np.int32)
-    fns = engine_lib.make_sampler_fns(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
+    fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
                                       settings=SETTINGS, num_slots=b, length=prompt_len + 256)
     prompts = _prompts(n, prompt_len, seed=2)
     if name != "50M":

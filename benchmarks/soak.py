@@ -200,6 +200,9 @@ def _config(steps: int, eval_every: int):
   config.num_steps = steps
   config.eval_every = eval_every
   config.log_every = 1  # every update's line marks its end time for the probe
+  # A long run: every program shape the sampler can use compiles at its start
+  # (the tiny variant turns this off to keep short test runs short).
+  config.sampler.precompile = True
   return config
 
 

@@ -153,7 +153,7 @@ def bench(model: str, meshes: mesh_lib.RoleMeshes, repeats: int) -> list[dict]:
   bridge = rules_lib.with_mesh(rules_lib.specs_of(sampler_shardings), meshes.learner)
   reshard_fn = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=bridge)
   bridged = jax.block_until_ready(reshard_fn(params))
-  # jax.device_get caches the host copy on the array (JAX_NOTES.md), so each
+  # jax.device_get caches the host copy on the array (docs/jax_notes.md), so each
   # host round trip gets fresh learner arrays, copied outside the timer.
   copy_fn = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=learner_shardings)
   paths = {  # path -> (fn, setup_fn)

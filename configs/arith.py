@@ -15,7 +15,7 @@ Variants (the `:ARG` after the file name):
 
 Why the warm-up: a model trained from scratch almost never samples a correct
 sum, so RL would have no signal. The warm-up teaches the answer on a subset of
-the pairs; RL then has to generalise to the rest (JAX_NOTES.md: a warm-up on
+the pairs; RL then has to generalise to the rest (docs/jax_notes.md: a warm-up on
 the answer format alone made RL collapse onto one answer).
 
 What to expect (measured on a 2-core CPU, one JAX device, so learner and
@@ -58,7 +58,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   config.sampler = ml_collections.ConfigDict(dict(
       num_slots=128, prompt_len=8, prompt_buckets=(), max_new_tokens=5, temperature=1.0,
-      top_k=0, top_p=1.0, weight_update="in_flight", kv_policy="keep", param_dtype="float32"))
+      top_k=0, top_p=1.0, weight_update="in_flight", kv_policy="keep", param_dtype="float32",
+      # Compile every program shape the engine can use when it starts, so that no
+      # rare batch shape compiles late in a long run.
+      precompile=True))
 
   config.orchestrator = ml_collections.ConfigDict(dict(
       batch_size=128, group_size=8, max_async_level=1, max_off_policy_steps=8,
@@ -97,6 +100,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.orchestrator.max_off_policy_steps = 0
     config.sampler.weight_update = "drain"
   elif arg == "tiny":
+    config.sampler.precompile = False  # (a few updates: a late compile cannot stall them)
     config.num_steps = 4
     config.eval_every = 2
     config.eval_size = 16

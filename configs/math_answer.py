@@ -57,7 +57,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.sampler = ml_collections.ConfigDict(dict(
       num_slots=64, prompt_len=80, prompt_buckets=(48, 64), max_new_tokens=12,
       temperature=1.0, top_k=0, top_p=1.0, weight_update="in_flight", kv_policy="keep",
-      param_dtype="float32"))
+      param_dtype="float32",
+      # Compile every program shape the engine can use when it starts, so that no
+      # rare batch shape compiles late in a long run.
+      precompile=True))
 
   config.orchestrator = ml_collections.ConfigDict(dict(
       batch_size=64, group_size=8, max_async_level=1, max_off_policy_steps=8,
@@ -96,6 +99,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.orchestrator.max_off_policy_steps = 0
     config.sampler.weight_update = "drain"
   elif arg == "tiny":
+    config.sampler.precompile = False  # (a few updates: a late compile cannot stall them)
     config.num_steps = 3
     config.log_every = 1
     config.eval_every = 3

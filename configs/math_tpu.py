@@ -78,7 +78,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.sampler = ml_collections.ConfigDict(dict(
       num_slots=256, prompt_len=256, prompt_buckets=(128,), max_new_tokens=512,
       temperature=1.0, top_k=0, top_p=1.0, weight_update="in_flight", kv_policy="keep",
-      param_dtype="bfloat16"))
+      param_dtype="bfloat16",
+      # Compile every program shape the engine can use when it starts, so that no
+      # rare batch shape compiles late in a long run.
+      precompile=True))
 
   config.orchestrator = ml_collections.ConfigDict(dict(
       batch_size=256, group_size=8, max_async_level=1, max_off_policy_steps=4,

@@ -71,7 +71,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   config.sampler = ml_collections.ConfigDict(dict(
       num_slots=64, prompt_len=8, prompt_buckets=(), max_new_tokens=24, temperature=1.0,
-      top_k=0, top_p=1.0, weight_update="in_flight", kv_policy="keep", param_dtype="float32"))
+      top_k=0, top_p=1.0, weight_update="in_flight", kv_policy="keep", param_dtype="float32",
+      # Compile every program shape the engine can use when it starts, so that no
+      # rare batch shape compiles late in a long run.
+      precompile=True))
 
   config.orchestrator = ml_collections.ConfigDict(dict(
       batch_size=64, group_size=8, max_async_level=2, max_off_policy_steps=4,
@@ -117,6 +120,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                         arith=dict(weight=0.5, max_operand=99, operator="+",
                                    heldout_fraction=0.1))))
   elif arg == "tiny":
+    config.sampler.precompile = False  # (a few updates: a late compile cannot stall them)
     config.num_steps = 6
     config.log_every = 1
     config.eval_every = 3

@@ -7,13 +7,13 @@ import pytest
 from arl_jax import evaluation
 from arl_jax.envs import env_api
 from arl_jax.envs import tokenizer as tokenizer_lib
-from arl_jax.sampler import engine as engine_lib
+from arl_jax.sampler import engine_config
 from arl_jax.testing import tiny
 
 TOK = tokenizer_lib.ByteTokenizer()
 
 
-class FaultyEnv:
+class FaultyEnv(env_api.MultiTurnEnvironment):
   """Every token but EOS ends a segment, so each episode's first segment is
   one token and `step` is always called. Prompts 1 and 2 fault in `step`,
   prompt 3 answers an id outside the vocabulary, prompt 4 faults in `score`
@@ -57,9 +57,9 @@ def model():
 def test_environment_faults_are_counted_per_environment_and_score_zero(model):
   cfg, meshes, graphdef, params = model
   env = FaultyEnv()
-  assert env_api.is_multi_turn(env)
+  assert env.multi_turn
   prompts = [env_api.TextPrompt(prompt_id=i, text=f"p{i}", answer="") for i in range(8)]
-  engine_cfg = engine_lib.EngineConfig(num_slots=8, group_size=1, prompt_buckets=(8,),
+  engine_cfg = engine_config.EngineConfig(num_slots=8, group_size=1, prompt_buckets=(8,),
                                        max_new_tokens=4, multi_turn=True, context_bucket=4)
   evaluator = evaluation.Evaluator(graphdef=graphdef, model_cfg=cfg, env=env, tokenizer=TOK,
                                    prompts=prompts, mesh=meshes.learner, engine_cfg=engine_cfg)

@@ -85,10 +85,10 @@ def test_a_signal_storm_loses_nothing_and_repeats_nothing(tmp_path):
   assert "stopping during the warm-up" in outputs[-1]
   # While the run is still being built (restore, compile): before any update.
   outputs.append(_round(workdir, lambda: _started(workdir), [signal.SIGINT], rng))
-  # Between RL steps, twice: Ctrl-C, and a preemption followed by an impatient Ctrl-C.
-  for signals in ([signal.SIGINT], [signal.SIGTERM, signal.SIGINT]):
-    target = _trained(workdir) + rng.randint(1, 2)
-    outputs.append(_round(workdir, lambda t=target: _trained(workdir) >= t, signals, rng))
+  # Between RL steps: a preemption notice followed by an impatient Ctrl-C.
+  target = _trained(workdir) + rng.randint(1, 2)
+  outputs.append(_round(workdir, lambda: _trained(workdir) >= target,
+                        [signal.SIGTERM, signal.SIGINT], rng))
   # While a periodic checkpoint is being written (or, if none is caught, at the next update).
   seen = max(ckpts(), default=0)
   outputs.append(_round(workdir, lambda: kill_resume_test._saving(workdir) and max(
@@ -97,7 +97,7 @@ def test_a_signal_storm_loses_nothing_and_repeats_nothing(tmp_path):
   # The last round runs to the end.
   outputs.append(_round(workdir, lambda: False, [], rng))
   assert "done: 12 updates" in outputs[-1]
-  assert sum("resumed from" in out for out in outputs) >= 3
+  assert sum("resumed from" in out for out in outputs) >= 2
 
   # metrics.jsonl: each update once, each evaluation once, the warm-up once.
   rows = _rows(workdir, "metrics.jsonl")

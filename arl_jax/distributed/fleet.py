@@ -1,4 +1,4 @@
-"""The learner's side of a disaggregated sampler fleet (DESIGN.md section 8).
+"""The learner's side of a disaggregated sampler fleet (docs/design.md section 8).
 
 With `fleet.remote = True` the learner process runs no sampler engine: sampler
 processes (`python -m arl_jax.distributed.sampler_worker --learner=ADDRESS`),
@@ -40,40 +40,9 @@ import time
 
 import zmq
 
+from arl_jax import config_sections
 from arl_jax.distributed import weight_transfer, wire
-from arl_jax.sampler import engine as engine_lib
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class FleetConfig:
-  """Attributes:
-    remote: sample in sampler processes that join over the network instead of
-      in the learner process (the learner's `mesh.sampler` devices then only
-      stage each version in the samplers' layout, and each sampler process
-      needs that many devices).
-    host: interface the learner listens on (`0.0.0.0`: every interface, for
-      samplers on other hosts; they are given this host's address).
-    port: control port (0: any free port; the address is printed and written
-      to `WORKDIR/fleet.json`).
-    heartbeat_s: how often a sampler reports (stats; it is alive).
-    timeout_s: a sampler silent this long is lost and its groups reassigned.
-  """
-
-  remote: bool = False
-  host: str = "127.0.0.1"
-  port: int = 0
-  heartbeat_s: float = 0.5
-  timeout_s: float = 20.0
-
-  def __post_init__(self):
-    if self.heartbeat_s <= 0:
-      raise ValueError(f"heartbeat_s must be > 0, got {self.heartbeat_s}")
-    if self.timeout_s < 4 * self.heartbeat_s:
-      raise ValueError(f"timeout_s={self.timeout_s} must be >= 4 x heartbeat_s="
-                       f"{self.heartbeat_s}, or a busy sampler would be declared lost")
-    if not 0 <= self.port < 65536:
-      raise ValueError(f"port must be in [0, 65535], got {self.port}")
-
+from arl_jax.sampler import engine_stats
 
 _ANY_INTERFACE = ("0.0.0.0", "*")
 
@@ -115,7 +84,7 @@ class _Sampler:
   alive: bool = True
   owned: set[int] = dataclasses.field(default_factory=set)  # group ids it generates
   groups_delivered: int = 0
-  stats: engine_lib.EngineStats = dataclasses.field(default_factory=engine_lib.EngineStats)
+  stats: engine_stats.EngineStats = dataclasses.field(default_factory=engine_stats.EngineStats)
   env_errors: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   env_timeouts: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   env_turns: int = 0
@@ -126,14 +95,15 @@ class SamplerFleet:
   wraps it as the run's rollout side; a multi-controller run's process 0 uses
   it beside its local engine for the other processes' samplers)."""
 
-  def __init__(self, cfg: FleetConfig, *, orchestrator, publisher, run_config: dict,
+  def __init__(self, cfg: config_sections.FleetConfig, *, orchestrator, publisher, spec: dict,
                sampler_mesh_shape, workdir: str | None = None, print_fn=print,
                event_fn=lambda event: None):
     """Args:
       cfg: fleet settings.
       orchestrator: the run's orchestrator (dispatcher, buffer).
       publisher: the `WeightPublisher` whose versions samplers pull.
-      run_config: the run's config as a dict; joining samplers build from it.
+      spec: the run's resolved settings (`config_lib.RunSpec` as
+        `spec_codec.to_json` writes it); joining samplers run them.
       sampler_mesh_shape: `[(axis, size), ...]` the samplers must build (the
         layout `publisher` stages versions in).
       workdir: where `fleet.json` (the addresses) is written; None: nowhere.
@@ -143,7 +113,7 @@ class SamplerFleet:
     self._cfg = cfg
     self._orchestrator = orchestrator
     self._dispatcher = orchestrator.dispatcher
-    self._run_config = run_config
+    self._spec = spec
     self._mesh_shape = [[str(a), int(n)] for a, n in sampler_mesh_shape]
     self._print = print_fn
     self._event_fn = event_fn
@@ -170,7 +140,7 @@ class SamplerFleet:
     self._error: BaseException | None = None
     # The engine and env-runner counters of a local run, summed over samplers
     # (each sampler reports its totals; the learner adds what grew).
-    self.stats = engine_lib.EngineStats()
+    self.stats = engine_stats.EngineStats()
     self.errors: collections.Counter = collections.Counter()
     self.timeouts: collections.Counter = collections.Counter()
     self.turns = 0
@@ -365,7 +335,7 @@ class SamplerFleet:
                          identity=identity, last_seen=now)
       self._samplers[identity] = sampler
     self._send(identity, {"type": "welcome", "sampler_id": sampler.sampler_id,
-                          "config": self._run_config, "sampler_mesh": self._mesh_shape,
+                          "spec": self._spec, "sampler_mesh": self._mesh_shape,
                           "weights_address": self._weights.address,
                           "heartbeat_s": self._cfg.heartbeat_s, "timeout_s": self._cfg.timeout_s})
     self._print(f"fleet: sampler {sampler.sampler_id} joined ({sampler.name})")
@@ -393,7 +363,7 @@ class SamplerFleet:
       self._dispatcher.reassign([gid])
       return
     for rollout in group.rollouts:  # its restart points, should a checkpoint come
-      self._dispatcher.work.scored(rollout)
+      self._orchestrator.rollout_scored(rollout)
     self._orchestrator.group_finished(group)
     with self._lock:
       sampler.groups_delivered += 1

@@ -15,7 +15,7 @@ import itertools
 
 import jax
 
-from arl_jax.distributed import lockstep, sampler_worker
+from arl_jax.distributed import learner_link, lockstep, sampler_worker
 
 
 def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer, reference,
@@ -27,7 +27,7 @@ def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer,
   None) and KL reference params, the run's `EvalLog`, and the version the
   run starts at.
   """
-  link = sampler_worker.LearnerLink(lockstep.share_text(None, meshes.learner),
+  link = learner_link.LearnerLink(lockstep.share_text(None, meshes.learner),
                                     name=f"process {jax.process_index()}",
                                     num_devices=meshes.sampler.devices.size)
   sampling = sampler_worker.LocalSampling(spec, mesh=meshes.sampler, graphdef=graphdef,

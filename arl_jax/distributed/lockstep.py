@@ -1,7 +1,7 @@
 """Multi-controller lockstep: process 0 decides, every process executes.
 
 In a multi-controller run every process must call the same jitted programs in
-the same order with the same shapes (DESIGN.md section 8). The decisions that
+the same order with the same shapes (docs/design.md section 8). The decisions that
 change them (which rollouts train, the batch's width, when the run stops,
 whether a final checkpoint is saved) are made once, by process 0's
 orchestrator, and broadcast before each step: a small header first, then the
@@ -48,10 +48,6 @@ def is_multi_controller() -> bool:
 
 def is_leader() -> bool:
   return jax.process_index() == 0
-
-
-def _fields():
-  return [f.name for f in dataclasses.fields(train_batch_lib.TrainBatch)]
 
 
 def broadcast(tree, mesh: Mesh):
@@ -109,32 +105,19 @@ def share(step: Step | None, mesh: Mesh) -> Step:
   if header["kind"] != BATCH:
     return Step(kind=header["kind"], evaluate=bool(header["evaluate"]), save=bool(header["save"]))
   # The same shapes and dtypes on every process (the leader's cast to them).
-  arrays = _template(header["rows"], header["columns"])
+  template = train_batch_lib.zeros(header["rows"], header["columns"])
+  arrays = {name: getattr(template, name) for name in train_batch_lib.FIELDS}
   dtypes = {name: a.dtype for name, a in arrays.items()}
   if leader:
     arrays = {name: np.asarray(getattr(step.batch, name)).astype(dtypes[name])
-              for name in _fields()}
+              for name in train_batch_lib.FIELDS}
   # (Booleans travel as bytes: the broadcast is a sum over devices.)
   sent = {name: a.astype(np.uint8) if a.dtype == bool else a for name, a in arrays.items()}
   received = broadcast(sent, mesh)
   batch = train_batch_lib.TrainBatch(**{
-      name: np.asarray(received[name]).astype(dtypes[name]) for name in _fields()})
+      name: np.asarray(received[name]).astype(dtypes[name]) for name in train_batch_lib.FIELDS})
   return Step(kind=BATCH, batch=batch, evaluate=bool(header["evaluate"]),
               save=bool(header["save"]))
-
-
-def _template(rows: int, columns: int) -> dict:
-  """Zeros shaped and typed like `train_batch.assemble`'s output."""
-  matrix = {"tokens": np.int32, "token_mask": bool, "loss_mask": np.float32,
-            "behaviour_logprobs": np.float32, "token_versions": np.int32}
-  vector = {"advantages": np.float32, "rewards": np.float32, "group_ids": np.int32,
-            "lag": np.int32}
-  out = {name: np.zeros((rows, columns), dtype) for name, dtype in matrix.items()}
-  out.update({name: np.zeros((rows,), dtype) for name, dtype in vector.items()})
-  missing = set(_fields()) - set(out)
-  if missing:
-    raise RuntimeError(f"lockstep does not know TrainBatch fields {sorted(missing)}")
-  return out
 
 
 def share_text(text: str | None, mesh: Mesh, size: int = 512) -> str:

@@ -1,12 +1,12 @@
 """Weights across processes: the learner serves each published version, sampler
-processes pull it (the disaggregated-sampler path of DESIGN.md section 2).
+processes pull it (the disaggregated-sampler path of docs/design.md section 2).
 
 `jax.experimental.transfer` moves the arrays; ZeroMQ carries the small control
 messages (which version is newest, under which transfer id). The served arrays
 are the learner's `WeightPublisher` output: already cast and laid out with the
 sampler's PartitionSpecs on a local mesh of the sampler's shape, because a pull
 into a different per-shard layout returns wrong values without an error
-(JAX_NOTES.md). The sampler process builds the same shardings on its own mesh.
+(docs/jax_notes.md). The sampler process builds the same shardings on its own mesh.
 
 Protocol (ZeroMQ REQ/REP, JSON): a sampler sends `{"have": version or null}`;
 the server answers `{"version": v}` when nothing newer exists, else schedules

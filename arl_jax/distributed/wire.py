@@ -18,7 +18,7 @@ import numpy as np
 from arl_jax import rollout as rollout_lib
 from arl_jax.envs import prompt_codec
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
-from arl_jax.sampler import engine as engine_lib
+from arl_jax.sampler import engine_stats
 
 
 def encode(message: dict) -> bytes:
@@ -79,11 +79,11 @@ def group_from_json(record: dict) -> rollout_lib.Group:
                            dispatch_version=dispatch_version, rollouts=rollouts)
 
 
-def stats_to_json(stats: engine_lib.EngineStats) -> dict:
+def stats_to_json(stats: engine_stats.EngineStats) -> dict:
   return dataclasses.asdict(stats)
 
 
-def stats_from_json(record: dict) -> engine_lib.EngineStats:
-  fields = {f.name for f in dataclasses.fields(engine_lib.EngineStats)}
-  return engine_lib.EngineStats(**{k: v for k, v in record.items() if k in fields})
+def stats_from_json(record: dict) -> engine_stats.EngineStats:
+  fields = {f.name for f in dataclasses.fields(engine_stats.EngineStats)}
+  return engine_stats.EngineStats(**{k: v for k, v in record.items() if k in fields})
 

@@ -81,7 +81,7 @@ def make_prompts(cfg: ArithConfig, split: str) -> list[Prompt]:
   return prompts
 
 
-class ArithEnv:
+class ArithEnv(env_api.Environment):
   """Scores a completion: 1.0 for the exact answer, else 0.0."""
 
   name = "arith"

@@ -14,9 +14,9 @@ timeout marks the rollout `error` (counted, never trained on, never fatal).
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from collections.abc import Sequence
-from typing import Protocol
 
 # Prompt splits every environment provides (`make_prompts(config, split)`).
 SPLITS = ("train", "heldout")
@@ -55,37 +55,78 @@ class Demonstration:
                        f"{len(self.loss_mask)} loss-mask entries")
 
 
-class Environment(Protocol):
-  """A task: prompts are the env's own records; completions are token ids."""
+class Environment(abc.ABC):
+  """Base class of every environment: a task whose prompts are its own records
+  and whose completions are token ids.
 
-  name: str
+  A subclass defines `name`, `encode_prompt` and `score`; every other hook has
+  a default that describes a single-turn environment with one name and the
+  sampler's completion budget. A multi-turn environment sets
+  `multi_turn = True` (or derives from `MultiTurnEnvironment`) and answers in
+  `step`.
 
+  Attributes:
+    name: the environment's name in metrics and drop accounting.
+    multi_turn: whether `step` may answer between segments.
+    stop_ids: tokens besides the tokenizer's that end a segment of a
+      multi-turn episode (e.g. the end of a tool call), so the environment
+      can answer.
+  """
+
+  name: str = ""
+  multi_turn: bool = False
+  stop_ids: tuple[int, ...] = ()
+
+  @abc.abstractmethod
   def encode_prompt(self, prompt) -> list[int]:
     """Prompt token ids (what the sampler prefills)."""
 
+  @abc.abstractmethod
   def score(self, prompt, completion_ids: Sequence[int]) -> float:
     """Reward of a finished episode (observation tokens included in the completion)."""
 
-  def demonstration(self, prompt) -> Demonstration:
-    """A correct completion for `prompt` (only needed by the supervised warm-up)."""
-
-
-class MultiTurnEnvironment(Environment, Protocol):
-  """An environment that answers between segments.
-
-  Attributes:
-    stop_ids: tokens besides EOS that end a segment (e.g. the end of a tool
-      call), so the environment can answer.
-  """
-
-  stop_ids: tuple[int, ...]
+  def demonstration(self, prompt) -> Demonstration | None:
+    """A correct completion for `prompt`, or None if the environment knows
+    none. The supervised warm-up trains on them (and needs them); config
+    validation checks that they fit `sampler.max_new_tokens`."""
+    del prompt
+    return None
 
   def step(self, prompt, completion_ids: Sequence[int]) -> list[int] | None:
     """Observation tokens to append before the episode continues, or None to end it.
 
-    Called after each segment that ended on a stop token (EOS included), with
-    the completion so far; the last token is the stop token.
+    Called (for a `multi_turn` environment) after each segment that ended on
+    a stop token (EOS included), with the completion so far; the last token
+    is the stop token. By default the episode ends.
     """
+    del prompt, completion_ids
+    return None
+
+  def env_name_of(self, prompt) -> str:
+    """The environment `prompt` belongs to (a mixture routes by prompt)."""
+    del prompt
+    return self.name
+
+  def stop_ids_for(self, prompt) -> tuple[int, ...]:
+    """Tokens besides the tokenizer's that end a segment of `prompt`'s episode."""
+    del prompt
+    return tuple(self.stop_ids) if self.multi_turn else ()
+
+  def max_new_tokens_for(self, prompt) -> int | None:
+    """`prompt`'s own completion budget in tokens, or None for the sampler's
+    `max_new_tokens` (which caps it either way)."""
+    del prompt
+    return None
+
+
+class MultiTurnEnvironment(Environment):
+  """An environment that answers between segments (`step` is required)."""
+
+  multi_turn = True
+
+  @abc.abstractmethod
+  def step(self, prompt, completion_ids: Sequence[int]) -> list[int] | None:
+    """See `Environment.step`."""
 
 
 def encode_user_prompt(tokenizer, text: str) -> list[int]:
@@ -104,45 +145,17 @@ def ended_turn(tokenizer, completion_ids: Sequence[int]) -> bool:
   return any(int(i) in stops for i in completion_ids)
 
 
-def env_name_of(env, prompt) -> str:
-  """The environment a prompt belongs to: `env.env_name_of(prompt)` for a
-  mixture of environments, else `env.name`."""
-  fn = getattr(env, "env_name_of", None)
-  return fn(prompt) if fn is not None else env.name
-
-
-def stop_ids_of(env, prompt) -> tuple[int, ...]:
-  """Tokens besides the tokenizer's that end a segment of `prompt`'s episode:
-  `env.stop_ids_for(prompt)` for a mixture, else a multi-turn env's
-  `stop_ids`, else none."""
-  fn = getattr(env, "stop_ids_for", None)
-  if fn is not None:
-    return tuple(fn(prompt))
-  return tuple(env.stop_ids) if is_multi_turn(env) else ()
-
-
 def segment_stop_ids(tokenizer, env, prompt) -> tuple[int, ...]:
   """Every token that ends a segment of `prompt`'s episode: the tokenizer's
   (EOS, end of turn) and the environment's for this prompt."""
-  return tuple(dict.fromkeys((*tokenizer.stop_ids, *stop_ids_of(env, prompt))))
+  return tuple(dict.fromkeys((*tokenizer.stop_ids, *env.stop_ids_for(prompt))))
 
 
 def sampler_stop_ids(tokenizer, env) -> tuple[int, ...]:
   """The stop tokens besides EOS that any segment may end on (the sampler's
   `SamplingSettings.stop_ids`; each row then says which apply to it)."""
-  env_stops = tuple(env.stop_ids) if is_multi_turn(env) else ()
+  env_stops = tuple(env.stop_ids) if env.multi_turn else ()
   return tuple(i for i in dict.fromkeys((*tokenizer.stop_ids, *env_stops))
                if i != tokenizer.eos_id)
 
 
-def budget_of(env, prompt) -> int | None:
-  """`prompt`'s own completion budget in tokens (`env.max_new_tokens_for`,
-  optional; a mixture routes it), or None for the sampler's `max_new_tokens`.
-  The sampler caps it at `max_new_tokens` either way."""
-  fn = getattr(env, "max_new_tokens_for", None)
-  return None if fn is None else fn(prompt)
-
-
-def is_multi_turn(env) -> bool:
-  """Whether `env` answers between segments (has `step` and `stop_ids`)."""
-  return callable(getattr(env, "step", None)) and hasattr(env, "stop_ids")

@@ -118,7 +118,7 @@ def make_prompts(cfg: MathAnswerConfig, split: str) -> list[env_api.TextPrompt]:
   return [p for p in records if heldout(p) == (split == "heldout")]
 
 
-class MathAnswerEnv:
+class MathAnswerEnv(env_api.Environment):
   """Reward 1.0 when the extracted final answer equals the record's answer."""
 
   name = "math_answer"

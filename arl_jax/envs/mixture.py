@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 
-from arl_jax.envs import env_api
+from arl_jax.envs import env_api, single_envs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,21 +55,19 @@ class MixtureConfig:
   configs: Mapping[str, object] = dataclasses.field(init=False)
 
   def __post_init__(self):
-    # Imported here: the registry lists this module's environment.
-    from arl_jax.envs import registry  # noqa: PLC0415
+    known_envs = single_envs.SINGLE_ENVS
     if not self.components:
       raise ValueError("env.components is empty: a mixture needs at least one environment")
     weights, configs = {}, {}
     for name, fields in sorted(self.components.items()):
       where = f"env.components.{name}"
-      if name not in registry.ENVS or name == "mixture":
-        raise ValueError(f"{where}: unknown environment {name!r}; known: "
-                         f"{sorted(n for n in registry.ENVS if n != 'mixture')}")
+      if name not in known_envs:
+        raise ValueError(f"{where}: unknown environment {name!r}; known: {sorted(known_envs)}")
       fields = dict(fields)
       weight = fields.pop("weight", None)
       if not isinstance(weight, (int, float)) or weight <= 0:
         raise ValueError(f"{where}.weight must be a number > 0, got {weight!r}")
-      config_cls = registry.ENVS[name].config_cls
+      config_cls = known_envs[name].config_cls
       known = {f.name for f in dataclasses.fields(config_cls)}
       unknown = sorted(set(fields) - known)
       if unknown:
@@ -83,7 +81,7 @@ class MixtureConfig:
     object.__setattr__(self, "configs", configs)
 
 
-class MixtureEnv:
+class MixtureEnv(env_api.Environment):
   """Routes every call to the environment its prompt names."""
 
   name = "mixture"
@@ -91,20 +89,21 @@ class MixtureEnv:
   def __init__(self, envs: Mapping[str, object], weights: Mapping[str, float]):
     self.envs = dict(envs)
     self.weights = dict(weights)
-    multi = [e for e in self.envs.values() if env_api.is_multi_turn(e)]
-    if multi:  # only then is the mixture multi-turn (env_api.is_multi_turn)
-      self.stop_ids = tuple(sorted({i for e in multi for i in e.stop_ids}))
-      self.step = self._step
+    multi = [e for e in self.envs.values() if e.multi_turn]
+    # Multi-turn when any component is; each prompt still stops on its own
+    # environment's tokens (`stop_ids_for`) and only its own answers.
+    self.multi_turn = bool(multi)
+    self.stop_ids = tuple(sorted({i for e in multi for i in e.stop_ids}))
 
   def env_name_of(self, prompt: MixedPrompt) -> str:
     return prompt.env
 
   def stop_ids_for(self, prompt: MixedPrompt) -> tuple[int, ...]:
     """The stop tokens of the prompt's own environment."""
-    return env_api.stop_ids_of(self.envs[prompt.env], prompt.prompt)
+    return self.envs[prompt.env].stop_ids_for(prompt.prompt)
 
   def max_new_tokens_for(self, prompt: MixedPrompt) -> int | None:
-    return env_api.budget_of(self.envs[prompt.env], prompt.prompt)
+    return self.envs[prompt.env].max_new_tokens_for(prompt.prompt)
 
   def encode_prompt(self, prompt: MixedPrompt) -> list[int]:
     return self.envs[prompt.env].encode_prompt(prompt.prompt)
@@ -115,6 +114,19 @@ class MixtureEnv:
   def demonstration(self, prompt: MixedPrompt) -> env_api.Demonstration:
     return self.envs[prompt.env].demonstration(prompt.prompt)
 
-  def _step(self, prompt: MixedPrompt, completion_ids: Sequence[int]) -> list[int] | None:
+  def step(self, prompt: MixedPrompt, completion_ids: Sequence[int]) -> list[int] | None:
     env = self.envs[prompt.env]
-    return env.step(prompt.prompt, completion_ids) if env_api.is_multi_turn(env) else None
+    return env.step(prompt.prompt, completion_ids) if env.multi_turn else None
+
+
+def make_env(cfg: MixtureConfig, tokenizer, for_eval: bool = False) -> MixtureEnv:
+  """The mixture's `EnvEntry.make_env_fn`: each component built as its entry builds it."""
+  envs = {name: single_envs.SINGLE_ENVS[name].make_env_fn(c, tokenizer, for_eval)
+          for name, c in cfg.configs.items()}
+  return MixtureEnv(envs, cfg.weights)
+
+
+def make_prompts(cfg: MixtureConfig, split: str) -> list:
+  """The mixture's `EnvEntry.make_prompts_fn`: every component's, tagged."""
+  return [MixedPrompt(name, p) for name, c in cfg.configs.items()
+          for p in single_envs.SINGLE_ENVS[name].make_prompts_fn(c, split)]

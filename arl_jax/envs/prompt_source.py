@@ -2,7 +2,7 @@
 or its bundled sample), or the user's JSONL files (`data.train_path`,
 `data.heldout_path`; schema in `jsonl_source.py`).
 
-A file's record is checked by its environment too (`_RECORD_CHECKS`), and one
+A file's record is checked by its environment too (`EnvEntry.check_record_fn`), and one
 whose prompt is longer than `sampler.prompt_len` is a bad line of its file
 like any other: `config_lib.build` (which has the tokenizer) finds them with
 `drop_long_prompts` and lists them in `DataConfig.too_long`, so that every
@@ -14,11 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from arl_jax.envs import arith, env_api, jsonl_source, mixture, registry
-
-# An environment's checks of a file's record beyond the schema (a ValueError
-# names the problem; the line is then malformed). Keyed like registry.ENVS.
-_RECORD_CHECKS = {"arith": arith.check_record}
+from arl_jax.envs import env_api, jsonl_source, mixture, registry
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,7 +67,7 @@ class Prompts:
 
 
 def _check_record(prompt: env_api.TextPrompt, env_name: str | None) -> None:
-  check = _RECORD_CHECKS.get(env_name)
+  check = registry.ENVS[env_name].check_record_fn if env_name in registry.ENVS else None
   if check is not None:
     check(prompt)
 

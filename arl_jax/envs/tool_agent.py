@@ -124,7 +124,7 @@ def make_prompts(cfg: ToolAgentConfig, split: str) -> list[Prompt]:
           for k in range(cfg.num_keys) if _is_heldout(k, cfg.heldout_fraction) == want_heldout]
 
 
-class ToolAgentEnv:
+class ToolAgentEnv(env_api.MultiTurnEnvironment):
   """The lookup-tool agent task (see the module docstring)."""
 
   name = "tool_agent"

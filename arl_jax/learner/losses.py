@@ -78,7 +78,9 @@ def token_weights(loss_mask, aggregation: str, norm_constant: float | None = Non
     `norm_constant` (e.g. the completion budget), then the mean over
     sequences (Dr. GRPO, Liu et al., 2025): no length bias.
 
-  Computed once over the whole batch and sliced with it into microbatches.
+  Computed once per minibatch (an optimizer step's rows) and sliced with it
+  into microbatches, so accumulating the microbatches' gradients gives the
+  minibatch's.
   """
   chex.assert_rank(loss_mask, 2)
   per_row = jnp.sum(loss_mask, axis=1, keepdims=True)

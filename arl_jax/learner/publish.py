@@ -4,7 +4,7 @@ Two steps, both on devices: (1) reshard on the learner mesh into the sampler's
 per-shard layout (same PartitionSpec, learner devices), (2) `jax.device_put`
 onto the sampler mesh, which then moves identical shards between devices.
 Moving arrays between disjoint device sets with a *different* per-shard layout
-stages through host memory in jax 0.10 (JAX_NOTES.md); step (1) avoids that,
+stages through host memory in jax 0.10 (docs/jax_notes.md); step (1) avoids that,
 and `tests/learner/publish_test.py` proves it under a transfer guard.
 
 Multi-controller runs: the learner mesh spans processes and each process

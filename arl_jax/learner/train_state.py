@@ -29,7 +29,7 @@ def create(params, optimizer: optax.GradientTransformation, mesh: Mesh):
   The optimizer state is created by a jitted init so each moment is born next
   to its parameter shard. Scalars (optax's `count`, `step`) are placed on the
   mesh explicitly: left to XLA they may land on one device, and a donated,
-  jitted step then fails on the next call (JAX_NOTES.md).
+  jitted step then fails on the next call (docs/jax_notes.md).
   """
   opt_state = jax.jit(optimizer.init)(params)
   replicated = NamedSharding(mesh, P())

@@ -163,6 +163,61 @@ def staleness_metrics(log_ratio, loss_mask, token_lag):
   return metrics
 
 
+def _critic_targets(logp, values, mb, token_lag, s: LossSettings):
+  """V-trace targets from the critic: per-token policy-gradient advantages
+  and the value loss `0.5 (v_s - V)^2` (targets are constants), truncated at
+  the policy loss's per-token levels. Explained variance is per microbatch,
+  then token-weighted (exact with one)."""
+  mask = mb.loss_mask
+  on = mask > 0
+  log_rhos = jnp.where(on, jax.lax.stop_gradient(logp - mb.behaviour_logprobs), 0.0)
+  rewards = vtrace_lib.last_token_rewards(mb.rewards, mask)
+  vs, advantages = vtrace_lib.vtrace_targets(
+      values, rewards, log_rhos, mask, lam=s.lam,
+      rho_bar=losses_lib.truncation_level(s.rho_bar, token_lag, s.age_decay),
+      c_bar=losses_lib.truncation_level(s.c_bar, token_lag, s.age_decay))
+  value_loss = jnp.where(on, 0.5 * jnp.square(vs - values), 0.0)
+  error_var = losses_lib.masked_mean(jnp.square(vs - values), mask) - jnp.square(
+      losses_lib.masked_mean(vs - values, mask))
+  target_var = losses_lib.masked_mean(jnp.square(vs), mask) - jnp.square(
+      losses_lib.masked_mean(vs, mask))
+  metrics = {"value_loss": losses_lib.masked_mean(value_loss, mask),
+             "value_mean": losses_lib.masked_mean(values, mask),
+             "explained_variance": 1.0 - error_var / jnp.maximum(target_var, 1e-8)}
+  return advantages, value_loss, metrics
+
+
+def _objective(params, micro, weights, *, logprobs_fn, settings: LossSettings, one_step: bool):
+  """The weighted loss of one microbatch and its metrics (`train_step`).
+
+  `one_step`: a single optimizer step per batch, so these log-probs are the
+  start policy's (their ratio to the behaviour's is the staleness metric).
+  """
+  s = settings
+  mb = micro["batch"]
+  if s.critic:
+    logp, entropy, values = logprobs_fn(params, mb, with_values=True)
+    advantages, value_loss, critic_metrics = _critic_targets(logp, values, mb,
+                                                             micro["token_lag"], s)
+  else:
+    logp, entropy = logprobs_fn(params, mb)
+    advantages, value_loss, critic_metrics = micro["advantages"], 0.0, {}
+  per_token, metrics = s.token_loss(logp, mb, advantages, micro.get("proximal"),
+                                    micro["token_lag"])
+  metrics.update(critic_metrics)
+  on = mb.loss_mask > 0
+  total = per_token + s.vf_coef * value_loss - s.entropy_coef * jnp.where(on, entropy, 0.0)
+  if "reference" in micro:
+    kl = losses_lib.kl_to_reference(logp, micro["reference"], mb.loss_mask)
+    total = total + s.kl_coef * kl
+    metrics["kl_reference"] = losses_lib.masked_mean(kl, mb.loss_mask)
+  metrics["entropy"] = losses_lib.masked_mean(entropy, mb.loss_mask)
+  if one_step:
+    metrics["start_log_ratio"] = jax.lax.stop_gradient(
+        jnp.where(on, logp - mb.behaviour_logprobs, 0.0))
+  return jnp.sum(weights * total), metrics
+
+
 def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBatch,
                reference_params=None, *, graphdef, optimizer: optax.GradientTransformation,
                settings: LossSettings):
@@ -204,54 +259,8 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
   if reference_params is not None:
     rows["reference"] = frozen_logprobs(reference_params)
 
-  def critic_targets(logp, values, mb, token_lag):
-    """V-trace targets from the critic: per-token policy-gradient advantages
-    and the value loss `0.5 (v_s - V)^2` (targets are constants), truncated
-    at the policy loss's per-token levels. Explained variance is per
-    microbatch, then token-weighted (exact with one)."""
-    mask = mb.loss_mask
-    on = mask > 0
-    log_rhos = jnp.where(on, jax.lax.stop_gradient(logp - mb.behaviour_logprobs), 0.0)
-    rewards = vtrace_lib.last_token_rewards(mb.rewards, mask)
-    vs, advantages = vtrace_lib.vtrace_targets(
-        values, rewards, log_rhos, mask, lam=s.lam,
-        rho_bar=losses_lib.truncation_level(s.rho_bar, token_lag, s.age_decay),
-        c_bar=losses_lib.truncation_level(s.c_bar, token_lag, s.age_decay))
-    value_loss = jnp.where(on, 0.5 * jnp.square(vs - values), 0.0)
-    error_var = losses_lib.masked_mean(jnp.square(vs - values), mask) - jnp.square(
-        losses_lib.masked_mean(vs - values, mask))
-    target_var = losses_lib.masked_mean(jnp.square(vs), mask) - jnp.square(
-        losses_lib.masked_mean(vs, mask))
-    metrics = {"value_loss": losses_lib.masked_mean(value_loss, mask),
-               "value_mean": losses_lib.masked_mean(values, mask),
-               "explained_variance": 1.0 - error_var / jnp.maximum(target_var, 1e-8)}
-    return advantages, value_loss, metrics
-
-  def objective(params, micro, weights):
-    mb = micro["batch"]
-    if s.critic:
-      logp, entropy, values = logprobs(params, mb, with_values=True)
-      advantages, value_loss, critic_metrics = critic_targets(logp, values, mb,
-                                                              micro["token_lag"])
-    else:
-      logp, entropy = logprobs(params, mb)
-      advantages, value_loss, critic_metrics = micro["advantages"], 0.0, {}
-    per_token, metrics = s.token_loss(logp, mb, advantages, micro.get("proximal"),
-                                      micro["token_lag"])
-    metrics.update(critic_metrics)
-    on = mb.loss_mask > 0
-    total = per_token + s.vf_coef * value_loss - s.entropy_coef * jnp.where(on, entropy, 0.0)
-    if "reference" in micro:
-      kl = losses_lib.kl_to_reference(logp, micro["reference"], mb.loss_mask)
-      total = total + s.kl_coef * kl
-      metrics["kl_reference"] = losses_lib.masked_mean(kl, mb.loss_mask)
-    metrics["entropy"] = losses_lib.masked_mean(entropy, mb.loss_mask)
-    if start_logp is None:  # one optimizer step: these are the start policy's log-probs
-      metrics["start_log_ratio"] = jax.lax.stop_gradient(
-          jnp.where(on, logp - mb.behaviour_logprobs, 0.0))
-    return jnp.sum(weights * total), metrics
-
-  grad_fn = jax.value_and_grad(objective, has_aux=True)
+  grad_fn = jax.value_and_grad(functools.partial(
+      _objective, logprobs_fn=logprobs, settings=s, one_step=start_logp is None), has_aux=True)
 
   minibatches = _split(rows, n_mb)
 
@@ -316,6 +325,7 @@ def make_update_fn(*, graphdef, optimizer, settings: LossSettings | None, state_
 
   Returns `update(state, batch) -> (state, metrics)`; `reference_params`
   (laid out like the state's params) are passed to every step when given.
+  A `step_fn` wrapped by a `trace_counter.TraceCounter` counts its compiles.
   """
   step = functools.partial(step_fn, graphdef=graphdef, optimizer=optimizer, settings=settings)
   rows = batch_shardings(mesh)
@@ -331,6 +341,5 @@ def make_update_fn(*, graphdef, optimizer, settings: LossSettings | None, state_
     # from its copy of the whole batch).
     return jitted(state, jax.device_put(batch, rows), *extra)
 
-  update._cache_size = jitted._cache_size  # noqa: SLF001 - tests check it compiles once
   update.lower = lambda state, batch: jitted.lower(state, batch, *extra)  # memory analysis
   return update

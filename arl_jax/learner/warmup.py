@@ -2,7 +2,7 @@
 
 Small models trained from scratch rarely sample a correct answer, so RL has no
 signal to start from. The warm-up teaches the answer on a fraction of the
-training prompts (JAX_NOTES.md: warming up on the format alone made RL collapse
+training prompts (docs/jax_notes.md: warming up on the format alone made RL collapse
 onto one answer). It reuses the TrainBatch layout and the learner's sharding.
 """
 
@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from arl_jax import rows as rows_lib
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import losses as losses_lib
@@ -43,18 +44,17 @@ def supervised_batch(prompt_ids: list[list[int]], demonstrations: list, *,
   """A TrainBatch whose completions are the given `env_api.Demonstration`s
   (loss on their policy tokens only, never on prompts or observations)."""
   b, length = len(prompt_ids), prompt_len + max_new_tokens
-  tokens = np.full((b, length), pad_id, np.int32)
-  token_mask = np.zeros((b, length), bool)
-  loss_mask = np.zeros((b, length), np.float32)
-  for i, (p, demo) in enumerate(zip(prompt_ids, demonstrations)):
-    t = demo.completion_ids
-    tokens[i, prompt_len - len(p):prompt_len] = p
-    tokens[i, prompt_len:prompt_len + len(t)] = t
-    token_mask[i, prompt_len - len(p):prompt_len + len(t)] = True
-    loss_mask[i, prompt_len:prompt_len + len(t)] = demo.loss_mask
+  # The TrainBatch layout: prompts end at column `prompt_len`, completions follow.
+  prompts, prompt_mask = rows_lib.left_pad(prompt_ids, prompt_len, pad_id)
+  completions, completion_mask = rows_lib.right_pad(
+      [demo.completion_ids for demo in demonstrations], max_new_tokens, pad_id)
+  loss_mask, _ = rows_lib.right_pad([demo.loss_mask for demo in demonstrations], max_new_tokens,
+                                    0.0, np.float32)
   zeros_f = np.zeros((b,), np.float32)
   return train_batch_lib.TrainBatch(
-      tokens=tokens, token_mask=token_mask, loss_mask=loss_mask,
+      tokens=np.concatenate([prompts, completions], axis=1),
+      token_mask=np.concatenate([prompt_mask, completion_mask], axis=1),
+      loss_mask=np.concatenate([np.zeros((b, prompt_len), np.float32), loss_mask], axis=1),
       behaviour_logprobs=np.zeros((b, length), np.float32),
       token_versions=np.full((b, length), -1, np.int32), advantages=zeros_f, rewards=zeros_f,
       group_ids=np.zeros((b,), np.int32), lag=np.zeros((b,), np.int32))

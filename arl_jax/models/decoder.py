@@ -1,7 +1,7 @@
 """One flax.nnx decoder for the Llama/Qwen family: RMSNorm, RoPE, GQA, SwiGLU,
 with the options of Qwen2 (QKV biases) and Qwen3 (QK-norm) and the RoPE
 scalings of Llama 3 (`rope.py`), so that Hugging Face checkpoints of these
-families import exactly (`hf_import.py`).
+families import exactly (`hf_config.py`, `hf_params.py`).
 
 The same module computes the sampler's and the learner's log-probabilities, so
 that at zero lag the importance ratio differs from 1 only by float rounding.

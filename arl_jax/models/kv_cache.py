@@ -1,7 +1,7 @@
 """The key/value cache of the decoder, as a small pytree of its own.
 
 Layout is `[B, kv_heads, S, head_dim]` per layer: on XLA:CPU the `[B, S, heads,
-head_dim]` layout made decode attention ~8x slower (JAX_NOTES.md), because the
+head_dim]` layout made decode attention ~8x slower (docs/jax_notes.md), because the
 score einsum transposes it on every step.
 """
 
@@ -35,6 +35,14 @@ class KVCache:
         values=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
         valid=jnp.zeros((batch, length), jnp.bool_),
     )
+
+  def logical_axes(self) -> KVCache:
+    """This cache's structure with each array's logical axis names in its
+    place, for `rules.array_shardings` (a rule table places the heads like
+    the attention weights that produce them)."""
+    layer = ("batch", "kv_heads", "length", "head_dim")
+    return KVCache(keys=tuple(layer for _ in self.keys), values=tuple(layer for _ in self.values),
+                   valid=("batch", "length"))
 
 
 def write(cache_layer: jax.Array, new: jax.Array, index: jax.Array,

@@ -64,7 +64,7 @@ class GroupRequest:
   group_size: int
   dispatch_time: float
   attempt: int = 0  # how many dropped groups of this prompt were dispatched before it
-  # The prompt's own completion budget (`env_api.budget_of`), None: the sampler's.
+  # The prompt's own completion budget (`Environment.max_new_tokens_for`), None: the sampler's.
   max_new_tokens: int | None = None
 
   def budget(self, default: int) -> int:
@@ -77,7 +77,8 @@ class Dispatcher:
 
   def __init__(self, cfg: DispatchConfig, prompts: Iterator, encode_fn,
                buffer: buffer_lib.RolloutBuffer, clock: Callable[[], float] = time.monotonic,
-               budget_fn: Callable[[object], int | None] | None = None):
+               budget_fn: Callable[[object], int | None] | None = None,
+               work: open_work.OpenWork | None = None):
     """Args:
       cfg: dispatch settings.
       prompts: iterator of prompt records (e.g. from a grain pipeline).
@@ -85,7 +86,9 @@ class Dispatcher:
       buffer: receives each group's dispatch registration (for FIFO order).
       clock: time source for dispatch timestamps (tests pass a fake one).
       budget_fn: prompt record -> its completion budget, or None for the
-        sampler's `max_new_tokens` (see `env_api.budget_of`).
+        sampler's `max_new_tokens` (see `Environment.max_new_tokens_for`).
+      work: the open-work registry this dispatcher opens and closes groups
+        in (its orchestrator's); None: a registry of its own.
     """
     if cfg.staleness_reference not in staleness.REFERENCES:
       raise ValueError(f"staleness_reference must be one of {staleness.REFERENCES}")
@@ -107,7 +110,7 @@ class Dispatcher:
     # Open groups whose sampler was lost, to be generated again (`reassign`).
     self._reassigned: collections.deque[GroupRequest] = collections.deque()
     # Every open group at its restart points, for checkpoints.
-    self.work = open_work.OpenWork()
+    self.work = work if work is not None else open_work.OpenWork()
     self._closed = False
     self._live_version = 0
     self.num_started = 0
@@ -236,9 +239,10 @@ class Dispatcher:
     restart points (`open_work.py`; `partials`: the open segments of episodes
     in sampler slots), the requeued prompts and the counters.
 
-    Call it on the thread that calls `take` (the sampler's), so that no group
-    starts between reading the groups and reading the stream position.
-    `exclude`: group ids to leave out (the batch being trained).
+    `take` shares this lock, so no group starts between reading the groups
+    and the stream position; the caller holds the sampler still meanwhile
+    (`SamplerEngine.paused`), so `partials` match the groups read.
+    `exclude`: group ids to leave out.
     """
     with self._cond:
       get_state = getattr(self._prompts, "get_state", None)  # a grain iterator's position

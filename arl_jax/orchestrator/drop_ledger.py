@@ -1,5 +1,5 @@
 """Drop accounting: what did not train, why, for which environment, completion
-length and task (DESIGN.md section 4).
+length and task (docs/design.md section 4).
 
 Reasons:
 - `stale`: a finished group swept from the buffer right before a cut (lag > K);

@@ -24,8 +24,6 @@ from collections.abc import Callable
 
 from arl_jax import episode as episode_lib
 from arl_jax import rollout as rollout_lib
-from arl_jax.envs import env_api
-from arl_jax.orchestrator import open_work
 
 
 class EnvFault(Exception):
@@ -45,7 +43,8 @@ class EnvRunner:
 
   def __init__(self, env, *, on_group_fn: Callable[[rollout_lib.Group], None],
                max_new_tokens: int, num_workers: int = 2, timeout_s: float = 0.0,
-               vocab_size: int | None = None, work: open_work.OpenWork | None = None):
+               vocab_size: int | None = None,
+               on_scored_fn: Callable[[rollout_lib.Rollout], None] | None = None):
     """Args:
       env: an `env_api.Environment` (or `MultiTurnEnvironment`).
       on_group_fn: receives each group once all its rollouts are scored.
@@ -55,17 +54,18 @@ class EnvRunner:
       vocab_size: observation ids must be below it (an id outside the
         embedding table would be silently clamped by the model's gather, so
         it is an environment fault instead); None: not checked.
-      work: where each episode's restart point is recorded at every handover
-        (the dispatcher's `work`, for checkpoints); None: nowhere.
+      on_scored_fn: receives each rollout as soon as it is scored, before its
+        group is complete (the orchestrator records it as a restart point,
+        should a checkpoint come); None: nobody.
     """
     self._env = env
-    self._multi_turn = env_api.is_multi_turn(env)
+    self._multi_turn = env.multi_turn
     self._on_group_fn = on_group_fn
     self._max_new_tokens = max_new_tokens
     self._timeout_s = timeout_s
     self._vocab_size = vocab_size
     self._resume_fn: Callable[[episode_lib.Episode], None] | None = None
-    self._work = work
+    self._on_scored_fn = on_scored_fn
     self._pool = concurrent.futures.ThreadPoolExecutor(num_workers, thread_name_prefix="env")
     self._lock = threading.Lock()
     self._closing = threading.Event()
@@ -77,7 +77,8 @@ class EnvRunner:
     self._failure: BaseException | None = None
 
   def connect(self, resume_fn: Callable[[episode_lib.Episode], None]) -> None:
-    """Where continuing episodes go (the engine's `resume`)."""
+    """Where continuing episodes go (the engine's `resume`, after the wiring
+    records their restart point: `training/rollouts.py`)."""
     self._resume_fn = resume_fn
 
   def submit(self, episode: episode_lib.Episode) -> None:
@@ -156,8 +157,6 @@ class EnvRunner:
           episode.add_observation(observation)
           with self._lock:
             self.turns += 1
-          if self._work is not None:
-            self._work.at_sampler(episode)
           self._resume_fn(episode)
           return
         self._end(episode, "length")  # the answer does not fit the completion budget
@@ -177,9 +176,9 @@ class EnvRunner:
         finish_reason = "error"
     rollout = episode.to_rollout(
         finish_reason=finish_reason, reward=reward,
-        env_name=env_api.env_name_of(self._env, episode.request.prompt))
-    if self._work is not None:
-      self._work.scored(rollout)
+        env_name=self._env.env_name_of(episode.request.prompt))
+    if self._on_scored_fn is not None:
+      self._on_scored_fn(rollout)
     request = episode.request
     with self._lock:
       if episode.group_id in self._cancelled:
@@ -202,7 +201,7 @@ class EnvRunner:
     """Calls an environment method and checks its answer with `convert_fn`;
     raises EnvFault on an exception, a timeout or a malformed answer."""
     start = time.monotonic()
-    name = env_api.env_name_of(self._env, episode.request.prompt)  # counted per environment
+    name = self._env.env_name_of(episode.request.prompt)  # counted per environment
     try:
       if self._timeout_s > 0:
         return convert_fn(self._call_with_timeout(fn, args, name))

@@ -1,7 +1,7 @@
 """Open work: every group started and not yet retired, at its latest restart point.
 
 A checkpoint holds the sampled work in flight and in the buffer, not only the
-learner state (DESIGN.md section 6): the groups in flight are the long, hard
+learner state (docs/design.md section 6): the groups in flight are the long, hard
 tasks, so regenerating them after a restart wastes the most expensive samples
 and, when a run restarts often, biases training toward short tasks.
 
@@ -9,9 +9,10 @@ Each episode of a group is always at one of three restart points, recorded by
 the thread that owns it at every handover:
 
 - `sample`: waiting for a sampler slot or in one (fresh, or after an
-  observation). The sampler adds the tokens an occupied slot has sampled so
-  far (the open segment) when it takes the snapshot: only its thread may read
-  the slots. A resume re-admits the episode with the open segment in its
+  observation). The tokens an occupied slot has sampled so far (the open
+  segment) are read from the sampler while it is held still
+  (`SamplerEngine.paused`, `open_segments`) and added to the snapshot. A
+  resume re-admits the episode with the open segment in its
   context, prefilled under the weights live then, and the segment goes on.
 - `env`: its segment ended and the environment must answer or score it. A
   resume calls the environment again: environments are called with the prompt

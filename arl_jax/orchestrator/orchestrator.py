@@ -1,4 +1,4 @@
-"""The orchestrator: the learner's side of asynchronous control (DESIGN.md section 4).
+"""The orchestrator: the learner's side of asynchronous control (docs/design.md section 4).
 
 It owns the dispatcher (admission, cancellation, requeueing), the rollout
 buffer (staleness sweep, assembly policy) and the drop ledger, and applies
@@ -91,8 +91,12 @@ class Orchestrator:
     self.dispatch_cfg = dispatch_cfg
     self.buffer_cfg = buffer_cfg
     self.buffer = buffer_lib.RolloutBuffer(buffer_cfg, clock)
+    # Every open group at its restart points, for checkpoints: owned here,
+    # opened and closed by the dispatcher, fed by the rollout side through
+    # `segment_ended`, `episode_resumed` and `rollout_scored`.
+    self.work = open_work.OpenWork()
     self.dispatcher = dispatcher_lib.Dispatcher(dispatch_cfg, prompts, encode_fn, self.buffer,
-                                                clock, budget_fn)
+                                                clock, budget_fn, work=self.work)
     self.ledger = drop_ledger_lib.DropLedger(max_new_tokens, mask_truncated_completions)
     self._env_name_of = env_name_of  # prompt record -> environment name
     # Receives one event per retired group: trained, or dropped as stale or
@@ -115,7 +119,7 @@ class Orchestrator:
     # Into the buffer before it stops counting as in flight, so that a learner
     # that sees the dispatcher drained has seen every group (see `cut`).
     if self.buffer.put(group, max(self.live_version, newest)):
-      self.dispatcher.work.arrived(group.group_id, group.arrival_version)
+      self.work.arrived(group.group_id, group.arrival_version)
     self.dispatcher.finished_generating(group.group_id)
 
   def restore_work(self, work: dict) -> list[open_work.RestoredGroup]:
@@ -128,7 +132,7 @@ class Orchestrator:
       if group.complete is not None:
         arrival = group.arrival_version
         self.buffer.put(group.complete, self.live_version if arrival is None else arrival)
-        self.dispatcher.work.arrived(group.complete.group_id, group.complete.arrival_version)
+        self.work.arrived(group.complete.group_id, group.complete.arrival_version)
     return restored
 
   def try_cut(self, batch_version: int) -> Batch | None:
@@ -190,6 +194,20 @@ class Orchestrator:
     for g in trained:  # trained by the update that produced `version`
       self._audit(g.group_id, g.prompt_id, "trained", version, g.dispatch_version)
     return [r.group_id for r in cancelled]
+
+  # -- restart points, as the rollout side hands episodes on -------------------
+
+  def segment_ended(self, episode) -> None:
+    """`episode`'s segment ended; it goes to its environment."""
+    self.work.at_env(episode)
+
+  def episode_resumed(self, episode) -> None:
+    """`episode` goes back to the sampler after an observation."""
+    self.work.at_sampler(episode)
+
+  def rollout_scored(self, rollout: rollout_lib.Rollout) -> None:
+    """A rollout was scored (its group may still be generating)."""
+    self.work.scored(rollout)
 
   def metrics(self) -> dict:
     """Drops (cumulative, in rollouts: drop_ledger.py), cancellations,

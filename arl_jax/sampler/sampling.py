@@ -1,7 +1,7 @@
 """Pure functions of the sampler's slot state (no threads, no host state).
 
-The engine (`engine.py`) jits these with params passed as an argument, so that
-a newly published version is picked up between two decode steps without
+`slot_fns.py` jits these with params passed as an argument, so that the
+engine picks up a newly published version between two decode steps without
 recompiling. Every sampled token records the log-probability it was sampled
 with and the version of the params that produced its logits: a decode step
 first runs the model under the params it is given, then samples from those
@@ -99,6 +99,15 @@ class SlotState:
   stop_mask: jax.Array
   keys: jax.Array
 
+  def logical_axes(self) -> SlotState:
+    """This state's structure with each array's logical axis names in its
+    place, for `rules.array_shardings`: slots are the `batch` axis."""
+    row, column = ("batch",), ("batch", "length")
+    return SlotState(
+        tokens=column, token_mask=column, logprobs=column, versions=column,
+        cache=self.cache.logical_axes(), prompt_end=row, index=row, limit=row, positions=row,
+        done=row, stopped=row, stop_mask=("batch", "stop_ids"), keys=("batch", "prng_key"))
+
 
 def stop_mask_row(settings: SamplingSettings, row_stop_ids) -> np.ndarray:
   """`[S]` bool: which of `settings.stop_ids` end a row whose segments stop on
@@ -136,7 +145,7 @@ def sample_from_logits(logits, keys, columns, settings: SamplingSettings):
 
   Inverse-CDF sampling: one uniform per row against the cumulative softmax.
   `jax.random.categorical` draws B x V Gumbel noises, which cost half a model
-  forward at a 32k vocabulary on CPU (JAX_NOTES.md); the distribution and the
+  forward at a 32k vocabulary on CPU (docs/jax_notes.md); the distribution and the
   recorded log-prob are the same.
 
   Args:
@@ -307,6 +316,28 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
                  version, settings)
 
 
+def insert_from_ids(graphdef, params, version, state: SlotState, base_key, slots, prompt_tokens,
+                    prompt_mask, key_ids, max_new_tokens, stop_mask, open_len, open_logprobs,
+                    open_versions, *, settings: SamplingSettings) -> SlotState:
+  """`insert`, each row's PRNG key derived from its ids inside the program.
+
+  The engine's admissions: deriving keys on the host (`row_keys`) runs one
+  more program per row count, which the engine would have to compile too.
+
+  Args:
+    graphdef, params, version, state: as `insert`.
+    base_key: `[2]` uint32, `jax.random.PRNGKey(seed)`.
+    slots, prompt_tokens, prompt_mask: as `insert`.
+    key_ids: `[R, 3]` uint32 (group id, sample index, turn) of each row;
+      the row's key is `segment_keys(base_key, key_ids)`, as `row_keys` gives.
+    max_new_tokens, stop_mask, open_len, open_logprobs, open_versions: as `insert`.
+    settings: static sampling settings.
+  """
+  return insert(graphdef, params, version, state, slots, prompt_tokens, prompt_mask,
+                segment_keys(base_key, key_ids), max_new_tokens, stop_mask, open_len,
+                open_logprobs, open_versions, settings=settings)
+
+
 def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
                 settings: SamplingSettings) -> SlotState:
   """Feeds each live slot's last sampled token and samples its next one.
@@ -359,21 +390,50 @@ def recompute_cache(graphdef, params, state: SlotState, rows) -> SlotState:
   return state.replace(cache=cache)
 
 
+def segment_keys(base_key, key_ids):
+  """Per-segment PRNG keys `[R, 2]` from a base key and each segment's ids.
+
+  Traceable, so that the engine derives its keys inside the jitted insert
+  (one program per insert shape, and no eager key math per admission).
+
+  Args:
+    base_key: `[2]` uint32, `jax.random.PRNGKey(seed)`.
+    key_ids: `[R, 3]` uint32 (group id, sample index, turn) of each row
+      (`key_ids`).
+
+  Returns:
+    `[R, 2]` uint32: fold_in(fold_in(base, group), sample), folded once more
+    with the turn unless it is 0.
+  """
+
+  def fold(ids):
+    key = jax.random.fold_in(jax.random.fold_in(base_key, ids[0]), ids[1])
+    # Turn 0 keeps the single-turn key, so adding turns changes no earlier draw.
+    return jnp.where(ids[2] == 0, key, jax.random.fold_in(key, ids[2]))
+
+  return jax.vmap(fold)(key_ids)
+
+
+def key_ids(group_ids, sample_indices, turns=None) -> np.ndarray:
+  """`[R, 3]` uint32 (group id, sample index, turn) rows for `segment_keys`;
+  `turns` None: every row's turn is 0."""
+  turns = np.zeros(len(group_ids)) if turns is None else turns
+  return np.stack([np.asarray(group_ids, np.uint32), np.asarray(sample_indices, np.uint32),
+                   np.asarray(turns, np.uint32)], axis=1).reshape(-1, 3)
+
+
+# One program per row count, where the unjitted vmap would dispatch (and
+# compile) each of its primitives on its own.
+_segment_keys = jax.jit(segment_keys)
+
+
 def row_keys(seed: int, group_ids, sample_indices, turns=None):
   """Per-segment PRNG keys `[B, 2]`: a function of (seed, group id, sample index, turn) only.
 
   Keeping draws independent of slot assignment and batching lets the
   asynchronous pipeline and the synchronous reference sample identical tokens.
   A multi-turn episode samples each segment (turn) with its own key, since
-  draws are keyed by the offset inside the segment.
+  draws are keyed by the offset inside the segment. (`segment_keys` computes
+  the same keys inside a jitted program.)
   """
-  base = jax.random.PRNGKey(seed)
-  turns = np.zeros(len(group_ids), np.uint32) if turns is None else turns
-
-  def fold(g, s, t):
-    key = jax.random.fold_in(jax.random.fold_in(base, g), s)
-    # Turn 0 keeps the single-turn key, so adding turns changes no earlier draw.
-    return jnp.where(t == 0, key, jax.random.fold_in(key, t))
-
-  return jax.vmap(fold)(jnp.asarray(group_ids, jnp.uint32),
-                        jnp.asarray(sample_indices, jnp.uint32), jnp.asarray(turns, jnp.uint32))
+  return _segment_keys(jax.random.PRNGKey(seed), key_ids(group_ids, sample_indices, turns))

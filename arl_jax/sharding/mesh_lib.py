@@ -8,7 +8,7 @@ Multi-controller runs (`jax.distributed`, several processes): each process
 splits its own devices the same way; the learner mesh spans the learner
 devices of every process (one SPMD program), and each process has its own
 sampler mesh on its local sampler devices (each host samples on its own,
-DESIGN.md section 8). `learner_devices` then counts per process.
+docs/design.md section 8). `learner_devices` then counts per process.
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
-"""Logical-axis rule tables: where each named parameter dimension lives per role.
+"""Logical-axis rule tables: where each named array dimension lives per role.
 
 A rule table maps a logical axis name (as written on the parameter, see
-`models/decoder.py`) to a mesh axis or None (replicated). The learner shards
-weights over `fsdp` and `tp`; the sampler only over `tp`, replicating over its
-`data` axis so that each data shard can decode its own slots without gathers.
+`models/decoder.py`, or on the sampler's slot state, see
+`SlotState.logical_axes`) to a mesh axis or None (replicated). The learner
+shards weights over `fsdp` and `tp`; the sampler only over `tp`, replicating
+over its `data` axis so that each data shard can decode its own slots without
+gathers. The sampler's slots (`batch`) go over `data`, and their KV cache's
+heads over `tp`, like the attention weights that produce them.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ SAMPLER_RULES: Rules = {
     "head_dim": None,
     "mlp": "tp",
     "norm": None,
+    # The slot state (`SlotState.logical_axes`).
+    "batch": "data",
+    "length": None,
+    "stop_ids": None,
+    "prng_key": None,
 }
 
 
@@ -53,6 +61,13 @@ def logical_to_spec(logical_axes, rules: Rules, mesh: Mesh) -> P:
   return P(*spec)
 
 
+def _check_divisible(name: str, shape, spec: P, mesh: Mesh) -> None:
+  for dim, axis in zip(shape, spec):
+    if axis is not None and dim % mesh.shape[axis]:
+      raise ValueError(f"{name} of shape {shape}: dimension {dim} does not divide by mesh axis "
+                       f"{axis!r} of size {mesh.shape[axis]}")
+
+
 def state_shardings(abstract_state, mesh: Mesh, rules: Rules):
   """NamedSharding per parameter, as a State of the same structure as `abstract_state`.
 
@@ -66,15 +81,42 @@ def state_shardings(abstract_state, mesh: Mesh, rules: Rules):
     if axes is None:
       raise ValueError(f"parameter {jax.tree_util.keystr(path)} has no logical_axes metadata")
     spec = logical_to_spec(axes, rules, mesh)
-    shape = variable.get_value().shape
-    for dim, axis in zip(shape, spec):
-      if axis is not None and dim % mesh.shape[axis]:
-        raise ValueError(
-            f"parameter {jax.tree_util.keystr(path)} of shape {shape}: dimension {dim} does "
-            f"not divide by mesh axis {axis!r} of size {mesh.shape[axis]}")
+    _check_divisible(f"parameter {jax.tree_util.keystr(path)}", variable.get_value().shape,
+                     spec, mesh)
     return variable.replace(NamedSharding(mesh, spec))
 
   return jax.tree_util.tree_map_with_path(sharding_of, abstract_state, is_leaf=_is_variable)
+
+
+def array_shardings(abstract_tree, logical_axes, mesh: Mesh, rules: Rules):
+  """NamedSharding per array of a pytree whose arrays carry no metadata.
+
+  Args:
+    abstract_tree: a pytree of arrays (or `jax.ShapeDtypeStruct`s).
+    logical_axes: the same pytree with, in place of each array, the tuple of
+      its dimensions' logical axis names (e.g. `SlotState.logical_axes()`).
+    mesh: the mesh to place the arrays on.
+    rules: the logical-axis rule table.
+
+  Returns:
+    The structure of `abstract_tree` with a NamedSharding per array.
+
+  Raises:
+    ValueError: when an array's axis names do not match its rank, a name has
+      no rule, or a sharded dimension does not divide by its mesh axis.
+  """
+
+  def sharding_of(path, leaf, axes):
+    name = f"array {jax.tree_util.keystr(path)}"
+    if len(axes) != len(leaf.shape):
+      raise ValueError(f"{name} of shape {leaf.shape} is named by {len(axes)} logical axes "
+                       f"{axes}")
+    spec = logical_to_spec(axes, rules, mesh)
+    _check_divisible(name, leaf.shape, spec, mesh)
+    return NamedSharding(mesh, spec)
+
+  # `logical_axes` has `abstract_tree` as its prefix: each array meets its tuple whole.
+  return jax.tree_util.tree_map_with_path(sharding_of, abstract_tree, logical_axes)
 
 
 def specs_of(shardings):

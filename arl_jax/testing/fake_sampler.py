@@ -134,107 +134,119 @@ class _Running:
 def simulate(cfg: SimConfig, prompts: Iterator, duration_fn: Callable[[object], float]
              ) -> SimResult:
   """Runs `cfg.num_steps` learner updates on the fake clock."""
-  clock = FakeClock()
-  orch = orchestrator_lib.Orchestrator(
-      dispatch_cfg=cfg.dispatch, buffer_cfg=cfg.buffer, prompts=prompts,
-      encode_fn=lambda prompt: [1], env_name_of=lambda prompt: cfg.env_name,
-      max_new_tokens=cfg.max_new_tokens,
-      mask_truncated_completions=cfg.mask_truncated_completions, clock=clock)
-  heap: list[tuple[float, int, str, int]] = []
-  seq = itertools.count()
-  version = 0
-  publish_times = [0.0]  # publish_times[v]: when version v went live
-  running: dict[int, _Running] = {}  # dispatched, not finished, not cancelled
-  waiting: collections.deque[int] = collections.deque()  # dispatched, no slot yet
-  result = SimResult(dispatches=[], publishes=[], cuts=[], events=[], orchestrator=orch,
-                     prompt_of={}, end_time=0.0)
-  retired: set[int] = set()
-  learner_busy = False
-  current: orchestrator_lib.Batch | None = None
+  return _Simulation(cfg, prompts, duration_fn).run()
 
-  def version_at(t: float) -> int:
-    return bisect.bisect_right(publish_times, t) - 1
 
-  def start_waiting() -> None:
-    busy = sum(r.start is not None for r in running.values())
-    while waiting and (cfg.num_slots is None or busy < cfg.num_slots):
-      gid = waiting.popleft()
-      run = running[gid]
-      run.start, run.end = clock.now, clock.now + duration_fn(run.request.prompt)
-      run.first_version = version
-      orch.dispatcher.note_sampling(gid, version)
-      heapq.heappush(heap, (run.end, next(seq), "finish", gid))
+class _Simulation:
+  """The event loop of `simulate`: a heap of `(time, seq, kind, payload)`
+  events (`finish` a group, `trained` a batch) on a fake clock, driving the
+  real orchestrator as the sampler and the learner would."""
+
+  def __init__(self, cfg: SimConfig, prompts: Iterator, duration_fn):
+    self.cfg, self.duration_fn = cfg, duration_fn
+    self.clock = FakeClock()
+    self.orch = orchestrator_lib.Orchestrator(
+        dispatch_cfg=cfg.dispatch, buffer_cfg=cfg.buffer, prompts=prompts,
+        encode_fn=lambda prompt: [1], env_name_of=lambda prompt: cfg.env_name,
+        max_new_tokens=cfg.max_new_tokens,
+        mask_truncated_completions=cfg.mask_truncated_completions, clock=self.clock)
+    self.heap: list[tuple[float, int, str, int]] = []
+    self.seq = itertools.count()
+    self.version = 0
+    self.publish_times = [0.0]  # publish_times[v]: when version v went live
+    self.running: dict[int, _Running] = {}  # dispatched, not finished, not cancelled
+    self.waiting: collections.deque[int] = collections.deque()  # dispatched, no slot yet
+    self.result = SimResult(dispatches=[], publishes=[], cuts=[], events=[],
+                            orchestrator=self.orch, prompt_of={}, end_time=0.0)
+    self.retired: set[int] = set()
+    self.learner_busy = False
+    self.current: orchestrator_lib.Batch | None = None
+
+  def run(self) -> SimResult:
+    self.orch.publish(0, trained=[])
+    self.sample()
+    self.try_train()
+    while self.version < self.cfg.num_steps:
+      if not self.heap:
+        raise RuntimeError(f"simulation stalled at version {self.version}: nothing in flight "
+                           "and no batch can be cut")
+      self.clock.now, _, kind, payload = heapq.heappop(self.heap)
+      if kind == "finish":
+        if payload in self.running:  # cancelled groups' finish events are stale
+          self.finish(payload)
+      else:
+        self.publish()
+      self.sample()
+      self.try_train()
+    self.result.end_time = self.clock.now
+    return self.result
+
+  def version_at(self, t: float) -> int:
+    return bisect.bisect_right(self.publish_times, t) - 1
+
+  def start_waiting(self) -> None:
+    busy = sum(r.start is not None for r in self.running.values())
+    while self.waiting and (self.cfg.num_slots is None or busy < self.cfg.num_slots):
+      gid = self.waiting.popleft()
+      run = self.running[gid]
+      run.start = self.clock.now
+      run.end = self.clock.now + self.duration_fn(run.request.prompt)
+      run.first_version = self.version
+      self.orch.dispatcher.note_sampling(gid, self.version)
+      heapq.heappush(self.heap, (run.end, next(self.seq), "finish", gid))
       busy += 1
 
-  def sample() -> None:
-    for request in orch.dispatcher.take(1 << 30, version, timeout=0.0):
-      running[request.group_id] = _Running(request)
-      waiting.append(request.group_id)
-      result.prompt_of[request.group_id] = request.prompt
-      result.dispatches.append(Dispatch(
-          time=clock.now, group_id=request.group_id, prompt_id=request.prompt.prompt_id,
-          dispatch_version=request.dispatch_version, batches_trained=version,
+  def sample(self) -> None:
+    for request in self.orch.dispatcher.take(1 << 30, self.version, timeout=0.0):
+      self.running[request.group_id] = _Running(request)
+      self.waiting.append(request.group_id)
+      self.result.prompt_of[request.group_id] = request.prompt
+      self.result.dispatches.append(Dispatch(
+          time=self.clock.now, group_id=request.group_id, prompt_id=request.prompt.prompt_id,
+          dispatch_version=request.dispatch_version, batches_trained=self.version,
           attempt=request.attempt))
-      result.events.append((clock.now, "dispatch", request.group_id))
-    start_waiting()
+      self.result.events.append((self.clock.now, "dispatch", request.group_id))
+    self.start_waiting()
 
-  def finish(gid: int) -> None:
-    run = running.pop(gid)
-    orch.group_finished(_make_group(cfg, run, version_at))
-    start_waiting()
+  def finish(self, gid: int) -> None:
+    run = self.running.pop(gid)
+    self.orch.group_finished(_make_group(self.cfg, run, self.version_at))
+    self.start_waiting()
 
-  def try_train() -> None:
-    nonlocal learner_busy, current
-    if learner_busy or version >= cfg.num_steps:
+  def try_train(self) -> None:
+    if self.learner_busy or self.version >= self.cfg.num_steps:
       return
-    pending = tuple(d.group_id for d in result.dispatches if d.group_id not in retired)
-    batch = orch.try_cut(version)
+    pending = tuple(d.group_id for d in self.result.dispatches
+                    if d.group_id not in self.retired)
+    batch = self.orch.try_cut(self.version)
     if batch is None:
       return
-    retired.update(g.group_id for g in batch.stale)
+    self.retired.update(g.group_id for g in batch.stale)
     # What the assembly policy chose from: the sweep ran first.
-    pending = tuple(gid for gid in pending if gid not in retired)
-    result.cuts.append(Cut(time=clock.now, batch=batch, pending=pending))
-    retired.update(g.group_id for g in batch.groups)
-    learner_busy, current = True, batch
-    heapq.heappush(heap, (clock.now + cfg.train_seconds, next(seq), "trained", version))
+    pending = tuple(gid for gid in pending if gid not in self.retired)
+    self.result.cuts.append(Cut(time=self.clock.now, batch=batch, pending=pending))
+    self.retired.update(g.group_id for g in batch.groups)
+    self.learner_busy, self.current = True, batch
+    heapq.heappush(self.heap, (self.clock.now + self.cfg.train_seconds, next(self.seq),
+                               "trained", self.version))
 
-  def publish() -> None:
-    nonlocal version, learner_busy
-    version += 1
-    publish_times.append(clock.now)
+  def publish(self) -> None:
+    self.version += 1
+    self.publish_times.append(self.clock.now)
     in_flight = tuple(InFlight(
         group_id=gid, dispatch_version=run.request.dispatch_version,
         first_sampled_version=run.first_version)
-        for gid, run in sorted(running.items()))
-    cancelled = orch.publish(version, trained=current.groups)
+        for gid, run in sorted(self.running.items()))
+    cancelled = self.orch.publish(self.version, trained=self.current.groups)
     for gid in cancelled:
-      running.pop(gid, None)
-      if gid in waiting:
-        waiting.remove(gid)
-    retired.update(cancelled)
-    result.publishes.append(Publish(time=clock.now, version=version, in_flight=in_flight,
-                                    cancelled=tuple(cancelled)))
-    result.events.append((clock.now, "train", version - 1))
-    learner_busy = False
-
-  orch.publish(0, trained=[])
-  sample()
-  try_train()
-  while version < cfg.num_steps:
-    if not heap:
-      raise RuntimeError(f"simulation stalled at version {version}: nothing in flight and no "
-                         "batch can be cut")
-    clock.now, _, kind, payload = heapq.heappop(heap)
-    if kind == "finish":
-      if payload in running:  # cancelled groups' finish events are stale
-        finish(payload)
-    else:
-      publish()
-    sample()
-    try_train()
-  result.end_time = clock.now
-  return result
+      self.running.pop(gid, None)
+      if gid in self.waiting:
+        self.waiting.remove(gid)
+    self.retired.update(cancelled)
+    self.result.publishes.append(Publish(time=self.clock.now, version=self.version,
+                                         in_flight=in_flight, cancelled=tuple(cancelled)))
+    self.result.events.append((self.clock.now, "train", self.version - 1))
+    self.learner_busy = False
 
 
 def _make_group(cfg: SimConfig, run: _Running, version_at) -> rollout_lib.Group:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from arl_jax import rows as rows_lib
 from arl_jax.learner import logprobs as logprobs_lib
-from arl_jax.sampler import engine as engine_lib
-from arl_jax.sampler import sampling
+from arl_jax.sampler import sampling, slot_fns
 
 
 class SlotDriver:
@@ -15,7 +15,7 @@ class SlotDriver:
 
   def __init__(self, *, graphdef, model_cfg, mesh, settings, num_slots, bucket, max_new_tokens,
                seed=0):
-    self.fns = engine_lib.make_sampler_fns(
+    self.fns = slot_fns.make_sampler_fns(
         graphdef=graphdef, model_cfg=model_cfg, mesh=mesh, settings=settings,
         num_slots=num_slots, length=bucket + max_new_tokens)
     self.state = self.fns.init()
@@ -25,11 +25,7 @@ class SlotDriver:
   def insert(self, params, version, slots, prompts, group_ids, sample_indices=None,
              stop_mask=None):
     r = len(slots)
-    tokens = np.full((r, self.bucket), self.pad_id, np.int32)
-    mask = np.zeros((r, self.bucket), bool)
-    for i, ids in enumerate(prompts):
-      tokens[i, self.bucket - len(ids):] = ids
-      mask[i, self.bucket - len(ids):] = True
+    tokens, mask = rows_lib.left_pad(prompts, self.bucket, self.pad_id)
     sample_indices = np.zeros(r) if sample_indices is None else sample_indices
     keys = sampling.row_keys(self.seed, group_ids, sample_indices)
     self.state = self.fns.insert(params, jnp.int32(version), self.state,

@@ -2,30 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import jax
 import ml_collections
 import numpy as np
 
+from arl_jax import builtin_configs
 from arl_jax.learner import publish as publish_lib
 from arl_jax.models import init_lib
 from arl_jax.models import model_config as model_config_lib
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
 
-_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 
 def load_config(name: str = "arith", arg: str | None = "tiny") -> ml_collections.ConfigDict:
-  """Loads `configs/<name>.py` and returns an unlocked copy of `get_config(arg)`."""
-  path = os.path.join(_REPO, "configs", f"{name}.py")
-  spec = importlib.util.spec_from_file_location(f"configs_{name}", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config(arg)
-  return ml_collections.ConfigDict(config.to_dict())
+  """An unlocked copy of built-in config `configs/<name>.py`'s `get_config(arg)`."""
+  return builtin_configs.load(name, arg)
 
 
 def tiny_model_config(**overrides) -> model_config_lib.ModelConfig:

@@ -1,4 +1,5 @@
-"""A run's inputs: tokenizer, environment and prompts, loaded once from the spec."""
+"""A run's inputs: tokenizer, environment and prompts, loaded once (by
+`config_lib.resolve`, which validates them) and used as they are by the run."""
 
 from __future__ import annotations
 
@@ -8,8 +9,7 @@ import itertools
 
 import numpy as np
 
-from arl_jax.envs import env_api, prompt_data, prompt_source, registry
-from arl_jax.envs import tokenizer as tokenizer_lib
+from arl_jax.envs import prompt_data, prompt_source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,19 +29,6 @@ class Inputs:
   train: prompt_source.Prompts
   heldout: prompt_source.Prompts
   eval_prompts: list
-
-
-def load(spec) -> Inputs:
-  """Builds the tokenizer and environment and loads both prompt splits
-  (already validated by `config_lib.build`)."""
-  tokenizer = tokenizer_lib.make_tokenizer(spec.tokenizer)
-  entry = registry.ENVS[spec.env_name]
-  env = entry.make_env_fn(spec.env, tokenizer)
-  heldout = prompt_source.load(spec.env_name, spec.env, spec.data, "heldout")
-  return Inputs(tokenizer=tokenizer, env=env,
-                eval_env=entry.make_env_fn(spec.env, tokenizer, for_eval=True),
-                train=prompt_source.load(spec.env_name, spec.env, spec.data, "train"),
-                heldout=heldout, eval_prompts=_eval_prompts(env, heldout.prompts, spec.eval_size))
 
 
 def warnings(spec, inputs: Inputs) -> list[str]:
@@ -77,7 +64,7 @@ def prompt_stream(spec, inputs: Inputs, work: dict | None):
   where a resumed run left it when `work` (a checkpoint's open work) is given.
   """
   env, prompts = inputs.env, inputs.train.prompts
-  weights = getattr(env, "weights", None)
+  weights = spec.env.weights if spec.env_name == "mixture" else None
   # One stream for the whole run, not a shard per process: in a
   # multi-controller run only process 0's orchestrator draws prompts.
   whole = {"shard_index": 0, "shard_count": 1}
@@ -87,7 +74,7 @@ def prompt_stream(spec, inputs: Inputs, work: dict | None):
   else:
     by_env = collections.defaultdict(list)
     for p in prompts:
-      by_env[env_api.env_name_of(env, p)].append(p)
+      by_env[env.env_name_of(p)].append(p)
     stream = prompt_data.mixed_iterator(by_env, weights, spec.seed, **whole)
   if work is None:
     return stream
@@ -105,12 +92,12 @@ def warmup_subset(spec, inputs: Inputs) -> list:
   return [prompts[i] for i in chosen]
 
 
-def _eval_prompts(env, heldout, size: int) -> list:
+def eval_prompts(env, heldout, size: int) -> list:
   """`size` held-out prompts spread evenly over the list, split evenly between
   the environments of a mixture."""
   by_env = collections.defaultdict(list)
   for p in heldout:
-    by_env[env_api.env_name_of(env, p)].append(p)
+    by_env[env.env_name_of(p)].append(p)
   chosen = []
   for i, prompts in enumerate(by_env.values()):
     n = size // len(by_env) + (i < size % len(by_env))

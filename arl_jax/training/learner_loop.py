@@ -7,8 +7,8 @@ only set a flag, `stop.py`):
 2. in a multi-controller run, tell the other processes what to do with it
    (train; evaluate after; save after);
 3. the jitted update, then publish version `u + 1` to the sampler;
-4. with the sampler held still: the orchestrator retires the trained groups
-   and cancels those that can no longer ship (`groups.jsonl` events), and
+4. with the sampler held still: the orchestrator cancels the groups that can
+   no longer ship and retires the trained ones (`groups.jsonl` events), and
    when this version is checkpointed, the open work is read at that instant;
 5. evaluate if due, and write the update's `metrics.jsonl` row;
 6. save the checkpoint, with the number of lines each record file has now,
@@ -40,13 +40,14 @@ class LoopResult:
   """Attributes:
     version: the last version trained (the run's final version).
     groups_trained: groups trained since the run began (resumes included).
-    history: this process's step records.
     batches: summaries of the trained batches (with `keep_batches`).
+
+  (The step records are in `metrics.jsonl` only: a long run does not also
+  hold them in memory.)
   """
 
   version: int
   groups_trained: int
-  history: list[dict]
   batches: list[dict]
 
 
@@ -99,7 +100,6 @@ class LearnerLoop:
     self.version = version
     self.groups_trained = groups_trained
     self._saved_version = version  # (a resumed version is saved; a fresh 0 needs no save)
-    self._history: list[dict] = []
     self._batches: list[dict] = []
     self._learner_wait = 0.0  # seconds spent waiting for a batch
     self._blocking_s = 0.0  # seconds spent inside checkpoint save calls
@@ -125,7 +125,7 @@ class LearnerLoop:
     finally:
       self._stop(failed)
     return LoopResult(version=self.version, groups_trained=self.groups_trained,
-                      history=self._history, batches=self._batches)
+                      batches=self._batches)
 
   # -- one update ---------------------------------------------------------------
 
@@ -200,7 +200,6 @@ class LearnerLoop:
               "tokens", ())) for g in groups for e in g["episodes"]))
     if evaluate:
       record["eval_reward"] = self._eval_log(self.params, version, "rl")
-    self._history.append(record)
     self._writer.write({"phase": "rl", **record})
     if self._keep_batches:
       self._batches.append(step_record_lib.batch_summary(batch, host_batch))

@@ -79,3 +79,19 @@ def reconcile_and_report(log_dir: str, positions: dict | None, *, reason: str, p
   if moved:
     print_fn(f"set aside records written after the point this run starts from: "
              f"{describe(moved, log_dir)}")
+
+
+def step_rows(log_dir: str, first_step: int = 0) -> list[dict]:
+  """The update rows (`phase: rl` with a loss) of `metrics.jsonl` from update
+  `first_step` on: what a run returns as its history (read back from disk, so
+  that a long run does not also hold every row in memory)."""
+  path = os.path.join(log_dir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  rows = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      row = json.loads(line)
+      if row.get("phase") == "rl" and "loss" in row and row["step"] >= first_step:
+        rows.append({k: v for k, v in row.items() if k != "phase"})
+  return rows

@@ -17,6 +17,7 @@ import contextlib
 import functools
 from typing import Protocol
 
+from arl_jax import spec_codec
 from arl_jax.distributed import fleet as fleet_lib
 from arl_jax.envs import env_api
 from arl_jax.orchestrator import env_runner as env_runner_lib
@@ -179,13 +180,12 @@ class RemoteRollouts:
     self._fleet.stop(raise_errors=False)
 
 
-def build(spec, *, config: dict, meshes, graphdef, inputs, orchestrator, publisher,
+def build(spec, *, meshes, graphdef, inputs, orchestrator, publisher,
           workdir: str, writer, print_fn, multi_controller: bool) -> Rollouts:
   """The rollout side a run's config asks for (not started).
 
   Args:
     spec: the run's `config_lib.RunSpec`.
-    config: the run's config as a dict (sampler processes build from it).
     meshes: the role meshes.
     graphdef: the decoder's graph definition.
     inputs: the run's `inputs.Inputs` (tokenizer, environment).
@@ -200,7 +200,8 @@ def build(spec, *, config: dict, meshes, graphdef, inputs, orchestrator, publish
   fleet = None
   if spec.fleet.remote or multi_controller:
     fleet = fleet_lib.SamplerFleet(
-        spec.fleet, orchestrator=orchestrator, publisher=publisher, run_config=config,
+        spec.fleet, orchestrator=orchestrator, publisher=publisher,
+        spec=spec_codec.to_json(spec),
         sampler_mesh_shape=meshes.sampler.shape.items(), workdir=workdir, print_fn=print_fn,
         event_fn=lambda event: writer.write({"phase": "fleet", **event}))
     fleet.start()  # (before the first publish: other processes join it first)
@@ -210,11 +211,22 @@ def build(spec, *, config: dict, meshes, graphdef, inputs, orchestrator, publish
   env_runner = env_runner_lib.EnvRunner(
       env, on_group_fn=orchestrator.group_finished, max_new_tokens=spec.engine.max_new_tokens,
       num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s,
-      vocab_size=spec.model.vocab_size, work=orchestrator.dispatcher.work)
+      vocab_size=spec.model.vocab_size, on_scored_fn=orchestrator.rollout_scored)
+
+  # Each handover records the episode's restart point first, should a
+  # checkpoint come: once handed over, the episode belongs to the other side.
+  def on_segment(episode) -> None:
+    orchestrator.segment_ended(episode)
+    env_runner.submit(episode)
+
+  def on_resume(episode) -> None:
+    orchestrator.episode_resumed(episode)
+    engine.resume(episode)
+
   engine = engine_lib.SamplerEngine(
       cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, model_cfg=spec.sampler_model,
       mesh=meshes.sampler, publisher=publisher, dispatcher=orchestrator.dispatcher,
-      on_segment_fn=env_runner.submit,
+      on_segment_fn=on_segment,
       stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env))
-  env_runner.connect(engine.resume)
+  env_runner.connect(on_resume)
   return LocalRollouts(engine, env_runner, fleet)

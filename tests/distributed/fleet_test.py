@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import zmq
 
+from arl_jax import config_sections
 from arl_jax import rollout as rollout_lib
 from arl_jax.distributed import fleet as fleet_lib
 from arl_jax.distributed import wire
@@ -83,8 +84,8 @@ def fleet():
   orchestrator = _orchestrator()
   events = []
   fleet = fleet_lib.SamplerFleet(
-      fleet_lib.FleetConfig(remote=True, heartbeat_s=0.05, timeout_s=0.5),
-      orchestrator=orchestrator, publisher=_NoWeights(), run_config={"seed": 0},
+      config_sections.FleetConfig(remote=True, heartbeat_s=0.05, timeout_s=0.5),
+      orchestrator=orchestrator, publisher=_NoWeights(), spec={"seed": 0},
       sampler_mesh_shape=[("data", 4), ("tp", 1)], print_fn=lambda line: None,
       event_fn=events.append)
   fleet.events = events
@@ -101,10 +102,10 @@ def _wait(condition, timeout_s=5.0):
     time.sleep(0.01)
 
 
-def test_a_joining_sampler_gets_the_config_and_its_groups_reach_the_buffer(fleet):
+def test_a_joining_sampler_gets_the_settings_and_its_groups_reach_the_buffer(fleet):
   sampler = _FakeSampler(fleet.address)
   assert sampler.welcome["type"] == "welcome"
-  assert sampler.welcome["config"] == {"seed": 0}
+  assert sampler.welcome["spec"] == {"seed": 0}  # (the resolved RunSpec, as JSON)
   assert sampler.welcome["sampler_mesh"] == [["data", 4], ["tp", 1]]
   requests = sampler.take(3)
   assert [r.group_id for r in requests] == [0, 1, 2]
@@ -211,4 +212,4 @@ def test_counters_add_what_each_sampler_reports_since_its_last_report(fleet):
 
 def test_fleet_config_checks():
   with pytest.raises(ValueError, match="timeout_s=1.0 must be >= 4 x heartbeat_s=0.5"):
-    fleet_lib.FleetConfig(heartbeat_s=0.5, timeout_s=1.0)
+    config_sections.FleetConfig(heartbeat_s=0.5, timeout_s=1.0)

@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 _OVERRIDES = {"orchestrator.max_async_level": 0, "orchestrator.max_off_policy_steps": 0,
               "sampler.weight_update": "drain", "eval_every": 2, "eval_size": 8,
               "checkpoint.save_final": True,
-              "warmup.steps": 60, "warmup.lr": 0.003}
+              "warmup.steps": 20, "warmup.lr": 0.01}
 
 
 def _config():

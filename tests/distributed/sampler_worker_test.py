@@ -2,6 +2,7 @@
 starts, an unreachable learner is reported within seconds, and a config its
 host cannot use is one error line."""
 
+import dataclasses
 import os
 import re
 import socket
@@ -13,7 +14,9 @@ import time
 import pytest
 import zmq
 
-from arl_jax.distributed import sampler_worker, wire
+from arl_jax import config_lib, spec_codec
+from arl_jax.distributed import learner_link, sampler_worker, wire
+from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.testing import tiny
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -43,12 +46,12 @@ def _free_port() -> int:
 ])
 def test_a_bad_address_is_named(address, problem):
   with pytest.raises(ValueError, match=re.escape(problem)):
-    sampler_worker.check_address(address)
+    learner_link.check_address(address)
 
 
 def test_good_addresses_pass():
   for address in ("tcp://127.0.0.1:5555", "tcp://learner-0.example:1", "tcp://[::1]:65535"):
-    assert sampler_worker.check_address(address) == address
+    assert learner_link.check_address(address) == address
 
 
 @pytest.mark.parametrize("address, problem", [
@@ -65,9 +68,9 @@ def test_an_unreachable_learner_is_reported_while_waiting_then_given_up():
   lines = []
   address = f"tcp://127.0.0.1:{_free_port()}"
   start = time.monotonic()
-  with pytest.raises(sampler_worker.LearnerUnreachable,
+  with pytest.raises(learner_link.LearnerUnreachable,
                      match=re.escape(f"no learner answered at {address} within 1s")):
-    sampler_worker.LearnerLink(address, name="s", num_devices=1, connect_timeout_s=1.0,
+    learner_link.LearnerLink(address, name="s", num_devices=1, connect_timeout_s=1.0,
                                print_fn=lines.append, notice_every_s=0.3)
   assert time.monotonic() - start < 5.0
   assert len(lines) >= 2 and lines[0].startswith(f"sampler s: no answer from {address} after")
@@ -83,11 +86,14 @@ def test_the_command_line_gives_up_on_an_unreachable_learner_with_one_error():
   assert time.monotonic() - start < 60.0
 
 
-def test_a_config_this_host_cannot_use_is_one_error_line(tmp_path):
-  """A fake learner welcomes the sampler with a config whose data file is
-  missing on this host: the sampler says so and exits, no traceback."""
-  config = tiny.load_config("arith", "tiny")
-  config.data.train_path = str(tmp_path / "missing.jsonl")
+def test_settings_this_host_cannot_use_are_one_error_line(tmp_path):
+  """A fake learner welcomes the sampler with resolved settings whose
+  tokenizer file is missing on this host: the sampler says so and exits, no
+  traceback."""
+  spec = config_lib.build(tiny.load_config("arith", "tiny"))
+  missing = str(tmp_path / "tokenizer.json")
+  spec = dataclasses.replace(spec, tokenizer=tokenizer_lib.TokenizerConfig(
+      kind="hf", path=missing, eos_token="<eos>"))
   router = zmq.Context.instance().socket(zmq.ROUTER)
   router.linger = 0
   port = router.bind_to_random_port("tcp://127.0.0.1")
@@ -96,7 +102,7 @@ def test_a_config_this_host_cannot_use_is_one_error_line(tmp_path):
     if router.poll(30_000):
       identity, _ = router.recv_multipart()
       router.send_multipart([identity, wire.encode({
-          "type": "welcome", "sampler_id": 0, "config": config.to_dict(),
+          "type": "welcome", "sampler_id": 0, "spec": spec_codec.to_json(spec),
           "sampler_mesh": [["data", 1], ["tp", 1]], "weights_address": "tcp://127.0.0.1:1",
           "heartbeat_s": 0.5, "timeout_s": 5.0})])
 
@@ -110,5 +116,4 @@ def test_a_config_this_host_cannot_use_is_one_error_line(tmp_path):
     thread.join()
     router.close()
   assert code == sampler_worker.EXIT_BAD_INPUT
-  assert lines[-1].startswith("sampler s: error: config.data.train_path: ") and (
-      "missing.jsonl" in lines[-1]), lines
+  assert lines[-1].startswith("sampler s: error: ") and missing in lines[-1], lines

@@ -22,10 +22,10 @@ def test_prompts_and_calls_are_routed_to_their_environment():
   env = registry.ENVS["mixture"].make_env_fn(cfg, tokenizer_lib.ByteTokenizer())
   prompts = registry.ENVS["mixture"].make_prompts_fn(cfg, "train")
   assert {p.env for p in prompts} == {"arith", "tool_agent"}
-  assert env_api.is_multi_turn(env) and env.stop_ids == env.envs["tool_agent"].stop_ids
+  assert env.multi_turn and env.stop_ids == env.envs["tool_agent"].stop_ids
   for p in prompts[:3] + prompts[-3:]:
     sub = env.envs[p.env]
-    assert env_api.env_name_of(env, p) == p.env
+    assert env.env_name_of(p) == p.env
     assert env.encode_prompt(p) == sub.encode_prompt(p.prompt)
     demo = env.demonstration(p).completion_ids
     if p.env == "arith":  # single-turn: no observation, scored directly
@@ -40,7 +40,7 @@ def test_prompts_and_calls_are_routed_to_their_environment():
   single = registry.ENVS["mixture"].make_env_fn(
       _mixture_cfg(arith=dict(weight=1.0), math_answer=dict(weight=1.0)),
       tokenizer_lib.ByteTokenizer())
-  assert not env_api.is_multi_turn(single)
+  assert not single.multi_turn
 
 
 def test_the_stream_follows_the_weights():

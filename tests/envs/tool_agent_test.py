@@ -31,7 +31,7 @@ def test_splits_are_disjoint_and_cover_every_key():
 def test_the_tool_answers_a_call_and_the_episode_ends_at_eos():
   env = _env()
   prompt = tool_agent.make_prompts(env._cfg, "train")[0]  # noqa: SLF001
-  assert env_api.is_multi_turn(env) and env.stop_ids == (ord("]"),)
+  assert env.multi_turn and env.stop_ids == (ord("]"),)
   call = _ids(f"[{prompt.prompt_id}]")
   assert TOK.decode(env.step(prompt, call)) == f"={prompt.answer};"
   assert TOK.decode(env.step(prompt, _ids("[x1]"))) == "=?;"  # a malformed key
@@ -110,7 +110,7 @@ def test_chat_template_protocol_uses_turns(tokenizer_path):
   `tool` turn, and the answer is the last assistant turn."""
   env, tok = _chat_env(tokenizer_path)
   eot = tok.end_of_turn_id
-  assert env.stop_ids == () and env_api.is_multi_turn(env)
+  assert env.stop_ids == () and env.multi_turn
   assert env_api.segment_stop_ids(tok, env, None) == (tok.eos_id, eot)
   prompt = tool_agent.make_prompts(env._cfg, "train")[2]  # noqa: SLF001
   assert tok.decode(env.encode_prompt(prompt)) == f"user\n{prompt.text}\nassistant\n"

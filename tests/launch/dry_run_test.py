@@ -12,7 +12,7 @@ import pytest
 from arl_jax import config_lib, dry_run
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.models import init_lib
-from arl_jax.sampler import engine as engine_lib
+from arl_jax.sampler import slot_fns
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
 from arl_jax.testing import tiny
@@ -40,7 +40,7 @@ def test_planned_params_and_kv_cache_equal_the_allocated_ones():
   shardings = rules_lib.state_shardings(abstract, meshes.sampler, rules_lib.SAMPLER_RULES)
   sampler_params = jax.device_put(params, shardings)
   assert plan.sampler.memory["params_x2_versions"] == 2 * _device_bytes(sampler_params)
-  fns = engine_lib.make_sampler_fns(graphdef=graphdef, model_cfg=spec.sampler_model,
+  fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=spec.sampler_model,
                                     mesh=meshes.sampler, settings=spec.sampling,
                                     num_slots=spec.engine.num_slots, length=spec.engine.length)
   slots = fns.init()

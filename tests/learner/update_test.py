@@ -6,6 +6,7 @@ import numpy as np
 import optax
 import pytest
 
+from arl_jax import trace_counter
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import optim as optim_lib
@@ -34,15 +35,17 @@ def _random_batch(rng, rows=8, prompt_len=6, new=6):
       lag=np.zeros(rows, np.int32))
 
 
-def _setup():
+def _setup(traces=None):
+  """`(state, update_fn, meshes)`; `traces` (a TraceCounter) counts the step's compiles."""
   cfg = tiny.tiny_model_config()
   meshes = tiny.role_meshes()
   graphdef, params, _ = tiny.learner_and_sampler_params(cfg, meshes)
   optimizer = optim_lib.make_optimizer(optim_lib.OptimConfig(lr=1e-3))
   state, shardings = train_state_lib.create(params, optimizer, meshes.learner)
+  step_fn = update_lib.train_step if traces is None else traces.wrap(update_lib.train_step)
   update_fn = update_lib.make_update_fn(
       graphdef=graphdef, optimizer=optimizer, settings=update_lib.LossSettings(),
-      state_shardings=shardings, mesh=meshes.learner)
+      state_shardings=shardings, mesh=meshes.learner, step_fn=step_fn)
   return state, update_fn, meshes
 
 
@@ -51,7 +54,8 @@ def _layout(state):
 
 
 def test_update_keeps_shardings_and_dtypes_and_compiles_once():
-  state, update_fn, meshes = _setup()
+  traces = trace_counter.TraceCounter()
+  state, update_fn, meshes = _setup(traces)
   before = _layout(state)
   # Params really are sharded over the learner's 4-way fsdp axis.
   embed = state.params["embed"][...]
@@ -63,7 +67,7 @@ def test_update_keeps_shardings_and_dtypes_and_compiles_once():
     state, metrics = update_fn(state, _random_batch(rng))
   assert _layout(state) == before
   assert int(state.step) == 3
-  assert update_fn._cache_size() == 1  # noqa: SLF001
+  assert traces.count == 1
   assert np.isfinite(float(metrics["loss"]))
   assert float(metrics["grad_norm"]) > 0
 
@@ -100,7 +104,7 @@ def test_kl_metric_is_the_k3_estimator_of_kl_behaviour_to_policy():
   np.testing.assert_allclose(float(metrics["kl_behaviour"]), expected, rtol=1e-4)
 
 
-def _state_and_update(settings, mesh, *, optimizer=None, reference=False, seed=0):
+def _state_and_update(settings, mesh, *, optimizer=None, reference=False, seed=0, traces=None):
   # vocab divisible by tp = 2; a value head iff the loss trains a critic.
   cfg = tiny.tiny_model_config(vocab_size=260, value_head=settings.critic)
   graphdef, params, _ = tiny.learner_and_sampler_params(
@@ -108,9 +112,10 @@ def _state_and_update(settings, mesh, *, optimizer=None, reference=False, seed=0
   optimizer = optimizer or optax.sgd(0.1)
   state, shardings = train_state_lib.create(params, optimizer, mesh)
   ref = jax.tree.map(jnp.copy, params) if reference else None
+  step_fn = update_lib.train_step if traces is None else traces.wrap(update_lib.train_step)
   update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer, settings=settings,
                                         state_shardings=shardings, mesh=mesh,
-                                        reference_params=ref)
+                                        reference_params=ref, step_fn=step_fn)
   return graphdef, state, update_fn
 
 
@@ -126,13 +131,15 @@ def _host(tree):
 def test_several_optimizer_steps_per_batch_compile_once_and_count_one_version():
   settings = update_lib.LossSettings(num_epochs=2, num_minibatches=2, num_microbatches=2)
   mesh = _mesh((("fsdp", 2), ("tp", 1)))
-  _, state, update_fn = _state_and_update(settings, mesh, optimizer=optax.adam(1e-3))
+  traces = trace_counter.TraceCounter()
+  _, state, update_fn = _state_and_update(settings, mesh, optimizer=optax.adam(1e-3),
+                                          traces=traces)
   before = _layout(state)
   rng = np.random.default_rng(4)
   for _ in range(2):
     state, metrics = update_fn(state, _random_batch(rng))
   assert _layout(state) == before and int(state.step) == 2
-  assert update_fn._cache_size() == 1  # noqa: SLF001
+  assert traces.count == 1
   assert float(metrics["optimizer_steps"]) == 4 and float(metrics["skipped_steps"]) == 0
   # The optimizer really took 4 steps per batch.
   assert int(jax.tree.leaves(state.opt_state)[0]) == 8

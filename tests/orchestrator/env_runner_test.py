@@ -8,6 +8,7 @@ import pytest
 
 from arl_jax import episode as episode_lib
 from arl_jax import train_batch as train_batch_lib
+from arl_jax.envs import env_api
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import env_runner as env_runner_lib
 from tests.orchestrator.staleness_test import make_group
@@ -31,7 +32,7 @@ def _episode(request, index, tokens, stopped=True, version=0):
   return episode
 
 
-class FlakyEnv:
+class FlakyEnv(env_api.Environment):
   """Raises on the completion whose first token is 99; sleeps on 77."""
 
   name = "flaky"
@@ -82,7 +83,7 @@ def test_env_exception_and_timeout_mark_the_rollout_error_and_the_group_still_ar
   assert batch.loss_mask[0].sum() == 3 and batch.loss_mask[2].sum() == 3
 
 
-class CalculatorEnv:
+class CalculatorEnv(env_api.MultiTurnEnvironment):
   """Answers `[...]` tool calls with `=42;`; the episode ends at EOS."""
 
   name = "calc"

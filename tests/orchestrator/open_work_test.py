@@ -44,7 +44,7 @@ def test_every_restart_point_round_trips_through_json():
   orch = _orchestrator()
   orch.publish(1, trained=[])
   requests = orch.dispatcher.take(4, live_version=1, timeout=0.01)  # groups 0-3
-  work = orch.dispatcher.work
+  work = orch.work
   # Group 0: both rollouts scored, in the buffer.
   done = [episode_lib.Episode(request=requests[0], sample_index=i) for i in range(2)]
   rollouts = []

@@ -12,7 +12,7 @@ from arl_jax.envs import env_api
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import engine as engine_lib
-from arl_jax.sampler import sampling
+from arl_jax.sampler import engine_config, sampling
 from arl_jax.testing import tiny
 from tests.sampler import engine_test
 
@@ -35,13 +35,20 @@ def _engine(setup, version, on_group):
   dispatcher = dispatcher_lib.Dispatcher(
       dispatcher_lib.DispatchConfig(group_size=4, groups_per_batch=2, max_async_level=0),
       prompts, encode, buffer_lib.RolloutBuffer(buffer_lib.BufferConfig()))
+  to_env = engine_test.single_turn_groups(on_group)
+
+  def on_segment(episode):
+    # As a run wires the engine (`rollouts.build`): the restart point first.
+    dispatcher.work.at_env(episode)
+    to_env(episode)
+
   engine = engine_lib.SamplerEngine(
-      cfg=engine_lib.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
+      cfg=engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
                                   max_new_tokens=NEW, context_bucket=4),
       settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=setup["graphdef"],
       model_cfg=setup["cfg"], mesh=setup["meshes"].sampler,
       publisher=_Publisher(version, setup["sampler_params"][version]), dispatcher=dispatcher,
-      on_segment_fn=engine_test.single_turn_groups(on_group))
+      on_segment_fn=on_segment)
   return engine, dispatcher
 
 
@@ -101,6 +108,11 @@ def _resume(setup, work, version):
   engine.start()
   _wait(engine, lambda: {0, 1} <= set(groups))
   engine.stop()
+  # Restored contexts (open segments) land in continuation buckets and come
+  # in any number: the engine compiled those shapes too before admitting one.
+  traces = engine.traces()
+  assert traces["insert"] + traces["take_rows"] + traces["decode"] + traces["recompute"] == (
+      engine.stats.precompiled_programs), traces
   return groups
 
 

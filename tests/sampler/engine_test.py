@@ -9,7 +9,7 @@ import pytest
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import engine as engine_lib
-from arl_jax.sampler import sampling
+from arl_jax.sampler import engine_config, sampling
 from arl_jax.testing import slots as slots_lib
 from arl_jax.testing import tiny
 
@@ -73,7 +73,7 @@ def _engine(publisher, setup, weight_update, on_group, *, kv_policy="keep", take
     original = dispatcher.take
     dispatcher.take = lambda *a, **k: take_hook(original(*a, **k))
   return engine_lib.SamplerEngine(
-      cfg=engine_lib.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(PROMPT_LEN,),
+      cfg=engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(PROMPT_LEN,),
                                   max_new_tokens=NEW, weight_update=weight_update,
                                   kv_policy=kv_policy),
       settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=graphdef,
@@ -213,9 +213,10 @@ def test_mixed_prompt_lengths_in_one_bucket_compile_once(setup):
   _run_until(engine, lambda: len(groups) >= 6)
   lengths = {len(r.prompt_ids) for g in groups for r in g}
   assert len(lengths) > 2
-  assert engine._fns.decode._cache_size() == 1  # noqa: SLF001
+  traces = engine.traces()
+  assert traces["decode"] == 1
   # One insert program per power-of-two row count at most (1, 2, 4, 8 rows).
-  assert engine._fns.insert._cache_size() <= 4  # noqa: SLF001
+  assert 1 <= traces["insert"] <= 4
   assert 0 < engine.stats.occupancy <= 1
 
 

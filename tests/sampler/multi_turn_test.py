@@ -9,11 +9,12 @@ import time
 import numpy as np
 import pytest
 
+from arl_jax.envs import env_api
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import env_runner as env_runner_lib
 from arl_jax.sampler import engine as engine_lib
-from arl_jax.sampler import sampling
+from arl_jax.sampler import engine_config, sampling
 from arl_jax.testing import tiny
 from tests.sampler.engine_test import ScriptedPublisher, teacher_forced
 
@@ -29,7 +30,7 @@ class _Prompt:
     self.prompt_id = i
 
 
-class SlowToolEnv:
+class SlowToolEnv(env_api.MultiTurnEnvironment):
   """Answers every stop with OBSERVATION after `latency_s`, for up to `max_turns` segments."""
 
   name = "slow_tool"
@@ -74,9 +75,12 @@ def _run(setup, publisher, weight_update, latency_s, num_groups, context_bucket=
     if len(groups) >= num_groups:
       done.set()
 
-  cfg = engine_lib.EngineConfig(num_slots=8, group_size=G, prompt_buckets=(PROMPT_LEN,),
+  # Compiled lazily: these tests are about versions, and precompiling the 16
+  # insert shapes (4 row buckets x 4 continuation buckets) costs ~25 s cold.
+  cfg = engine_config.EngineConfig(num_slots=8, group_size=G, prompt_buckets=(PROMPT_LEN,),
                                 max_new_tokens=NEW, weight_update=weight_update,
-                                multi_turn=True, context_bucket=context_bucket)
+                                multi_turn=True, context_bucket=context_bucket,
+                                precompile=False)
   runner = env_runner_lib.EnvRunner(SlowToolEnv(latency_s), on_group_fn=on_group,
                                     max_new_tokens=NEW, num_workers=8, timeout_s=10.0)
   engine = engine_lib.SamplerEngine(
@@ -129,11 +133,12 @@ def test_readmitted_segments_are_sampled_under_the_weights_live_at_readmission(
     spans.add(r.version_span)
   assert (0, 1) in spans, spans  # some episodes span the swap
   # Re-admissions compile one insert per (context bucket, power-of-two row count) at most.
-  buckets = engine_lib.EngineConfig(
+  buckets = engine_config.EngineConfig(
       num_slots=8, group_size=G, prompt_buckets=(PROMPT_LEN,), max_new_tokens=NEW,
       multi_turn=True, context_bucket=8).continuation_buckets
-  assert engine._fns.insert._cache_size() <= len(buckets) * 4  # noqa: SLF001
-  assert engine._fns.decode._cache_size() == 1  # noqa: SLF001
+  traces = engine.traces()
+  assert 1 <= traces["insert"] <= len(buckets) * 4
+  assert traces["decode"] == 1
 
 
 def test_in_flight_versions_never_decrease_within_an_episode(setup):
@@ -150,7 +155,7 @@ def test_in_flight_versions_never_decrease_within_an_episode(setup):
 
 
 def test_continuation_buckets_cover_every_context_without_eating_the_budget():
-  cfg = engine_lib.EngineConfig(num_slots=4, group_size=2, prompt_buckets=(4, 8),
+  cfg = engine_config.EngineConfig(num_slots=4, group_size=2, prompt_buckets=(4, 8),
                                 max_new_tokens=20, multi_turn=True, context_bucket=6)
   assert cfg.continuation_buckets == (4, 8, 12, 18, 24, 30)
   for prompt in range(1, 9):

@@ -1,0 +1,42 @@
+"""The single (non-mixture) environments by name, and what a registry entry holds.
+
+`registry.ENVS` is this table plus the mixture, which is made of these
+(`mixture.py` reads them here, so neither module imports the other's user).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+from arl_jax.envs import arith, math_answer, tool_agent
+
+
+@dataclasses.dataclass(frozen=True)
+class EnvEntry:
+  """Attributes:
+    config_cls: frozen dataclass of the environment's settings.
+    make_env_fn: `(config, tokenizer, for_eval) -> environment`; `for_eval`
+      asks for a copy without simulated latency (evaluation waits on it).
+    make_prompts_fn: `(config, split) -> list of prompt records` for `env_api.SPLITS`.
+    check_record_fn: `(prompt record) -> None`, raising ValueError (naming the
+      field) for a record of a data file this environment cannot use, beyond
+      the file schema (`jsonl_source.py`); None: no further check.
+  """
+
+  config_cls: type
+  make_env_fn: Callable
+  make_prompts_fn: Callable
+  check_record_fn: Callable | None = None
+
+
+SINGLE_ENVS = {
+    "arith": EnvEntry(arith.ArithConfig, lambda cfg, tok, for_eval=False: arith.ArithEnv(tok),
+                      arith.make_prompts, arith.check_record),
+    "math_answer": EnvEntry(
+        math_answer.MathAnswerConfig,
+        lambda cfg, tok, for_eval=False: math_answer.MathAnswerEnv(cfg, tok),
+        math_answer.make_prompts),
+    "tool_agent": EnvEntry(tool_agent.ToolAgentConfig, tool_agent.ToolAgentEnv,
+                           tool_agent.make_prompts),
+}

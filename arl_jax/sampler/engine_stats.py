@@ -1,0 +1,72 @@
+"""`EngineStats`: the sampler engine's counters and the metrics they give."""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+@dataclasses.dataclass
+class EngineStats:
+  """Counters; seconds are wall time of the engine thread."""
+
+  steps: int = 0
+  inserts: int = 0
+  resumes: int = 0  # re-admissions of multi-turn episodes (counted in inserts too)
+  swaps: int = 0
+  sampled_tokens: int = 0
+  finished_segments: int = 0
+  cancelled_rollouts: int = 0
+  # Of cancelled rollouts: completion budget left unsampled (the compute
+  # cancellation saved, an upper bound: a rollout may have stopped earlier),
+  # and tokens already sampled (work thrown away).
+  cancelled_tokens: int = 0
+  cancelled_sampled_tokens: int = 0
+  decode_seconds: float = 0.0
+  prefill_seconds: float = 0.0
+  swap_seconds: float = 0.0
+  queue_wait_seconds: float = 0.0
+  occupied_slot_steps: int = 0
+  model_passes: int = 0  # decode forwards; > steps when pinned serves several versions
+  slot_steps: int = 0
+  max_versions_held: int = 1
+  precompiled_programs: int = 0  # compiled at the first publish (`EngineConfig.precompile`)
+  precompile_seconds: float = 0.0
+
+  @property
+  def busy_seconds(self) -> float:
+    return self.decode_seconds + self.prefill_seconds + self.swap_seconds
+
+  @property
+  def occupancy(self) -> float:
+    """Mean fraction of slots holding a live sequence per decode step."""
+    return self.occupied_slot_steps / max(self.slot_steps, 1)
+
+  def metrics(self) -> dict:
+    """The sampler's numbers in a step record (cumulative)."""
+    return {
+        # Upper bound: cancelled rollouts' unsampled budget (they might have stopped earlier).
+        "cancelled_tokens_saved_max": self.cancelled_tokens,
+        "cancelled_tokens_discarded": self.cancelled_sampled_tokens,
+        "sampler_resumes": self.resumes,
+        "sampler_busy_s": self.busy_seconds,
+        "sampler_swaps": self.swaps,
+        "sampler_occupancy": self.occupancy,
+        "sampler_tokens_per_s": self.sampled_tokens / max(self.busy_seconds, 1e-9),
+        "sampler_prefill_s": self.prefill_seconds,
+        "sampler_decode_s": self.decode_seconds,
+        "sampler_swap_pause_s": self.swap_seconds,
+        "sampler_queue_wait_s": self.queue_wait_seconds / max(self.inserts, 1),
+        "sampler_versions_held": self.max_versions_held,
+        "sampler_precompiled_programs": self.precompiled_programs,
+        "sampler_precompile_s": self.precompile_seconds,
+    }
+
+  # The counters a checkpoint carries (the rest describe this process's time).
+  _CHECKPOINTED = ("cancelled_rollouts", "cancelled_tokens", "cancelled_sampled_tokens")
+
+  def state_dict(self) -> dict:
+    return {name: getattr(self, name) for name in self._CHECKPOINTED}
+
+  def load_state_dict(self, state: dict) -> None:
+    for name in self._CHECKPOINTED:
+      setattr(self, name, int(state[name]))

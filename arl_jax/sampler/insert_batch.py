@@ -1,0 +1,104 @@
+"""`InsertBatch`: the host arrays of one prefill, packed from waiting episodes.
+
+An admission prefills the episodes that share a context bucket with one
+`SamplerFns.insert` call. Their contexts (prompt, completion so far, and the
+open segment a checkpoint left) are left-padded to the bucket, so that every
+row's next token lands in the same column, and the row count is padded to a
+power of two (`slot_fns.row_bucket`) by repeating the last row, so that a
+handful of insert shapes cover every admission; `abstract` describes the
+batch of one shape, for compiling that shape before any admission needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from arl_jax import episode as episode_lib
+from arl_jax import rows as rows_lib
+from arl_jax.sampler import sampling, slot_fns
+
+
+@dataclasses.dataclass(frozen=True)
+class InsertBatch:
+  """The arguments of `SamplerFns.insert_from_ids` after `(params, version,
+  state, base_key)`, for R rows (a power of two) in a bucket of Pb columns.
+
+  Attributes:
+    slots: `[R]` int32 slot of each row (a repeated row rewrites the same slot).
+    tokens: `[R, Pb]` int32 left-padded contexts.
+    mask: `[R, Pb]` bool, True on context tokens.
+    key_ids: `[R, 3]` uint32 (group id, sample index, turn): what each row's
+      PRNG key is derived from (`sampling.segment_keys`).
+    max_new: `[R]` int32 tokens each row's segment may sample.
+    stop_mask: `[R, S]` bool, which stop ids end each row's segment.
+    open_len: `[R]` int32 tokens of an open segment at the end of each context.
+    open_logprobs: `[R, Pb]` float32 their recorded log-probs (last columns).
+    open_versions: `[R, Pb]` int32 their recorded versions (last columns).
+  """
+
+  slots: np.ndarray
+  tokens: np.ndarray
+  mask: np.ndarray
+  key_ids: np.ndarray
+  max_new: np.ndarray
+  stop_mask: np.ndarray
+  open_len: np.ndarray
+  open_logprobs: np.ndarray
+  open_versions: np.ndarray
+
+  def args(self) -> tuple:
+    """The arrays in `SamplerFns.insert_from_ids`' argument order."""
+    return (self.slots, self.tokens, self.mask, self.key_ids, self.max_new, self.stop_mask,
+            self.open_len, self.open_logprobs, self.open_versions)
+
+
+def pack(items: list[tuple[int, episode_lib.Episode]], *, bucket: int, num_slots: int,
+         max_new_tokens: int, pad_id: int,
+         stop_mask_fn: Callable[[object], np.ndarray]) -> InsertBatch:
+  """Packs `(slot, episode)` pairs into one insert.
+
+  Args:
+    items: the slots to fill and the episodes that go there (at least one).
+    bucket: Pb, the context bucket (at least every context's length).
+    num_slots: B, the cap of the padded row count.
+    max_new_tokens: the sampler's completion budget; every completion token
+      counts against it (and against the episode's own budget), observations
+      included.
+    pad_id: filler of the context columns before a context.
+    stop_mask_fn: group request -> `[S]` bool, which stop ids end its segments.
+  """
+  r = slot_fns.row_bucket(len(items), num_slots)
+  padded = items + [items[-1]] * (r - len(items))  # duplicates rewrite the same slot
+  episodes = [episode for _, episode in padded]
+  tokens, mask = rows_lib.left_pad([e.context_ids() for e in episodes], bucket, pad_id)
+  # A segment left open by a checkpoint continues: its tokens end the context.
+  open_logprobs, _ = rows_lib.left_pad([e.open_logprobs for e in episodes], bucket, 0.0,
+                                       np.float32)
+  open_versions, _ = rows_lib.left_pad([e.open_versions for e in episodes], bucket,
+                                       sampling.NO_VERSION, np.int32)
+  return InsertBatch(
+      slots=np.array([slot for slot, _ in padded], np.int32),
+      tokens=tokens, mask=mask,
+      key_ids=sampling.key_ids([e.group_id for e in episodes],
+                               [e.sample_index for e in episodes], [e.turns for e in episodes]),
+      max_new=np.array([e.budget(max_new_tokens) - e.length for e in episodes], np.int32),
+      stop_mask=np.stack([stop_mask_fn(e.request) for e in episodes]),
+      open_len=np.array([len(e.open_tokens) for e in episodes], np.int32),
+      open_logprobs=open_logprobs, open_versions=open_versions)
+
+
+def abstract(rows: int, bucket: int, num_stop_ids: int) -> InsertBatch:
+  """The shapes and dtypes `pack` gives a batch of `rows` rows (a row bucket)
+  in a bucket of `bucket` columns, as `jax.ShapeDtypeStruct`s (host arrays:
+  no sharding), for `SamplerFns.insert_from_ids.lower`."""
+  row = lambda dtype: jax.ShapeDtypeStruct((rows,), dtype)
+  grid = lambda dtype: jax.ShapeDtypeStruct((rows, bucket), dtype)
+  return InsertBatch(
+      slots=row(np.int32), tokens=grid(np.int32), mask=grid(np.bool_),
+      key_ids=jax.ShapeDtypeStruct((rows, 3), np.uint32), max_new=row(np.int32),
+      stop_mask=jax.ShapeDtypeStruct((rows, num_stop_ids), np.bool_), open_len=row(np.int32),
+      open_logprobs=grid(np.float32), open_versions=grid(np.int32))

@@ -1,0 +1,132 @@
+"""Compiling every program a sampler engine can run, before its first admission.
+
+The engine pads admissions and segment reads to power-of-two row counts
+(`slot_fns.row_bucket`) and contexts to buckets, so it calls its slot
+functions with a bounded set of shapes; but jit compiles a shape only when a
+batch first needs it, and a rare one (16 rows admitted at once) can first come
+800 updates into a run, which then stalls on the compile (minutes on a TPU
+pod). `compile_all` lowers and compiles every shape up front with
+`jax.ShapeDtypeStruct` arguments that carry the live arrays' shardings; the
+jit cache keeps each executable, so a later call with those shapes neither
+traces nor compiles (`tests/sampler/precompile_test.py` checks it with JAX's
+compile events).
+
+`engine_shapes` says which shapes an engine can use: new requests come as
+whole groups of one prompt, so single-turn admissions are multiples of the
+group size in a prompt bucket; resumed multi-turn episodes and episodes a
+checkpoint left come back in any number, with contexts in any continuation
+bucket; a harvest reads any number of slots.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterable
+
+import jax
+import jax.numpy as jnp
+
+from arl_jax.sampler import engine_config, insert_batch, slot_fns
+
+
+@dataclasses.dataclass(frozen=True)
+class Shapes:
+  """The argument shapes an engine's slot functions can be called with
+  (`decode` has one, for every engine).
+
+  Attributes:
+    insert: `(rows, bucket)` of each `insert_from_ids` shape: a row bucket
+      and a context bucket.
+    take_rows: the row buckets segment reads use.
+    recompute: whether `recompute` can run (the in-flight `recompute` KV policy).
+  """
+
+  insert: tuple[tuple[int, int], ...]
+  take_rows: tuple[int, ...]
+  recompute: bool
+
+  @property
+  def num_programs(self) -> int:
+    """Programs `compile_all` compiles: these shapes and `decode`."""
+    return len(self.insert) + len(self.take_rows) + 1 + int(self.recompute)
+
+
+def engine_shapes(cfg: engine_config.EngineConfig,
+                  restored_lengths: Iterable[int] = ()) -> Shapes:
+  """Every shape an engine configured by `cfg` can use.
+
+  Args:
+    cfg: the engine's settings.
+    restored_lengths: context length (prompt and completion so far) of each
+      episode a checkpoint left (`SamplerEngine.restore`).
+
+  Returns:
+    The insert shapes (row bucket x context bucket), the read shapes (every
+    row bucket: a harvest reads however many slots finished) and whether
+    `recompute` can run.
+  """
+  restored = [cfg.bucket_for(n) for n in restored_lengths]
+  if cfg.multi_turn:
+    # Episodes come back from their environments one by one, with contexts
+    # of any length: any number of rows in any continuation bucket.
+    rows, buckets = slot_fns.row_buckets(cfg.num_slots), cfg.continuation_buckets
+  elif restored:
+    # Restored episodes (open segments included) come in any number, before
+    # and next to whole groups.
+    rows = slot_fns.row_buckets(cfg.num_slots)
+    buckets = tuple(sorted(set(cfg.prompt_buckets) | set(restored)))
+  else:
+    # New requests are whole groups of one prompt, so one bucket each.
+    rows = slot_fns.row_buckets(cfg.num_slots, cfg.group_size)
+    buckets = cfg.prompt_buckets
+  return Shapes(
+      insert=tuple((r, b) for b in buckets for r in rows),
+      take_rows=slot_fns.row_buckets(cfg.num_slots),
+      recompute=cfg.weight_update == "in_flight" and cfg.kv_policy == "recompute")
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+  """`x`'s shape and dtype, and its sharding if it is committed to one: an
+  uncommitted array (like a host array) leaves its placement to jit, and an
+  abstract argument must say the same to land in the same cache entry."""
+  committed = getattr(x, "committed", False)
+  return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if committed else None,
+                              weak_type=getattr(x, "weak_type", False))
+
+
+def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base_key,
+                num_stop_ids: int) -> float:
+  """Compiles `decode` and every shape of `shapes` for arguments laid out
+  as the engine passes them.
+
+  Args:
+    fns: the engine's slot functions.
+    shapes: what to compile (`engine_shapes`).
+    params: params as published (their shardings are those of every later
+      version: `param_swap` refuses any other).
+    state: the engine's SlotState.
+    base_key: the engine's `[2]` uint32 PRNG base key (a host array).
+    num_stop_ids: S, stop ids of the sampling settings.
+
+  Returns:
+    Seconds spent.
+  """
+  start = time.monotonic()
+  params, state = jax.tree.map(_abstract, params), jax.tree.map(_abstract, state)
+  # As the engine passes them: the version a host scalar (`jnp.int32`), the
+  # row masks placed like the slots, the slot indices of a read a host array.
+  version = jax.ShapeDtypeStruct((), jnp.int32)
+  rows = jax.ShapeDtypeStruct(state.done.shape, jnp.bool_, sharding=fns.row_sharding)
+  key = jax.ShapeDtypeStruct(base_key.shape, base_key.dtype)
+  lowered = [fns.decode.lower(params, version, state, rows, rows)]
+  if shapes.recompute:
+    lowered.append(fns.recompute.lower(params, state, rows))
+  for r, bucket in shapes.insert:
+    batch = insert_batch.abstract(r, bucket, num_stop_ids)
+    lowered.append(fns.insert_from_ids.lower(params, version, state, key, *batch.args()))
+  for r in shapes.take_rows:
+    lowered.append(fns.take_rows.lower(state, jax.ShapeDtypeStruct((r,), jnp.int32)))
+  for program in lowered:
+    program.compile()
+  return time.monotonic() - start

@@ -1,0 +1,146 @@
+"""The sampler's slot functions, jitted for one slot geometry and one mesh.
+
+`sampling.py` holds the pure functions of the slot state; this module wires
+them for a mesh: params are an argument (a newly published version is picked
+up without recompiling), every function returns the state in one layout taken
+from the sharding rules (`rules.SAMPLER_RULES` over `SlotState.logical_axes`),
+and the state a function consumes is donated, so the KV cache is updated in
+place. The engine, greedy evaluation and the tests' slot driver all run these.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Mapping
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from arl_jax import trace_counter
+from arl_jax.sampler import sampling
+from arl_jax.sharding import rules as rules_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerFns:
+  """The jitted slot functions for one geometry (see `make_sampler_fns`).
+
+  Attributes:
+    init: `() -> SlotState`, every slot empty.
+    insert: `(params, version, state, slots, tokens, mask, keys, max_new,
+      stop_mask, open_len, open_logprobs, open_versions) -> SlotState`
+      (`sampling.insert`).
+    insert_from_ids: `(params, version, state, base_key, slots, tokens, mask,
+      key_ids, max_new, stop_mask, open_len, open_logprobs, open_versions) ->
+      SlotState`, `insert` with the keys derived in the program
+      (`sampling.insert_from_ids`; the engine's admissions).
+    decode: `(params, version, state, stop_rows, rows) -> SlotState`
+      (`sampling.decode_step`).
+    recompute: `(params, state, rows) -> SlotState` (`sampling.recompute_cache`).
+    take_rows: `(state, slots) -> dict` of the rows `slots` of the per-column
+      fields and of `prompt_end` and `stopped` (what a harvest reads).
+    state_shardings: the SlotState's NamedSharding per array.
+    counters: a TraceCounter per function name (see `traces`).
+  """
+
+  init: Callable
+  insert: Callable
+  insert_from_ids: Callable
+  decode: Callable
+  recompute: Callable
+  take_rows: Callable
+  state_shardings: sampling.SlotState
+  counters: Mapping[str, trace_counter.TraceCounter]
+
+  @property
+  def row_sharding(self) -> NamedSharding:
+    """Where a `[B]` per-slot array (`stop_rows`, `rows`) lives: as the slots."""
+    return self.state_shardings.done
+
+  def traces(self) -> dict[str, int]:
+    """How many times each function was traced, i.e. compiled (once per
+    argument shape: insert once per prompt bucket and row count; `insert`
+    and `insert_from_ids` count together as "insert")."""
+    return {name: counter.count for name, counter in self.counters.items()}
+
+
+def state_shardings(mesh: Mesh, abstract_state: sampling.SlotState) -> sampling.SlotState:
+  """The slot state's layout on `mesh`, from `rules.SAMPLER_RULES`: slots over
+  the `data` axis, KV heads over `tp`; axes the mesh lacks are replicated."""
+  return rules_lib.array_shardings(abstract_state, abstract_state.logical_axes(), mesh,
+                                   rules_lib.SAMPLER_RULES)
+
+
+def _take_rows(state: sampling.SlotState, slots):
+  fields = ("tokens", "token_mask", "logprobs", "versions", "prompt_end", "stopped")
+  return {name: getattr(state, name)[slots] for name in fields}
+
+
+def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.SamplingSettings,
+                     num_slots: int, length: int) -> SamplerFns:
+  """Jits the slot functions with params as an argument and one pinned layout.
+
+  Every function returns the SlotState in the same sharding (else the first
+  decode after an insert would see a different layout and compile again), and
+  donates the state it consumes (the KV cache is updated in place).
+
+  Args:
+    graphdef: the decoder's graph definition.
+    model_cfg: the decoder's ModelConfig (cache geometry).
+    mesh: where the slots live.
+    settings: sampling settings (static).
+    num_slots: B, rows of the state.
+    length: L, columns of a slot (and of its cache).
+  """
+  counters = {name: trace_counter.TraceCounter()
+              for name in ("init", "insert", "decode", "recompute", "take_rows")}
+  init = functools.partial(sampling.init_slots, model_cfg, num_slots=num_slots, length=length,
+                           pad_id=settings.pad_id, num_stop_ids=len(settings.stop_ids))
+  shardings = state_shardings(mesh, jax.eval_shape(init))
+  insert = functools.partial(counters["insert"].wrap(sampling.insert), graphdef,
+                             settings=settings)
+  insert_from_ids = functools.partial(counters["insert"].wrap(sampling.insert_from_ids),
+                                      graphdef, settings=settings)
+  decode = functools.partial(counters["decode"].wrap(sampling.decode_step), graphdef,
+                             settings=settings)
+  recompute = functools.partial(counters["recompute"].wrap(sampling.recompute_cache), graphdef)
+  return SamplerFns(
+      init=jax.jit(counters["init"].wrap(init), out_shardings=shardings),
+      insert=jax.jit(insert, out_shardings=shardings, donate_argnums=2),
+      insert_from_ids=jax.jit(insert_from_ids, out_shardings=shardings, donate_argnums=2),
+      decode=jax.jit(decode, out_shardings=shardings, donate_argnums=2),
+      recompute=jax.jit(recompute, out_shardings=shardings, donate_argnums=1),
+      take_rows=jax.jit(counters["take_rows"].wrap(_take_rows)),
+      state_shardings=shardings,
+      counters=counters,
+  )
+
+
+def row_bucket(n: int, limit: int) -> int:
+  """Rows an insert of `n` is padded to: the smallest power of two >= n, capped
+  at `limit` (so a handful of insert shapes cover every admission)."""
+  return min(1 << max(n - 1, 0).bit_length(), limit)
+
+
+def row_buckets(limit: int, multiple_of: int = 1) -> tuple[int, ...]:
+  """Every `row_bucket` of a row count in [1, limit] that is a multiple of
+  `multiple_of`, ascending (the insert and read shapes such counts need)."""
+  return tuple(sorted({row_bucket(n, limit) for n in range(multiple_of, limit + 1, multiple_of)}))
+
+
+def read_segments(fns: SamplerFns, state: sampling.SlotState, slots: list[int]) -> list[tuple]:
+  """`(tokens, logprobs, versions, stopped)` on the host of each slot's current
+  segment, from its first completion column (a resumed open segment's tokens
+  included); `slots` is padded to a `row_bucket` so that reads compile rarely."""
+  r = row_bucket(len(slots), state.tokens.shape[0])
+  idx = np.array(slots + [slots[-1]] * (r - len(slots)), np.int32)
+  host = jax.device_get(fns.take_rows(state, idx))
+  segments = []
+  for j in range(len(slots)):
+    start = int(host["prompt_end"][j])
+    cols = slice(start, start + int(host["token_mask"][j, start:].sum()))
+    segments.append((host["tokens"][j, cols], host["logprobs"][j, cols],
+                     host["versions"][j, cols], bool(host["stopped"][j])))
+  return segments

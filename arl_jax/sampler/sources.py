@@ -1,0 +1,30 @@
+"""What the sampler engine takes work and weights from: its two input ports.
+
+The engine depends on these protocols only, so one engine serves a run whose
+requests come from this process's dispatcher (`Dispatcher`) or from a learner
+process over the network (`sampler_worker.RemoteRequests`), and whose weights
+come from a local `WeightPublisher` or a remote `WeightClient`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class RequestSource(Protocol):
+  """Where group requests come from (e.g. `dispatcher.Dispatcher`)."""
+
+  def take(self, max_groups: int, live_version: int, timeout: float) -> list:
+    """Up to `max_groups` group requests (`dispatcher.GroupRequest`) started
+    at `live_version`, waiting up to `timeout` seconds when none is ready."""
+
+  def note_sampling(self, group_id: int, version: int) -> None:
+    """The engine is about to sample tokens of `group_id` with params of
+    `version` (the staleness of a group may count from its first token)."""
+
+
+class WeightSource(Protocol):
+  """Where the params to sample with come from (e.g. `publish.WeightPublisher`)."""
+
+  def latest(self) -> tuple:
+    """`(version, params)` of the newest version, or `(None, None)` before the first."""

@@ -1,0 +1,127 @@
+"""Every shape the engine can use is compiled before its first admission."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.sampler import engine as engine_lib
+from arl_jax.sampler import engine_config, precompile, sampling
+from arl_jax.testing import tiny
+from tests.sampler.engine_test import ScriptedPublisher
+
+PAD, EOS = 256, 258
+PROMPT_LEN, NEW, SLOTS = 6, 8, 4
+COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+
+
+def test_single_turn_groups_need_multiples_of_the_group_size_and_every_read():
+  cfg = engine_config.EngineConfig(num_slots=32, group_size=4, prompt_buckets=(6, 10),
+                                   max_new_tokens=3)
+  shapes = precompile.engine_shapes(cfg)
+  assert shapes.insert == tuple((r, b) for b in (6, 10) for r in (4, 8, 16, 32))
+  assert shapes.take_rows == (1, 2, 4, 8, 16, 32)
+  assert not shapes.recompute
+  assert shapes.num_programs == 8 + 6 + 1  # and decode
+
+
+def test_restored_episodes_and_multi_turn_need_every_row_count_and_their_buckets():
+  cfg = engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
+                                   max_new_tokens=12, context_bucket=4, kv_policy="recompute")
+  assert cfg.continuation_buckets == (6, 8, 12, 16, 20)
+  # A checkpoint left contexts of 5 and 11 tokens: buckets 6 and 12.
+  shapes = precompile.engine_shapes(cfg, restored_lengths=[5, 11])
+  assert shapes.insert == tuple((r, b) for b in (6, 12) for r in (1, 2, 4, 8))
+  assert shapes.recompute and shapes.num_programs == 8 + 4 + 1 + 1
+  multi = engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
+                                     max_new_tokens=12, context_bucket=4, multi_turn=True)
+  assert precompile.engine_shapes(multi).insert == tuple(
+      (r, b) for b in (6, 8, 12, 16, 20) for r in (1, 2, 4, 8))
+
+
+class _Requests:
+  """Hands out `total` one-rollout groups, as many as the engine has room
+  for, with budgets of 1 to NEW tokens: slots free at different steps, so
+  admissions and reads take 1, 2, 3 or 4 rows."""
+
+  def __init__(self, total: int):
+    self._budgets = np.random.default_rng(0).integers(1, NEW + 1, total)
+    self._prompts = np.random.default_rng(1).integers(0, 256, (total, PROMPT_LEN))
+    self._next = 0
+
+  def take(self, max_groups, live_version, timeout):
+    n = min(max_groups, len(self._budgets) - self._next)
+    if n == 0:
+      time.sleep(timeout)
+    ids = range(self._next, self._next + n)
+    self._next += n
+    return [dispatcher_lib.GroupRequest(
+        group_id=i, prompt=i, prompt_ids=tuple(int(t) for t in self._prompts[i]),
+        dispatch_version=live_version, group_size=1, dispatch_time=time.monotonic(),
+        max_new_tokens=int(self._budgets[i])) for i in ids]
+
+  def note_sampling(self, group_id, version):
+    pass
+
+
+@pytest.fixture(scope="module")
+def setup():
+  return tiny.two_published_versions()
+
+
+def _run(setup, precompile_shapes: bool, total: int = 24):
+  """`(engine, late)`: an engine that sampled `total` segments, and the
+  compiles its thread ran after its first admission."""
+  done = []
+  engine = engine_lib.SamplerEngine(
+      cfg=engine_config.EngineConfig(num_slots=SLOTS, group_size=1,
+                                     prompt_buckets=(PROMPT_LEN,), max_new_tokens=NEW,
+                                     precompile=precompile_shapes),
+      settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=setup["graphdef"],
+      model_cfg=setup["cfg"], mesh=setup["meshes"].sampler,
+      publisher=ScriptedPublisher(setup["sampler_params"][0], None, 0),
+      dispatcher=_Requests(total), on_segment_fn=done.append)
+  late = []
+
+  def on_compile(event, duration, **kwargs):
+    del duration
+    # `stats.inserts` counts admissions once their prefill ran: a compile
+    # then is one a batch waited for, long after the engine started.
+    if (event == COMPILE_EVENT and threading.current_thread().name == "sampler-engine"
+        and engine.stats.inserts > 0):
+      late.append(kwargs.get("fun_name"))
+
+  jax.monitoring.register_event_duration_secs_listener(on_compile)
+  try:
+    engine.start()
+    deadline = time.monotonic() + 120
+    while len(done) < total and time.monotonic() < deadline:
+      engine.raise_if_failed()
+      time.sleep(0.01)
+    engine.stop()
+  finally:
+    jax.monitoring.unregister_event_duration_listener(on_compile)
+  assert len(done) == total, "the engine did not finish in time"
+  return engine, late
+
+
+def test_no_compile_after_the_first_admission(setup):
+  # Without precompiling, the same work compiles row buckets as they first
+  # come: the run below does go through several of them.
+  lazy, late = _run(setup, precompile_shapes=False)
+  assert lazy.traces()["insert"] >= 2 and lazy.traces()["take_rows"] >= 2, lazy.traces()
+  assert late, "every shape was compiled before the first admission anyway"
+  assert lazy.stats.precompiled_programs == 0
+
+  engine, late = _run(setup, precompile_shapes=True)
+  assert late == []
+  shapes = precompile.engine_shapes(engine_config.EngineConfig(
+      num_slots=SLOTS, group_size=1, prompt_buckets=(PROMPT_LEN,), max_new_tokens=NEW))
+  assert engine.stats.precompiled_programs == shapes.num_programs == 3 + 3 + 1
+  # Each program traced once, at the first publish: no call traced again.
+  assert engine.traces() == {"init": 1, "insert": 3, "decode": 1, "recompute": 0,
+                             "take_rows": 3}
+  assert engine.metrics()["sampler_precompile_s"] > 0
