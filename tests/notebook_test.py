@@ -19,4 +19,5 @@ def test_quickstart_notebook_executes(monkeypatch, tmp_path):
   outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
   text = "".join(o.get("text", "") for o in outputs if o.get("output_type") == "stream")
   assert "final version 4" in text and "held-out reward" in text
+  assert "sync: final version 4" in text  # the baseline, a second real run
   assert any("image/png" in o.get("data", {}) for o in outputs)  # the reward plot

@@ -1,7 +1,6 @@
 """`python -m arl_jax.plot`: PNGs from real run records, runs overlaid, clear errors."""
 
 import os
-import shutil
 
 import pytest
 
@@ -16,7 +15,10 @@ def two_runs(tmp_path_factory):
   config.num_steps = 4
   config.writers = "jsonl,tensorboard"
   run_lib.run(config, str(root / "async"), print_fn=lambda *_: None)
-  shutil.copytree(root / "async", root / "sync")  # a second run to overlay
+  # A second, different run to overlay: the synchronous baseline.
+  config.orchestrator.update(max_async_level=0, max_off_policy_steps=0)
+  config.sampler.weight_update = "drain"
+  run_lib.run(config, str(root / "sync"), print_fn=lambda *_: None)
   return [str(root / "async"), str(root / "sync")]
 
 
