@@ -12,6 +12,8 @@ import time
 
 import orbax.checkpoint as ocp
 
+from arl_jax.testing import xla_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, GROUPS_PER_BATCH = 10, 8
 
@@ -47,7 +49,7 @@ def _max_trained(workdir) -> int:
 def _run_until(workdir, condition, timeout=120.0) -> int:
   """Starts the run and SIGKILLs it once `condition()` holds; returns its exit code."""
   proc = subprocess.Popen(_command(workdir), cwd=REPO, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.DEVNULL, env=dict(os.environ, XLA_FLAGS=""))
+                          stderr=subprocess.DEVNULL, env=xla_env.subprocess_env())
   deadline = time.monotonic() + timeout
   while proc.poll() is None and time.monotonic() < deadline:
     if condition():
@@ -116,7 +118,7 @@ def test_sigterm_stops_after_the_update_and_saves_it(tmp_path):
   cmd = [*_command(workdir), "--config.checkpoint.every_steps=0",
          "--config.num_steps=1000"]
   proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                          text=True, env=dict(os.environ, XLA_FLAGS=""))
+                          text=True, env=xla_env.subprocess_env())
   deadline = time.monotonic() + 120
   while _max_trained(workdir) < 2 and time.monotonic() < deadline and proc.poll() is None:
     time.sleep(0.02)

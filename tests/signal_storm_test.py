@@ -13,6 +13,7 @@ import time
 
 import orbax.checkpoint as ocp
 
+from arl_jax.testing import xla_env
 from tests import kill_resume_test
 
 REPO = kill_resume_test.REPO
@@ -60,7 +61,7 @@ def _round(workdir, trigger, signals, rng) -> str:
   """Starts the run, waits for `trigger()`, sends `signals` (a short random
   pause between them) and returns the run's output; the run must end cleanly."""
   proc = subprocess.Popen(_command(workdir), cwd=REPO, stdout=subprocess.PIPE,
-                          stderr=subprocess.STDOUT, text=True, env=dict(os.environ, XLA_FLAGS=""))
+                          stderr=subprocess.STDOUT, text=True, env=xla_env.subprocess_env())
   deadline = time.monotonic() + 240
   while proc.poll() is None and not trigger():
     assert time.monotonic() < deadline, "the trigger never came"

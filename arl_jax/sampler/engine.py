@@ -123,6 +123,12 @@ class SamplerEngine:
   # -- control ---------------------------------------------------------------
 
   def start(self) -> None:
+    if self._cfg.precompile:
+      # A version published before the start is taken up on the caller's
+      # thread: every compile is done before `start` returns, so the first
+      # update does not wait on them and the RL clock (started after this)
+      # times RL only. Without `precompile` shapes compile lazily anyway.
+      self._sync_version()
     self._thread = threading.Thread(target=self._run, name="sampler-engine", daemon=True)
     self._thread.start()
 

@@ -25,9 +25,11 @@ class EngineConfig:
       longer than the longest prompt: multi-turn episodes, and segments a
       checkpoint left open; capped at `max_new_tokens`, see `context_step`).
     precompile: compile every program shape the engine can use
-      (`precompile.engine_shapes`) at the first publish, before the first
-      admission, instead of when a batch first needs one (which can be
-      hundreds of updates into a run).
+      (`precompile.engine_shapes`) when the first published version is taken
+      up (in `SamplerEngine.start` if it was published before), instead of
+      when a batch first needs one (which can be hundreds of updates into a
+      run). Off here, for engines built by hand that run a few batches; a
+      run's engine takes `sampler.precompile` (on by default).
   """
 
   num_slots: int
@@ -39,7 +41,7 @@ class EngineConfig:
   seed: int = 0
   multi_turn: bool = False
   context_bucket: int = 16
-  precompile: bool = True
+  precompile: bool = False
 
   def __post_init__(self):
     weight_updates.check_names(self.weight_update, self.kv_policy)

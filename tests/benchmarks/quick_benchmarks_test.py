@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from arl_jax.testing import xla_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -26,7 +28,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 ])
 def test_benchmark_quick_mode_writes_json_rows(tmp_path, script, parts):
   out = tmp_path / "rows.jsonl"
-  env = dict(os.environ, XLA_FLAGS="")  # one CPU device, as a user's machine
+  env = xla_env.subprocess_env()  # one CPU device, as a user's machine
   proc = subprocess.run([sys.executable, script, "--quick", f"--out={out}"], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-2000:]

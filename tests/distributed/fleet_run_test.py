@@ -12,14 +12,14 @@ import time
 
 from arl_jax import run_lib
 from arl_jax.distributed import fleet as fleet_lib
-from arl_jax.testing import tiny
+from arl_jax.testing import tiny, xla_env
 from arl_jax.training import rollouts
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _start_sampler(address: str, name: str, log_dir) -> subprocess.Popen:
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = xla_env.subprocess_env(4)
   log = open(log_dir / f"{name}.log", "w")  # noqa: SIM115 - closed with the process
   # A learner on a loaded machine (this suite, 2 cores) can take longer than
   # the default 30 s to answer a sampler that joins mid-run.

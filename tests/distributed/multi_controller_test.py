@@ -16,7 +16,7 @@ from arl_jax import checkpointing, config_lib, run_lib
 from arl_jax.models import init_lib
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
-from arl_jax.testing import tiny
+from arl_jax.testing import tiny, xla_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -47,7 +47,7 @@ def _free_port() -> int:
 
 def _run_two_processes(workdir, num_steps: int) -> list[str]:
   port = _free_port()
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  env = xla_env.subprocess_env(4)
   flags = [f"--config.{k}={v}" for k, v in _OVERRIDES.items()]
   flags.append(f"--config.num_steps={num_steps}")
   procs = [subprocess.Popen(

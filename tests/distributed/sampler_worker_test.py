@@ -17,7 +17,7 @@ import zmq
 from arl_jax import config_lib, spec_codec
 from arl_jax.distributed import learner_link, sampler_worker, wire
 from arl_jax.envs import tokenizer as tokenizer_lib
-from arl_jax.testing import tiny
+from arl_jax.testing import tiny, xla_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _worker(*args, timeout=120):
   return subprocess.run(
       [sys.executable, "-m", "arl_jax.distributed.sampler_worker", *args], cwd=REPO,
-      env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"),
+      env=xla_env.subprocess_env(1),
       capture_output=True, text=True, timeout=timeout)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 
 from arl_jax.distributed import weight_transfer
 from arl_jax.learner import publish as publish_lib
-from arl_jax.testing import tiny
+from arl_jax.testing import tiny, xla_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -18,7 +18,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # it saves each version it pulls, until version 2.
 _SAMPLER = r"""
 import os, sys, time
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+os.environ["XLA_FLAGS"] += " --xla_force_host_platform_device_count=4"
 import jax, numpy as np
 from jax.sharding import Mesh
 from arl_jax.distributed import weight_transfer
@@ -66,7 +66,7 @@ def test_a_sampler_process_pulls_each_published_version_exactly(tmp_path):
   sampler_shardings = jax.tree.map(lambda x: x.sharding, setup["sampler_params"][0])
   publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings)
   server = weight_transfer.WeightServer(publisher)
-  env = dict(os.environ, XLA_FLAGS="")
+  env = xla_env.subprocess_env()
   proc = subprocess.Popen([sys.executable, "-c", _SAMPLER, server.address, str(tmp_path)],
                           cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                           text=True)

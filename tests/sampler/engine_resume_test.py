@@ -28,7 +28,7 @@ class _Publisher:
     return self.version, self.params
 
 
-def _engine(setup, version, on_group):
+def _engine(setup, version, on_group, precompile=False):
   rng = np.random.default_rng(0)
   prompts = (env_api.TextPrompt(prompt_id=i, text="", answer="") for i in itertools.count())
   encode = lambda p: rng.integers(0, 256, 5).tolist()
@@ -44,7 +44,8 @@ def _engine(setup, version, on_group):
 
   engine = engine_lib.SamplerEngine(
       cfg=engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
-                                  max_new_tokens=NEW, context_bucket=4),
+                                  max_new_tokens=NEW, context_bucket=4,
+                                  precompile=precompile),
       settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=setup["graphdef"],
       model_cfg=setup["cfg"], mesh=setup["meshes"].sampler,
       publisher=_Publisher(version, setup["sampler_params"][version]), dispatcher=dispatcher,
@@ -99,7 +100,7 @@ def snapshot(setup):
 def _resume(setup, work, version):
   groups = {}
   on_group = lambda req, rs: groups.setdefault(req.group_id, rs)
-  engine, dispatcher = _engine(setup, version, on_group)
+  engine, dispatcher = _engine(setup, version, on_group, precompile=True)
   restored = dispatcher.restore_work(work)
   engine.restore([e for g in restored for e in g.to_sample])
   on_segment = engine_test.single_turn_groups(on_group)

@@ -8,6 +8,7 @@ import time
 
 import pytest
 
+from arl_jax.testing import xla_env
 from arl_jax.training import workdir_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -44,7 +45,7 @@ def test_two_runs_on_one_workdir_the_second_refuses(tmp_path):
   cmd = [sys.executable, "-m", "arl_jax.launch", "--config=configs/arith.py:tiny",
          f"--workdir={workdir}", "--config.num_steps=100000", "--config.eval_every=0",
          "--config.warmup.steps=0"]
-  env = dict(os.environ, XLA_FLAGS="")
+  env = xla_env.subprocess_env()
   first = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                            env=env)
   try:

@@ -1,0 +1,33 @@
+"""XLA flags for test processes: fake CPU devices and cheap compiles.
+
+The test models are tiny, so a test's time is almost all XLA compilation,
+and most of that is LLVM optimising the generated machine code. Tests run
+with the LLVM backend at optimisation level 0: the same HLO passes (fusion,
+sharding propagation, collectives) and the same numbers to float rounding,
+at ~40% less compile time (measured on two compile-bound tests, 83 s -> 49
+s). Benchmarks and runs keep XLA's defaults.
+
+`tests/conftest.py` sets these flags for the test session; a test that starts
+a subprocess with another device count passes `subprocess_env(n)`.
+"""
+
+from __future__ import annotations
+
+import os
+
+COMPILE_FLAGS = ("--xla_backend_optimization_level=0",)
+
+
+def xla_flags(device_count: int | None = None) -> str:
+  """`XLA_FLAGS` for a test process with `device_count` fake CPU devices
+  (None: one, XLA's default)."""
+  flags = list(COMPILE_FLAGS)
+  if device_count is not None:
+    flags.insert(0, f"--xla_force_host_platform_device_count={device_count}")
+  return " ".join(flags)
+
+
+def subprocess_env(device_count: int | None = None) -> dict[str, str]:
+  """This process's environment with `XLA_FLAGS` for a child of
+  `device_count` fake CPU devices."""
+  return dict(os.environ, XLA_FLAGS=xla_flags(device_count))
