@@ -34,9 +34,8 @@ happened and, from `jax_explain_cache_misses`, the input that changed, and
 step-time drift = median of the last window / median of the second - 1.
 Verdicts: `flat_memory` (growth <= `--rss_tolerance` of the RSS at the end of
 the first window), `no_recompiles`, `drift_ok` (|drift| < `--drift_tolerance`).
-`history_MB` is the size of the step records `run` keeps for its result
-(`history_growth_MB`: those added after the first window), a part of the
-growth that is there by design.
+(`run` keeps no step records in memory: `RunResult.history` is read back
+from `metrics.jsonl` after the run, so none of the growth is there by design.)
 
   python benchmarks/soak.py --steps=14000 --out=/tmp/soak.jsonl   # ~14 min on 2 CPU cores
   python benchmarks/soak.py --quick                               # 30 updates
@@ -206,20 +205,6 @@ def _config(steps: int, eval_every: int):
   return config
 
 
-def _deep_size(obj, seen: set) -> int:
-  """Bytes of a tree of dicts, lists and scalars, each object counted once
-  (the records share their key strings)."""
-  if id(obj) in seen:
-    return 0
-  seen.add(id(obj))
-  size = sys.getsizeof(obj)
-  if isinstance(obj, dict):
-    size += sum(_deep_size(k, seen) + _deep_size(v, seen) for k, v in obj.items())
-  elif isinstance(obj, (list, tuple)):
-    size += sum(_deep_size(v, seen) for v in obj)
-  return size
-
-
 def _timeline(result, probe: Probe):
   """Places the run on the probe's clock.
 
@@ -327,7 +312,6 @@ def measure(steps: int, windows: int, eval_every: int, settle: int, interval_s: 
   # update's RSS after the first window is the steadier rate.
   slope = (float(np.polyfit(list(later), [end_rss[u] / _MB for u in later], 1)[0]) * 1000
            if len(later) > 1 else 0.0)
-  history_mb = _deep_size(history, set()) / _MB
   # The first periodic evaluation may compile once for the trained params'
   # layout; it is listed with the others but not counted against the run.
   first_eval = min(eval_end, default=None)
@@ -352,9 +336,6 @@ def measure(steps: int, windows: int, eval_every: int, settle: int, interval_s: 
       "rss_growth_MB": round(growth, 1),
       "rss_growth_MB_per_1k": round(growth / max(n - first_end, 1) * 1000, 2),
       "rss_slope_MB_per_1k": round(slope, 2),
-      # The step records run() keeps for its result: their share of the growth.
-      "history_MB": round(history_mb, 1),
-      "history_growth_MB": round(history_mb * (n - first_end) / n, 1),
       "drift": round(drift, 3),
       "flat_memory": growth <= rss_tolerance * end_rss[first_end] / _MB,
       "no_recompiles": not late,
