@@ -6,7 +6,8 @@ waiting request (`sampling.insert`) while the other slots keep decoding, so a
 long completion never holds a batch. Prompts are left-padded to the smallest
 configured prompt bucket and inserts are padded to a power-of-two row count
 (`insert_batch.py`), so a few shapes serve every batch; with `precompile` they
-are all compiled at the first publish (`precompile.py`), not mid-run.
+are all compiled when the engine takes up its first version (`precompile.py`;
+in `start`, before the first update), not mid-run.
 
 Ports: requests come from a `sources.RequestSource`, weights from a
 `sources.WeightSource`, and every episode whose segment ends goes to

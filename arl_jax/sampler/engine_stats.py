@@ -29,7 +29,7 @@ class EngineStats:
   model_passes: int = 0  # decode forwards; > steps when pinned serves several versions
   slot_steps: int = 0
   max_versions_held: int = 1
-  precompiled_programs: int = 0  # compiled at the first publish (`EngineConfig.precompile`)
+  precompiled_programs: int = 0  # compiled up front (`EngineConfig.precompile`)
   precompile_seconds: float = 0.0
 
   @property
