@@ -4,6 +4,8 @@ import os
 
 import pytest
 
+from arl_jax.testing import xla_env
+
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
 
@@ -12,7 +14,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def test_quickstart_notebook_executes(monkeypatch, tmp_path):
   monkeypatch.setenv("ARL_JAX_NOTEBOOK_TINY", "1")
-  monkeypatch.setenv("XLA_FLAGS", "")  # one CPU device, as a Colab CPU runtime
+  # One CPU device, as a Colab CPU runtime (and the tests' cheap compiles).
+  monkeypatch.setenv("XLA_FLAGS", xla_env.xla_flags())
   nb = nbformat.read(os.path.join(REPO, "notebooks", "quickstart.ipynb"), as_version=4)
   nbclient.NotebookClient(nb, timeout=300, kernel_name="python3",
                           resources={"metadata": {"path": str(tmp_path)}}).execute()
