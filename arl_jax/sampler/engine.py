@@ -402,7 +402,7 @@ class SamplerEngine:
     occupied = np.array([row is not None for row in self._slots])
     stop_rows = self._rows_array(self._stop_rows) if self._stop_rows.any() else self._no_rows
     versions = self._updates.decode_versions(
-        [row.version for row in self._slots if row is not None], self.version)
+        (row.version for row in self._slots if row is not None), self.version)
     for i, version in enumerate(versions):
       if len(versions) == 1:
         rows = self._all_rows

@@ -1,7 +1,6 @@
 """The sampler engine thread: continuous batching, weight-update modes, cancellation."""
 
 import itertools
-import threading
 import time
 
 import numpy as np
@@ -26,10 +25,8 @@ class _Prompt:
 class ScriptedPublisher:
   """Serves version 0 for the first `switch_after` calls of `latest()`, then version 1.
 
-  The engine thread calls `latest()` once per loop iteration (before
-  inserting and decoding), which makes the moment of the swap deterministic;
-  only those calls count (`start` takes up version 0 on the caller's thread
-  when the engine precompiles).
+  The engine calls `latest()` once per loop iteration (before inserting and
+  decoding), which makes the moment of the swap deterministic.
   """
 
   def __init__(self, v0, v1, switch_after):
@@ -37,8 +34,6 @@ class ScriptedPublisher:
     self.calls = 0
 
   def latest(self):
-    if threading.current_thread().name != "sampler-engine":
-      return 0, self._v0
     self.calls += 1
     if self._v1 is None or self.calls <= self._switch_after:
       return 0, self._v0
