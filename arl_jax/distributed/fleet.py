@@ -9,7 +9,10 @@ engine; it keeps every rule of the single-process run in the one orchestrator:
 - requests: a sampler asks for groups (`take`: free slots, the version it
   holds) and the dispatcher answers under the same admission control as a
   local engine (nothing for a sampler behind the newest version: it must pull
-  first). Each handed-out group is owned by that sampler.
+  first). The free capacity is shared: one `take` gets at most its share
+  (free groups / live samplers, rounded up), so a sampler that asks first
+  does not take every group while the others idle (the next share goes to
+  whoever asks next). Each handed-out group is owned by that sampler.
 - results: finished, scored groups come back and enter the rollout buffer
   through `Orchestrator.group_finished`, stamped with the version live on
   arrival; the staleness sweep, assembly and drop accounting are unchanged.
@@ -297,7 +300,11 @@ class SamplerFleet:
     for gid, version in message.get("notes", ()):
       self._dispatcher.note_sampling(int(gid), int(version))
     if kind == "take":
-      requests = self._dispatcher.take(int(message["n"]), int(message["version"]), timeout=0.0)
+      with self._lock:
+        live = sum(s.alive for s in self._samplers.values())
+      share = -(-self._dispatcher.free_capacity() // max(live, 1))
+      requests = self._dispatcher.take(min(int(message["n"]), max(share, 1)),
+                                       int(message["version"]), timeout=0.0)
       with self._lock:
         for request in requests:
           self._owner[request.group_id] = sampler

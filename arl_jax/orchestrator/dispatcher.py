@@ -170,6 +170,13 @@ class Dispatcher:
         requests.append(request)
     return requests
 
+  def free_capacity(self) -> int:
+    """How many groups a `take` could start now (reassigned ones included)."""
+    with self._cond:
+      if self._closed:
+        return 0
+      return len(self._reassigned) + max(0, self._cfg.capacity - len(self._in_system))
+
   def note_sampling(self, group_id: int, version: int) -> None:
     """The sampler sampled a token of `group_id` with params of `version`."""
     with self._cond:

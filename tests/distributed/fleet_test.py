@@ -126,6 +126,18 @@ def test_a_sampler_with_too_few_devices_is_refused(fleet):
   sampler.close()
 
 
+def test_samplers_share_the_free_capacity(fleet):
+  first, second = _FakeSampler(fleet.address), _FakeSampler(fleet.address)
+  # Capacity 4 groups, two live samplers: a take gets at most half of what is
+  # free (rounded up), whatever it asks for, so the first to ask leaves work.
+  assert [r.group_id for r in first.take(4)] == [0, 1]
+  assert [r.group_id for r in second.take(4)] == [2]  # 2 free: a share of 1
+  assert [r.group_id for r in second.take(4)] == [3]
+  assert first.take(4) == []  # nothing free
+  first.close()
+  second.close()
+
+
 def test_a_silent_sampler_is_lost_and_its_groups_go_to_another(fleet):
   quiet, busy = _FakeSampler(fleet.address), _FakeSampler(fleet.address)
   held = quiet.take(2)
