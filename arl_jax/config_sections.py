@@ -26,7 +26,7 @@ from arl_jax.learner import losses as losses_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import staleness
-from arl_jax.sampler import weight_updates
+from arl_jax.sampler import engine_config, weight_updates
 from arl_jax.sharding import mesh_lib
 
 
@@ -147,9 +147,23 @@ class SamplerSection:
   # Compile every program shape the engine can use at its start
   # (`sampler/precompile.py`), so that no rare shape compiles late in a run.
   precompile: bool = True
+  # The KV cache (`sampler/engine_config.py`): "dense" (every slot holds
+  # prompt_len + max_new_tokens columns; a decode step attends over all of
+  # them) or "paged" (slots take pages of `page_size` columns from a pool of
+  # `kv_pages` as they grow, 0: enough for every slot at full length; a step
+  # attends over the longest live context; a full pool preempts the youngest slot).
+  kv_cache: str = "dense"
+  page_size: int = 16
+  kv_pages: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "prompt_buckets", tuple(int(b) for b in self.prompt_buckets))
+    _check(self.kv_cache in engine_config.KV_CACHES, "sampler.kv_cache",
+           f"must be one of {engine_config.KV_CACHES}, got {self.kv_cache!r}")
+    _check(isinstance(self.page_size, int) and self.page_size >= 1, "sampler.page_size",
+           f"must be an int >= 1, got {self.page_size!r}")
+    _check(isinstance(self.kv_pages, int) and self.kv_pages >= 0, "sampler.kv_pages",
+           f"must be an int >= 0 (0: every slot at full length), got {self.kv_pages!r}")
     _check(self.weight_update in weight_updates.WEIGHT_UPDATE_MODES, "sampler.weight_update",
            f"must be one of {weight_updates.WEIGHT_UPDATE_MODES}, got {self.weight_update!r}")
     _check(self.kv_policy in weight_updates.KV_POLICIES, "sampler.kv_policy",

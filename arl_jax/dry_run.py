@@ -107,9 +107,14 @@ def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
   data, tp = sm.get("data", 1), sm.get("tp", 1)
   slots = math.ceil(engine.num_slots / data)
   kv_heads = math.ceil(cfg.num_kv_heads / tp)
-  kv = (slots * engine.length * cfg.num_layers * 2 * kv_heads * cfg.head_dim
-        * np.dtype(sampler_dtype).itemsize)
-  sampler = {f"params_x{versions}_versions": versions * sampler_params, "kv_cache": kv,
+  per_column = cfg.num_layers * 2 * kv_heads * cfg.head_dim * np.dtype(sampler_dtype).itemsize
+  if engine.paged:
+    # The pool is whole on every `data` shard (`PagedKVCache.logical_axes`).
+    kv_name = f"kv_cache_paged_{engine.pool_pages}x{engine.page_size}"
+    kv = engine.pool_pages * engine.page_size * per_column
+  else:
+    kv_name, kv = "kv_cache", slots * engine.length * per_column
+  sampler = {f"params_x{versions}_versions": versions * sampler_params, kv_name: kv,
              "slot_state": slots * engine.length * (4 + 1 + 4 + 4 + 1)}
   return Plan(num_devices=num_devices, colocated=learner_devices == sampler_devices,
               num_params=cfg.num_params,

@@ -31,7 +31,7 @@ from arl_jax.models import model_config as model_config_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import engine as engine_lib
-from arl_jax.sampler import engine_config, sampling, slot_fns
+from arl_jax.sampler import engine_config, sampling, slot_fns, token_draw
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
 
@@ -101,7 +101,7 @@ def no_cache_decode(graphdef, params, prompts, new_tokens, bucket=16):
     logits, _ = model(tokens, decoder_lib.positions_from_mask(mask),
                       decoder_lib.causal_mask(mask))
     last = jnp.take_along_axis(logits, (column - 1)[None, None, None].repeat(b, 0), axis=1)[:, 0]
-    return sampling.sample_from_logits(last, keys, column - p, SETTINGS)
+    return token_draw.sample_from_logits(last, keys, column - p, SETTINGS)
 
   keys = sampling.row_keys(0, np.arange(b), np.zeros(b))
   tokens = np.full((b, total), PAD, np.int32)

@@ -81,7 +81,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       param_dtype="bfloat16",
       # Compile every program shape the engine can use when it starts, so that no
       # rare batch shape compiles late in a long run.
-      precompile=True))
+      precompile=True,
+      # KV cache: "dense" (slot x full length) or "paged" (pages of page_size
+      # columns from a pool of kv_pages, 0: every slot at full length).
+      kv_cache="dense", page_size=16, kv_pages=0))
 
   config.orchestrator = ml_collections.ConfigDict(dict(
       batch_size=256, group_size=8, max_async_level=1, max_off_policy_steps=4,

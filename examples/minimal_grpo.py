@@ -11,7 +11,7 @@ rounding). The asynchronous system run with `max_async_level = 0`, `K = 0`,
 
 It shares with the package only what defines the problem: the model, the
 tokenizer and task, the prompt order (grain, seeded), and the per-rollout
-random draws (`sampling.row_keys`, `sampling.sample_from_logits`), so that both
+random draws (`sampling.row_keys`, `token_draw.sample_from_logits`), so that both
 sample the same tokens.
 
   python examples/minimal_grpo.py --config=configs/arith.py:tiny
@@ -33,7 +33,7 @@ from arl_jax.envs import arith, prompt_data
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.models import decoder as decoder_lib
-from arl_jax.sampler import sampling
+from arl_jax.sampler import sampling, token_draw
 
 
 def logprobs_of(model, tokens, mask, temperature):
@@ -52,7 +52,7 @@ def _next_token(graphdef, params, tokens, mask, settings, keys, column, prompt_l
   last = jnp.take_along_axis(logits, (column - 1)[None, None, None].repeat(tokens.shape[0], 0),
                              axis=1)[:, 0]
   # Draws are keyed by the offset within the completion, as in the sampler.
-  return sampling.sample_from_logits(last, keys, column - prompt_len, settings)
+  return token_draw.sample_from_logits(last, keys, column - prompt_len, settings)
 
 
 def sample(graphdef, params, prompt_ids, keys, *, prompt_len, max_new_tokens, settings):

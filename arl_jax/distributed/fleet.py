@@ -382,8 +382,8 @@ class SamplerFleet:
     with self._lock:
       for f in dataclasses.fields(stats):
         new, old = getattr(stats, f.name), getattr(sampler.stats, f.name)
-        if f.name == "max_versions_held":
-          self.stats.max_versions_held = max(self.stats.max_versions_held, new)
+        if f.name in engine_stats.EngineStats.MAXIMA:
+          setattr(self.stats, f.name, max(getattr(self.stats, f.name), new))
         else:
           setattr(self.stats, f.name, getattr(self.stats, f.name) + new - old)
       sampler.stats = stats

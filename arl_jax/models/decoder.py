@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arl_jax.models import kv_cache as kv_cache_lib
 from arl_jax.models import model_config as model_config_lib
 from arl_jax.models import rope as rope_lib
 
@@ -81,12 +80,14 @@ class Attention(nnx.Module):
       positions: `[B, T]` RoPE positions.
       attn_mask: `[B, T, S]` bool, True where query t may attend to key s
         (S = T without a cache, the cache length with one).
-      layer_cache: optional `(keys, values)`, each `[B, K, S, Dh]`.
+      layer_cache: optional layer view of a cache (`kv_cache.KVCache.layer`
+        or `paged_kv_cache.PagedKVCache.layer`); attention runs over its
+        first S columns, S the mask's width.
       cache_index: `[B]` int32 cache offset of this call's first token.
       write_mask: optional `[B]` bool, rows whose cache entries may change.
 
     Returns:
-      `([B, T, D] output, updated (keys, values) or None)`.
+      `([B, T, D] output, updated layer view or None)`.
     """
     q = jnp.einsum("btd,dhe->bthe", x, self.q_proj[...])
     k = jnp.einsum("btd,dke->btke", x, self.k_proj[...])
@@ -105,10 +106,8 @@ class Attention(nnx.Module):
     v = v.transpose(0, 2, 1, 3)
     new_cache = None
     if layer_cache is not None:
-      keys = kv_cache_lib.write(layer_cache[0], k, cache_index, write_mask)
-      values = kv_cache_lib.write(layer_cache[1], v, cache_index, write_mask)
-      new_cache = (keys, values)
-      k, v = keys, values
+      k, v, new_cache = layer_cache.update(k, v, cache_index, write_mask,
+                                           width=attn_mask.shape[-1])
     b, t, h, dh = q.shape
     group = h // self.num_kv_heads
     q = q.reshape(b, t, self.num_kv_heads, group, dh).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,Dh]
@@ -180,8 +179,9 @@ class Decoder(nnx.Module):
       tokens: `[B, T]` int32 token ids.
       positions: `[B, T]` int32 RoPE positions.
       attn_mask: `[B, T, S]` bool attention mask (see `Attention`).
-      cache: optional `KVCache`; when given, this call's keys/values are written
-        at `cache_index` and attention runs over the whole cache.
+      cache: optional `KVCache` or `PagedKVCache`; when given, this call's
+        keys/values are written at `cache_index` and attention runs over the
+        cache's first S columns (S: the mask's width).
       cache_index: `[B]` int32, required with a cache.
       write_mask: optional `[B]` bool; rows where it is False leave the cache
         as it was (their outputs are still computed, and ignored).
@@ -195,13 +195,11 @@ class Decoder(nnx.Module):
       each position) when `with_values`.
     """
     x = jnp.take(self.embed[...], tokens, axis=0)
-    new_keys, new_values = [], []
+    new_layers = []
     for i, block in enumerate(self.blocks):
-      layer_cache = None if cache is None else (cache.keys[i], cache.values[i])
+      layer_cache = None if cache is None else cache.layer(i)
       x, layer_cache = block(x, positions, attn_mask, layer_cache, cache_index, write_mask)
-      if layer_cache is not None:
-        new_keys.append(layer_cache[0])
-        new_values.append(layer_cache[1])
+      new_layers.append(layer_cache)
     if last_only:
       x = x[:, -1:]
     x = self.final_norm(x)
@@ -209,9 +207,7 @@ class Decoder(nnx.Module):
     # Logits in float32 whatever the parameter dtype: log-softmax of bfloat16
     # logits is off by ~0.02 nats, which would pollute every ratio statistic.
     logits = jnp.einsum("btd,dv->btv", x.astype(jnp.float32), head.astype(jnp.float32))
-    new_cache = None
-    if cache is not None:
-      new_cache = cache.replace(keys=tuple(new_keys), values=tuple(new_values))
+    new_cache = None if cache is None else cache.with_layers(new_layers)
     if not with_values:
       return logits, new_cache
     if not self.cfg.value_head:

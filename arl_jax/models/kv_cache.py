@@ -3,6 +3,12 @@
 Layout is `[B, kv_heads, S, head_dim]` per layer: on XLA:CPU the `[B, S, heads,
 head_dim]` layout made decode attention ~8x slower (docs/jax_notes.md), because the
 score einsum transposes it on every step.
+
+The decoder talks to a cache through two methods, so that the dense cache here
+and the paged one (`paged_kv_cache.py`) are interchangeable: `layer(i)` gives a
+layer view whose `update(k, v, index, write_mask, width)` writes this call's
+keys/values and returns the first `width` columns of every row to attend
+over (plus the updated layer), and `with_layers` puts the updated layers back.
 """
 
 from __future__ import annotations
@@ -36,6 +42,26 @@ class KVCache:
         valid=jnp.zeros((batch, length), jnp.bool_),
     )
 
+  @property
+  def length(self) -> int:
+    """S, columns of every row."""
+    return self.valid.shape[1]
+
+  def layer(self, i: int) -> DenseLayer:
+    return DenseLayer(keys=self.keys[i], values=self.values[i])
+
+  def with_layers(self, layers) -> KVCache:
+    return self.replace(keys=tuple(layer.keys for layer in layers),
+                        values=tuple(layer.values for layer in layers))
+
+  def write_prefill(self, slots: jax.Array, prefill: KVCache) -> KVCache:
+    """Writes a prefill's cache (`[R, KVH, Pb, Dh]` per layer, every row from
+    column 0) into columns `[0, Pb)` of rows `slots` `[R]`."""
+    pb = prefill.length
+    return self.replace(
+        keys=tuple(k.at[slots, :, :pb].set(s) for k, s in zip(self.keys, prefill.keys)),
+        values=tuple(v.at[slots, :, :pb].set(s) for v, s in zip(self.values, prefill.values)))
+
   def logical_axes(self) -> KVCache:
     """This cache's structure with each array's logical axis names in its
     place, for `rules.array_shardings` (a rule table places the heads like
@@ -43,6 +69,23 @@ class KVCache:
     layer = ("batch", "kv_heads", "length", "head_dim")
     return KVCache(keys=tuple(layer for _ in self.keys), values=tuple(layer for _ in self.values),
                    valid=("batch", "length"))
+
+
+@flax.struct.dataclass
+class DenseLayer:
+  """One layer of a `KVCache`: `[B, KVH, S, Dh]` keys and values."""
+
+  keys: jax.Array
+  values: jax.Array
+
+  def update(self, k: jax.Array, v: jax.Array, index: jax.Array,
+             write_mask: jax.Array | None, width: int):
+    """Writes `k`, `v` `[B, KVH, T, Dh]` at per-row offsets `index` `[B]`
+    (rows where `write_mask` is False keep theirs); returns the first `width`
+    columns of the updated keys and values, and the updated layer."""
+    keys = write(self.keys, k, index, write_mask)
+    values = write(self.values, v, index, write_mask)
+    return keys[:, :, :width], values[:, :, :width], DenseLayer(keys=keys, values=values)
 
 
 def write(cache_layer: jax.Array, new: jax.Array, index: jax.Array,

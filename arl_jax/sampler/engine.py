@@ -1,13 +1,10 @@
 """The sampler engine: a thread that turns group requests into rollouts.
 
-Continuous batching: `num_slots` rows share one preallocated KV cache. When a
-slot finishes (EOS, length limit, cancellation) it is refilled with the next
-waiting request (`sampling.insert`) while the other slots keep decoding, so a
-long completion never holds a batch. Prompts are left-padded to the smallest
-configured prompt bucket and inserts are padded to a power-of-two row count
-(`insert_batch.py`), so a few shapes serve every batch; with `precompile` they
-are all compiled when the engine takes up its first version (`precompile.py`;
-in `start`, before the first update), not mid-run.
+Continuous batching: `num_slots` rows share one KV cache; a slot that
+finishes (EOS, length limit, cancellation) is refilled with the next waiting
+request (`sampling.insert`) while the others keep decoding. Inserts come in a
+few shapes (`insert_batch.py`), all compiled when the engine takes up its
+first version with `precompile` (`precompile.py`), not mid-run.
 
 Ports: requests come from a `sources.RequestSource`, weights from a
 `sources.WeightSource`, and every episode whose segment ends goes to
@@ -20,25 +17,26 @@ params decode which slots and whether admission waits.
 
 Multi-turn episodes (`multi_turn`): when a segment ends, the episode leaves its
 slot and goes to `on_segment_fn`; an environment may append observation tokens
-and hand it back with `resume`. It then waits for a slot like a new request
-(ahead of them) and is re-admitted by prefilling its whole context under the
-params live at that moment. Contexts are padded to `continuation_buckets`, and
-each slot has `context_bucket` spare columns so that the rounding never eats
-into the completion budget (`max_new_tokens` counts every completion token,
-observations included: a rollout always fits its TrainBatch row).
+and hand it back with `resume`, and it is re-admitted (ahead of new requests)
+by prefilling its whole context, padded to `continuation_buckets`, under the
+params live then (`engine_config.py`: the budget counts observations too).
 
 Cancelled groups lose their waiting rows, their slots and any later resume at once.
 
+KV cache (`kv_cache`): dense, or paged (`kv_slots.py`): slots take pages as
+they grow and give them back when they leave, a step attends over the
+longest live context, and a full pool preempts the youngest slot, which
+comes back later with what it sampled.
+
 Checkpoints (`paused`, `open_segments`, `restore`): the learner holds the
-engine between two decode steps, reads the tokens each occupied slot has
-sampled so far and, at the same instant, the dispatcher's open work; a resumed
-run re-admits those episodes with their open segments in the context, and the
-segments go on where they stopped.
+engine between two decode steps and reads each open segment with the
+dispatcher's open work; a resumed run re-admits them, and they go on.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import time
 from collections.abc import Callable
@@ -49,11 +47,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from arl_jax import episode as episode_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import (
   engine_config,
   engine_stats,
   insert_batch,
+  kv_slots,
   param_swap,
   pause_gate,
   precompile,
@@ -94,10 +92,12 @@ class SamplerEngine:
     self._weights = publisher
     self._requests = dispatcher
     self._on_segment_fn = on_segment_fn
-    self._stop_ids_fn = stop_ids_fn
+    self._stop_mask = functools.partial(sampling.request_stop_mask, settings, stop_ids_fn)
     self._fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
                                           settings=settings, num_slots=cfg.num_slots,
-                                          length=cfg.length)
+                                          length=cfg.length, num_pages=cfg.pool_pages,
+                                          page_size=cfg.page_size)
+    self._kv = kv_slots.make(cfg)
     self._updates = weight_updates.make_policy(cfg.weight_update, cfg.kv_policy)
     # Every segment's PRNG key derives from it, in the insert program.
     self._base_key = np.asarray(jax.random.PRNGKey(cfg.seed))
@@ -108,7 +108,7 @@ class SamplerEngine:
     self._gate = pause_gate.PauseGate()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
-    self.stats = engine_stats.EngineStats()
+    self.stats = engine_stats.EngineStats(kv_pages=cfg.pool_pages and cfg.pool_pages - 1)
     # Host mirror of the slots; the device SlotState is built at the first publish.
     self._state = None
     self._slots: list[waiting_rows.Row | None] = [None] * cfg.num_slots
@@ -160,10 +160,7 @@ class SamplerEngine:
     it is re-admitted."""
     if not self._cfg.multi_turn:
       raise ValueError("resume() needs an engine configured with multi_turn=True")
-    used, budget = episode.length, episode.budget(self._cfg.max_new_tokens)
-    if used >= budget:
-      raise ValueError(f"group {episode.group_id}: the episode has {used} completion tokens; "
-                       f"nothing is left of its budget of {budget}")
+    self._cfg.check_budget_left(episode, "the episode")
     self._waiting.resume(waiting_rows.Row(episode=episode, ready_time=time.monotonic()))
 
   def restore(self, episodes) -> None:
@@ -173,11 +170,8 @@ class SamplerEngine:
     if self._thread is not None:
       raise RuntimeError("restore() must come before start()")
     for episode in episodes:
-      self._check_request(episode.request)
-      budget = episode.budget(self._cfg.max_new_tokens)
-      if episode.length >= budget:
-        raise ValueError(f"group {episode.group_id}: a restored episode holds {episode.length} "
-                         f"completion tokens; nothing is left of its budget of {budget}")
+      self._cfg.check_request(episode.request)
+      self._cfg.check_budget_left(episode, "a restored episode")
       self._waiting.append(waiting_rows.Row(episode=episode, ready_time=time.monotonic()))
       self._restored_lengths.append(len(episode.context_ids()))
 
@@ -197,14 +191,7 @@ class SamplerEngine:
     if self._thread is not None and self._thread.is_alive() and not self._gate.is_paused:
       raise RuntimeError("open_segments() reads the slots: hold the engine with paused()")
     self._apply_cancellations()
-    occupied = [i for i, row in enumerate(self._slots) if row is not None]
-    partials = {}
-    if occupied and self._state is not None:
-      segments = slot_fns.read_segments(self._fns, self._state, occupied)
-      for slot, (tokens, logprobs, versions, _) in zip(occupied, segments):
-        episode = self._slots[slot].episode
-        partials[(episode.group_id, episode.sample_index)] = (tokens, logprobs, versions)
-    return partials
+    return slot_fns.open_segments(self._fns, self._state, self._slots, self._waiting)
 
   def metrics(self) -> dict:
     return self.stats.metrics()
@@ -271,7 +258,8 @@ class SamplerEngine:
       self.stats.swaps += 1
       if swap is weight_updates.Swap.RECOMPUTE:
         occupied = np.array([row is not None for row in self._slots])
-        self._state = self._fns.recompute(params, self._state, self._rows_array(occupied))
+        self._state = self._fns.recompute(params, self._state, self._rows_array(occupied),
+                                          width=self._kv.width(self._slots))
         jax.block_until_ready(self._state.cache.valid)  # so swap_seconds is the real pause
     self.version = version
     self._version_scalar = jnp.int32(version)
@@ -298,7 +286,7 @@ class SamplerEngine:
 
   def _take_requests(self) -> None:
     for row in self._waiting.take_resumed():  # (of cancelled groups)
-      self._count_cancelled(row)
+      self.stats.count_cancelled(row, self._cfg.max_new_tokens)
     if self._updates.admission_paused:
       return
     free = len(self._free_slots()) - len(self._waiting)
@@ -309,19 +297,11 @@ class SamplerEngine:
     idle = not self.active_slots and not self._waiting
     requests = self._requests.take(max_groups, self.version, timeout=0.05 if idle else 0.0)
     for req in requests:
-      self._check_request(req)
+      self._cfg.check_request(req)
       self._waiting.extend(
           waiting_rows.Row(episode=episode_lib.Episode(request=req, sample_index=s),
                            ready_time=req.dispatch_time)
           for s in range(req.group_size))
-
-  def _check_request(self, req: dispatcher_lib.GroupRequest) -> None:
-    if req.group_size != self._cfg.group_size:
-      raise ValueError(f"group {req.group_id} has {req.group_size} rollouts; the engine was "
-                       f"configured for groups of {self._cfg.group_size}")
-    if not 0 < len(req.prompt_ids) <= self._cfg.prompt_len:
-      raise ValueError(f"group {req.group_id}: prompt has {len(req.prompt_ids)} tokens; the "
-                       f"sampler takes 1 to {self._cfg.prompt_len} (sampler.prompt_len)")
 
   def _admit(self) -> None:
     if self._updates.admission_paused or not self._waiting:
@@ -329,8 +309,15 @@ class SamplerEngine:
     free = self._free_slots()
     rows = self._waiting.pop(len(free))
     by_bucket = collections.defaultdict(list)
-    for slot, row in zip(free, rows):
-      by_bucket[self._cfg.bucket_for(len(row.episode.context_ids()))].append((slot, row))
+    for i, (slot, row) in enumerate(zip(free, rows)):
+      n = len(row.episode.context_ids())
+      bucket = self._cfg.bucket_for(n)
+      # In admission order: a row whose pages do not fit waits at the front.
+      if not self._kv.admit(slot, n, bucket):
+        self._waiting.push_front(rows[i:])
+        break
+      by_bucket[bucket].append((slot, row))
+    self._sync_pages()
     for bucket, items in by_bucket.items():
       self._insert(bucket, items)
 
@@ -350,10 +337,11 @@ class SamplerEngine:
                                             *batch.args())
     # Wait for the prefill so that its time is not billed to the next decode
     # step (dispatch is asynchronous); inserts are rarer than decode steps.
-    jax.block_until_ready(self._state.done)
+    self._done = np.asarray(self._state.done)  # (a first token may end a segment)
     now = time.monotonic()
     for (slot, row), budget in zip(items, batch.max_new):
       row.version, row.start_time, row.budget, row.sampled = self.version, now, int(budget), 1
+      row.bucket = bucket
       row.episode.timings["queued"] += now - row.ready_time
       self.stats.queue_wait_seconds += now - row.ready_time
       self.stats.resumes += row.episode.turns > 0
@@ -363,22 +351,7 @@ class SamplerEngine:
     self.stats.inserts += len(items)
     self.stats.prefill_seconds += time.monotonic() - start
 
-  def _stop_mask(self, request: dispatcher_lib.GroupRequest) -> np.ndarray:
-    """Which of `settings.stop_ids` end segments of `request`'s episodes."""
-    if self._stop_ids_fn is None:
-      return np.ones((len(self._settings.stop_ids),), bool)
-    try:
-      return sampling.stop_mask_row(self._settings, self._stop_ids_fn(request.prompt))
-    except ValueError as e:
-      raise ValueError(f"group {request.group_id}: {e}") from e
-
   # -- cancellation ------------------------------------------------------------
-
-  def _count_cancelled(self, row: waiting_rows.Row) -> None:
-    self.stats.cancelled_rollouts += 1
-    budget = row.budget or (row.episode.budget(self._cfg.max_new_tokens) - row.episode.length)
-    self.stats.cancelled_tokens += max(budget - row.sampled, 0)
-    self.stats.cancelled_sampled_tokens += row.sampled
 
   def _apply_cancellations(self) -> None:
     with self._lock:
@@ -386,12 +359,12 @@ class SamplerEngine:
     if not cancelled:
       return
     for row in self._waiting.cancel(cancelled):
-      self._count_cancelled(row)
+      self.stats.count_cancelled(row, self._cfg.max_new_tokens)
     for slot, row in enumerate(self._slots):
       if row is not None and row.group_id in cancelled:
-        self._slots[slot] = None  # free at once; the next decode ends the sequence
+        self._free_slot(slot)  # at once; the next decode ends the sequence
         self._stop_rows[slot] = True
-        self._count_cancelled(row)
+        self.stats.count_cancelled(row, self._cfg.max_new_tokens)
     if self._state is not None:
       self._forget_unused_versions()
 
@@ -399,6 +372,9 @@ class SamplerEngine:
 
   def _step(self) -> None:
     start = time.monotonic()
+    self._kv.grow(self._slots, self._done, self._preempt)
+    self._sync_pages()
+    width = self._kv.width(self._slots)
     occupied = np.array([row is not None for row in self._slots])
     stop_rows = self._rows_array(self._stop_rows) if self._stop_rows.any() else self._no_rows
     versions = self._updates.decode_versions(
@@ -412,7 +388,8 @@ class SamplerEngine:
       version_scalar = self._version_scalar if version == self.version else jnp.int32(version)
       # Only the first pass ends the cancelled slots (one model pass per version).
       self._state = self._fns.decode(self._updates.params(version), version_scalar,
-                                     self._state, stop_rows if i == 0 else self._no_rows, rows)
+                                     self._state, stop_rows if i == 0 else self._no_rows, rows,
+                                     width=width)
     self.stats.model_passes += len(versions)
     self._stop_rows[:] = False
     for row in self._slots:
@@ -434,7 +411,7 @@ class SamplerEngine:
     ended = []
     for slot, (tokens, logprobs, versions, stopped) in zip(finished, segments):
       row = self._slots[slot]
-      self._slots[slot] = None
+      self._free_slot(slot)
       restored = len(row.episode.open_tokens)  # sampled before a resume (counted then)
       row.episode.add_segment(tokens, logprobs, versions, stopped=stopped)
       row.episode.timings["generating"] += now - row.start_time
@@ -445,3 +422,29 @@ class SamplerEngine:
     # Handed over last: from here on the episodes belong to the callee.
     for episode in ended:
       self._on_segment_fn(episode)
+
+  # -- KV slots -------------------------------------------------------------------
+
+  def _free_slot(self, slot: int) -> None:
+    self._slots[slot] = None
+    self._kv.release(slot)
+
+  def _sync_pages(self) -> None:
+    self._state = self._kv.sync(self._fns, self._state)
+    self.stats.kv_pages_peak = self._kv.peak_pages
+
+  def _preempt(self, slot: int) -> None:
+    """Evicts `slot` for lack of pages: what it sampled of its segment stays
+    with the episode, which waits first in line to be prefilled again."""
+    (tokens, logprobs, versions, _), = slot_fns.read_segments(self._fns, self._state, [slot])
+    row = self._slots[slot]
+    self.stats.sampled_tokens += kv_slots.keep_open_segment(row.episode, tokens, logprobs,
+                                                            versions)
+    now = time.monotonic()
+    row.episode.timings["generating"] += now - row.start_time
+    row.ready_time = now
+    self._free_slot(slot)
+    self._stop_rows[slot] = True  # the next decode ends it on the device
+    self._waiting.push_front([row])
+    self.stats.preemptions += 1
+    self.stats.preempted_tokens += len(row.episode.context_ids())

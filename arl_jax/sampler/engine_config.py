@@ -1,11 +1,14 @@
 """`EngineConfig`: the sampler engine's static settings and the slot geometry
-they imply (prompt buckets, continuation buckets, slot length)."""
+they imply (prompt buckets, continuation buckets, slot length, KV pages and
+the attention widths a paged engine compiles)."""
 
 from __future__ import annotations
 
 import dataclasses
 
 from arl_jax.sampler import weight_updates
+
+KV_CACHES = ("dense", "paged")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -30,6 +33,14 @@ class EngineConfig:
       when a batch first needs one (which can be hundreds of updates into a
       run). Off here, for engines built by hand that run a few batches; a
       run's engine takes `sampler.precompile` (on by default).
+    kv_cache: "dense" (every slot holds `length` columns of KV cache, and a
+      decode step attends over all of them) or "paged" (a pool of pages
+      handed to slots as they grow; a step attends over the longest live
+      context, rounded up to one of `decode_widths`).
+    page_size: columns per page (paged).
+    num_pages: pages of the pool, page 0 (never handed out) included; 0:
+      enough for every slot at full length. When slots need more than the
+      pool has, the engine preempts (`engine.py`).
   """
 
   num_slots: int
@@ -42,6 +53,9 @@ class EngineConfig:
   multi_turn: bool = False
   context_bucket: int = 16
   precompile: bool = False
+  kv_cache: str = "dense"
+  page_size: int = 16
+  num_pages: int = 0
 
   def __post_init__(self):
     weight_updates.check_names(self.weight_update, self.kv_policy)
@@ -49,6 +63,32 @@ class EngineConfig:
       raise ValueError(f"prompt_buckets must be ascending and distinct, got {self.prompt_buckets}")
     if self.context_bucket < 1:
       raise ValueError(f"context_bucket must be >= 1, got {self.context_bucket}")
+    if self.kv_cache not in KV_CACHES:
+      raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
+    if self.page_size < 1:
+      raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+    if self.paged and self.num_pages and self.num_pages - 1 < self.pages_per_slot:
+      raise ValueError(
+          f"kv_pages={self.num_pages} cannot hold one sequence of the longest length: a slot "
+          f"holds up to {self.length} columns = {self.pages_per_slot} pages of {self.page_size} "
+          f"(page 0 is never handed out), so the pool needs >= {self.pages_per_slot + 1}")
+
+  def check_request(self, req) -> None:
+    """Raises ValueError unless a `GroupRequest` fits: its group size, and a
+    prompt of 1 to `prompt_len` tokens."""
+    if req.group_size != self.group_size:
+      raise ValueError(f"group {req.group_id} has {req.group_size} rollouts; the engine was "
+                       f"configured for groups of {self.group_size}")
+    if not 0 < len(req.prompt_ids) <= self.prompt_len:
+      raise ValueError(f"group {req.group_id}: prompt has {len(req.prompt_ids)} tokens; the "
+                       f"sampler takes 1 to {self.prompt_len} (sampler.prompt_len)")
+
+  def check_budget_left(self, episode, what: str) -> None:
+    """Raises ValueError when `episode` has no completion budget left."""
+    budget = episode.budget(self.max_new_tokens)
+    if episode.length >= budget:
+      raise ValueError(f"group {episode.group_id}: {what} holds {episode.length} completion "
+                       f"tokens; nothing is left of its budget of {budget}")
 
   @property
   def prompt_len(self) -> int:
@@ -62,10 +102,49 @@ class EngineConfig:
     return min(self.context_bucket, self.max_new_tokens)
 
   @property
+  def paged(self) -> bool:
+    return self.kv_cache == "paged"
+
+  @property
   def length(self) -> int:
     """L: columns of a slot (longest prompt bucket + max new tokens, plus the
-    spare columns that continuation buckets may round into)."""
-    return self.prompt_buckets[-1] + self.max_new_tokens + self.context_step
+    spare columns that continuation buckets may round into), rounded up to
+    whole pages when paged."""
+    length = self.prompt_buckets[-1] + self.max_new_tokens + self.context_step
+    if self.paged:
+      length = -(-length // self.page_size) * self.page_size
+    return length
+
+  @property
+  def pages_per_slot(self) -> int:
+    return self.length // self.page_size
+
+  @property
+  def pool_pages(self) -> int:
+    """Pages of a paged engine's pool (`num_pages`, or its default); 0 when dense."""
+    if not self.paged:
+      return 0
+    return self.num_pages or self.num_slots * self.pages_per_slot + 1
+
+  @property
+  def decode_widths(self) -> tuple[int | None, ...]:
+    """The attention widths (columns) decode and recompute are compiled for:
+    a paged engine's power-of-two page counts from the one that holds the
+    shortest prompt bucket and its first decode column, up to `length`; a
+    dense engine's single `None` (every column)."""
+    if not self.paged:
+      return (None,)
+    widths, pages = [], 1
+    while pages * self.page_size <= self.prompt_buckets[0]:
+      pages *= 2
+    while pages < self.pages_per_slot:
+      widths.append(pages * self.page_size)
+      pages *= 2
+    return (*widths, self.length)
+
+  def width_for(self, last_column: int) -> int | None:
+    """The smallest of `decode_widths` that holds column `last_column`."""
+    return next(w for w in self.decode_widths if w is None or w > last_column)
 
   @property
   def continuation_buckets(self) -> tuple[int, ...]:

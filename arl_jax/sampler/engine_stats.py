@@ -31,6 +31,23 @@ class EngineStats:
   max_versions_held: int = 1
   precompiled_programs: int = 0  # compiled up front (`EngineConfig.precompile`)
   precompile_seconds: float = 0.0
+  # Paged KV cache: slots evicted for lack of pages (re-admitted later with
+  # what they sampled), the context tokens prefilled again for them, and the
+  # most pages in use at once (of `kv_pages` usable).
+  preemptions: int = 0
+  preempted_tokens: int = 0
+  kv_pages_peak: int = 0
+  kv_pages: int = 0
+
+  # Fields that are maxima or sizes rather than counts (summing samplers takes their max).
+  MAXIMA = ("max_versions_held", "kv_pages_peak", "kv_pages")
+
+  def count_cancelled(self, row, max_new_tokens: int) -> None:
+    """Counts a cancelled `waiting_rows.Row`: its unsampled budget and what it sampled."""
+    self.cancelled_rollouts += 1
+    budget = row.budget or (row.episode.budget(max_new_tokens) - row.episode.length)
+    self.cancelled_tokens += max(budget - row.sampled, 0)
+    self.cancelled_sampled_tokens += row.sampled
 
   @property
   def busy_seconds(self) -> float:
@@ -59,6 +76,10 @@ class EngineStats:
         "sampler_versions_held": self.max_versions_held,
         "sampler_precompiled_programs": self.precompiled_programs,
         "sampler_precompile_s": self.precompile_seconds,
+        "sampler_preemptions": self.preemptions,
+        "sampler_preempted_tokens": self.preempted_tokens,
+        "sampler_kv_pages_peak": self.kv_pages_peak,
+        "sampler_kv_pages": self.kv_pages,
     }
 
   # The counters a checkpoint carries (the rest describe this process's time).

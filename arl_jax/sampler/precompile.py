@@ -15,7 +15,11 @@ compile events).
 whole groups of one prompt, so single-turn admissions are multiples of the
 group size in a prompt bucket; resumed multi-turn episodes and episodes a
 checkpoint left come back in any number, with contexts in any continuation
-bucket; a harvest reads any number of slots.
+bucket; a harvest reads any number of slots. A paged engine decodes (and
+recomputes) at every width of `EngineConfig.decode_widths` and sends page
+tables (`set_pages`). Rows a paged engine preempts come back with longer
+contexts, in continuation buckets that are compiled when first used (a pool
+sized to need no preemption never uses them).
 """
 
 from __future__ import annotations
@@ -40,16 +44,22 @@ class Shapes:
       and a context bucket.
     take_rows: the row buckets segment reads use.
     recompute: whether `recompute` can run (the in-flight `recompute` KV policy).
+    widths: the attention widths of decode and recompute (`(None,)`: dense).
+    paged: whether page tables are sent (`set_pages`).
   """
 
   insert: tuple[tuple[int, int], ...]
   take_rows: tuple[int, ...]
   recompute: bool
+  widths: tuple[int | None, ...] = (None,)
+  paged: bool = False
 
   @property
   def num_programs(self) -> int:
-    """Programs `compile_all` compiles: these shapes and `decode`."""
-    return len(self.insert) + len(self.take_rows) + 1 + int(self.recompute)
+    """Programs `compile_all` compiles: these shapes, `decode` (and
+    `recompute`) at each width, and `set_pages` when paged."""
+    return (len(self.insert) + len(self.take_rows) + len(self.widths) * (1 + int(self.recompute))
+            + int(self.paged))
 
 
 def engine_shapes(cfg: engine_config.EngineConfig,
@@ -83,7 +93,8 @@ def engine_shapes(cfg: engine_config.EngineConfig,
   return Shapes(
       insert=tuple((r, b) for b in buckets for r in rows),
       take_rows=slot_fns.row_buckets(cfg.num_slots),
-      recompute=cfg.weight_update == "in_flight" and cfg.kv_policy == "recompute")
+      recompute=cfg.weight_update == "in_flight" and cfg.kv_policy == "recompute",
+      widths=cfg.decode_widths, paged=cfg.paged)
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
@@ -119,9 +130,14 @@ def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base
   version = jax.ShapeDtypeStruct((), jnp.int32)
   rows = jax.ShapeDtypeStruct(state.done.shape, jnp.bool_, sharding=fns.row_sharding)
   key = jax.ShapeDtypeStruct(base_key.shape, base_key.dtype)
-  lowered = [fns.decode.lower(params, version, state, rows, rows)]
-  if shapes.recompute:
-    lowered.append(fns.recompute.lower(params, state, rows))
+  lowered = []
+  for width in shapes.widths:
+    lowered.append(fns.decode.lower(params, version, state, rows, rows, width=width))
+    if shapes.recompute:
+      lowered.append(fns.recompute.lower(params, state, rows, width=width))
+  if shapes.paged:
+    table = state.cache.page_table
+    lowered.append(fns.set_pages.lower(state, jax.ShapeDtypeStruct(table.shape, table.dtype)))
   for r, bucket in shapes.insert:
     batch = insert_batch.abstract(r, bucket, num_stop_ids)
     lowered.append(fns.insert_from_ids.lower(params, version, state, key, *batch.args()))

@@ -30,6 +30,8 @@ from flax import nnx
 from arl_jax import rollout as rollout_lib
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import kv_cache as kv_cache_lib
+from arl_jax.models import paged_kv_cache
+from arl_jax.sampler import token_draw
 
 NO_VERSION = rollout_lib.NO_VERSION  # positions that were not sampled (prompt, padding)
 
@@ -74,7 +76,7 @@ class SlotState:
     token_mask: `[B, L]` bool, real tokens (prompt and sampled, EOS included).
     logprobs: `[B, L]` float32 behaviour log-prob of sampled tokens, else 0.
     versions: `[B, L]` int32 policy version of sampled tokens, else -1.
-    cache: the KV cache, length L.
+    cache: the KV cache, length L (dense, or paged: see `init_slots`).
     prompt_end: `[B]` int32 first completion column (the slot's prompt bucket).
     index: `[B]` int32 column of the last sampled token.
     limit: `[B]` int32 last column the slot may sample (max new tokens or L).
@@ -89,7 +91,7 @@ class SlotState:
   token_mask: jax.Array
   logprobs: jax.Array
   versions: jax.Array
-  cache: kv_cache_lib.KVCache
+  cache: kv_cache_lib.KVCache | paged_kv_cache.PagedKVCache
   prompt_end: jax.Array
   index: jax.Array
   limit: jax.Array
@@ -124,72 +126,31 @@ def stop_mask_row(settings: SamplingSettings, row_stop_ids) -> np.ndarray:
   return np.array([i in wanted for i in settings.stop_ids], bool)
 
 
-def _truncate(logits, settings: SamplingSettings):
-  """Applies top-k / top-p by setting excluded logits to -inf."""
-  if settings.top_k:
-    kth = jax.lax.top_k(logits, settings.top_k)[0][:, -1:]
-    logits = jnp.where(logits < kth, -jnp.inf, logits)
-  if settings.top_p < 1.0:
-    order = jnp.argsort(-logits, axis=-1)
-    sorted_probs = jnp.take_along_axis(jax.nn.softmax(logits, axis=-1), order, axis=-1)
-    # Keep a token if the mass strictly before it is < p (the top token always).
-    keep_sorted = jnp.cumsum(sorted_probs, axis=-1) - sorted_probs < settings.top_p
-    keep = jnp.zeros_like(keep_sorted).at[jnp.arange(logits.shape[0])[:, None], order].set(
-        keep_sorted)
-    logits = jnp.where(keep, logits, -jnp.inf)
-  return logits
+def request_stop_mask(settings: SamplingSettings, stop_ids_fn, request) -> np.ndarray:
+  """`[S]` bool: which of `settings.stop_ids` end the segments of a group
+  request's episodes; `stop_ids_fn(prompt)` gives its stop tokens (None: all)."""
+  if stop_ids_fn is None:
+    return np.ones((len(settings.stop_ids),), bool)
+  try:
+    return stop_mask_row(settings, stop_ids_fn(request.prompt))
+  except ValueError as e:
+    raise ValueError(f"group {request.group_id}: {e}") from e
 
 
-def sample_from_logits(logits, keys, columns, settings: SamplingSettings):
-  """Draws one token per row and returns it with its log-probability.
-
-  Inverse-CDF sampling: one uniform per row against the cumulative softmax.
-  `jax.random.categorical` draws B x V Gumbel noises, which cost half a model
-  forward at a 32k vocabulary on CPU (docs/jax_notes.md); the distribution and the
-  recorded log-prob are the same.
-
-  Args:
-    logits: `[B, V]` float32.
-    keys: `[B, 2]` uint32 per-row keys.
-    columns: `[B]` (or `[]`) int32 offset of the token within its completion
-      (0 for the first), folded into the keys so that a draw depends only on
-      (row key, offset): not on slot, prompt bucket, batching or timing.
-    settings: static sampling settings.
-
-  Returns:
-    `(tokens [B] int32, logprobs [B] float32)`.
-  """
-  if settings.greedy:
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  else:
-    # log_softmax in float32 (logits are float32 already): the recorded
-    # behaviour log-prob is the denominator of every importance ratio.
-    logp = jax.nn.log_softmax(_truncate(logits / settings.temperature, settings), axis=-1)
-    columns = jnp.broadcast_to(columns, keys.shape[:1])
-    draw = lambda k, c: jax.random.uniform(jax.random.fold_in(k, c))
-    # 1 - U lies in (0, 1]: a draw of exactly 0 would pick token 0 even when
-    # its probability is 0, and record a log-prob of -inf.
-    uniforms = 1.0 - jax.vmap(draw)(keys, columns)
-    probs = jnp.exp(logp)
-    cdf = jnp.cumsum(probs, axis=-1)
-    # The first token whose cumulative mass reaches the draw, among tokens of
-    # non-zero probability: a parallel cumsum may dip by one rounding unit, and
-    # a token outside top-k/top-p must never be picked (its log-prob is -inf).
-    hit = (cdf >= uniforms[:, None] * cdf[:, -1:]) & (probs > 0)
-    tokens = jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1),
-                       jnp.argmax(probs, axis=-1)).astype(jnp.int32)
-  token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-  return tokens, token_logp
-
-
-def init_slots(cfg, *, num_slots: int, length: int, pad_id: int,
-               num_stop_ids: int = 0) -> SlotState:
-  """All slots empty (done), with a zeroed cache of `length` columns."""
+def init_slots(cfg, *, num_slots: int, length: int, pad_id: int, num_stop_ids: int = 0,
+               num_pages: int = 0, page_size: int = 0) -> SlotState:
+  """All slots empty (done), with a zeroed cache of `length` columns: dense
+  (`[num_slots, KVH, length, Dh]` per layer), or paged when `num_pages` > 0
+  (a pool of `num_pages` pages of `page_size` columns, page 0 the trash page,
+  every slot's page table pointing at it)."""
   b = num_slots
-  cache = kv_cache_lib.KVCache.zeros(
-      batch=b, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, length=length,
-      head_dim=cfg.head_dim, dtype=jnp.dtype(cfg.param_dtype))
+  geometry = dict(batch=b, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
+                  length=length, head_dim=cfg.head_dim, dtype=jnp.dtype(cfg.param_dtype))
+  if num_pages:
+    cache = paged_kv_cache.PagedKVCache.zeros(num_pages=num_pages, page_size=page_size,
+                                              **geometry)
+  else:
+    cache = kv_cache_lib.KVCache.zeros(**geometry)
   zeros = jnp.zeros((b,), jnp.int32)
   return SlotState(
       tokens=jnp.full((b, length), pad_id, jnp.int32),
@@ -281,13 +242,10 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
   logits, small = model(prompt_tokens, positions, attn, small, jnp.zeros((r,), jnp.int32),
                         last_only=True)
 
-  cache = state.cache
   tail = lambda fill, dtype: jnp.full((r, length - pb), fill, dtype)
-  cache = cache.replace(
-      keys=tuple(k.at[slots, :, :pb].set(s) for k, s in zip(cache.keys, small.keys)),
-      values=tuple(v.at[slots, :, :pb].set(s) for v, s in zip(cache.values, small.values)),
-      valid=_set_rows(cache.valid, slots, jnp.concatenate([prompt_mask, tail(False, jnp.bool_)],
-                                                          axis=1)))
+  cache = state.cache.write_prefill(slots, small)
+  cache = cache.replace(valid=_set_rows(
+      cache.valid, slots, jnp.concatenate([prompt_mask, tail(False, jnp.bool_)], axis=1)))
   state = state.replace(
       cache=cache,
       tokens=_set_rows(state.tokens, slots, jnp.concatenate(
@@ -308,7 +266,7 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
       keys=_set_rows(state.keys, slots, keys))
   # Sample the first completion token of the inserted rows only.
   column = jnp.full((r,), pb, jnp.int32)
-  tokens, logp = sample_from_logits(logits[:, -1], keys, open_len, settings)
+  tokens, logp = token_draw.sample_from_logits(logits[:, -1], keys, open_len, settings)
   b = state.tokens.shape[0]
   live = jnp.zeros((b,), jnp.bool_).at[slots].set(True)
   full = lambda x, fill: jnp.full((b,), fill, x.dtype).at[slots].set(x)
@@ -339,8 +297,13 @@ def insert_from_ids(graphdef, params, version, state: SlotState, base_key, slots
 
 
 def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
-                settings: SamplingSettings) -> SlotState:
+                settings: SamplingSettings, width: int | None = None) -> SlotState:
   """Feeds each live slot's last sampled token and samples its next one.
+
+  Attention reads the first `width` columns of every row (None: all L). The
+  engine passes the smallest of its compiled widths that holds every live
+  slot's last column, so a step costs what the longest live context costs;
+  a slot that is not live may lie beyond `width` (its output is ignored).
 
   Args:
     graphdef: nnx graph definition (static).
@@ -351,6 +314,7 @@ def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
     rows: `[B]` bool, slots this call decodes (all of them, except when the
       engine serves several pinned versions and calls once per version).
     settings: static sampling settings.
+    width: static, columns attended over (None: all).
 
   Returns:
     The SlotState with one more column sampled in every live slot of `rows`.
@@ -358,36 +322,48 @@ def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
   model = nnx.merge(graphdef, params)
   state = state.replace(done=state.done | stop_rows)
   b, length = state.tokens.shape
+  width = length if width is None else width
   live = ~state.done & rows
   batch_rows = jnp.arange(b)
   last = state.index
   last_tokens = state.tokens[batch_rows, last][:, None]  # [B, 1]
   valid = state.cache.valid.at[batch_rows, last].set(state.cache.valid[batch_rows, last] | live)
-  attn = valid[:, None, :] & (jnp.arange(length)[None, None, :] <= last[:, None, None])
+  attn = valid[:, None, :width] & (jnp.arange(width)[None, None, :] <= last[:, None, None])
   logits, cache = model(last_tokens, state.positions[:, None], attn,
                         state.cache.replace(valid=valid), last, write_mask=live)
   state = state.replace(cache=cache, positions=state.positions + live.astype(jnp.int32))
   columns = jnp.minimum(last + 1, length - 1)
-  tokens, logp = sample_from_logits(logits[:, 0], state.keys, columns - state.prompt_end,
-                                    settings)
+  tokens, logp = token_draw.sample_from_logits(logits[:, 0], state.keys,
+                                               columns - state.prompt_end, settings)
   return _record(state, live, columns, tokens, logp, version, settings)
 
 
-def recompute_cache(graphdef, params, state: SlotState, rows) -> SlotState:
+def recompute_cache(graphdef, params, state: SlotState, rows, *,
+                    width: int | None = None) -> SlotState:
   """Re-prefills the KV cache of `rows` under `params` (the `recompute` KV policy).
 
   Every token already fed to the model (columns before each slot's last
   sampled token) gets keys/values from `params`, as a fresh prefill would;
-  recorded tokens, log-probs and versions stay as sampled.
+  recorded tokens, log-probs and versions stay as sampled. Only the first
+  `width` columns are computed (None: all L): the engine passes a width that
+  holds every live slot's last column, as for `decode_step`.
   """
   model = nnx.merge(graphdef, params)
   b, length = state.tokens.shape
-  fed = state.token_mask & (jnp.arange(length)[None, :] < state.index[:, None])
+  width = length if width is None else width
+  tokens = state.tokens[:, :width]
+  fed = state.token_mask[:, :width] & (jnp.arange(width)[None, :] < state.index[:, None])
   positions = decoder_lib.positions_from_mask(fed)
   live = rows & ~state.done
-  _, cache = model(state.tokens, positions, decoder_lib.causal_mask(fed), state.cache,
+  _, cache = model(tokens, positions, decoder_lib.causal_mask(fed), state.cache,
                    jnp.zeros((b,), jnp.int32), write_mask=live)
   return state.replace(cache=cache)
+
+
+def set_page_table(state: SlotState, page_table) -> SlotState:
+  """The state with the paged cache's page table `[B, L / page_size]` the
+  host's page pool holds now (`sampler/page_pool.py`)."""
+  return state.replace(cache=state.cache.replace(page_table=page_table))
 
 
 def segment_keys(base_key, key_ids):

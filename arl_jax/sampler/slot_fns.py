@@ -36,9 +36,12 @@ class SamplerFns:
       key_ids, max_new, stop_mask, open_len, open_logprobs, open_versions) ->
       SlotState`, `insert` with the keys derived in the program
       (`sampling.insert_from_ids`; the engine's admissions).
-    decode: `(params, version, state, stop_rows, rows) -> SlotState`
-      (`sampling.decode_step`).
-    recompute: `(params, state, rows) -> SlotState` (`sampling.recompute_cache`).
+    decode: `(params, version, state, stop_rows, rows, width=None) -> SlotState`
+      (`sampling.decode_step`; `width` static: one program per width).
+    recompute: `(params, state, rows, width=None) -> SlotState`
+      (`sampling.recompute_cache`).
+    set_pages: `(state, page_table) -> SlotState`, a paged cache's page table
+      as the host's page pool holds it (`sampling.set_page_table`).
     take_rows: `(state, slots) -> dict` of the rows `slots` of the per-column
       fields and of `prompt_end` and `stopped` (what a harvest reads).
     state_shardings: the SlotState's NamedSharding per array.
@@ -50,6 +53,7 @@ class SamplerFns:
   insert_from_ids: Callable
   decode: Callable
   recompute: Callable
+  set_pages: Callable
   take_rows: Callable
   state_shardings: sampling.SlotState
   counters: Mapping[str, trace_counter.TraceCounter]
@@ -79,7 +83,8 @@ def _take_rows(state: sampling.SlotState, slots):
 
 
 def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.SamplingSettings,
-                     num_slots: int, length: int) -> SamplerFns:
+                     num_slots: int, length: int, num_pages: int = 0,
+                     page_size: int = 0) -> SamplerFns:
   """Jits the slot functions with params as an argument and one pinned layout.
 
   Every function returns the SlotState in the same sharding (else the first
@@ -93,11 +98,14 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
     settings: sampling settings (static).
     num_slots: B, rows of the state.
     length: L, columns of a slot (and of its cache).
+    num_pages: pages of a paged KV cache (0: a dense cache, `[B, L]` columns).
+    page_size: columns per page of a paged cache.
   """
   counters = {name: trace_counter.TraceCounter()
-              for name in ("init", "insert", "decode", "recompute", "take_rows")}
+              for name in ("init", "insert", "decode", "recompute", "set_pages", "take_rows")}
   init = functools.partial(sampling.init_slots, model_cfg, num_slots=num_slots, length=length,
-                           pad_id=settings.pad_id, num_stop_ids=len(settings.stop_ids))
+                           pad_id=settings.pad_id, num_stop_ids=len(settings.stop_ids),
+                           num_pages=num_pages, page_size=page_size)
   shardings = state_shardings(mesh, jax.eval_shape(init))
   insert = functools.partial(counters["insert"].wrap(sampling.insert), graphdef,
                              settings=settings)
@@ -110,8 +118,12 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
       init=jax.jit(counters["init"].wrap(init), out_shardings=shardings),
       insert=jax.jit(insert, out_shardings=shardings, donate_argnums=2),
       insert_from_ids=jax.jit(insert_from_ids, out_shardings=shardings, donate_argnums=2),
-      decode=jax.jit(decode, out_shardings=shardings, donate_argnums=2),
-      recompute=jax.jit(recompute, out_shardings=shardings, donate_argnums=1),
+      decode=jax.jit(decode, out_shardings=shardings, donate_argnums=2,
+                     static_argnames="width"),
+      recompute=jax.jit(recompute, out_shardings=shardings, donate_argnums=1,
+                        static_argnames="width"),
+      set_pages=jax.jit(counters["set_pages"].wrap(sampling.set_page_table),
+                        out_shardings=shardings, donate_argnums=0),
       take_rows=jax.jit(counters["take_rows"].wrap(_take_rows)),
       state_shardings=shardings,
       counters=counters,
@@ -144,3 +156,20 @@ def read_segments(fns: SamplerFns, state: sampling.SlotState, slots: list[int]) 
     segments.append((host["tokens"][j, cols], host["logprobs"][j, cols],
                      host["versions"][j, cols], bool(host["stopped"][j])))
   return segments
+
+
+def open_segments(fns: SamplerFns, state, slots: list, waiting) -> dict:
+  """`{(group_id, sample_index): (tokens, logprobs, versions)}` of every
+  segment under way: read from the occupied `slots` (`waiting_rows.Row` or
+  None each) of `state`, and held by the `waiting` rows that were preempted
+  (their episodes' open segments)."""
+  partials = {(row.group_id, row.episode.sample_index): (
+      row.episode.open_tokens, row.episode.open_logprobs, row.episode.open_versions)
+      for row in waiting if row.episode.open_tokens}
+  occupied = [i for i, row in enumerate(slots) if row is not None]
+  if occupied and state is not None:
+    for slot, (tokens, logprobs, versions, _) in zip(occupied,
+                                                     read_segments(fns, state, occupied)):
+      episode = slots[slot].episode
+      partials[(episode.group_id, episode.sample_index)] = (tokens, logprobs, versions)
+  return partials

@@ -25,7 +25,14 @@ class Row:
   version: int = -1  # version the segment started on (pinned mode decodes it with that)
   start_time: float = 0.0
   budget: int = 0  # tokens this segment may sample
-  sampled: int = 0  # tokens sampled so far (host estimate, for cancellation stats)
+  sampled: int = 0  # tokens sampled so far (the first by the insert)
+  bucket: int = 0  # context bucket of its admission: column of its first sampled token
+
+  @property
+  def last_column(self) -> int:
+    """The column of the last token it sampled (in a slot): the next decode
+    step writes that token's keys and values there."""
+    return self.bucket + self.sampled - 1
 
   @property
   def group_id(self) -> int:
@@ -55,6 +62,15 @@ class WaitingRows:
   def append(self, row: Row) -> None:
     """Queues `row` behind the rows waiting already."""
     self._queue.append(row)
+
+  def __iter__(self):
+    """The queued rows, front first."""
+    return iter(list(self._queue))
+
+  def push_front(self, rows) -> None:
+    """Queues `rows` (in their order) ahead of every waiting row: admissions
+    that did not fit, and preempted rows, which are the oldest work."""
+    self._queue.extendleft(reversed(list(rows)))
 
   def extend(self, rows) -> None:
     """Queues `rows` behind the rows waiting already."""

@@ -43,6 +43,11 @@ SAMPLER_RULES: Rules = {
     "length": None,
     "stop_ids": None,
     "prng_key": None,
+    # The paged KV cache (`PagedKVCache.logical_axes`): pages are shared by
+    # every slot, so the pool is whole on each `data` shard.
+    "kv_pages": None,
+    "page_rows": None,
+    "slot_pages": None,
 }
 
 

@@ -57,7 +57,7 @@ def single_turn_groups(on_group_fn):
 
 
 def _engine(publisher, setup, weight_update, on_group, *, kv_policy="keep", take_hook=None,
-            prompt_tokens=(4, 4), max_async_level=0, budget_fn=None):
+            prompt_tokens=(4, 4), max_async_level=0, budget_fn=None, **engine_options):
   meshes, graphdef, cfg = setup["meshes"], setup["graphdef"], setup["cfg"]
   dispatch = dispatcher_lib.DispatchConfig(group_size=4, groups_per_batch=2,
                                            max_async_level=max_async_level,
@@ -75,7 +75,7 @@ def _engine(publisher, setup, weight_update, on_group, *, kv_policy="keep", take
   return engine_lib.SamplerEngine(
       cfg=engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(PROMPT_LEN,),
                                   max_new_tokens=NEW, weight_update=weight_update,
-                                  kv_policy=kv_policy),
+                                  kv_policy=kv_policy, **engine_options),
       settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=graphdef,
       model_cfg=cfg, mesh=meshes.sampler, publisher=publisher, dispatcher=dispatcher,
       on_segment_fn=single_turn_groups(on_group))

@@ -72,14 +72,14 @@ def setup():
   return tiny.two_published_versions()
 
 
-def _run(setup, precompile_shapes: bool, total: int = 24):
+def _run(setup, precompile_shapes: bool, total: int = 24, **engine_options):
   """`(engine, late)`: an engine that sampled `total` segments, and the
   compiles its thread ran after its first admission."""
   done = []
   engine = engine_lib.SamplerEngine(
       cfg=engine_config.EngineConfig(num_slots=SLOTS, group_size=1,
                                      prompt_buckets=(PROMPT_LEN,), max_new_tokens=NEW,
-                                     precompile=precompile_shapes),
+                                     precompile=precompile_shapes, **engine_options),
       settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=setup["graphdef"],
       model_cfg=setup["cfg"], mesh=setup["meshes"].sampler,
       publisher=ScriptedPublisher(setup["sampler_params"][0], None, 0),
@@ -123,5 +123,18 @@ def test_no_compile_after_the_first_admission(setup):
   assert engine.stats.precompiled_programs == shapes.num_programs == 3 + 3 + 1
   # Each program traced once, at the first publish: no call traced again.
   assert engine.traces() == {"init": 1, "insert": 3, "decode": 1, "recompute": 0,
-                             "take_rows": 3}
+                             "set_pages": 0, "take_rows": 3}
   assert engine.metrics()["sampler_precompile_s"] > 0
+
+
+def test_a_paged_engine_compiles_every_width_and_the_page_table_up_front(setup):
+  options = dict(kv_cache="paged", page_size=4, kv_policy="recompute")
+  engine, late = _run(setup, precompile_shapes=True, total=12, **options)
+  assert late == []
+  cfg = engine_config.EngineConfig(num_slots=SLOTS, group_size=1, prompt_buckets=(PROMPT_LEN,),
+                                   max_new_tokens=NEW, **options)
+  assert cfg.decode_widths == (8, 16, 24)  # 6 + 8 + 8 columns -> 24, 6 pages
+  shapes = precompile.engine_shapes(cfg)
+  assert engine.stats.precompiled_programs == shapes.num_programs == 3 + 3 + 3 * 2 + 1
+  assert engine.traces() == {"init": 1, "insert": 3, "decode": 3, "recompute": 3,
+                             "set_pages": 1, "take_rows": 3}

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from arl_jax.learner import publish as publish_lib
-from arl_jax.sampler import sampling
+from arl_jax.sampler import sampling, token_draw
 from arl_jax.testing import slots as slots_lib
 from arl_jax.testing import tiny
 
@@ -175,7 +175,7 @@ def test_recompute_gives_logprobs_of_a_fresh_prefill_under_new_weights(recompute
 def test_inverse_cdf_sampling_matches_softmax_distribution():
   logits = jnp.log(jnp.array([[0.1, 0.2, 0.3, 0.4]], jnp.float32)).repeat(4000, axis=0)
   keys = sampling.row_keys(3, np.arange(4000), np.zeros(4000))
-  tokens, logp = sampling.sample_from_logits(logits, keys, jnp.int32(5), SETTINGS)
+  tokens, logp = token_draw.sample_from_logits(logits, keys, jnp.int32(5), SETTINGS)
   freq = np.bincount(np.asarray(tokens), minlength=4) / 4000
   np.testing.assert_allclose(freq, [0.1, 0.2, 0.3, 0.4], atol=0.03)
   np.testing.assert_allclose(np.exp(np.asarray(logp)), np.array([0.1, 0.2, 0.3, 0.4])[tokens],
@@ -192,7 +192,7 @@ def test_top_k_top_p_sample_and_record_the_truncated_distribution(top_k, top_p, 
   logits = jnp.log(jnp.array([[0.1, 0.2, 0.3, 0.4]], jnp.float32)).repeat(4000, axis=0)
   settings = sampling.SamplingSettings(eos_id=EOS, pad_id=PAD, top_k=top_k, top_p=top_p)
   keys = sampling.row_keys(4, np.arange(4000), np.zeros(4000))
-  tokens, logp = sampling.sample_from_logits(logits, keys, jnp.int32(0), settings)
+  tokens, logp = token_draw.sample_from_logits(logits, keys, jnp.int32(0), settings)
   tokens = np.asarray(tokens)
   assert set(np.unique(tokens)) == set(support)
   freq = np.array([np.mean(tokens == t) for t in support])
@@ -204,7 +204,7 @@ def test_top_k_top_p_sample_and_record_the_truncated_distribution(top_k, top_p, 
 def test_greedy_takes_argmax():
   logits = jnp.array([[0.0, 3.0, 1.0], [5.0, -1.0, 0.0]], jnp.float32)
   settings = sampling.SamplingSettings(greedy=True, eos_id=EOS, pad_id=PAD)
-  tokens, _ = sampling.sample_from_logits(logits, sampling.row_keys(0, [0, 1], [0, 0]),
+  tokens, _ = token_draw.sample_from_logits(logits, sampling.row_keys(0, [0, 1], [0, 0]),
                                           jnp.int32(0), settings)
   np.testing.assert_array_equal(tokens, [1, 0])
 
@@ -212,8 +212,8 @@ def test_greedy_takes_argmax():
 def test_draws_depend_only_on_group_sample_and_column():
   logits = jnp.zeros((4, 50), jnp.float32)
   keys = sampling.row_keys(0, [5, 6, 7, 8], [0, 1, 2, 3])
-  a, _ = sampling.sample_from_logits(logits, keys, jnp.int32(3), SETTINGS)
-  b, _ = sampling.sample_from_logits(logits[::-1], keys[::-1], jnp.int32(3), SETTINGS)
+  a, _ = token_draw.sample_from_logits(logits, keys, jnp.int32(3), SETTINGS)
+  b, _ = token_draw.sample_from_logits(logits[::-1], keys[::-1], jnp.int32(3), SETTINGS)
   np.testing.assert_array_equal(a, b[::-1])
 
 

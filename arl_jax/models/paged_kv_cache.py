@@ -1,0 +1,141 @@
+"""A paged key/value cache: a pool of fixed-size pages per layer and a page
+table per slot, so that memory follows the tokens slots hold, not `slots x L`.
+
+Columns keep the meaning they have in the dense cache (`kv_cache.KVCache`):
+column c of slot b lives at row `c % page_size` of page
+`page_table[b, c // page_size]`. The host (`sampler/page_pool.py`) hands a slot
+pages as it crosses page boundaries and takes them back when it leaves.
+Table entries the host has not filled name page 0, the trash page: it is never
+handed out, writes of masked rows go there, and no valid column lives there
+(the `valid` mask keeps attention off it), so a slot's left padding and its
+unused tail cost no memory.
+
+Attention reads the first `width` columns of every row by gathering the
+first `width / page_size` pages of its table row: a decode step costs what
+the batch's longest live context costs, not the slot length (the engine
+compiles a handful of widths, `engine_config.EngineConfig.decode_widths`).
+
+Layout per layer `[pages, KVH, page_size, Dh]`: a gathered row is
+`[width/page_size, KVH, page_size, Dh]`, transposed once to the decoder's
+`[KVH, width, Dh]`.
+"""
+
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+TRASH_PAGE = 0  # never handed out: unfilled table entries and masked writes point here
+
+
+@flax.struct.dataclass
+class PagedKVCache:
+  """Per-layer page pools, the slots' page tables and their valid columns.
+
+  Attributes:
+    keys: one array per layer, `[N, KVH, page_size, Dh]` (N pages, page 0 the trash page).
+    values: likewise.
+    valid: `[B, L]` bool, True where a real (non-pad) token has been written.
+    page_table: `[B, L / page_size]` int32, the page of each slot's column block.
+  """
+
+  keys: tuple[jax.Array, ...]
+  values: tuple[jax.Array, ...]
+  valid: jax.Array
+  page_table: jax.Array
+
+  @classmethod
+  def zeros(cls, *, batch: int, num_layers: int, num_kv_heads: int, length: int,
+            head_dim: int, num_pages: int, page_size: int,
+            dtype=jnp.float32) -> PagedKVCache:
+    if length % page_size:
+      raise ValueError(f"a paged cache's length ({length}) must be a multiple of its page "
+                       f"size ({page_size})")
+    shape = (num_pages, num_kv_heads, page_size, head_dim)
+    return cls(
+        keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        values=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+        valid=jnp.zeros((batch, length), jnp.bool_),
+        page_table=jnp.full((batch, length // page_size), TRASH_PAGE, jnp.int32))
+
+  @property
+  def page_size(self) -> int:
+    return self.keys[0].shape[2]
+
+  @property
+  def length(self) -> int:
+    return self.valid.shape[1]
+
+  def layer(self, i: int) -> PagedLayer:
+    return PagedLayer(keys=self.keys[i], values=self.values[i], page_table=self.page_table)
+
+  def with_layers(self, layers) -> PagedKVCache:
+    return self.replace(keys=tuple(layer.keys for layer in layers),
+                        values=tuple(layer.values for layer in layers))
+
+  def write_prefill(self, slots: jax.Array, prefill) -> PagedKVCache:
+    """Writes a prefill's dense cache (`[R, KVH, Pb, Dh]` per layer, every
+    row from column 0) into columns `[0, Pb)` of slots `slots` `[R]`."""
+    table = self.page_table[slots]
+    r = slots.shape[0]
+    index = jnp.zeros((r,), jnp.int32)
+    keys = tuple(_scatter(pool, table, k, index, None) for pool, k in zip(self.keys,
+                                                                           prefill.keys))
+    values = tuple(_scatter(pool, table, v, index, None) for pool, v in zip(self.values,
+                                                                             prefill.values))
+    return self.replace(keys=keys, values=values)
+
+  def logical_axes(self) -> PagedKVCache:
+    """Each array's logical axis names (`rules.SAMPLER_RULES`): the pool's
+    heads like the attention weights; pages are shared by every slot, so the
+    pool is not split over the slots' `data` axis."""
+    layer = ("kv_pages", "kv_heads", "page_rows", "head_dim")
+    return PagedKVCache(keys=tuple(layer for _ in self.keys),
+                        values=tuple(layer for _ in self.values),
+                        valid=("batch", "length"), page_table=("batch", "slot_pages"))
+
+
+def _scatter(pool: jax.Array, table: jax.Array, new: jax.Array, index: jax.Array,
+             write_mask: jax.Array | None) -> jax.Array:
+  """Writes `new` `[B, KVH, T, Dh]` at columns `index[b] + t` of the rows
+  whose page tables are `table` `[B, P]`; masked rows write the trash page."""
+  b, _, t, _ = new.shape
+  page_size = pool.shape[2]
+  columns = index[:, None] + jnp.arange(t, dtype=index.dtype)[None, :]  # [B, T]
+  pages = jnp.take_along_axis(table, columns // page_size, axis=1)
+  if write_mask is not None:
+    pages = jnp.where(write_mask[:, None], pages, TRASH_PAGE)
+  # Advanced indices on axes 0 and 2 lead the indexed shape: [B, T, KVH, Dh].
+  return pool.at[pages, :, columns % page_size].set(new.transpose(0, 2, 1, 3))
+
+
+def gather(pool: jax.Array, table: jax.Array, width: int) -> jax.Array:
+  """The first `width` columns of every row, `[B, KVH, width, Dh]`, from the
+  first `width / page_size` pages of each row of `table` `[B, P]`."""
+  page_size = pool.shape[2]
+  if width % page_size:
+    raise ValueError(f"a paged read's width ({width}) must be a multiple of the page size "
+                     f"({page_size})")
+  rows = pool[table[:, :width // page_size]]  # [B, W/ps, KVH, ps, Dh]
+  b, n, kvh, ps, dh = rows.shape
+  return rows.transpose(0, 2, 1, 3, 4).reshape(b, kvh, n * ps, dh)
+
+
+@flax.struct.dataclass
+class PagedLayer:
+  """One layer of a `PagedKVCache`, with the slots' page table."""
+
+  keys: jax.Array
+  values: jax.Array
+  page_table: jax.Array
+
+  def update(self, k: jax.Array, v: jax.Array, index: jax.Array,
+             write_mask: jax.Array | None, width: int):
+    """As `kv_cache.DenseLayer.update`: writes `k`, `v` `[B, KVH, T, Dh]` at
+    per-row offsets `index` and returns the first `width` columns of every
+    row (gathered from its pages) and the updated layer."""
+    keys = _scatter(self.keys, self.page_table, k, index, write_mask)
+    values = _scatter(self.values, self.page_table, v, index, write_mask)
+    return (gather(keys, self.page_table, width), gather(values, self.page_table, width),
+            PagedLayer(keys=keys, values=values, page_table=self.page_table))

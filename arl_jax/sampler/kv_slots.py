@@ -1,0 +1,112 @@
+"""How the sampler engine's slots hold their KV cache (`EngineConfig.kv_cache`).
+
+`DenseSlots`: every slot owns `length` columns of the cache for good, so
+nothing is allocated, and a decode step attends over every column.
+
+`PagedSlots`: slots take pages of a shared pool (`page_pool.py`,
+`models/paged_kv_cache.py`): at admission for the context and the column of
+the first sampled token, and one more each time a decode step's write crosses
+a page boundary; they give them all back when the segment ends, the group is
+cancelled or the slot is preempted. Admission waits for free pages. When a
+live slot needs a page and none is free, the youngest live slot is
+preempted: the engine keeps what it sampled of its segment as the episode's
+open segment (tokens, log-probs, versions; `keep_open_segment`) and queues it
+ahead of new work, to be prefilled again under the weights live then and go
+on with the draws it would have made (as a resumed checkpoint's open segment
+does). A pool holds at least one longest sequence, so the oldest slot always
+proceeds and the engine never deadlocks. A decode step attends over the
+longest live context, rounded up to one of `EngineConfig.decode_widths`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from arl_jax import episode as episode_lib
+from arl_jax.sampler import engine_config, page_pool
+
+
+class DenseSlots:
+  """Every slot holds its full length: admission always fits, nothing grows."""
+
+  def admit(self, slot: int, context_len: int, bucket: int) -> bool:
+    """Whether `slot` can take a context of `context_len` tokens padded to
+    `bucket` (its pages are taken if so)."""
+    del slot, context_len, bucket
+    return True
+
+  def release(self, slot: int) -> None:
+    del slot
+
+  def grow(self, rows: Sequence, done, preempt: Callable[[int], None]) -> None:
+    """Before a decode step: room for every live slot's next write."""
+    del rows, done, preempt
+
+  def width(self, rows: Sequence) -> int | None:
+    """The decode width for the occupied `rows` (None: every column)."""
+    del rows
+
+  def sync(self, fns, state):
+    """`state` with the device's page table brought up to date."""
+    del fns
+    return state
+
+  @property
+  def peak_pages(self) -> int:
+    return 0
+
+
+class PagedSlots(DenseSlots):
+  """Slots backed by a `PagePool`; see the module docstring."""
+
+  def __init__(self, cfg: engine_config.EngineConfig):
+    self._cfg = cfg
+    self.pool = page_pool.PagePool(num_pages=cfg.pool_pages, page_size=cfg.page_size,
+                                   num_slots=cfg.num_slots, length=cfg.length)
+
+  def admit(self, slot: int, context_len: int, bucket: int) -> bool:
+    # The first decode step writes the first sampled token at column `bucket`.
+    return self.pool.take(slot, bucket - context_len, bucket)
+
+  def release(self, slot: int) -> None:
+    self.pool.release(slot)
+
+  def grow(self, rows: Sequence, done, preempt: Callable[[int], None]) -> None:
+    """Gives every live slot the page its next write lands in, calling
+    `preempt(slot)` on the youngest live slot while the pool has none free
+    (`preempt` must free the slot: `rows[slot]` None afterwards)."""
+    for slot, row in enumerate(rows):
+      if row is None or done[slot]:
+        continue
+      while rows[slot] is row and not self.pool.take(slot, row.last_column, row.last_column):
+        live = [s for s, r in enumerate(rows) if r is not None and not done[s]]
+        preempt(max(live, key=lambda s: (rows[s].start_time, s)))
+
+  def width(self, rows: Sequence) -> int:
+    last = max((row.last_column for row in rows if row is not None), default=0)
+    return self._cfg.width_for(last)
+
+  def sync(self, fns, state):
+    if self.pool.changed:
+      state = fns.set_pages(state, self.pool.table)
+      self.pool.changed = False
+    return state
+
+  @property
+  def peak_pages(self) -> int:
+    return self.pool.peak_in_use
+
+
+def make(cfg: engine_config.EngineConfig) -> DenseSlots:
+  return PagedSlots(cfg) if cfg.paged else DenseSlots()
+
+
+def keep_open_segment(episode: episode_lib.Episode, tokens, logprobs, versions) -> int:
+  """Makes what a preempted slot sampled of its segment (from its first
+  completion column: an open segment it was admitted with comes first) the
+  episode's open segment; returns how many of the tokens are new."""
+  new = len(tokens) - len(episode.open_tokens)
+  episode.open_tokens = [int(t) for t in tokens]
+  episode.open_logprobs = [float(x) for x in logprobs]
+  episode.open_versions = [int(v) for v in versions]
+  return new

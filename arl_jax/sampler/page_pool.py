@@ -1,0 +1,88 @@
+"""`PagePool`: the host's book of a paged KV cache's pages (`models/paged_kv_cache.py`).
+
+The engine thread owns it. A slot holds the pages of the column blocks it has
+written or is about to write; its left padding and unused tail point at the
+trash page, so they cost nothing. Pages come from a free list: at admission
+for the context and the first decode column, then one more each time a slot's
+next write crosses a page boundary; they all go back at once when the slot
+ends its segment, is cancelled or is preempted. `table` is the device page
+table's host copy; `changed` says whether the device copy is stale.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from arl_jax.models import paged_kv_cache
+
+
+class PagePool:
+  """Free pages and each slot's pages.
+
+  Args:
+    num_pages: pages of the pool, the trash page included (it is never handed out).
+    page_size: columns per page.
+    num_slots: B.
+    length: L, columns of a slot (a multiple of `page_size`).
+  """
+
+  def __init__(self, *, num_pages: int, page_size: int, num_slots: int, length: int):
+    if length % page_size:
+      raise ValueError(f"length {length} is not a multiple of page_size {page_size}")
+    self.page_size = page_size
+    self.num_pages = num_pages
+    self.table = np.full((num_slots, length // page_size), paged_kv_cache.TRASH_PAGE, np.int32)
+    # Handed out lowest first (pop from the end): a run's pages stay compact.
+    self._free = list(range(num_pages - 1, paged_kv_cache.TRASH_PAGE, -1))
+    self._held: list[list[int]] = [[] for _ in range(num_slots)]
+    self.changed = False
+    self.peak_in_use = 0
+
+  @property
+  def free(self) -> int:
+    return len(self._free)
+
+  @property
+  def usable(self) -> int:
+    """Pages a slot can ever hold (all but the trash page)."""
+    return self.num_pages - 1
+
+  @property
+  def in_use(self) -> int:
+    return self.usable - len(self._free)
+
+  def held(self, slot: int) -> int:
+    return len(self._held[slot])
+
+  def missing(self, slot: int, first: int, last: int) -> list[int]:
+    """Column blocks of columns `[first, last]` that `slot` has no page for."""
+    ps = self.page_size
+    return [p for p in range(first // ps, last // ps + 1)
+            if self.table[slot, p] == paged_kv_cache.TRASH_PAGE]
+
+  def pages_for(self, slot: int, first: int, last: int) -> int:
+    """Pages `slot` needs to hold every column of `[first, last]`."""
+    return len(self.missing(slot, first, last))
+
+  def take(self, slot: int, first: int, last: int) -> bool:
+    """Gives `slot` pages for every column of `[first, last]` it lacks one
+    for; False (and nothing taken) when the pool has too few free pages."""
+    blocks = self.missing(slot, first, last)
+    if len(blocks) > len(self._free):
+      return False
+    for block in blocks:
+      page = self._free.pop()
+      self.table[slot, block] = page
+      self._held[slot].append(page)
+    if blocks:
+      self.changed = True
+      self.peak_in_use = max(self.peak_in_use, self.in_use)
+    return True
+
+  def release(self, slot: int) -> None:
+    """Takes back every page of `slot` (its table row points at the trash page again)."""
+    if self._held[slot]:
+      self._free.extend(reversed(self._held[slot]))
+      self._held[slot] = []
+      self.table[slot] = paged_kv_cache.TRASH_PAGE
+      self.changed = True

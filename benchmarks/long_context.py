@@ -1,0 +1,210 @@
+r"""Long contexts in the sampler: the dense KV cache against the paged one.
+
+  python benchmarks/long_context.py --out=/tmp/long_context.jsonl   # ~15 min on 2 cores
+  python benchmarks/long_context.py --quick                         # seconds, tiny model
+
+Parts (every number measured in this run, side by side):
+
+- `decode_step`: one decode step of 32 slots holding ~64 live tokens each
+  (a 32-token prompt and 32 sampled), at slot limits (context lengths) of
+  256 to 16,384 columns: the dense engine attends over every column of its
+  `[slots, limit]` cache; the paged engine over the pages its slots hold,
+  rounded up to one of its compiled widths. Median of timed steps after a
+  compiling one; with the decode roofline (`benchmarks/sampler.py`) at the
+  live context, as a fraction of the measured step.
+- `long_tail`: the engine on lognormal completion lengths (CPU-sized: median
+  128, p99 ~2k, cap 2,048) at one KV memory budget: the dense engine gets
+  budget / limit slots, the paged one 4x the slots sharing a pool of the same
+  bytes (preempting when it runs out). Tokens/s and mean live slots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.sampler import engine as engine_lib
+from arl_jax.sampler import engine_config, page_pool, sampling, slot_fns
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (benchmarks/report.py, run as a script)
+import sampler as sampler_bench  # noqa: E402  (benchmarks/sampler.py: models, roofline)
+
+SETTINGS = sampler_bench.SETTINGS
+PROMPT = 32
+
+
+def _engine_cfg(slots, limit, kv_cache, num_pages=0, page_size=16):
+  """An engine config whose slots hold `limit` columns (a 32-token prompt
+  bucket, and one spare column for continuations: `EngineConfig.length`)."""
+  return engine_config.EngineConfig(
+      num_slots=slots, group_size=1, prompt_buckets=(PROMPT,),
+      max_new_tokens=limit - PROMPT - 1, context_bucket=1, kv_cache=kv_cache,
+      page_size=page_size, num_pages=num_pages)
+
+
+# -- 1. One decode step at growing slot limits ---------------------------------------
+
+
+def decode_step(cfg, meshes, graphdef, params, ecfg, live, repeats):
+  """Median seconds of one decode step of `ecfg.num_slots` slots that hold a
+  32-token prompt and `live - 32` sampled tokens, and the width it attends over."""
+  b = ecfg.num_slots
+  fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
+                                  settings=SETTINGS, num_slots=b, length=ecfg.length,
+                                  num_pages=ecfg.pool_pages, page_size=ecfg.page_size)
+  state = fns.init()
+  if ecfg.paged:
+    pool = page_pool.PagePool(num_pages=ecfg.pool_pages, page_size=ecfg.page_size,
+                              num_slots=b, length=ecfg.length)
+    for slot in range(b):  # the pages of every column the timed steps write
+      assert pool.take(slot, 0, live + repeats + 1)
+    state = fns.set_pages(state, pool.table)
+  prompts = sampler_bench._prompts(b, PROMPT)  # noqa: SLF001
+  budget = np.full((b,), ecfg.max_new_tokens, np.int32)
+  state = fns.insert(params, jnp.int32(0), state, np.arange(b, dtype=np.int32), prompts,
+                     np.ones(prompts.shape, bool), sampling.row_keys(0, np.arange(b), np.zeros(b)), budget)
+  rows, stop = np.ones((b,), bool), np.zeros((b,), bool)
+  version = jnp.int32(0)
+  times = []
+  for i in range(live - PROMPT + repeats):
+    # The width an engine picks: the one that holds every slot's last column.
+    width = ecfg.width_for(PROMPT + i)
+    start = time.perf_counter()
+    state = fns.decode(params, version, state, stop, rows, width=width)
+    jax.block_until_ready(state.done)
+    if i >= live - PROMPT:
+      times.append(time.perf_counter() - start)
+  return float(np.median(times)), width or ecfg.length
+
+
+# -- 2. Long-tailed completions at one KV memory budget ---------------------------------
+
+
+class _Requests:
+  """One-rollout groups with the given completion budgets, as fast as asked."""
+
+  def __init__(self, budgets, prompt_len):
+    self._budgets = budgets
+    self._prompts = np.random.default_rng(3).integers(0, 256, (len(budgets), prompt_len))
+    self._next = 0
+    self._lock = threading.Lock()
+
+  def take(self, max_groups, live_version, timeout):
+    with self._lock:
+      n = min(max_groups, len(self._budgets) - self._next)
+      ids = range(self._next, self._next + n)
+      self._next += n
+    if n == 0:
+      time.sleep(timeout)
+    return [dispatcher_lib.GroupRequest(
+        group_id=i, prompt=i, prompt_ids=tuple(int(t) for t in self._prompts[i]),
+        dispatch_version=live_version, group_size=1, dispatch_time=time.monotonic(),
+        max_new_tokens=int(self._budgets[i])) for i in ids]
+
+  def note_sampling(self, group_id, version):
+    pass
+
+
+class _Params:
+  def __init__(self, params):
+    self._params = params
+
+  def latest(self):
+    return 0, self._params
+
+
+def long_tail(cfg, meshes, graphdef, params, ecfg, budgets):
+  """Runs the engine until every request is done; its stats and wall seconds."""
+  done = []
+  # EOS can end a completion early; a token id outside the model's vocabulary never comes.
+  settings = sampling.SamplingSettings(eos_id=10 ** 6, pad_id=SETTINGS.pad_id)
+  engine = engine_lib.SamplerEngine(
+      cfg=ecfg, settings=settings, graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
+      publisher=_Params(params), dispatcher=_Requests(budgets, PROMPT),
+      on_segment_fn=done.append)
+  start = time.perf_counter()
+  engine.start()
+  while len(done) < len(budgets):
+    engine.raise_if_failed()
+    time.sleep(0.02)
+  seconds = time.perf_counter() - start
+  engine.stop()
+  return engine.stats, seconds
+
+
+def main() -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--quick", action="store_true", help="tiny model, small sizes")
+  parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
+  args = parser.parse_args()
+  rows = []
+  emit = lambda row: (rows.append(row), print(json.dumps(row), flush=True))
+  name = "tiny" if args.quick else "3M"
+  limits = (256, 1024) if args.quick else (256, 1024, 4096, 16384)
+  slots, live, repeats = (8, 40, 2) if args.quick else (32, 64, 5)
+  cfg, meshes, graphdef, params = sampler_bench._model(name, limits[-1])  # noqa: SLF001
+  flops_peak, bytes_peak = sampler_bench.machine_peaks(512 if args.quick else 2048,
+                                                       16 if args.quick else 256)
+  base = {}
+  for limit in limits:
+    for kv_cache in ("dense", "paged"):
+      ecfg = _engine_cfg(slots, limit, kv_cache, page_size=16)
+      if kv_cache == "paged":  # a pool for the live work (and the trash page)
+        ecfg = _engine_cfg(slots, limit, kv_cache, page_size=16,
+                           num_pages=max(slots * ((live + repeats) // 16 + 1) + 1,
+                                         ecfg.pages_per_slot + 1))
+      seconds, width = decode_step(cfg, meshes, graphdef, params, ecfg, live, repeats)
+      base.setdefault(kv_cache, seconds)
+      bound = sampler_bench.decode_step_roofline(cfg, slots, live, flops_peak, bytes_peak)
+      emit({"benchmark": "long_context", "part": "decode_step", "model": name,
+            "kv_cache": kv_cache, "slots": slots, "limit": limit, "live_tokens": live,
+            "width": width, "step_ms": round(seconds * 1e3, 2),
+            "vs_limit_256": round(seconds / base[kv_cache], 2),
+            "roofline_fraction": round(bound / seconds, 3)})
+  # Long tail at one KV budget: the dense engine's slots x limit columns.
+  limit = 256 if args.quick else 2048
+  n = 16 if args.quick else 96
+  median = 16 if args.quick else 128
+  rng = np.random.default_rng(7)
+  # sigma: p99 (z = 2.33) ~ 16x the median.
+  budgets = np.clip(rng.lognormal(np.log(median), np.log(16) / 2.33, n), 1,
+                    limit - PROMPT).astype(np.int32)
+  dense_slots = 4 if args.quick else 8
+  budget_columns = dense_slots * limit
+  for kv_cache, num_slots in (("dense", dense_slots), ("paged", 4 * dense_slots)):
+    ecfg = _engine_cfg(num_slots, limit, kv_cache,
+                       num_pages=budget_columns // 16 + 1 if kv_cache == "paged" else 0)
+    # Compiled up front (but for --quick): the clock times sampling only.
+    ecfg = engine_config.EngineConfig(**{**ecfg.__dict__, "precompile": not args.quick})
+    stats, seconds = long_tail(cfg, meshes, graphdef, params, ecfg, budgets)
+    emit({"benchmark": "long_context", "part": "long_tail", "model": name, "kv_cache": kv_cache,
+          "slots": num_slots, "kv_columns": budget_columns, "requests": n,
+          "median_len": int(np.median(budgets)), "p99_len": int(np.percentile(budgets, 99)),
+          "max_len": int(budgets.max()), "tokens": stats.sampled_tokens,
+          "tokens_per_s": round(stats.sampled_tokens / max(stats.busy_seconds, 1e-9), 1),
+          "wall_s": round(seconds, 1), "mean_live_slots": round(stats.occupancy * num_slots, 2),
+          "preemptions": stats.preemptions, "kv_pages_peak": stats.kv_pages_peak})
+  tail = {r["kv_cache"]: r for r in rows if r["part"] == "long_tail"}
+  emit({"benchmark": "long_context", "part": "long_tail_ratio",
+        "tokens_per_s_ratio": round(tail["paged"]["tokens_per_s"]
+                                    / tail["dense"]["tokens_per_s"], 2),
+        "live_slots_ratio": round(tail["paged"]["mean_live_slots"]
+                                  / tail["dense"]["mean_live_slots"], 2)})
+  print()
+  for part in dict.fromkeys(r["part"] for r in rows):
+    report.print_table([r for r in rows if r["part"] == part], title=part)
+  report.append_jsonl(rows, args.out)
+
+
+if __name__ == "__main__":
+  main()
