@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from arl_jax import rows as rows_lib
 from arl_jax.envs import env_api
-from arl_jax.sampler import engine_config, sampling, slot_fns
+from arl_jax.sampler import engine_config, insert_batch, sampling, slot_fns
 
 # Decode steps between two checks whether every episode's segment has ended.
 _DONE_CHECK_EVERY = 8
@@ -88,7 +88,7 @@ class Evaluator:
         stop_ids=env_api.sampler_stop_ids(tokenizer, env))
     # Which stop tokens end each prompt's segments (they differ in a mixture).
     self._stop_mask = np.array(
-        [sampling.stop_mask_row(settings, env_api.segment_stop_ids(tokenizer, env, p))
+        [insert_batch.stop_mask_row(settings, env_api.segment_stop_ids(tokenizer, env, p))
          for p in self._prompts], bool).reshape(rows, len(settings.stop_ids))
     self._fns = slot_fns.make_sampler_fns(
         graphdef=graphdef, model_cfg=model_cfg, mesh=mesh, settings=settings, num_slots=rows,

@@ -92,7 +92,8 @@ class SamplerEngine:
     self._weights = publisher
     self._requests = dispatcher
     self._on_segment_fn = on_segment_fn
-    self._stop_mask = functools.partial(sampling.request_stop_mask, settings, stop_ids_fn)
+    self._stop_mask = functools.partial(insert_batch.request_stop_mask, settings,
+                                        stop_ids_fn)
     self._fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
                                           settings=settings, num_slots=cfg.num_slots,
                                           length=cfg.length, num_pages=cfg.pool_pages,
@@ -374,23 +375,20 @@ class SamplerEngine:
     start = time.monotonic()
     self._kv.grow(self._slots, self._done, self._preempt)
     self._sync_pages()
-    width = self._kv.width(self._slots)
     occupied = np.array([row is not None for row in self._slots])
     stop_rows = self._rows_array(self._stop_rows) if self._stop_rows.any() else self._no_rows
     versions = self._updates.decode_versions(
         (row.version for row in self._slots if row is not None), self.version)
     for i, version in enumerate(versions):
-      if len(versions) == 1:
-        rows = self._all_rows
-      else:
-        rows = self._rows_array(np.array(
-            [row is not None and row.version == version for row in self._slots]))
+      mine = occupied & np.array([row is not None and (len(versions) == 1 or row.version == version)
+                                  for row in self._slots])
       version_scalar = self._version_scalar if version == self.version else jnp.int32(version)
-      # Only the first pass ends the cancelled slots (one model pass per version).
-      self._state = self._fns.decode(self._updates.params(version), version_scalar,
-                                     self._state, stop_rows if i == 0 else self._no_rows, rows,
-                                     width=width)
-    self.stats.model_passes += len(versions)
+      # One model pass per version (per width group, paged); the first ends cancelled slots.
+      self._state, passes = self._kv.decode(
+          self._fns, self._updates.params(version), version_scalar, self._state,
+          stop_rows if i == 0 else self._no_rows, self._no_rows,
+          self._all_rows if len(versions) == 1 else self._rows_array(mine), mine, self._slots)
+      self.stats.model_passes += passes
     self._stop_rows[:] = False
     for row in self._slots:
       if row is not None:

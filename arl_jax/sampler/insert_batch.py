@@ -56,6 +56,32 @@ class InsertBatch:
             self.open_len, self.open_logprobs, self.open_versions)
 
 
+def stop_mask_row(settings: sampling.SamplingSettings, row_stop_ids) -> np.ndarray:
+  """`[S]` bool: which of `settings.stop_ids` end a row whose segments stop on
+  `row_stop_ids` (EOS always does; it need not be listed).
+
+  Raises:
+    ValueError: a stop id of the row that the sampler was not built with.
+  """
+  wanted = set(row_stop_ids) - {settings.eos_id}
+  unknown = sorted(wanted - set(settings.stop_ids))
+  if unknown:
+    raise ValueError(f"stop ids {unknown} are not among the sampler's stop_ids "
+                     f"{settings.stop_ids}")
+  return np.array([i in wanted for i in settings.stop_ids], bool)
+
+
+def request_stop_mask(settings: sampling.SamplingSettings, stop_ids_fn, request) -> np.ndarray:
+  """`[S]` bool: which of `settings.stop_ids` end the segments of a group
+  request's episodes; `stop_ids_fn(prompt)` gives its stop tokens (None: all)."""
+  if stop_ids_fn is None:
+    return np.ones((len(settings.stop_ids),), bool)
+  try:
+    return stop_mask_row(settings, stop_ids_fn(request.prompt))
+  except ValueError as e:
+    raise ValueError(f"group {request.group_id}: {e}") from e
+
+
 def pack(items: list[tuple[int, episode_lib.Episode]], *, bucket: int, num_slots: int,
          max_new_tokens: int, pad_id: int,
          stop_mask_fn: Callable[[object], np.ndarray]) -> InsertBatch:

@@ -14,16 +14,28 @@ open segment (tokens, log-probs, versions; `keep_open_segment`) and queues it
 ahead of new work, to be prefilled again under the weights live then and go
 on with the draws it would have made (as a resumed checkpoint's open segment
 does). A pool holds at least one longest sequence, so the oldest slot always
-proceeds and the engine never deadlocks. A decode step attends over the
-longest live context, rounded up to one of `EngineConfig.decode_widths`.
+proceeds and the engine never deadlocks.
+
+A paged decode step groups the slots by the width (one of
+`EngineConfig.decode_widths`) their context needs and decodes each group in
+its own call (`sampling.decode_rows`, merged when one call is cheaper), so
+attention reads about each slot's own pages, not the longest context's
+width for every slot.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+import numpy as np
+
 from arl_jax import episode as episode_lib
-from arl_jax.sampler import engine_config, page_pool
+from arl_jax.sampler import engine_config, page_pool, slot_fns
+
+# The cost model `PagedSlots.classes` merges width groups by, in attended
+# columns: a row's model pass besides attention, and a call's overhead per slot.
+_ROW_COST = 64
+_CALL_COST = 16
 
 
 class DenseSlots:
@@ -43,8 +55,15 @@ class DenseSlots:
     del rows, done, preempt
 
   def width(self, rows: Sequence) -> int | None:
-    """The decode width for the occupied `rows` (None: every column)."""
+    """The width (columns) a recompute of the occupied `rows` reads (None: all)."""
     del rows
+
+  def decode(self, fns, params, version, state, stop_rows, no_rows, rows_mask, mine, rows):
+    """One decode step of the slots `mine` (`[B]` bool; `rows_mask` the same
+    on the device) under `params`; `stop_rows` ends slots first, `no_rows`
+    ends none. Returns the state and the model passes run."""
+    del no_rows, mine, rows
+    return fns.decode(params, version, state, stop_rows, rows_mask), 1
 
   def sync(self, fns, state):
     """`state` with the device's page table brought up to date."""
@@ -85,6 +104,36 @@ class PagedSlots(DenseSlots):
   def width(self, rows: Sequence) -> int:
     last = max((row.last_column for row in rows if row is not None), default=0)
     return self._cfg.width_for(last)
+
+  def decode(self, fns, params, version, state, stop_rows, no_rows, rows_mask, mine, rows):
+    del rows_mask
+    passes = 0
+    for width, slots in self.classes(rows, np.flatnonzero(mine)):
+      state = fns.decode_rows(params, version, state, stop_rows if passes == 0 else no_rows,
+                              slots, width=width)
+      passes += 1
+    return state, passes
+
+  def classes(self, rows: Sequence, slots) -> list[tuple[int, np.ndarray]]:
+    """`(width, slot indices)` of the calls that decode `slots`: slots grouped
+    by the width their last column needs, a group merged into the next wider
+    one when one call costs less than two (a call costs its row bucket times
+    its width plus `_ROW_COST` columns per row, plus `_CALL_COST`), indices
+    padded to a row bucket by repeating the last."""
+    groups: dict[int, list[int]] = {}
+    for slot in slots:
+      groups.setdefault(self._cfg.width_for(rows[slot].last_column), []).append(int(slot))
+    b = self._cfg.num_slots
+    cost = lambda n, width: (slot_fns.row_bucket(n, b) * (width + _ROW_COST)
+                             + _CALL_COST * b)
+    merged: list[tuple[int, list[int]]] = []
+    for width, members in sorted(groups.items()):
+      if merged and cost(len(merged[-1][1]) + len(members), width) <= (
+          cost(len(merged[-1][1]), merged[-1][0]) + cost(len(members), width)):
+        members = merged.pop()[1] + members
+      merged.append((width, members))
+    return [(width, np.array(m + [m[-1]] * (slot_fns.row_bucket(len(m), b) - len(m)), np.int32))
+            for width, m in merged]
 
   def sync(self, fns, state):
     if self.pool.changed:

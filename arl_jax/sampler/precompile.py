@@ -15,11 +15,12 @@ compile events).
 whole groups of one prompt, so single-turn admissions are multiples of the
 group size in a prompt bucket; resumed multi-turn episodes and episodes a
 checkpoint left come back in any number, with contexts in any continuation
-bucket; a harvest reads any number of slots. A paged engine decodes (and
-recomputes) at every width of `EngineConfig.decode_widths` and sends page
-tables (`set_pages`). Rows a paged engine preempts come back with longer
-contexts, in continuation buckets that are compiled when first used (a pool
-sized to need no preemption never uses them).
+bucket; a harvest reads any number of slots. A paged engine decodes any row
+bucket of slots (`decode_rows`) and recomputes at every width of
+`EngineConfig.decode_widths`, and sends page tables (`set_pages`). Rows a
+paged engine preempts come back with longer contexts, in continuation
+buckets that are compiled when first used (a pool sized to need no
+preemption never uses them).
 """
 
 from __future__ import annotations
@@ -55,11 +56,19 @@ class Shapes:
   paged: bool = False
 
   @property
+  def decode(self) -> tuple[tuple[int | None, int | None], ...]:
+    """`(rows, width)` of each decode program: `decode` of every slot at
+    each width (`(None, width)`), or, paged, `decode_rows` of every row
+    bucket at each width."""
+    rows = self.take_rows if self.paged else (None,)
+    return tuple((r, w) for w in self.widths for r in rows)
+
+  @property
   def num_programs(self) -> int:
-    """Programs `compile_all` compiles: these shapes, `decode` (and
-    `recompute`) at each width, and `set_pages` when paged."""
-    return (len(self.insert) + len(self.take_rows) + len(self.widths) * (1 + int(self.recompute))
-            + int(self.paged))
+    """Programs `compile_all` compiles: these shapes, the decode programs,
+    `recompute` at each width, and `set_pages` when paged."""
+    return (len(self.insert) + len(self.take_rows) + len(self.decode)
+            + len(self.widths) * int(self.recompute) + int(self.paged))
 
 
 def engine_shapes(cfg: engine_config.EngineConfig,
@@ -131,10 +140,14 @@ def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base
   rows = jax.ShapeDtypeStruct(state.done.shape, jnp.bool_, sharding=fns.row_sharding)
   key = jax.ShapeDtypeStruct(base_key.shape, base_key.dtype)
   lowered = []
-  for width in shapes.widths:
-    lowered.append(fns.decode.lower(params, version, state, rows, rows, width=width))
-    if shapes.recompute:
-      lowered.append(fns.recompute.lower(params, state, rows, width=width))
+  for r, width in shapes.decode:
+    if r is None:  # (dense: the engine passes no width)
+      lowered.append(fns.decode.lower(params, version, state, rows, rows))
+    else:  # the engine passes the slot indices as a host array
+      lowered.append(fns.decode_rows.lower(params, version, state, rows,
+                                           jax.ShapeDtypeStruct((r,), jnp.int32), width=width))
+  for width in shapes.widths if shapes.recompute else ():
+    lowered.append(fns.recompute.lower(params, state, rows, width=width))
   if shapes.paged:
     table = state.cache.page_table
     lowered.append(fns.set_pages.lower(state, jax.ShapeDtypeStruct(table.shape, table.dtype)))

@@ -111,32 +111,6 @@ class SlotState:
         done=row, stopped=row, stop_mask=("batch", "stop_ids"), keys=("batch", "prng_key"))
 
 
-def stop_mask_row(settings: SamplingSettings, row_stop_ids) -> np.ndarray:
-  """`[S]` bool: which of `settings.stop_ids` end a row whose segments stop on
-  `row_stop_ids` (EOS always does; it need not be listed).
-
-  Raises:
-    ValueError: a stop id of the row that the sampler was not built with.
-  """
-  wanted = set(row_stop_ids) - {settings.eos_id}
-  unknown = sorted(wanted - set(settings.stop_ids))
-  if unknown:
-    raise ValueError(f"stop ids {unknown} are not among the sampler's stop_ids "
-                     f"{settings.stop_ids}")
-  return np.array([i in wanted for i in settings.stop_ids], bool)
-
-
-def request_stop_mask(settings: SamplingSettings, stop_ids_fn, request) -> np.ndarray:
-  """`[S]` bool: which of `settings.stop_ids` end the segments of a group
-  request's episodes; `stop_ids_fn(prompt)` gives its stop tokens (None: all)."""
-  if stop_ids_fn is None:
-    return np.ones((len(settings.stop_ids),), bool)
-  try:
-    return stop_mask_row(settings, stop_ids_fn(request.prompt))
-  except ValueError as e:
-    raise ValueError(f"group {request.group_id}: {e}") from e
-
-
 def init_slots(cfg, *, num_slots: int, length: int, pad_id: int, num_stop_ids: int = 0,
                num_pages: int = 0, page_size: int = 0) -> SlotState:
   """All slots empty (done), with a zeroed cache of `length` columns: dense
@@ -166,14 +140,19 @@ def _set_rows(arr, rows, values):
   return arr.at[rows].set(values)
 
 
-def _record(state: SlotState, live, columns, tokens, logp, version, settings):
-  """Writes freshly sampled tokens at per-row `columns` for `live` rows."""
-  rows = jnp.arange(state.tokens.shape[0])
+def _record(state: SlotState, live, columns, tokens, logp, version, settings, rows=None):
+  """Writes freshly sampled tokens at per-row `columns` for `live` rows; the
+  arguments are per slot `[B]`, or per slot of `rows` `[R]` when given."""
+  full = rows is None
+  rows = jnp.arange(state.tokens.shape[0]) if full else rows
   put = lambda arr, val: arr.at[rows, columns].set(jnp.where(live, val, arr[rows, columns]))
+  # Per-slot fields: elementwise over all slots, or scattered to `rows`.
+  put_row = (lambda arr, val: val) if full else (lambda arr, val: arr.at[rows].set(val))
   tokens = jnp.where(live, tokens, settings.pad_id)
   is_stop = tokens == settings.eos_id
   if settings.stop_ids:
-    row_stop = (tokens[:, None] == jnp.asarray(settings.stop_ids)[None, :]) & state.stop_mask
+    row_stop = ((tokens[:, None] == jnp.asarray(settings.stop_ids)[None, :])
+                & state.stop_mask[rows])
     is_stop |= jnp.any(row_stop, axis=-1)
   is_stop &= live
   return state.replace(
@@ -181,9 +160,10 @@ def _record(state: SlotState, live, columns, tokens, logp, version, settings):
       token_mask=put(state.token_mask, live),
       logprobs=put(state.logprobs, logp),
       versions=put(state.versions, jnp.full_like(columns, version)),
-      index=jnp.where(live, columns, state.index),
-      done=state.done | is_stop | (live & (columns >= state.limit)),
-      stopped=state.stopped | is_stop,
+      index=put_row(state.index, jnp.where(live, columns, state.index[rows])),
+      done=put_row(state.done, state.done[rows] | is_stop
+                   | (live & (columns >= state.limit[rows]))),
+      stopped=put_row(state.stopped, state.stopped[rows] | is_stop),
   )
 
 
@@ -336,6 +316,40 @@ def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
   tokens, logp = token_draw.sample_from_logits(logits[:, 0], state.keys,
                                                columns - state.prompt_end, settings)
   return _record(state, live, columns, tokens, logp, version, settings)
+
+
+def decode_rows(graphdef, params, version, state: SlotState, stop_rows, rows, *,
+                settings: SamplingSettings, width: int) -> SlotState:
+  """`decode_step` for the slots `rows` only, over `width` columns: a paged
+  cache's pool is shared by every slot, so a call runs the model on `[R]`
+  rows and reads only their pages. The engine calls it once per group of
+  slots whose contexts need the same width (`kv_slots.PagedSlots.classes`),
+  so a step's attention follows each slot's own context, not the longest.
+
+  Args:
+    graphdef, params, version, state, settings: as `decode_step` (a paged state).
+    stop_rows: `[B]` bool, slots to end before this step.
+    rows: `[R]` int32 slots to decode (a repeated slot gets identical results).
+    width: static, columns attended over (holds every slot's last column).
+  """
+  model = nnx.merge(graphdef, params)
+  state = state.replace(done=state.done | stop_rows)
+  length = state.tokens.shape[1]
+  live = ~state.done[rows]
+  last = state.index[rows]
+  valid = state.cache.valid.at[rows, last].set(state.cache.valid[rows, last] | live)
+  row_valid = valid[rows, :width]
+  attn = row_valid[:, None, :] & (jnp.arange(width)[None, None, :] <= last[:, None, None])
+  view = state.cache.replace(valid=row_valid, page_table=state.cache.page_table[rows])
+  logits, view = model(state.tokens[rows, last][:, None], state.positions[rows][:, None], attn,
+                       view, last, write_mask=live)
+  state = state.replace(
+      cache=state.cache.replace(keys=view.keys, values=view.values, valid=valid),
+      positions=state.positions.at[rows].set(state.positions[rows] + live.astype(jnp.int32)))
+  columns = jnp.minimum(last + 1, length - 1)
+  tokens, logp = token_draw.sample_from_logits(logits[:, 0], state.keys[rows],
+                                               columns - state.prompt_end[rows], settings)
+  return _record(state, live, columns, tokens, logp, version, settings, rows=rows)
 
 
 def recompute_cache(graphdef, params, state: SlotState, rows, *,

@@ -38,6 +38,8 @@ class SamplerFns:
       (`sampling.insert_from_ids`; the engine's admissions).
     decode: `(params, version, state, stop_rows, rows, width=None) -> SlotState`
       (`sampling.decode_step`; `width` static: one program per width).
+    decode_rows: `(params, version, state, stop_rows, rows, width) -> SlotState`
+      (`sampling.decode_rows`, paged states; one program per row count and width).
     recompute: `(params, state, rows, width=None) -> SlotState`
       (`sampling.recompute_cache`).
     set_pages: `(state, page_table) -> SlotState`, a paged cache's page table
@@ -52,6 +54,7 @@ class SamplerFns:
   insert: Callable
   insert_from_ids: Callable
   decode: Callable
+  decode_rows: Callable
   recompute: Callable
   set_pages: Callable
   take_rows: Callable
@@ -113,6 +116,8 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
                                       graphdef, settings=settings)
   decode = functools.partial(counters["decode"].wrap(sampling.decode_step), graphdef,
                              settings=settings)
+  decode_rows = functools.partial(counters["decode"].wrap(sampling.decode_rows), graphdef,
+                                  settings=settings)
   recompute = functools.partial(counters["recompute"].wrap(sampling.recompute_cache), graphdef)
   return SamplerFns(
       init=jax.jit(counters["init"].wrap(init), out_shardings=shardings),
@@ -120,6 +125,8 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
       insert_from_ids=jax.jit(insert_from_ids, out_shardings=shardings, donate_argnums=2),
       decode=jax.jit(decode, out_shardings=shardings, donate_argnums=2,
                      static_argnames="width"),
+      decode_rows=jax.jit(decode_rows, out_shardings=shardings, donate_argnums=2,
+                          static_argnames="width"),
       recompute=jax.jit(recompute, out_shardings=shardings, donate_argnums=1,
                         static_argnames="width"),
       set_pages=jax.jit(counters["set_pages"].wrap(sampling.set_page_table),

@@ -39,25 +39,21 @@ def _groups(setup, publisher, mode="in_flight", n=4, **options):
 def test_paged_engines_sample_what_the_dense_engine_samples(setup):
   v0, _ = setup["sampler_params"]
   dense, _ = _groups(setup, ScriptedPublisher(v0, None, 0))
-  paged, roomy = _groups(setup, ScriptedPublisher(v0, None, 0), **PAGED)
   small, tight = _groups(setup, ScriptedPublisher(v0, None, 0), **SMALL_POOL)
-  assert roomy.stats.preemptions == 0 and tight.stats.preemptions > 0
+  assert tight.stats.preemptions > 0
   assert tight.stats.kv_pages_peak == tight.stats.kv_pages == 12
   _check_pages(tight)
   for gid in range(4):
-    for d, p, s in zip(dense[gid], paged[gid], small[gid]):
+    for d, s in zip(dense[gid], small[gid]):
       # The draws depend only on (group, sample, turn, offset), and the
       # log-probs agree to rounding: the same tokens, preempted or not.
-      np.testing.assert_array_equal(d.completion_ids, p.completion_ids)
       np.testing.assert_array_equal(d.completion_ids, s.completion_ids)
-      np.testing.assert_allclose(p.behaviour_logprobs, d.behaviour_logprobs, atol=1e-5)
       np.testing.assert_allclose(s.behaviour_logprobs, d.behaviour_logprobs, atol=1e-5)
       np.testing.assert_allclose(teacher_forced(setup, s, 0), s.behaviour_logprobs, atol=1e-5)
       assert np.all(s.token_versions == 0)
 
 
-@pytest.mark.parametrize("mode,kv_policy", [("in_flight", "keep"), ("in_flight", "recompute"),
-                                            ("pinned", "keep")])
+@pytest.mark.parametrize("mode,kv_policy", [("in_flight", "recompute"), ("pinned", "keep")])
 def test_weight_updates_record_exact_versions_with_a_small_pool(setup, mode, kv_policy):
   v0, v1 = setup["sampler_params"]
   groups, engine = _groups(setup, ScriptedPublisher(v0, v1, switch_after=3), mode, n=4,

@@ -135,6 +135,7 @@ def test_a_paged_engine_compiles_every_width_and_the_page_table_up_front(setup):
                                    max_new_tokens=NEW, **options)
   assert cfg.decode_widths == (8, 16, 24)  # 6 + 8 + 8 columns -> 24, 6 pages
   shapes = precompile.engine_shapes(cfg)
-  assert engine.stats.precompiled_programs == shapes.num_programs == 3 + 3 + 3 * 2 + 1
-  assert engine.traces() == {"init": 1, "insert": 3, "decode": 3, "recompute": 3,
+  # decode_rows at 1, 2 and 4 rows x 3 widths; recompute at each width.
+  assert engine.stats.precompiled_programs == shapes.num_programs == 3 + 3 + 3 * 3 + 3 + 1
+  assert engine.traces() == {"init": 1, "insert": 3, "decode": 9, "recompute": 3,
                              "set_pages": 1, "take_rows": 3}
