@@ -24,9 +24,9 @@ params live then (`engine_config.py`: the budget counts observations too).
 Cancelled groups lose their waiting rows, their slots and any later resume at once.
 
 KV cache (`kv_cache`): dense, or paged (`kv_slots.py`): slots take pages as
-they grow and give them back when they leave, a step attends over the
-longest live context, and a full pool preempts the youngest slot, which
-comes back later with what it sampled.
+they grow and give them back when they leave, a step reads about each slot's
+own pages, and a full pool preempts the youngest slot, which comes back
+later with what it sampled.
 
 Checkpoints (`paused`, `open_segments`, `restore`): the learner holds the
 engine between two decode steps and reads each open segment with the
@@ -109,7 +109,7 @@ class SamplerEngine:
     self._gate = pause_gate.PauseGate()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
-    self.stats = engine_stats.EngineStats(kv_pages=cfg.pool_pages and cfg.pool_pages - 1)
+    self.stats = engine_stats.EngineStats(kv_pages=max(cfg.pool_pages - 1, 0))  # usable
     # Host mirror of the slots; the device SlotState is built at the first publish.
     self._state = None
     self._slots: list[waiting_rows.Row | None] = [None] * cfg.num_slots
@@ -380,8 +380,8 @@ class SamplerEngine:
     versions = self._updates.decode_versions(
         (row.version for row in self._slots if row is not None), self.version)
     for i, version in enumerate(versions):
-      mine = occupied & np.array([row is not None and (len(versions) == 1 or row.version == version)
-                                  for row in self._slots])
+      mine = occupied if len(versions) == 1 else np.array(
+          [row is not None and row.version == version for row in self._slots])
       version_scalar = self._version_scalar if version == self.version else jnp.int32(version)
       # One model pass per version (per width group, paged); the first ends cancelled slots.
       self._state, passes = self._kv.decode(

@@ -35,8 +35,8 @@ class EngineConfig:
       run's engine takes `sampler.precompile` (on by default).
     kv_cache: "dense" (every slot holds `length` columns of KV cache, and a
       decode step attends over all of them) or "paged" (a pool of pages
-      handed to slots as they grow; a step attends over the longest live
-      context, rounded up to one of `decode_widths`).
+      handed to slots as they grow; a step decodes slots in groups by the
+      width, one of `decode_widths`, that their contexts need: `kv_slots.py`).
     page_size: columns per page (paged).
     num_pages: pages of the pool, page 0 (never handed out) included; 0:
       enough for every slot at full length. When slots need more than the

@@ -57,9 +57,8 @@ class Shapes:
 
   @property
   def decode(self) -> tuple[tuple[int | None, int | None], ...]:
-    """`(rows, width)` of each decode program: `decode` of every slot at
-    each width (`(None, width)`), or, paged, `decode_rows` of every row
-    bucket at each width."""
+    """`(rows, width)` of each decode program: dense, `decode` of every slot
+    (`(None, None)`); paged, `decode_rows` of every row bucket at each width."""
     rows = self.take_rows if self.paged else (None,)
     return tuple((r, w) for w in self.widths for r in rows)
 
@@ -141,7 +140,7 @@ def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base
   key = jax.ShapeDtypeStruct(base_key.shape, base_key.dtype)
   lowered = []
   for r, width in shapes.decode:
-    if r is None:  # (dense: the engine passes no width)
+    if r is None:
       lowered.append(fns.decode.lower(params, version, state, rows, rows))
     else:  # the engine passes the slot indices as a host array
       lowered.append(fns.decode_rows.lower(params, version, state, rows,

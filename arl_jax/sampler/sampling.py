@@ -277,13 +277,8 @@ def insert_from_ids(graphdef, params, version, state: SlotState, base_key, slots
 
 
 def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
-                settings: SamplingSettings, width: int | None = None) -> SlotState:
+                settings: SamplingSettings) -> SlotState:
   """Feeds each live slot's last sampled token and samples its next one.
-
-  Attention reads the first `width` columns of every row (None: all L). The
-  engine passes the smallest of its compiled widths that holds every live
-  slot's last column, so a step costs what the longest live context costs;
-  a slot that is not live may lie beyond `width` (its output is ignored).
 
   Args:
     graphdef: nnx graph definition (static).
@@ -294,7 +289,6 @@ def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
     rows: `[B]` bool, slots this call decodes (all of them, except when the
       engine serves several pinned versions and calls once per version).
     settings: static sampling settings.
-    width: static, columns attended over (None: all).
 
   Returns:
     The SlotState with one more column sampled in every live slot of `rows`.
@@ -302,13 +296,12 @@ def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
   model = nnx.merge(graphdef, params)
   state = state.replace(done=state.done | stop_rows)
   b, length = state.tokens.shape
-  width = length if width is None else width
   live = ~state.done & rows
   batch_rows = jnp.arange(b)
   last = state.index
   last_tokens = state.tokens[batch_rows, last][:, None]  # [B, 1]
   valid = state.cache.valid.at[batch_rows, last].set(state.cache.valid[batch_rows, last] | live)
-  attn = valid[:, None, :width] & (jnp.arange(width)[None, None, :] <= last[:, None, None])
+  attn = valid[:, None, :] & (jnp.arange(length)[None, None, :] <= last[:, None, None])
   logits, cache = model(last_tokens, state.positions[:, None], attn,
                         state.cache.replace(valid=valid), last, write_mask=live)
   state = state.replace(cache=cache, positions=state.positions + live.astype(jnp.int32))

@@ -36,8 +36,8 @@ class SamplerFns:
       key_ids, max_new, stop_mask, open_len, open_logprobs, open_versions) ->
       SlotState`, `insert` with the keys derived in the program
       (`sampling.insert_from_ids`; the engine's admissions).
-    decode: `(params, version, state, stop_rows, rows, width=None) -> SlotState`
-      (`sampling.decode_step`; `width` static: one program per width).
+    decode: `(params, version, state, stop_rows, rows) -> SlotState`
+      (`sampling.decode_step`).
     decode_rows: `(params, version, state, stop_rows, rows, width) -> SlotState`
       (`sampling.decode_rows`, paged states; one program per row count and width).
     recompute: `(params, state, rows, width=None) -> SlotState`
@@ -123,8 +123,7 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
       init=jax.jit(counters["init"].wrap(init), out_shardings=shardings),
       insert=jax.jit(insert, out_shardings=shardings, donate_argnums=2),
       insert_from_ids=jax.jit(insert_from_ids, out_shardings=shardings, donate_argnums=2),
-      decode=jax.jit(decode, out_shardings=shardings, donate_argnums=2,
-                     static_argnames="width"),
+      decode=jax.jit(decode, out_shardings=shardings, donate_argnums=2),
       decode_rows=jax.jit(decode_rows, out_shardings=shardings, donate_argnums=2,
                           static_argnames="width"),
       recompute=jax.jit(recompute, out_shardings=shardings, donate_argnums=1,
