@@ -113,22 +113,26 @@ class Resolved:
   inputs: inputs_lib.Inputs
 
 
-def build(config: ml_collections.ConfigDict, devices: Sequence | None = None) -> RunSpec:
+def build(config: ml_collections.ConfigDict, devices: Sequence | None = None,
+          device_memory: int | None = None) -> RunSpec:
   """Validates `config` and returns the RunSpec (`resolve` also keeps the inputs).
 
   Raises:
     ConfigError: naming the key, for any invalid or inconsistent setting.
   """
-  return resolve(config, devices).spec
+  return resolve(config, devices, device_memory).spec
 
 
-def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None) -> Resolved:
+def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
+            device_memory: int | None = None) -> Resolved:
   """Validates `config` and returns the RunSpec with the run's inputs.
 
   Args:
     config: the experiment ConfigDict (see `configs/arith.py`).
     devices: devices to plan meshes on (default `jax.devices()`); only counted,
       nothing is placed or compiled.
+    device_memory: bytes of one sampler device, for
+      `sampler.kv_memory_fraction` (default: what the devices report).
 
   Raises:
     ConfigError: naming the key, for any invalid or inconsistent setting.
@@ -164,7 +168,10 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None) 
            f"{parts['sampler'].prompt_len + parts['sampler'].max_new_tokens} exceeds the model "
            f"context model.max_seq_len={model.max_seq_len}")
   spec = _spec(run, parts, env=env, model=model, data=data, inputs=inputs)
-  _check_meshes(spec, parts, devices)
+  sampler_devices, sampler_shape = _check_meshes(spec, parts, devices)
+  if parts["sampler"].kv_memory_fraction:
+    spec = _size_kv_pool(spec, parts["sampler"].kv_memory_fraction, sampler_shape.get("tp", 1),
+                         device_memory or _reported_memory(sampler_devices))
   return Resolved(spec=spec, inputs=inputs)
 
 
@@ -263,7 +270,8 @@ def _spec(run: sections.RunSection, parts: dict, *, env, model, data, inputs) ->
                    prompt_buckets=s.buckets, max_new_tokens=s.max_new_tokens,
                    weight_update=s.weight_update, kv_policy=s.kv_policy, seed=run.seed,
                    multi_turn=eval_env.multi_turn, precompile=s.precompile,
-                   kv_cache=s.kv_cache, page_size=s.page_size, num_pages=s.kv_pages),
+                   kv_cache=s.kv_cache, page_size=s.page_size, num_pages=s.kv_pages,
+                   share_prompts=s.share_prompts),
       sampler_model=dataclasses.replace(model, param_dtype=s.param_dtype),
       sampling=sampling_lib.SamplingSettings(
           temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p),
@@ -306,9 +314,10 @@ def _mesh(mesh: mesh_lib.MeshConfig) -> mesh_lib.MeshConfig:
       sampler=tuple((str(a), int(n)) for a, n in mesh.sampler))
 
 
-def _check_meshes(spec: RunSpec, parts: dict, devices: Sequence | None) -> None:
+def _check_meshes(spec: RunSpec, parts: dict, devices: Sequence | None) -> tuple[list, dict]:
   """Plans the meshes now (counting devices only), so that a mesh needing more
-  devices than exist fails here, not after compilation."""
+  devices than exist fails here, not after compilation; returns the sampler's
+  devices and mesh shape."""
   try:
     learner_devs, sampler_devs = mesh_lib.role_devices(spec.mesh, devices)
     learner_shape = dict(mesh_lib.resolve_shape(spec.mesh.learner, len(learner_devs), "learner"))
@@ -325,3 +334,28 @@ def _check_meshes(spec: RunSpec, parts: dict, devices: Sequence | None) -> None:
   _require(spec.engine.num_slots % data == 0, "sampler.num_slots",
            f"{spec.engine.num_slots} slots do not split over the sampler's data axis of "
            f"size {data}")
+  return sampler_devs, sampler_shape
+
+
+def _reported_memory(devices: Sequence) -> int | None:
+  """Bytes of memory the first of `devices` reports (None: planned devices,
+  or a backend that reports none, like the CPU)."""
+  stats = getattr(devices[0], "memory_stats", lambda: None)() if devices else None
+  return (stats or {}).get("bytes_limit")
+
+
+def _size_kv_pool(spec: RunSpec, fraction: float, tp: int, device_memory: int | None) -> RunSpec:
+  """`spec` with a paged KV pool of `fraction` of a sampler device's memory."""
+  key = "sampler.kv_memory_fraction"
+  _require(device_memory is not None, key,
+           f"={fraction} needs the sampler devices' memory, which they do not report (a CPU "
+           "backend, or devices being planned): set sampler.kv_pages instead, or give "
+           "--dry_run_device_gib")
+  page_bytes = spec.engine.page_size * engine_config.kv_bytes_per_column(spec.sampler_model, tp)
+  pages = max(int(fraction * device_memory) // page_bytes, 1)
+  try:
+    engine = dataclasses.replace(spec.engine, num_pages=pages)
+  except ValueError as e:  # a pool too small for one sequence
+    raise ConfigError(f"config.{key}: {fraction} of {device_memory / 2**30:.2f} GiB makes "
+                      f"{pages} pages of {page_bytes} bytes; {e}") from e
+  return dataclasses.replace(spec, engine=engine)

@@ -155,9 +155,24 @@ class SamplerSection:
   kv_cache: str = "dense"
   page_size: int = 16
   kv_pages: int = 0
+  # Paged: the pool takes this fraction of a sampler device's memory instead
+  # of `kv_pages` (0: off); `--dry_run` prints the pages it makes.
+  kv_memory_fraction: float = 0.0
+  # The samples of a group are prefilled once; the others start from that
+  # prefill (and, paged, share the prompt's pages): `sampler/engine.py`.
+  share_prompts: bool = True
 
   def __post_init__(self):
     object.__setattr__(self, "prompt_buckets", tuple(int(b) for b in self.prompt_buckets))
+    _check(isinstance(self.kv_memory_fraction, (int, float))
+           and 0 <= self.kv_memory_fraction < 1, "sampler.kv_memory_fraction",
+           f"must be in [0, 1) (0: off), got {self.kv_memory_fraction!r}")
+    _check(not self.kv_memory_fraction or self.kv_cache == "paged",
+           "sampler.kv_memory_fraction", "sizes a paged KV pool: it needs kv_cache='paged'")
+    _check(not (self.kv_memory_fraction and self.kv_pages), "sampler.kv_memory_fraction",
+           f"and sampler.kv_pages={self.kv_pages} both size the pool: set one of them")
+    _check(isinstance(self.share_prompts, bool), "sampler.share_prompts",
+           f"must be True or False, got {self.share_prompts!r}")
     _check(self.kv_cache in engine_config.KV_CACHES, "sampler.kv_cache",
            f"must be one of {engine_config.KV_CACHES}, got {self.kv_cache!r}")
     _check(isinstance(self.page_size, int) and self.page_size >= 1, "sampler.page_size",

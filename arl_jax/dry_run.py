@@ -19,6 +19,7 @@ import numpy as np
 
 from arl_jax import config_lib
 from arl_jax.models import init_lib
+from arl_jax.sampler import engine_config
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
 
@@ -106,8 +107,7 @@ def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
               if engine.weight_update == "pinned" else 2)
   data, tp = sm.get("data", 1), sm.get("tp", 1)
   slots = math.ceil(engine.num_slots / data)
-  kv_heads = math.ceil(cfg.num_kv_heads / tp)
-  per_column = cfg.num_layers * 2 * kv_heads * cfg.head_dim * np.dtype(sampler_dtype).itemsize
+  per_column = engine_config.kv_bytes_per_column(spec.sampler_model, tp)
   if engine.paged:
     # The pool is whole on every `data` shard (`PagedKVCache.logical_axes`).
     kv_name = f"kv_cache_paged_{engine.pool_pages}x{engine.page_size}"

@@ -27,7 +27,7 @@ from jax.sharding import Mesh
 
 from arl_jax import rows as rows_lib
 from arl_jax.envs import env_api
-from arl_jax.sampler import engine_config, insert_batch, sampling, slot_fns
+from arl_jax.sampler import engine_config, insert_batch, sampling, slot_fns, token_draw
 
 # Decode steps between two checks whether every episode's segment has ended.
 _DONE_CHECK_EVERY = 8
@@ -81,7 +81,7 @@ class Evaluator:
     self._prompt_ids = [env.encode_prompt(p) for p in self._prompts]
     rows = len(self._prompts)  # one slot per prompt
     self._slots = np.arange(rows, dtype=np.int32)
-    self._keys = np.asarray(sampling.row_keys(0, np.arange(rows), np.zeros(rows)))
+    self._keys = np.asarray(token_draw.row_keys(0, np.arange(rows), np.zeros(rows)))
     self._no_stop = np.zeros((rows,), bool)
     settings = sampling.SamplingSettings(
         greedy=True, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,

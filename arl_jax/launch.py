@@ -6,7 +6,9 @@ locked, so an unknown key is an error before anything runs.
 `--dry_run` validates the config and prints the resolved config, the mesh of
 each role, the parameter count and the memory per device (`arl_jax/dry_run.py`),
 then exits without compiling; `--dry_run_devices=N` plans for N devices instead
-of the ones present (e.g. a v5e-8 config on a laptop).
+of the ones present (e.g. a v5e-8 config on a laptop), `--dry_run_device_gib`
+for devices of that much memory (what `sampler.kv_memory_fraction` sizes the
+paged KV pool from).
 
 Bad input (a config error, a missing file, an unusable `--workdir`, a
 workdir another run holds) is printed as one `error: ...` line on stderr,
@@ -36,6 +38,9 @@ _DRY_RUN = flags.DEFINE_bool("dry_run", False,
 _DRY_RUN_DEVICES = flags.DEFINE_integer(
     "dry_run_devices", None, "Plan for this many devices (default: the devices present).",
     lower_bound=1)
+_DRY_RUN_DEVICE_GIB = flags.DEFINE_float(
+    "dry_run_device_gib", None, "Plan for devices of this much memory (default: what the "
+    "devices present report); sizes sampler.kv_memory_fraction's pool.", lower_bound=0.001)
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
                                  "Call jax.distributed.initialize() before anything else.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
@@ -55,8 +60,8 @@ def _initialize_distributed() -> None:
   jax.distributed.initialize(**kwargs)
 
 
-# Exit status for bad input: 2, the usual status of a usage error (absl's own
-# flag errors, e.g. `--dry_run_devices=0`, exit with 1).
+# Exit status for bad input: 2, the usual status of a usage error (flag
+# values too: `_parse_flags`).
 EXIT_BAD_INPUT = 2
 
 
@@ -78,26 +83,28 @@ def _check_workdir(workdir: str) -> None:
     raise _BadInput(f"--workdir={workdir}: no permission to write in {existing}")
 
 
-def dry_run(config, num_devices: int | None, print_fn=print) -> None:
+def dry_run(config, num_devices: int | None, print_fn=print,
+            device_gib: float | None = None) -> None:
   """Prints the resolved config and the run's plan; raises ConfigError on bad config.
 
   With `num_devices`, the meshes are validated and planned for that many
-  devices instead of the ones present.
+  devices instead of the ones present; with `device_gib`, for devices of that
+  much memory.
   """
   import jax  # noqa: PLC0415
 
   from arl_jax import config_lib, dry_run  # noqa: PLC0415
 
-  spec = config_lib.build(config, None if num_devices is None else list(range(num_devices)))
+  memory = None if device_gib is None else int(device_gib * 2**30)
+  if memory is None and num_devices is None:
+    # Real devices: their memory limit, where the backend reports one.
+    memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+  spec = config_lib.build(config, None if num_devices is None else list(range(num_devices)),
+                          device_memory=memory)
   print_fn("resolved config:\n" + str(config))
   print_fn(f"process {jax.process_index()} of {jax.process_count()} (jax.distributed "
            f"{'initialized' if jax.distributed.is_initialized() else 'not initialized'})")
-  devices = jax.devices()
-  count = num_devices or len(devices)
-  memory = None
-  if num_devices is None:  # real devices: their memory limit, where the backend reports one
-    stats = devices[0].memory_stats() or {}
-    memory = stats.get("bytes_limit")
+  count = num_devices or len(jax.devices())
   print_fn(dry_run.format_plan(dry_run.plan(spec, count), memory))
 
 
@@ -110,7 +117,7 @@ def _launch(stop) -> None:
   if _DISTRIBUTED.value or _COORDINATOR.value:
     _initialize_distributed()
   if _DRY_RUN.value:
-    dry_run(_CONFIG.value, _DRY_RUN_DEVICES.value)
+    dry_run(_CONFIG.value, _DRY_RUN_DEVICES.value, device_gib=_DRY_RUN_DEVICE_GIB.value)
     return
   # Imported here so that `--help` and flag errors do not initialise JAX.
   from arl_jax import run_lib  # noqa: PLC0415
@@ -150,9 +157,28 @@ def _main(stop) -> None:
     sys.exit(EXIT_BAD_INPUT)
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with a flag value of the wrong type
+  (`--config.sampler.top_p=abc`) or an override of a key the config lacks
+  (`--config.sampler.typo=1`, a bare AttributeError from ml_collections)
+  reported as bad input: one line, no traceback."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.IllegalFlagValueError as e:  # e.g. --config.sampler.top_p=abc
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(EXIT_BAD_INPUT)
+  except (AttributeError, KeyError) as e:
+    key = str(e).strip("'\"")
+    overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+    named = [o for o in overrides if o.split(".")[-1] == key] or overrides
+    print(f"error: {', '.join(named)}: the config has no key {key!r} (--dry_run lists "
+          "its keys)", file=sys.stderr, flush=True)
+    sys.exit(EXIT_BAD_INPUT)
+
+
 def cli() -> None:
   flags.mark_flags_as_required(["config"])
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@ r"""Long contexts in the sampler: the dense KV cache against the paged one.
 
   python benchmarks/long_context.py --out=/tmp/long_context.jsonl   # ~15 min on 2 cores
   python benchmarks/long_context.py --quick                         # seconds, tiny model
+  python benchmarks/long_context.py --parts=group_prefill           # some parts only
 
 Parts (every number measured in this run, side by side):
 
@@ -18,6 +19,12 @@ Parts (every number measured in this run, side by side):
   slots, the paged one 8x the slots sharing a pool of the same bytes
   (preempting when it runs out). Sampling tokens/s (engine busy time, the
   compiles before the first admission excluded) and mean live slots.
+- `group_prefill`: admitting a group of 16 samples of one 1,024-token prompt
+  (dense and paged): one prefill per sample (`share_prompts=False`), against
+  one prefill that the other 15 start from (`sampling.fork`; paged, sharing
+  the prompt's pages), against admitting a single prompt. Median of timed
+  admissions after a compiling one; the forked samples' first tokens come
+  with the next decode step, which runs for the group either way.
 """
 
 from __future__ import annotations
@@ -35,7 +42,15 @@ import numpy as np
 
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import engine as engine_lib
-from arl_jax.sampler import engine_config, page_pool, sampling, slot_fns
+from arl_jax.sampler import (
+  engine_config,
+  insert_batch,
+  kv_slots,
+  page_pool,
+  sampling,
+  slot_fns,
+  token_draw,
+)
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py, run as a script)
@@ -73,7 +88,7 @@ def decode_step(cfg, meshes, graphdef, params, ecfg, live, repeats):
     state = fns.set_pages(state, pool.table)
   prompts = sampler_bench._prompts(b, PROMPT)  # noqa: SLF001
   budget = np.full((b,), ecfg.max_new_tokens, np.int32)
-  keys = sampling.row_keys(0, np.arange(b), np.zeros(b))
+  keys = token_draw.row_keys(0, np.arange(b), np.zeros(b))
   state = fns.insert(params, jnp.int32(0), state, np.arange(b, dtype=np.int32), prompts,
                      np.ones(prompts.shape, bool), keys, budget)
   rows, stop = np.ones((b,), bool), np.zeros((b,), bool)
@@ -149,11 +164,61 @@ def long_tail(cfg, meshes, graphdef, params, ecfg, budgets):
   return engine.stats, seconds
 
 
+# -- 3. A group's prefill ------------------------------------------------------------------
+
+
+def group_prefill(cfg, meshes, graphdef, params, ecfg, group, how, repeats):
+  """Median seconds to admit `group` samples of one prompt of the engine's
+  prompt bucket: `how` is "one" (a single sample), "each" (a prefill per
+  sample) or "shared" (one prefill, the rest forked from it), as the engine
+  does, pages included."""
+  fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
+                                  settings=SETTINGS, num_slots=ecfg.num_slots,
+                                  length=ecfg.length, num_pages=ecfg.pool_pages,
+                                  page_size=ecfg.page_size)
+  bucket = ecfg.prompt_buckets[-1]
+  prompt = sampler_bench._prompts(1, bucket)  # noqa: SLF001
+  rows = 1 if how != "each" else group
+  slots = np.arange(rows, dtype=np.int32)
+  budget = np.full((rows,), ecfg.max_new_tokens, np.int32)
+  forks = np.arange(1, group, dtype=np.int32)
+  fork = insert_batch.ForkBatch(
+      src=np.zeros((group - 1,), np.int32), dst=forks,
+      key_ids=token_draw.key_ids(np.zeros(group - 1), forks),
+      max_new=np.full((group - 1,), ecfg.max_new_tokens, np.int32),
+      stop_mask=np.ones((group - 1, 0), bool))
+  base_key = np.asarray(jax.random.PRNGKey(0))
+  times = []
+  for _ in range(repeats + 1):
+    state, kv = fns.init(), kv_slots.make(ecfg)
+    jax.block_until_ready(state.done)
+    start = time.perf_counter()
+    for slot in slots:  # the host's page book, as the engine's admission keeps it
+      assert kv.admit(int(slot), bucket, bucket)
+    if how == "shared":
+      for slot in forks:
+        assert kv.admit_fork(int(slot), 0, bucket)
+    state = kv.sync(fns, state)
+    state = fns.insert_from_ids(
+        params, jnp.int32(0), state, base_key, slots, np.repeat(prompt, rows, 0),
+        np.ones((rows, bucket), bool), token_draw.key_ids(np.zeros(rows), slots), budget,
+        np.ones((rows, 0), bool), np.zeros((rows,), np.int32),
+        np.zeros((rows, bucket), np.float32), np.full((rows, bucket), -1, np.int32))
+    if how == "shared":
+      state = fns.fork(state, base_key, *fork.args())
+    jax.block_until_ready(state.done)
+    times.append(time.perf_counter() - start)
+  return float(np.median(times[1:]))
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="tiny model, small sizes")
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
+  parser.add_argument("--parts", default="decode_step,long_tail,group_prefill",
+                      help="comma-separated parts to run")
   args = parser.parse_args()
+  parts = set(args.parts.split(","))
   rows = []
   emit = lambda row: (rows.append(row), print(json.dumps(row), flush=True))
   name = "tiny" if args.quick else "3M"
@@ -163,7 +228,7 @@ def main() -> None:
   flops_peak, bytes_peak = sampler_bench.machine_peaks(512 if args.quick else 2048,
                                                        16 if args.quick else 256)
   base = {}
-  for limit in limits:
+  for limit in limits if "decode_step" in parts else ():
     for kv_cache in ("dense", "paged"):
       ecfg = _engine_cfg(slots, limit, kv_cache, page_size=16)
       if kv_cache == "paged":  # a pool for the live work (and the trash page)
@@ -178,35 +243,53 @@ def main() -> None:
             "width": width, "step_ms": round(seconds * 1e3, 2),
             "vs_limit_256": round(seconds / base[kv_cache], 2),
             "roofline_fraction": round(bound / seconds, 3)})
-  # Long tail at one KV budget: the dense engine's slots x limit columns.
-  limit = 128 if args.quick else 2048
-  n = 8 if args.quick else 384
-  median = 8 if args.quick else 128
-  rng = np.random.default_rng(7)
-  # sigma: p99 (z = 2.33) ~ 16x the median.
-  budgets = np.clip(rng.lognormal(np.log(median), np.log(16) / 2.33, n), 1,
-                    limit - PROMPT).astype(np.int32)
-  dense_slots = 4 if args.quick else 8
-  budget_columns = dense_slots * limit
-  for kv_cache, num_slots in (("dense", dense_slots), ("paged", 8 * dense_slots)):
-    ecfg = _engine_cfg(num_slots, limit, kv_cache,
-                       num_pages=budget_columns // 16 + 1 if kv_cache == "paged" else 0)
-    # Compiled up front (but for --quick): the clock times sampling only.
-    ecfg = engine_config.EngineConfig(**{**ecfg.__dict__, "precompile": not args.quick})
-    stats, seconds = long_tail(cfg, meshes, graphdef, params, ecfg, budgets)
-    emit({"benchmark": "long_context", "part": "long_tail", "model": name, "kv_cache": kv_cache,
-          "slots": num_slots, "kv_columns": budget_columns, "requests": n,
-          "median_len": int(np.median(budgets)), "p99_len": int(np.percentile(budgets, 99)),
-          "max_len": int(budgets.max()), "tokens": stats.sampled_tokens,
-          "tokens_per_s": round(stats.sampled_tokens / max(stats.busy_seconds, 1e-9), 1),
-          "wall_s": round(seconds, 1), "mean_live_slots": round(stats.occupancy * num_slots, 2),
-          "preemptions": stats.preemptions, "kv_pages_peak": stats.kv_pages_peak})
-  tail = {r["kv_cache"]: r for r in rows if r["part"] == "long_tail"}
-  emit({"benchmark": "long_context", "part": "long_tail_ratio",
-        "tokens_per_s_ratio": round(tail["paged"]["tokens_per_s"]
-                                    / tail["dense"]["tokens_per_s"], 2),
-        "live_slots_ratio": round(tail["paged"]["mean_live_slots"]
-                                  / tail["dense"]["mean_live_slots"], 2)})
+  if "long_tail" in parts:
+    # Long tail at one KV budget: the dense engine's slots x limit columns.
+    limit = 128 if args.quick else 2048
+    n = 8 if args.quick else 384
+    median = 8 if args.quick else 128
+    rng = np.random.default_rng(7)
+    # sigma: p99 (z = 2.33) ~ 16x the median.
+    budgets = np.clip(rng.lognormal(np.log(median), np.log(16) / 2.33, n), 1,
+                      limit - PROMPT).astype(np.int32)
+    dense_slots = 4 if args.quick else 8
+    budget_columns = dense_slots * limit
+    for kv_cache, num_slots in (("dense", dense_slots), ("paged", 8 * dense_slots)):
+      ecfg = _engine_cfg(num_slots, limit, kv_cache,
+                         num_pages=budget_columns // 16 + 1 if kv_cache == "paged" else 0)
+      # Compiled up front (but for --quick): the clock times sampling only.
+      ecfg = engine_config.EngineConfig(**{**ecfg.__dict__, "precompile": not args.quick})
+      stats, seconds = long_tail(cfg, meshes, graphdef, params, ecfg, budgets)
+      emit({"benchmark": "long_context", "part": "long_tail", "model": name, "kv_cache": kv_cache,
+            "slots": num_slots, "kv_columns": budget_columns, "requests": n,
+            "median_len": int(np.median(budgets)), "p99_len": int(np.percentile(budgets, 99)),
+            "max_len": int(budgets.max()), "tokens": stats.sampled_tokens,
+            "tokens_per_s": round(stats.sampled_tokens / max(stats.busy_seconds, 1e-9), 1),
+            "wall_s": round(seconds, 1), "mean_live_slots": round(stats.occupancy * num_slots, 2),
+            "preemptions": stats.preemptions, "kv_pages_peak": stats.kv_pages_peak})
+    tail = {r["kv_cache"]: r for r in rows if r["part"] == "long_tail"}
+    emit({"benchmark": "long_context", "part": "long_tail_ratio",
+          "tokens_per_s_ratio": round(tail["paged"]["tokens_per_s"]
+                                      / tail["dense"]["tokens_per_s"], 2),
+          "live_slots_ratio": round(tail["paged"]["mean_live_slots"]
+                                    / tail["dense"]["mean_live_slots"], 2)})
+  if "group_prefill" in parts:
+    # A group's prefill: 16 samples of a 1,024-token prompt.
+    group, prompt_len = (4, 64) if args.quick else (16, 1024)
+    for kv_cache in ("dense", "paged"):
+      ecfg = engine_config.EngineConfig(num_slots=group, group_size=group,
+                                        prompt_buckets=(prompt_len,), max_new_tokens=63,
+                                        context_bucket=1, kv_cache=kv_cache, page_size=16)
+      seconds = {how: group_prefill(cfg, meshes, graphdef, params, ecfg, group, how,
+                                    repeats=2 if args.quick else 3)
+                 for how in ("one", "each", "shared")}
+      emit({"benchmark": "long_context", "part": "group_prefill", "model": name,
+            "kv_cache": kv_cache, "group": group, "prompt_tokens": prompt_len,
+            "one_prompt_ms": round(seconds["one"] * 1e3, 1),
+            "prefill_each_ms": round(seconds["each"] * 1e3, 1),
+            "shared_ms": round(seconds["shared"] * 1e3, 1),
+            "each_vs_one": round(seconds["each"] / seconds["one"], 2),
+            "shared_vs_one": round(seconds["shared"] / seconds["one"], 2)})
   print()
   for part in dict.fromkeys(r["part"] for r in rows):
     report.print_table([r for r in rows if r["part"] == part], title=part)

@@ -72,7 +72,7 @@ def kv_cache_decode(fns, params, prompts, new_tokens):
   """Seconds to insert B prompts and sample `new_tokens` tokens each."""
   b = prompts.shape[0]
   args = (np.arange(b, dtype=np.int32), prompts, np.ones(prompts.shape, bool),
-          sampling.row_keys(0, np.arange(b), np.zeros(b)), np.full((b,), new_tokens, np.int32))
+          token_draw.row_keys(0, np.arange(b), np.zeros(b)), np.full((b,), new_tokens, np.int32))
   rows, stop = np.ones((b,), bool), np.zeros((b,), bool)
   start = time.perf_counter()
   state = fns.insert(params, jnp.int32(0), fns.init(), *args)
@@ -103,7 +103,7 @@ def no_cache_decode(graphdef, params, prompts, new_tokens, bucket=16):
     last = jnp.take_along_axis(logits, (column - 1)[None, None, None].repeat(b, 0), axis=1)[:, 0]
     return token_draw.sample_from_logits(last, keys, column - p, SETTINGS)
 
-  keys = sampling.row_keys(0, np.arange(b), np.zeros(b))
+  keys = token_draw.row_keys(0, np.arange(b), np.zeros(b))
   tokens = np.full((b, total), PAD, np.int32)
   tokens[:, :p] = prompts
   mask = np.zeros((b, total), bool)
@@ -144,7 +144,7 @@ def batching(fns, params, prompts, lengths, num_slots, continuous):
     idx = np.array([q for _, q in items])
     state = fns.insert(params, jnp.int32(0), state, np.array([s for s, _ in items], np.int32),
                        prompts[idx], np.ones(prompts[idx].shape, bool),
-                       sampling.row_keys(0, idx, np.zeros(len(idx))), lengths[idx])
+                       token_draw.row_keys(0, idx, np.zeros(len(idx))), lengths[idx])
     for s, q in items:
       slots[s] = q
 

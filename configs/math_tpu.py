@@ -83,8 +83,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # rare batch shape compiles late in a long run.
       precompile=True,
       # KV cache: "dense" (slot x full length) or "paged" (pages of page_size
-      # columns from a pool of kv_pages, 0: every slot at full length).
-      kv_cache="dense", page_size=16, kv_pages=0))
+      # columns from a pool of kv_pages, 0: every slot at full length; or of
+      # kv_memory_fraction of a sampler device's memory, 0: off).
+      kv_cache="dense", page_size=16, kv_pages=0, kv_memory_fraction=0.0,
+      # One prefill per group: its samples start from it (share the prompt pages).
+      share_prompts=True))
 
   config.orchestrator = ml_collections.ConfigDict(dict(
       batch_size=256, group_size=8, max_async_level=1, max_off_policy_steps=4,

@@ -11,7 +11,7 @@ rounding). The asynchronous system run with `max_async_level = 0`, `K = 0`,
 
 It shares with the package only what defines the problem: the model, the
 tokenizer and task, the prompt order (grain, seeded), and the per-rollout
-random draws (`sampling.row_keys`, `token_draw.sample_from_logits`), so that both
+random draws (`token_draw.row_keys`, `token_draw.sample_from_logits`), so that both
 sample the same tokens.
 
   python examples/minimal_grpo.py --config=configs/arith.py:tiny
@@ -33,7 +33,7 @@ from arl_jax.envs import arith, prompt_data
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.models import decoder as decoder_lib
-from arl_jax.sampler import sampling, token_draw
+from arl_jax.sampler import token_draw
 
 
 def logprobs_of(model, tokens, mask, temperature):
@@ -145,7 +145,7 @@ def train(config, num_steps: int | None = None, log=print) -> list[dict]:
     batch_prompts = [next(prompts) for _ in range(groups)]
     ids = [next(group_ids) for _ in range(groups)]
     rows = [(gid, s) for gid in ids for s in range(g)]
-    keys = sampling.row_keys(spec.seed, [r[0] for r in rows], [r[1] for r in rows])
+    keys = token_draw.row_keys(spec.seed, [r[0] for r in rows], [r[1] for r in rows])
     tokens, mask, behaviour = sample(
         graphdef, params, [env.encode_prompt(p) for p in batch_prompts for _ in range(g)], keys,
         prompt_len=spec.engine.prompt_len, max_new_tokens=spec.engine.max_new_tokens,

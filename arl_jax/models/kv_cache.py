@@ -62,6 +62,16 @@ class KVCache:
         keys=tuple(k.at[slots, :, :pb].set(s) for k, s in zip(self.keys, prefill.keys)),
         values=tuple(v.at[slots, :, :pb].set(s) for v, s in zip(self.values, prefill.values)))
 
+  def fork_rows(self, src: jax.Array, dst: jax.Array, shared: jax.Array) -> KVCache:
+    """Rows `dst` `[R]` take the keys and values of rows `src` `[R]`, and
+    their valid columns before `shared` `[R]` (a group's samples start from
+    one prefilled prompt: `sampling.fork`)."""
+    columns = jnp.arange(self.length)[None, :]
+    return self.replace(
+        keys=tuple(k.at[dst].set(k[src]) for k in self.keys),
+        values=tuple(v.at[dst].set(v[src]) for v in self.values),
+        valid=self.valid.at[dst].set(self.valid[src] & (columns < shared[:, None])))
+
   def logical_axes(self) -> KVCache:
     """This cache's structure with each array's logical axis names in its
     place, for `rules.array_shardings` (a rule table places the heads like

@@ -86,6 +86,21 @@ class PagedKVCache:
                                                                              prefill.values))
     return self.replace(keys=keys, values=values)
 
+  def fork_rows(self, src: jax.Array, dst: jax.Array, shared: jax.Array) -> PagedKVCache:
+    """Rows `dst` `[R]` take the valid columns of rows `src` `[R]` before
+    `shared` `[R]`, and the keys and values of the page holding column
+    `shared - 1` (copied: the forked row writes there next). The pages
+    before it are the same pages already: the host shared them
+    (`PagePool.share`) and this cache's page table says so."""
+    columns = jnp.arange(self.length)[None, :]
+    block = (shared - 1) // self.page_size
+    src_pages = jnp.take_along_axis(self.page_table[src], block[:, None], axis=1)[:, 0]
+    dst_pages = jnp.take_along_axis(self.page_table[dst], block[:, None], axis=1)[:, 0]
+    return self.replace(
+        keys=tuple(k.at[dst_pages].set(k[src_pages]) for k in self.keys),
+        values=tuple(v.at[dst_pages].set(v[src_pages]) for v in self.values),
+        valid=self.valid.at[dst].set(self.valid[src] & (columns < shared[:, None])))
+
   def logical_axes(self) -> PagedKVCache:
     """Each array's logical axis names (`rules.SAMPLER_RULES`): the pool's
     heads like the attention weights; pages are shared by every slot, so the

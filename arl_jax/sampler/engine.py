@@ -21,12 +21,12 @@ and hand it back with `resume`, and it is re-admitted (ahead of new requests)
 by prefilling its whole context, padded to `continuation_buckets`, under the
 params live then (`engine_config.py`: the budget counts observations too).
 
-Cancelled groups lose their waiting rows, their slots and any later resume at once.
+Admission (`admission.py`) fills free slots in queue order; the samples of
+a group share one prefill (`share_prompts`). Cancelled groups lose their
+waiting rows, their slots and any later resume at once.
 
-KV cache (`kv_cache`): dense, or paged (`kv_slots.py`): slots take pages as
-they grow and give them back when they leave, a step reads about each slot's
-own pages, and a full pool preempts the youngest slot, which comes back
-later with what it sampled.
+KV cache (`kv_cache`): dense, or paged (`kv_slots.py`: slots hold pages as
+they grow; a full pool preempts the youngest, which resumes what it sampled).
 
 Checkpoints (`paused`, `open_segments`, `restore`): the learner holds the
 engine between two decode steps and reads each open segment with the
@@ -35,7 +35,6 @@ dispatcher's open work; a resumed run re-admits them, and they go on.
 
 from __future__ import annotations
 
-import collections
 import functools
 import threading
 import time
@@ -48,6 +47,7 @@ from jax.sharding import Mesh
 
 from arl_jax import episode as episode_lib
 from arl_jax.sampler import (
+  admission,
   engine_config,
   engine_stats,
   insert_batch,
@@ -184,9 +184,8 @@ class SamplerEngine:
     return self._gate.hold(self._thread, timeout_s=timeout_s, check_fn=self.raise_if_failed)
 
   def open_segments(self) -> dict:
-    """`{(group_id, sample_index): (tokens, logprobs, versions)}`: what each
-    occupied slot has sampled of its current segment. Only while `paused` (or
-    before `start` / after `stop`): it reads the engine thread's slots.
+    """`{(group_id, sample_index): (tokens, logprobs, versions)}` of every
+    segment under way. Only while `paused` (or before `start` / after `stop`).
     Cancellations asked for so far are applied first, so a cancelled group's
     slots are not read and its counters are those of the snapshot."""
     if self._thread is not None and self._thread.is_alive() and not self._gate.is_paused:
@@ -288,39 +287,28 @@ class SamplerEngine:
   def _take_requests(self) -> None:
     for row in self._waiting.take_resumed():  # (of cancelled groups)
       self.stats.count_cancelled(row, self._cfg.max_new_tokens)
-    if self._updates.admission_paused:
-      return
-    free = len(self._free_slots()) - len(self._waiting)
-    max_groups = max(free, 0) // self._cfg.group_size
-    if max_groups == 0:
-      return
-    # Block briefly only when there is nothing to decode.
-    idle = not self.active_slots and not self._waiting
-    requests = self._requests.take(max_groups, self.version, timeout=0.05 if idle else 0.0)
-    for req in requests:
-      self._cfg.check_request(req)
-      self._waiting.extend(
-          waiting_rows.Row(episode=episode_lib.Episode(request=req, sample_index=s),
-                           ready_time=req.dispatch_time)
-          for s in range(req.group_size))
+    if not self._updates.admission_paused:
+      # Block briefly only when there is nothing to decode.
+      idle = not self.active_slots and not self._waiting
+      self._waiting.extend(admission.take_groups(
+          self._requests, self._cfg, free=len(self._free_slots()) - len(self._waiting),
+          version=self.version, timeout=0.05 if idle else 0.0))
 
   def _admit(self) -> None:
     if self._updates.admission_paused or not self._waiting:
       return
     free = self._free_slots()
-    rows = self._waiting.pop(len(free))
-    by_bucket = collections.defaultdict(list)
-    for i, (slot, row) in enumerate(zip(free, rows)):
-      n = len(row.episode.context_ids())
-      bucket = self._cfg.bucket_for(n)
-      # In admission order: a row whose pages do not fit waits at the front.
-      if not self._kv.admit(slot, n, bucket):
-        self._waiting.push_front(rows[i:])
-        break
-      by_bucket[bucket].append((slot, row))
+    admitted = admission.plan(free, self._waiting.pop(len(free)), self._cfg, self._kv)
+    self._waiting.push_front(admitted.waiting)
     self._sync_pages()
-    for bucket, items in by_bucket.items():
+    # Before any first token is sampled (under `oldest_token`, in-flight lag
+    # counts from it), so that no publish in between can miss it.
+    for item in [*(i for items in admitted.inserts.values() for i in items), *admitted.forks]:
+      self._requests.note_sampling(item[-1].group_id, self.version)
+    for bucket, items in admitted.inserts.items():
       self._insert(bucket, items)
+    if admitted.forks:
+      self._fork(admitted.forks)
 
   def _insert(self, bucket: int, items: list[tuple[int, waiting_rows.Row]]) -> None:
     start = time.monotonic()
@@ -328,29 +316,43 @@ class SamplerEngine:
         [(slot, row.episode) for slot, row in items], bucket=bucket,
         num_slots=self._cfg.num_slots, max_new_tokens=self._cfg.max_new_tokens,
         pad_id=self._settings.pad_id, stop_mask_fn=self._stop_mask)
-    # The first tokens are sampled by this prefill under `self.version`; tell
-    # the dispatcher before it runs, so that no publish in between can miss
-    # them (under `oldest_token`, in-flight lag counts from the first token).
-    for _, row in items:
-      self._requests.note_sampling(row.group_id, self.version)
     self._state = self._fns.insert_from_ids(self._updates.params(self.version),
                                             self._version_scalar, self._state, self._base_key,
                                             *batch.args())
     # Wait for the prefill so that its time is not billed to the next decode
     # step (dispatch is asynchronous); inserts are rarer than decode steps.
-    self._done = np.asarray(self._state.done)  # (a first token may end a segment)
+    self._done = np.array(self._state.done)  # (a first token may end a segment)
+    self._occupy([(slot, bucket, row) for slot, row in items], batch.max_new, 1, start)
+
+  def _fork(self, items: list[tuple[int, int, int, waiting_rows.Row]]) -> None:
+    """Starts `(slot, source slot, bucket, row)` on the prompts `_insert` just
+    gave their source slots (first tokens come with the next decode step)."""
+    start = time.monotonic()
+    batch = insert_batch.pack_fork(
+        [(slot, source, row.episode) for slot, source, _, row in items],
+        num_slots=self._cfg.num_slots, max_new_tokens=self._cfg.max_new_tokens,
+        stop_mask_fn=self._stop_mask)
+    self._state = self._fns.fork(self._state, self._base_key, *batch.args())
+    jax.block_until_ready(self._state.done)  # (billed to prefill, as an insert is)
+    self._occupy([(slot, bucket, row) for slot, _, bucket, row in items], batch.max_new, 0,
+                 start)
+    self.stats.forked_rows += len(items)
+
+  def _occupy(self, items: list[tuple[int, int, waiting_rows.Row]], budgets, sampled: int,
+              start: float) -> None:
+    """Puts admitted `(slot, bucket, row)` in their slots (prefill begun at `start`)."""
     now = time.monotonic()
-    for (slot, row), budget in zip(items, batch.max_new):
-      row.version, row.start_time, row.budget, row.sampled = self.version, now, int(budget), 1
+    for (slot, bucket, row), budget in zip(items, budgets):
+      row.version, row.start_time, row.budget, row.sampled = self.version, now, int(budget), sampled
       row.bucket = bucket
       row.episode.timings["queued"] += now - row.ready_time
       self.stats.queue_wait_seconds += now - row.ready_time
       self.stats.resumes += row.episode.turns > 0
-      # A cancelled occupant's pending stop must not end the new sequence.
-      self._stop_rows[slot] = False
+      self._stop_rows[slot] = False  # (a cancelled occupant's pending stop)
+      self._done[slot] &= sampled > 0  # (a fork has sampled nothing: not done)
       self._slots[slot] = row
     self.stats.inserts += len(items)
-    self.stats.prefill_seconds += time.monotonic() - start
+    self.stats.prefill_seconds += now - start
 
   # -- cancellation ------------------------------------------------------------
 
@@ -394,7 +396,7 @@ class SamplerEngine:
       if row is not None:
         row.sampled += 1
     # One small host sync per step: which slots finished.
-    self._done = np.asarray(self._state.done)
+    self._done = np.array(self._state.done)
     self.stats.steps += 1
     self.stats.slot_steps += self._cfg.num_slots
     self.stats.occupied_slot_steps += int(occupied.sum())

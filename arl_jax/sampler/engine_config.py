@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
+
 from arl_jax.sampler import weight_updates
 
 KV_CACHES = ("dense", "paged")
@@ -41,6 +43,9 @@ class EngineConfig:
     num_pages: pages of the pool, page 0 (never handed out) included; 0:
       enough for every slot at full length. When slots need more than the
       pool has, the engine preempts (`engine.py`).
+    share_prompts: rows admitted together with the same context (a group's
+      samples) are prefilled once and the others start from that prefill
+      (`sampling.fork`); paged, they share the prompt's pages.
   """
 
   num_slots: int
@@ -56,6 +61,7 @@ class EngineConfig:
   kv_cache: str = "dense"
   page_size: int = 16
   num_pages: int = 0
+  share_prompts: bool = True
 
   def __post_init__(self):
     weight_updates.check_names(self.weight_update, self.kv_policy)
@@ -161,3 +167,12 @@ class EngineConfig:
   def bucket_for(self, n: int) -> int:
     """The continuation bucket a context of `n` tokens is padded to."""
     return next(b for b in self.continuation_buckets if b >= n)
+
+
+def kv_bytes_per_column(model_cfg, tp: int = 1) -> int:
+  """Bytes of one KV cache column (every layer's keys and values) on one
+  device of a sampler mesh whose `tp` axis splits the KV heads, in the
+  sampler's parameter dtype (`model_cfg.param_dtype`)."""
+  heads = -(-model_cfg.num_kv_heads // tp)
+  return (model_cfg.num_layers * 2 * heads * model_cfg.head_dim
+          * np.dtype(model_cfg.param_dtype).itemsize)

@@ -12,6 +12,7 @@ class EngineStats:
   steps: int = 0
   inserts: int = 0
   resumes: int = 0  # re-admissions of multi-turn episodes (counted in inserts too)
+  forked_rows: int = 0  # inserts that started from another row's prefill (shared prompts)
   swaps: int = 0
   sampled_tokens: int = 0
   finished_segments: int = 0
@@ -65,6 +66,7 @@ class EngineStats:
         "cancelled_tokens_saved_max": self.cancelled_tokens,
         "cancelled_tokens_discarded": self.cancelled_sampled_tokens,
         "sampler_resumes": self.resumes,
+        "sampler_forked_rows": self.forked_rows,
         "sampler_busy_s": self.busy_seconds,
         "sampler_swaps": self.swaps,
         "sampler_occupancy": self.occupancy,

@@ -7,6 +7,8 @@ row's next token lands in the same column, and the row count is padded to a
 power of two (`slot_fns.row_bucket`) by repeating the last row, so that a
 handful of insert shapes cover every admission; `abstract` describes the
 batch of one shape, for compiling that shape before any admission needs it.
+The other samples of a prompt admitted at once start from its prefill
+(`ForkBatch`, `sampling.fork`).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import numpy as np
 
 from arl_jax import episode as episode_lib
 from arl_jax import rows as rows_lib
-from arl_jax.sampler import sampling, slot_fns
+from arl_jax.sampler import sampling, slot_fns, token_draw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +34,7 @@ class InsertBatch:
     tokens: `[R, Pb]` int32 left-padded contexts.
     mask: `[R, Pb]` bool, True on context tokens.
     key_ids: `[R, 3]` uint32 (group id, sample index, turn): what each row's
-      PRNG key is derived from (`sampling.segment_keys`).
+      PRNG key is derived from (`token_draw.segment_keys`).
     max_new: `[R]` int32 tokens each row's segment may sample.
     stop_mask: `[R, S]` bool, which stop ids end each row's segment.
     open_len: `[R]` int32 tokens of an open segment at the end of each context.
@@ -109,12 +111,60 @@ def pack(items: list[tuple[int, episode_lib.Episode]], *, bucket: int, num_slots
   return InsertBatch(
       slots=np.array([slot for slot, _ in padded], np.int32),
       tokens=tokens, mask=mask,
-      key_ids=sampling.key_ids([e.group_id for e in episodes],
-                               [e.sample_index for e in episodes], [e.turns for e in episodes]),
-      max_new=np.array([e.budget(max_new_tokens) - e.length for e in episodes], np.int32),
-      stop_mask=np.stack([stop_mask_fn(e.request) for e in episodes]),
+      **_segment_fields(episodes, max_new_tokens, stop_mask_fn),
       open_len=np.array([len(e.open_tokens) for e in episodes], np.int32),
       open_logprobs=open_logprobs, open_versions=open_versions)
+
+
+@dataclasses.dataclass(frozen=True)
+class ForkBatch:
+  """The arguments of `SamplerFns.fork` after `(state, base_key)`, for R rows
+  (a power of two): slots started on the prompt other slots were just given.
+
+  Attributes:
+    src: `[R]` int32 slot each row copies its prompt from.
+    dst: `[R]` int32 slot of each row (a repeated row rewrites the same slot).
+    key_ids, max_new, stop_mask: as `InsertBatch`.
+  """
+
+  src: np.ndarray
+  dst: np.ndarray
+  key_ids: np.ndarray
+  max_new: np.ndarray
+  stop_mask: np.ndarray
+
+  def args(self) -> tuple:
+    return (self.src, self.dst, self.key_ids, self.max_new, self.stop_mask)
+
+
+def pack_fork(items: list[tuple[int, int, episode_lib.Episode]], *, num_slots: int,
+              max_new_tokens: int,
+              stop_mask_fn: Callable[[object], np.ndarray]) -> ForkBatch:
+  """Packs `(slot, source slot, episode)` triples into one fork (see `pack`)."""
+  r = slot_fns.row_bucket(len(items), num_slots)
+  padded = items + [items[-1]] * (r - len(items))
+  episodes = [episode for _, _, episode in padded]
+  return ForkBatch(
+      src=np.array([source for _, source, _ in padded], np.int32),
+      dst=np.array([slot for slot, _, _ in padded], np.int32),
+      **_segment_fields(episodes, max_new_tokens, stop_mask_fn))
+
+
+def _segment_fields(episodes, max_new_tokens: int, stop_mask_fn) -> dict:
+  """`key_ids`, `max_new` and `stop_mask` of the segments `episodes` start."""
+  return dict(
+      key_ids=token_draw.key_ids([e.group_id for e in episodes],
+                               [e.sample_index for e in episodes], [e.turns for e in episodes]),
+      max_new=np.array([e.budget(max_new_tokens) - e.length for e in episodes], np.int32),
+      stop_mask=np.stack([stop_mask_fn(e.request) for e in episodes]))
+
+
+def abstract_fork(rows: int, num_stop_ids: int) -> ForkBatch:
+  """The shapes `pack_fork` gives a batch of `rows` rows (see `abstract`)."""
+  row = lambda dtype: jax.ShapeDtypeStruct((rows,), dtype)
+  return ForkBatch(src=row(np.int32), dst=row(np.int32),
+                   key_ids=jax.ShapeDtypeStruct((rows, 3), np.uint32), max_new=row(np.int32),
+                   stop_mask=jax.ShapeDtypeStruct((rows, num_stop_ids), np.bool_))
 
 
 def abstract(rows: int, bucket: int, num_stop_ids: int) -> InsertBatch:

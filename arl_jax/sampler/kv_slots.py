@@ -7,7 +7,8 @@ nothing is allocated, and a decode step attends over every column.
 `models/paged_kv_cache.py`): at admission for the context and the column of
 the first sampled token, and one more each time a decode step's write crosses
 a page boundary; they give them all back when the segment ends, the group is
-cancelled or the slot is preempted. Admission waits for free pages. When a
+cancelled or the slot is preempted; the samples of a group share their
+prompt's pages (`admit_fork`). Admission waits for free pages. When a
 live slot needs a page and none is free, the youngest live slot is
 preempted: the engine keeps what it sampled of its segment as the episode's
 open segment (tokens, log-probs, versions; `keep_open_segment`) and queues it
@@ -45,6 +46,12 @@ class DenseSlots:
     """Whether `slot` can take a context of `context_len` tokens padded to
     `bucket` (its pages are taken if so)."""
     del slot, context_len, bucket
+    return True
+
+  def admit_fork(self, slot: int, source: int, bucket: int) -> bool:
+    """Whether `slot` can start on the prompt (of `bucket` columns) that
+    `source` was just admitted with (`sampling.fork`)."""
+    del slot, source, bucket
     return True
 
   def release(self, slot: int) -> None:
@@ -86,6 +93,15 @@ class PagedSlots(DenseSlots):
   def admit(self, slot: int, context_len: int, bucket: int) -> bool:
     # The first decode step writes the first sampled token at column `bucket`.
     return self.pool.take(slot, bucket - context_len, bucket)
+
+  def admit_fork(self, slot: int, source: int, bucket: int) -> bool:
+    # The prompt's pages are shared up to the one holding its last column,
+    # which the fork writes again (copied), and the next (the first sample).
+    self.pool.share(slot, source, (bucket - 1) // self._cfg.page_size)
+    if self.pool.take(slot, bucket - 1, bucket):
+      return True
+    self.pool.release(slot)
+    return False
 
   def release(self, slot: int) -> None:
     self.pool.release(slot)

@@ -5,8 +5,11 @@ written or is about to write; its left padding and unused tail point at the
 trash page, so they cost nothing. Pages come from a free list: at admission
 for the context and the first decode column, then one more each time a slot's
 next write crosses a page boundary; they all go back at once when the slot
-ends its segment, is cancelled or is preempted. `table` is the device page
-table's host copy; `changed` says whether the device copy is stale.
+ends its segment, is cancelled or is preempted. The samples of a group
+share their prompt's pages (`share`): a page is held by every slot whose
+table names it and goes back to the free list when the last one lets go.
+`table` is the device page table's host copy; `changed` says whether the
+device copy is stale.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class PagePool:
     # Handed out lowest first (pop from the end): a run's pages stay compact.
     self._free = list(range(num_pages - 1, paged_kv_cache.TRASH_PAGE, -1))
     self._held: list[list[int]] = [[] for _ in range(num_slots)]
+    self._holders = np.zeros((num_pages,), np.int32)  # slots holding each page
     self.changed = False
     self.peak_in_use = 0
 
@@ -71,18 +75,36 @@ class PagePool:
     if len(blocks) > len(self._free):
       return False
     for block in blocks:
-      page = self._free.pop()
-      self.table[slot, block] = page
-      self._held[slot].append(page)
+      self._hold(slot, block, self._free.pop())
     if blocks:
       self.changed = True
       self.peak_in_use = max(self.peak_in_use, self.in_use)
     return True
 
-  def release(self, slot: int) -> None:
-    """Takes back every page of `slot` (its table row points at the trash page again)."""
+  def share(self, slot: int, source: int, blocks: int) -> None:
+    """`slot` (holding nothing) holds the pages of `source`'s first `blocks`
+    column blocks too (its prompt's keys and values: `sampling.fork`)."""
     if self._held[slot]:
-      self._free.extend(reversed(self._held[slot]))
+      raise ValueError(f"slot {slot} holds pages already; it cannot share slot {source}'s")
+    for block in range(blocks):
+      page = int(self.table[source, block])
+      if page != paged_kv_cache.TRASH_PAGE:
+        self._hold(slot, block, page)
+    self.changed = True
+
+  def _hold(self, slot: int, block: int, page: int) -> None:
+    self.table[slot, block] = page
+    self._held[slot].append(page)
+    self._holders[page] += 1
+
+  def release(self, slot: int) -> None:
+    """Lets go of every page of `slot` (its table row points at the trash
+    page again); a page no other slot holds goes back to the free list."""
+    if self._held[slot]:
+      for page in reversed(self._held[slot]):
+        self._holders[page] -= 1
+        if self._holders[page] == 0:
+          self._free.append(page)
       self._held[slot] = []
       self.table[slot] = paged_kv_cache.TRASH_PAGE
       self.changed = True

@@ -13,9 +13,10 @@ compile events).
 
 `engine_shapes` says which shapes an engine can use: new requests come as
 whole groups of one prompt, so single-turn admissions are multiples of the
-group size in a prompt bucket; resumed multi-turn episodes and episodes a
-checkpoint left come back in any number, with contexts in any continuation
-bucket; a harvest reads any number of slots. A paged engine decodes any row
+group size in a prompt bucket (or one row per group when its samples share
+its prefill, and `fork` any number of rows); resumed multi-turn episodes and
+episodes a checkpoint left come back in any number, with contexts in any
+continuation bucket; a harvest reads any number of slots. A paged engine decodes any row
 bucket of slots (`decode_rows`) and recomputes at every width of
 `EngineConfig.decode_widths`, and sends page tables (`set_pages`). Rows a
 paged engine preempts come back with longer contexts, in continuation
@@ -47,6 +48,7 @@ class Shapes:
     recompute: whether `recompute` can run (the in-flight `recompute` KV policy).
     widths: the attention widths of decode and recompute (`(None,)`: dense).
     paged: whether page tables are sent (`set_pages`).
+    fork: the row buckets of `fork` (shared prompts; empty when off).
   """
 
   insert: tuple[tuple[int, int], ...]
@@ -54,6 +56,7 @@ class Shapes:
   recompute: bool
   widths: tuple[int | None, ...] = (None,)
   paged: bool = False
+  fork: tuple[int, ...] = ()
 
   @property
   def decode(self) -> tuple[tuple[int | None, int | None], ...]:
@@ -66,7 +69,7 @@ class Shapes:
   def num_programs(self) -> int:
     """Programs `compile_all` compiles: these shapes, the decode programs,
     `recompute` at each width, and `set_pages` when paged."""
-    return (len(self.insert) + len(self.take_rows) + len(self.decode)
+    return (len(self.insert) + len(self.fork) + len(self.take_rows) + len(self.decode)
             + len(self.widths) * int(self.recompute) + int(self.paged))
 
 
@@ -94,6 +97,12 @@ def engine_shapes(cfg: engine_config.EngineConfig,
     # and next to whole groups.
     rows = slot_fns.row_buckets(cfg.num_slots)
     buckets = tuple(sorted(set(cfg.prompt_buckets) | set(restored)))
+  elif cfg.share_prompts:
+    # One row per prompt: the groups admitted at once, and the rest of a
+    # group whose first rows were admitted earlier (a full page pool).
+    sources = min(cfg.num_slots // cfg.group_size + 1, cfg.num_slots)
+    rows = tuple(sorted({slot_fns.row_bucket(n, cfg.num_slots) for n in range(1, sources + 1)}))
+    buckets = cfg.prompt_buckets
   else:
     # New requests are whole groups of one prompt, so one bucket each.
     rows = slot_fns.row_buckets(cfg.num_slots, cfg.group_size)
@@ -102,7 +111,9 @@ def engine_shapes(cfg: engine_config.EngineConfig,
       insert=tuple((r, b) for b in buckets for r in rows),
       take_rows=slot_fns.row_buckets(cfg.num_slots),
       recompute=cfg.weight_update == "in_flight" and cfg.kv_policy == "recompute",
-      widths=cfg.decode_widths, paged=cfg.paged)
+      widths=cfg.decode_widths, paged=cfg.paged,
+      # Any number of rows can start from another's prefill.
+      fork=slot_fns.row_buckets(cfg.num_slots) if cfg.share_prompts else ())
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
@@ -153,6 +164,9 @@ def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base
   for r, bucket in shapes.insert:
     batch = insert_batch.abstract(r, bucket, num_stop_ids)
     lowered.append(fns.insert_from_ids.lower(params, version, state, key, *batch.args()))
+  for r in shapes.fork:
+    batch = insert_batch.abstract_fork(r, num_stop_ids)
+    lowered.append(fns.fork.lower(state, key, *batch.args()))
   for r in shapes.take_rows:
     lowered.append(fns.take_rows.lower(state, jax.ShapeDtypeStruct((r,), jnp.int32)))
   for program in lowered:

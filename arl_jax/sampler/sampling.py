@@ -24,7 +24,6 @@ import dataclasses
 import flax.struct
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from arl_jax import rollout as rollout_lib
@@ -78,7 +77,8 @@ class SlotState:
     versions: `[B, L]` int32 policy version of sampled tokens, else -1.
     cache: the KV cache, length L (dense, or paged: see `init_slots`).
     prompt_end: `[B]` int32 first completion column (the slot's prompt bucket).
-    index: `[B]` int32 column of the last sampled token.
+    index: `[B]` int32 column of the last sampled token (of the last prompt
+      token in a slot that `fork` started, until its first decode step).
     limit: `[B]` int32 last column the slot may sample (max new tokens or L).
     positions: `[B]` int32 RoPE position of the last sampled token.
     done: `[B]` bool, slot finished (EOS, limit, cancelled or never used).
@@ -259,7 +259,7 @@ def insert_from_ids(graphdef, params, version, state: SlotState, base_key, slots
                     open_versions, *, settings: SamplingSettings) -> SlotState:
   """`insert`, each row's PRNG key derived from its ids inside the program.
 
-  The engine's admissions: deriving keys on the host (`row_keys`) runs one
+  The engine's admissions: deriving keys on the host (`token_draw.row_keys`) runs one
   more program per row count, which the engine would have to compile too.
 
   Args:
@@ -267,13 +267,61 @@ def insert_from_ids(graphdef, params, version, state: SlotState, base_key, slots
     base_key: `[2]` uint32, `jax.random.PRNGKey(seed)`.
     slots, prompt_tokens, prompt_mask: as `insert`.
     key_ids: `[R, 3]` uint32 (group id, sample index, turn) of each row;
-      the row's key is `segment_keys(base_key, key_ids)`, as `row_keys` gives.
+      the row's key is `token_draw.segment_keys(base_key, key_ids)`.
     max_new_tokens, stop_mask, open_len, open_logprobs, open_versions: as `insert`.
     settings: static sampling settings.
   """
   return insert(graphdef, params, version, state, slots, prompt_tokens, prompt_mask,
-                segment_keys(base_key, key_ids), max_new_tokens, stop_mask, open_len,
-                open_logprobs, open_versions, settings=settings)
+                token_draw.segment_keys(base_key, key_ids), max_new_tokens, stop_mask,
+                open_len, open_logprobs, open_versions, settings=settings)
+
+
+def fork(state: SlotState, base_key, src, dst, key_ids, max_new_tokens, stop_mask, *,
+         settings: SamplingSettings) -> SlotState:
+  """Starts slots `dst` on the prompt that slots `src` were just given by
+  `insert`: the G samples of a group share one prefill (`shared_prompts`).
+
+  A forked row takes its source's prompt columns and their keys and values
+  (a paged cache shares the source's pages and copies only the page it
+  writes next: `PagedKVCache.fork_rows`), with its last prompt token as the
+  token to feed: its first decode step writes that token's keys and values
+  again and samples the first completion token from the logits the prefill
+  would have given, with the draw the row would have made had it been
+  inserted (same key, offset 0).
+
+  Args:
+    state: the slot state; each `src` slot holds a freshly inserted prompt
+      (no open segment) and has taken no decode step since.
+    base_key: `[2]` uint32, `jax.random.PRNGKey(seed)`.
+    src: `[R]` int32 slots to copy from.
+    dst: `[R]` int32 slots to start (a repeated pair rewrites the same slot).
+    key_ids: `[R, 3]` uint32 (group id, sample index, turn) of each `dst` row.
+    max_new_tokens: `[R]` int32 completion budget of each row.
+    stop_mask: `[R, S]` bool, which of `settings.stop_ids` end each row's segment.
+    settings: static sampling settings.
+  """
+  length = state.tokens.shape[1]
+  shared = state.prompt_end[src]  # the first completion column
+  prompt = jnp.arange(length)[None, :] < shared[:, None]
+  copy = lambda arr, fill: jnp.where(prompt, arr[src], fill)
+  token_mask = copy(state.token_mask, False)
+  return state.replace(
+      cache=state.cache.fork_rows(src, dst, shared),
+      tokens=_set_rows(state.tokens, dst, copy(state.tokens, settings.pad_id)),
+      token_mask=_set_rows(state.token_mask, dst, token_mask),
+      logprobs=_set_rows(state.logprobs, dst, jnp.zeros((dst.shape[0], length), jnp.float32)),
+      versions=_set_rows(state.versions, dst,
+                         jnp.full((dst.shape[0], length), NO_VERSION, jnp.int32)),
+      prompt_end=_set_rows(state.prompt_end, dst, shared),
+      # The last prompt token stands as the "last sampled" one, fed next.
+      index=_set_rows(state.index, dst, shared - 1),
+      positions=_set_rows(state.positions, dst,
+                          jnp.sum(token_mask, axis=1, dtype=jnp.int32) - 1),
+      limit=_set_rows(state.limit, dst, jnp.minimum(shared + max_new_tokens - 1, length - 1)),
+      done=_set_rows(state.done, dst, False),
+      stopped=_set_rows(state.stopped, dst, False),
+      stop_mask=_set_rows(state.stop_mask, dst, stop_mask),
+      keys=_set_rows(state.keys, dst, token_draw.segment_keys(base_key, key_ids)))
 
 
 def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
@@ -371,52 +419,3 @@ def set_page_table(state: SlotState, page_table) -> SlotState:
   """The state with the paged cache's page table `[B, L / page_size]` the
   host's page pool holds now (`sampler/page_pool.py`)."""
   return state.replace(cache=state.cache.replace(page_table=page_table))
-
-
-def segment_keys(base_key, key_ids):
-  """Per-segment PRNG keys `[R, 2]` from a base key and each segment's ids.
-
-  Traceable, so that the engine derives its keys inside the jitted insert
-  (one program per insert shape, and no eager key math per admission).
-
-  Args:
-    base_key: `[2]` uint32, `jax.random.PRNGKey(seed)`.
-    key_ids: `[R, 3]` uint32 (group id, sample index, turn) of each row
-      (`key_ids`).
-
-  Returns:
-    `[R, 2]` uint32: fold_in(fold_in(base, group), sample), folded once more
-    with the turn unless it is 0.
-  """
-
-  def fold(ids):
-    key = jax.random.fold_in(jax.random.fold_in(base_key, ids[0]), ids[1])
-    # Turn 0 keeps the single-turn key, so adding turns changes no earlier draw.
-    return jnp.where(ids[2] == 0, key, jax.random.fold_in(key, ids[2]))
-
-  return jax.vmap(fold)(key_ids)
-
-
-def key_ids(group_ids, sample_indices, turns=None) -> np.ndarray:
-  """`[R, 3]` uint32 (group id, sample index, turn) rows for `segment_keys`;
-  `turns` None: every row's turn is 0."""
-  turns = np.zeros(len(group_ids)) if turns is None else turns
-  return np.stack([np.asarray(group_ids, np.uint32), np.asarray(sample_indices, np.uint32),
-                   np.asarray(turns, np.uint32)], axis=1).reshape(-1, 3)
-
-
-# One program per row count, where the unjitted vmap would dispatch (and
-# compile) each of its primitives on its own.
-_segment_keys = jax.jit(segment_keys)
-
-
-def row_keys(seed: int, group_ids, sample_indices, turns=None):
-  """Per-segment PRNG keys `[B, 2]`: a function of (seed, group id, sample index, turn) only.
-
-  Keeping draws independent of slot assignment and batching lets the
-  asynchronous pipeline and the synchronous reference sample identical tokens.
-  A multi-turn episode samples each segment (turn) with its own key, since
-  draws are keyed by the offset inside the segment. (`segment_keys` computes
-  the same keys inside a jitted program.)
-  """
-  return _segment_keys(jax.random.PRNGKey(seed), key_ids(group_ids, sample_indices, turns))

@@ -36,6 +36,9 @@ class SamplerFns:
       key_ids, max_new, stop_mask, open_len, open_logprobs, open_versions) ->
       SlotState`, `insert` with the keys derived in the program
       (`sampling.insert_from_ids`; the engine's admissions).
+    fork: `(state, base_key, src, dst, key_ids, max_new, stop_mask) ->
+      SlotState`, slots started on the prompt other slots were just given
+      (`sampling.fork`; one program per row count).
     decode: `(params, version, state, stop_rows, rows) -> SlotState`
       (`sampling.decode_step`).
     decode_rows: `(params, version, state, stop_rows, rows, width) -> SlotState`
@@ -53,6 +56,7 @@ class SamplerFns:
   init: Callable
   insert: Callable
   insert_from_ids: Callable
+  fork: Callable
   decode: Callable
   decode_rows: Callable
   recompute: Callable
@@ -105,7 +109,8 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
     page_size: columns per page of a paged cache.
   """
   counters = {name: trace_counter.TraceCounter()
-              for name in ("init", "insert", "decode", "recompute", "set_pages", "take_rows")}
+              for name in ("init", "insert", "fork", "decode", "recompute", "set_pages",
+                          "take_rows")}
   init = functools.partial(sampling.init_slots, model_cfg, num_slots=num_slots, length=length,
                            pad_id=settings.pad_id, num_stop_ids=len(settings.stop_ids),
                            num_pages=num_pages, page_size=page_size)
@@ -123,6 +128,8 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
       init=jax.jit(counters["init"].wrap(init), out_shardings=shardings),
       insert=jax.jit(insert, out_shardings=shardings, donate_argnums=2),
       insert_from_ids=jax.jit(insert_from_ids, out_shardings=shardings, donate_argnums=2),
+      fork=jax.jit(functools.partial(counters["fork"].wrap(sampling.fork), settings=settings),
+                   out_shardings=shardings, donate_argnums=0),
       decode=jax.jit(decode, out_shardings=shardings, donate_argnums=2),
       decode_rows=jax.jit(decode_rows, out_shardings=shardings, donate_argnums=2,
                           static_argnames="width"),

@@ -1,15 +1,22 @@
-"""Drawing one token per row from float32 logits, and its behaviour log-prob.
+"""Drawing one token per row from float32 logits, and its behaviour log-prob;
+the PRNG keys the draws come from.
 
 The recorded log-prob is that of the distribution actually sampled from:
 tempered, and truncated by top-k / top-p (excluded tokens get -inf), so the
 importance ratio the learner computes stays honest. Settings are a
 `sampling.SamplingSettings`.
+
+A draw's key is a function of (seed, group id, sample index, turn) and the
+token's offset in its segment only (`segment_keys`, `row_keys`): never of
+the slot, the batch or the moment, so that a segment samples the same tokens
+however it is scheduled, preempted, shared or resumed.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def _truncate(logits, settings):
@@ -69,3 +76,52 @@ def sample_from_logits(logits, keys, columns, settings):
                        jnp.argmax(probs, axis=-1)).astype(jnp.int32)
   token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
   return tokens, token_logp
+
+
+def segment_keys(base_key, key_ids):
+  """Per-segment PRNG keys `[R, 2]` from a base key and each segment's ids.
+
+  Traceable, so that the engine derives its keys inside the jitted insert
+  (one program per insert shape, and no eager key math per admission).
+
+  Args:
+    base_key: `[2]` uint32, `jax.random.PRNGKey(seed)`.
+    key_ids: `[R, 3]` uint32 (group id, sample index, turn) of each row
+      (`key_ids`).
+
+  Returns:
+    `[R, 2]` uint32: fold_in(fold_in(base, group), sample), folded once more
+    with the turn unless it is 0.
+  """
+
+  def fold(ids):
+    key = jax.random.fold_in(jax.random.fold_in(base_key, ids[0]), ids[1])
+    # Turn 0 keeps the single-turn key, so adding turns changes no earlier draw.
+    return jnp.where(ids[2] == 0, key, jax.random.fold_in(key, ids[2]))
+
+  return jax.vmap(fold)(key_ids)
+
+
+def key_ids(group_ids, sample_indices, turns=None) -> np.ndarray:
+  """`[R, 3]` uint32 (group id, sample index, turn) rows for `segment_keys`;
+  `turns` None: every row's turn is 0."""
+  turns = np.zeros(len(group_ids)) if turns is None else turns
+  return np.stack([np.asarray(group_ids, np.uint32), np.asarray(sample_indices, np.uint32),
+                   np.asarray(turns, np.uint32)], axis=1).reshape(-1, 3)
+
+
+# One program per row count, where the unjitted vmap would dispatch (and
+# compile) each of its primitives on its own.
+_segment_keys = jax.jit(segment_keys)
+
+
+def row_keys(seed: int, group_ids, sample_indices, turns=None):
+  """Per-segment PRNG keys `[B, 2]`: a function of (seed, group id, sample index, turn) only.
+
+  Keeping draws independent of slot assignment and batching lets the
+  asynchronous pipeline and the synchronous reference sample identical tokens.
+  A multi-turn episode samples each segment (turn) with its own key, since
+  draws are keyed by the offset inside the segment. (`segment_keys` computes
+  the same keys inside a jitted program.)
+  """
+  return _segment_keys(jax.random.PRNGKey(seed), key_ids(group_ids, sample_indices, turns))

@@ -7,7 +7,7 @@ import numpy as np
 
 from arl_jax import rows as rows_lib
 from arl_jax.learner import logprobs as logprobs_lib
-from arl_jax.sampler import sampling, slot_fns
+from arl_jax.sampler import slot_fns, token_draw
 
 
 class SlotDriver:
@@ -27,7 +27,7 @@ class SlotDriver:
     r = len(slots)
     tokens, mask = rows_lib.left_pad(prompts, self.bucket, self.pad_id)
     sample_indices = np.zeros(r) if sample_indices is None else sample_indices
-    keys = sampling.row_keys(self.seed, group_ids, sample_indices)
+    keys = token_draw.row_keys(self.seed, group_ids, sample_indices)
     self.state = self.fns.insert(params, jnp.int32(version), self.state,
                                  np.asarray(slots, np.int32), tokens, mask, keys,
                                  np.full((r,), self.max_new, np.int32), stop_mask)

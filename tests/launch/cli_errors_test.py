@@ -49,6 +49,15 @@ def test_a_workdir_that_cannot_be_a_folder_is_named(tmp_path, relative, problem)
   assert problem in proc.stderr
 
 
+@pytest.mark.parametrize("override, message", [
+    ("--config.sampler.typo=1", "--config.sampler.typo: the config has no key 'typo'"),
+    ("--config.nosection.x=1", "--config.nosection.x: the config has no key 'nosection'"),
+    ("--config.sampler.top_p=abc", "flag --config.sampler.top_p=abc: could not convert"),
+])
+def test_an_override_the_config_cannot_take_is_one_line(override, message):
+  _assert_clean_error(_launch("--config=configs/arith.py:tiny", "--dry_run", override), message)
+
+
 def test_dry_run_devices_must_be_positive():
   proc = _launch("--config=configs/arith.py:tiny", "--dry_run", "--dry_run_devices=-4")
   assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

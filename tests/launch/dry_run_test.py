@@ -121,3 +121,47 @@ def test_coordinator_flags_initialise_jax_distributed():
                         text=True, timeout=120)
   assert proc.returncode == 0, proc.stderr[-2000:]
   assert "process 0 of 1 (jax.distributed initialized)" in proc.stdout
+
+
+def test_kv_memory_fraction_sizes_a_paged_pool_that_the_plan_and_the_run_agree_on():
+  config = tiny.load_config("arith", None)
+  config.sampler.kv_cache, config.sampler.kv_memory_fraction = "paged", 0.25
+  with pytest.raises(config_lib.ConfigError, match="sampler.kv_memory_fraction.*--dry_run_device"):
+    config_lib.build(config)  # CPU devices report no memory
+  memory = 3 * 2**20
+  spec = config_lib.build(config, device_memory=memory)
+  page_bytes = 16 * spec.sampler_model.num_layers * 2 * spec.sampler_model.num_kv_heads * (
+      spec.sampler_model.head_dim * 4)
+  assert spec.engine.num_pages == int(0.25 * memory) // page_bytes > spec.engine.pages_per_slot
+  plan = dry_run.plan(spec, jax.device_count())
+  meshes = mesh_lib.make_role_meshes(spec.mesh)
+  graphdef, _ = init_lib.abstract_model(spec.model)
+  fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=spec.sampler_model,
+                                  mesh=meshes.sampler, settings=spec.sampling,
+                                  num_slots=spec.engine.num_slots, length=spec.engine.length,
+                                  num_pages=spec.engine.pool_pages, page_size=16)
+  pool = fns.init().cache
+  name = f"kv_cache_paged_{spec.engine.num_pages}x16"
+  assert plan.sampler.memory[name] == _device_bytes((*pool.keys, *pool.values))
+  assert 0.25 * memory - page_bytes < plan.sampler.memory[name] <= 0.25 * memory
+  with pytest.raises(config_lib.ConfigError, match=r"makes 1 pages .* needs >= 3"):
+    config_lib.build(config, device_memory=page_bytes)
+  config.sampler.kv_pages = 64
+  with pytest.raises(config_lib.ConfigError, match="set one of them"):
+    config_lib.build(config, device_memory=memory)
+
+
+def test_the_cli_plans_a_pool_for_the_device_memory_it_is_given():
+  cmd = [sys.executable, "-m", "arl_jax.launch", "--config=configs/arith.py", "--dry_run",
+         "--dry_run_devices=8", "--config.sampler.kv_cache=paged",
+         "--config.sampler.kv_memory_fraction=0.5"]
+  env = dict(os.environ, XLA_FLAGS="")
+  proc = subprocess.run([*cmd, "--dry_run_device_gib=0.001"], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  spec = config_lib.build(tiny.load_config("arith", None))
+  page_bytes = 16 * spec.model.num_layers * 2 * spec.model.num_kv_heads * spec.model.head_dim * 4
+  assert f"kv_cache_paged_{int(0.5 * 2**30 * 0.001) // page_bytes}x16" in proc.stdout
+  bad = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+  assert bad.returncode == 2 and "kv_memory_fraction" in bad.stderr
+  assert "Traceback" not in bad.stderr

@@ -112,7 +112,7 @@ def _resume(setup, work, version):
   # Restored contexts (open segments) land in continuation buckets and come
   # in any number: the engine compiled those shapes too before admitting one.
   traces = engine.traces()
-  assert traces["insert"] + traces["take_rows"] + traces["decode"] + traces["recompute"] == (
+  assert traces["insert"] + traces["fork"] + traces["take_rows"] + traces["decode"] + traces["recompute"] == (
       engine.stats.precompiled_programs), traces
   return groups
 

@@ -123,7 +123,9 @@ def test_a_prompt_with_its_own_budget_stops_there(setup):
 @pytest.mark.parametrize("kv_policy", ["keep", "recompute"])
 def test_in_flight_swap_between_decode_steps_records_exact_versions(setup, kv_policy):
   v0, v1 = setup["sampler_params"]
-  # Iterations 1-3 decode under v0 (insert + 3 steps = 4 tokens), then v1.
+  # Iterations 1-3 decode under v0 (insert + 3 steps = 4 tokens), then v1;
+  # a group's other samples start from its first one's prefill and sample
+  # their first token in iteration 1 (3 tokens under v0).
   publisher = ScriptedPublisher(v0, v1, switch_after=3)
   groups = []
   engine = _engine(publisher, setup, "in_flight", lambda req, rs: groups.append(rs),
@@ -132,9 +134,10 @@ def test_in_flight_swap_between_decode_steps_records_exact_versions(setup, kv_po
   assert engine.stats.swaps == 1
   for r in (r for g in groups[:2] for r in g):
     n = len(r.completion_ids)
-    np.testing.assert_array_equal(r.token_versions, [0, 0, 0, 0, 1, 1, 1, 1][:n])
-    assert r.dispatch_version == 0 and (n <= 4 or r.version_span == (0, 1))
-    before = min(n, 4)
+    under_v0 = 4 if r.sample_index == 0 else 3
+    np.testing.assert_array_equal(r.token_versions, ([0] * under_v0 + [1] * 8)[:n])
+    assert r.dispatch_version == 0 and (n <= under_v0 or r.version_span == (0, 1))
+    before = min(n, under_v0)
     # Tokens sampled under v0 (their whole prefix was v0 too) carry v0's probability.
     np.testing.assert_allclose(teacher_forced(setup, r, 0)[:before],
                                r.behaviour_logprobs[:before], atol=1e-5)
@@ -198,8 +201,10 @@ def test_cancellation_frees_slots_at_once(setup):
   _run_until(engine, lambda: len(groups) >= 2)
   assert 0 not in groups
   assert engine.stats.cancelled_rollouts == 4
-  # Group 0 was cancelled after its insert and one decode step.
-  assert engine.stats.cancelled_tokens == 4 * (NEW - 2)
+  # Group 0 was cancelled after its insert and one decode step: its first
+  # sample had sampled two tokens, the three that share its prefill one.
+  assert engine.stats.forked_rows >= 3
+  assert engine.stats.cancelled_tokens == (NEW - 2) + 3 * (NEW - 1)
   # Its four slots were refilled (group 2) while group 1 was still decoding.
   assert seen[1] == 12
 

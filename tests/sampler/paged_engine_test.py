@@ -21,11 +21,13 @@ def setup():
 
 
 def _check_pages(engine):
-  """Only occupied slots hold pages, and every page is free or held by one."""
+  """Only occupied slots hold pages, and every page is free or held (by one
+  slot, or by the samples sharing a prompt)."""
   pages, slots = engine._kv.pool, engine._slots  # noqa: SLF001
   held = [pages.held(i) for i in range(len(slots))]
   assert all(n == 0 for n, row in zip(held, slots) if row is None)
-  assert sum(held) == pages.in_use and pages.free + pages.in_use == pages.usable
+  named = set(pages.table[pages.table != 0].tolist())
+  assert len(named) == pages.in_use and pages.free + pages.in_use == pages.usable
 
 
 def _groups(setup, publisher, mode="in_flight", n=4, **options):
@@ -103,10 +105,11 @@ def test_cancellation_gives_the_pages_back_at_once(setup):
   engine._apply_cancellations = apply_and_count  # noqa: SLF001
   _run_until(engine, lambda: len(groups) >= 2)
   assert 0 not in groups and engine.stats.cancelled_rollouts == 4
-  # Group 0's four slots held 2 pages each (context columns 2-6 of 4-column
-  # pages); the cancellation returned them before the next step.
+  # Group 0's first slot held 2 pages (context columns 2-6 of 4-column
+  # pages), the three sharing its prompt the first of them and a page of
+  # their own each; the cancellation returned them before the next step.
   (before, after), = applied
-  assert before - after == 4 * 2
+  assert before - after == 2 + 3 * 1
   _check_pages(engine)
 
 

@@ -20,12 +20,22 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 def test_single_turn_groups_need_multiples_of_the_group_size_and_every_read():
   cfg = engine_config.EngineConfig(num_slots=32, group_size=4, prompt_buckets=(6, 10),
-                                   max_new_tokens=3)
+                                   max_new_tokens=3, share_prompts=False)
   shapes = precompile.engine_shapes(cfg)
   assert shapes.insert == tuple((r, b) for b in (6, 10) for r in (4, 8, 16, 32))
   assert shapes.take_rows == (1, 2, 4, 8, 16, 32)
-  assert not shapes.recompute
+  assert not shapes.recompute and shapes.fork == ()
   assert shapes.num_programs == 8 + 6 + 1  # and decode
+
+
+def test_shared_prompts_insert_a_row_per_group_and_fork_any_number():
+  cfg = engine_config.EngineConfig(num_slots=32, group_size=4, prompt_buckets=(6, 10),
+                                   max_new_tokens=3)
+  shapes = precompile.engine_shapes(cfg)
+  # Up to 8 whole groups and the rest of one whose first rows came earlier.
+  assert shapes.insert == tuple((r, b) for b in (6, 10) for r in (1, 2, 4, 8, 16))
+  assert shapes.fork == (1, 2, 4, 8, 16, 32)
+  assert shapes.num_programs == 10 + 6 + 6 + 1
 
 
 def test_restored_episodes_and_multi_turn_need_every_row_count_and_their_buckets():
@@ -35,7 +45,8 @@ def test_restored_episodes_and_multi_turn_need_every_row_count_and_their_buckets
   # A checkpoint left contexts of 5 and 11 tokens: buckets 6 and 12.
   shapes = precompile.engine_shapes(cfg, restored_lengths=[5, 11])
   assert shapes.insert == tuple((r, b) for b in (6, 12) for r in (1, 2, 4, 8))
-  assert shapes.recompute and shapes.num_programs == 8 + 4 + 1 + 1
+  # Inserts, reads, forks (shared prompts), decode and recompute.
+  assert shapes.recompute and shapes.num_programs == 8 + 4 + 4 + 1 + 1
   multi = engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
                                      max_new_tokens=12, context_bucket=4, multi_turn=True)
   assert precompile.engine_shapes(multi).insert == tuple(
@@ -120,9 +131,9 @@ def test_no_compile_after_the_first_admission(setup):
   assert late == []
   shapes = precompile.engine_shapes(engine_config.EngineConfig(
       num_slots=SLOTS, group_size=1, prompt_buckets=(PROMPT_LEN,), max_new_tokens=NEW))
-  assert engine.stats.precompiled_programs == shapes.num_programs == 3 + 3 + 1
+  assert engine.stats.precompiled_programs == shapes.num_programs == 3 + 3 + 3 + 1
   # Each program traced once, at the first publish: no call traced again.
-  assert engine.traces() == {"init": 1, "insert": 3, "decode": 1, "recompute": 0,
+  assert engine.traces() == {"init": 1, "insert": 3, "fork": 3, "decode": 1, "recompute": 0,
                              "set_pages": 0, "take_rows": 3}
   assert engine.metrics()["sampler_precompile_s"] > 0
 
@@ -136,6 +147,6 @@ def test_a_paged_engine_compiles_every_width_and_the_page_table_up_front(setup):
   assert cfg.decode_widths == (8, 16, 24)  # 6 + 8 + 8 columns -> 24, 6 pages
   shapes = precompile.engine_shapes(cfg)
   # decode_rows at 1, 2 and 4 rows x 3 widths; recompute at each width.
-  assert engine.stats.precompiled_programs == shapes.num_programs == 3 + 3 + 3 * 3 + 3 + 1
-  assert engine.traces() == {"init": 1, "insert": 3, "decode": 9, "recompute": 3,
+  assert engine.stats.precompiled_programs == shapes.num_programs == 3 + 3 + 3 + 3 * 3 + 3 + 1
+  assert engine.traces() == {"init": 1, "insert": 3, "fork": 3, "decode": 9, "recompute": 3,
                              "set_pages": 1, "take_rows": 3}

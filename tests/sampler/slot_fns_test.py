@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from arl_jax.sampler import sampling, slot_fns
+from arl_jax.sampler import sampling, slot_fns, token_draw
 from arl_jax.sharding import mesh_lib
 from arl_jax.testing import tiny
 
@@ -58,8 +58,8 @@ def test_the_functions_keep_the_rules_layout_and_count_their_compiles():
       cfg, mesh_lib.RoleMeshes(learner=mesh, sampler=mesh))
   fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=cfg, mesh=mesh,
                                   settings=SETTINGS, num_slots=4, length=12)
-  assert fns.traces() == {"init": 0, "insert": 0, "decode": 0, "recompute": 0, "set_pages": 0,
-                          "take_rows": 0}
+  assert fns.traces() == {"init": 0, "insert": 0, "fork": 0, "decode": 0, "recompute": 0,
+                          "set_pages": 0, "take_rows": 0}
   state = fns.init()
   layout = lambda tree: jax.tree.map(lambda x: x.sharding.spec, tree)
   want = jax.tree.map(lambda s: s.spec, fns.state_shardings)
@@ -67,20 +67,25 @@ def test_the_functions_keep_the_rules_layout_and_count_their_compiles():
   assert fns.row_sharding.spec == P("data")
   tokens = np.full((2, 4), 256, np.int32)
   tokens[:, 1:] = 7
-  keys = sampling.row_keys(0, [0, 1], [0, 0])
+  keys = token_draw.row_keys(0, [0, 1], [0, 0])
   for _ in range(2):
     state = fns.insert(params, np.int32(0), state, np.array([0, 1], np.int32), tokens,
                        tokens != 256, keys, np.array([6, 6], np.int32), np.ones((2, 2), bool))
+    # Slot 2 starts from slot 0's prefill (a second sample of its prompt).
+    state = fns.fork(state, jax.random.PRNGKey(0), np.array([0], np.int32),
+                     np.array([2], np.int32), token_draw.key_ids([0], [1]),
+                     np.array([6], np.int32), np.ones((1, 2), bool))
     for _ in range(3):
       state = fns.decode(params, np.int32(0), state, np.zeros(4, bool), np.ones(4, bool))
   assert layout(state) == want
-  segments = slot_fns.read_segments(fns, state, [0, 1, 3])
-  for tokens, logprobs, versions, stopped in segments[:2]:  # insert + 3 decode steps
-    assert len(tokens) == 4 or (stopped and 0 < len(tokens) < 4)
+  segments = slot_fns.read_segments(fns, state, [0, 1, 2, 3])
+  # Insert + 3 decode steps; the fork samples from the first decode step on.
+  for (tokens, logprobs, versions, stopped), n in zip(segments[:3], (4, 4, 3)):
+    assert len(tokens) == n or (stopped and 0 < len(tokens) < n)
     assert len(logprobs) == len(tokens) and set(versions.tolist()) == {0}
-  assert len(segments[2][0]) == 0  # slot 3 was never filled
-  assert fns.traces() == {"init": 1, "insert": 1, "decode": 1, "recompute": 0, "set_pages": 0,
-                          "take_rows": 1}
+  assert len(segments[3][0]) == 0  # slot 3 was never filled
+  assert fns.traces() == {"init": 1, "insert": 1, "fork": 1, "decode": 1, "recompute": 0,
+                          "set_pages": 0, "take_rows": 1}
 
 
 def test_row_bucket_rounds_up_to_a_power_of_two_within_the_slots():

@@ -1,0 +1,69 @@
+"""The samples of a group share one prefill (`EngineConfig.share_prompts`):
+the others start from it (`sampling.fork`) and sample what they would have
+sampled from prefills of their own, dense or paged (sharing the prompt's
+pages), in every weight-update mode."""
+
+import numpy as np
+import pytest
+
+from arl_jax.testing import tiny
+from tests.sampler.engine_test import ScriptedPublisher, _engine, _run_until, teacher_forced
+from tests.sampler.paged_engine_test import _check_pages
+
+PAGED = dict(kv_cache="paged", page_size=4)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  return tiny.two_published_versions()
+
+
+def _groups(setup, publisher, mode="in_flight", n=4, **options):
+  groups = {}
+  engine = _engine(publisher, setup, mode, lambda req, rs: groups.setdefault(req.group_id, rs),
+                   max_async_level=1, **options)
+  _run_until(engine, lambda: len(groups) >= n)
+  return groups, engine
+
+
+@pytest.mark.parametrize("cache", [{}, PAGED], ids=["dense", "paged"])
+def test_forked_samples_sample_what_their_own_prefills_sample(setup, cache):
+  v0, _ = setup["sampler_params"]
+  own, alone = _groups(setup, ScriptedPublisher(v0, None, 0), share_prompts=False, **cache)
+  shared, engine = _groups(setup, ScriptedPublisher(v0, None, 0), **cache)
+  assert alone.stats.forked_rows == 0
+  # Groups of 4 admitted whole: 3 of every 4 rows start from another's prefill.
+  assert engine.stats.forked_rows == 3 * engine.stats.inserts // 4 > 0
+  for gid in range(4):
+    for a, b in zip(own[gid], shared[gid]):
+      np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+      np.testing.assert_allclose(b.behaviour_logprobs, a.behaviour_logprobs, atol=1e-5)
+      np.testing.assert_allclose(teacher_forced(setup, b, 0), b.behaviour_logprobs, atol=1e-5)
+  if cache:
+    _check_pages(engine)
+    # A group's prompt (columns 2-5 of bucket 6) is one shared page, and its
+    # last column's page a copy each: fewer pages than four prefills hold.
+    assert engine.stats.kv_pages_peak < alone.stats.kv_pages_peak
+
+
+@pytest.mark.parametrize("mode,kv_policy,cache", [
+    ("in_flight", "keep", PAGED), ("in_flight", "recompute", PAGED), ("pinned", "keep", {}),
+    ("drain", "keep", PAGED)])
+def test_forked_samples_record_exact_versions_across_updates(setup, mode, kv_policy, cache):
+  v0, v1 = setup["sampler_params"]
+  groups, engine = _groups(setup, ScriptedPublisher(v0, v1, switch_after=3), mode, n=4,
+                           kv_policy=kv_policy, **cache)
+  assert engine.stats.forked_rows > 0 and engine.stats.swaps == 1
+  for r in (r for rollouts in groups.values() for r in rollouts):
+    versions = r.token_versions
+    assert np.all(np.diff(versions) >= 0) and set(versions) <= {0, 1}
+    n0 = int(np.sum(versions == 0))
+    # Tokens sampled under v0 carry v0's probability; after the swap too when
+    # the keys and values are v1's (recomputed, or a segment pinned to v1).
+    np.testing.assert_allclose(teacher_forced(setup, r, 0)[:n0], r.behaviour_logprobs[:n0],
+                               atol=1e-5)
+    if kv_policy == "recompute" or n0 == 0:
+      np.testing.assert_allclose(teacher_forced(setup, r, 1)[n0:], r.behaviour_logprobs[n0:],
+                                 atol=1e-5)
+  if cache:
+    _check_pages(engine)
