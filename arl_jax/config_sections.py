@@ -161,6 +161,9 @@ class SamplerSection:
   # The samples of a group are prefilled once; the others start from that
   # prefill (and, paged, share the prompt's pages): `sampler/engine.py`.
   share_prompts: bool = True
+  # Decode steps per device call while nothing waits between steps (one host
+  # round trip per burst; a publish or new work waits for the burst's end).
+  decode_burst: int = 1
 
   def __post_init__(self):
     object.__setattr__(self, "prompt_buckets", tuple(int(b) for b in self.prompt_buckets))
@@ -171,6 +174,8 @@ class SamplerSection:
            "sampler.kv_memory_fraction", "sizes a paged KV pool: it needs kv_cache='paged'")
     _check(not (self.kv_memory_fraction and self.kv_pages), "sampler.kv_memory_fraction",
            f"and sampler.kv_pages={self.kv_pages} both size the pool: set one of them")
+    _check(isinstance(self.decode_burst, int) and self.decode_burst >= 1,
+           "sampler.decode_burst", f"must be an int >= 1, got {self.decode_burst!r}")
     _check(isinstance(self.share_prompts, bool), "sampler.share_prompts",
            f"must be True or False, got {self.share_prompts!r}")
     _check(self.kv_cache in engine_config.KV_CACHES, "sampler.kv_cache",

@@ -33,26 +33,23 @@ import argparse
 import json
 import os
 import sys
-import threading
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
-from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import (
   engine_config,
   insert_batch,
   kv_slots,
   page_pool,
-  sampling,
   slot_fns,
   token_draw,
 )
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import engine_harness  # noqa: E402  (benchmarks/engine_harness.py)
 import report  # noqa: E402  (benchmarks/report.py, run as a script)
 import sampler as sampler_bench  # noqa: E402  (benchmarks/sampler.py: models, roofline)
 
@@ -112,56 +109,10 @@ def decode_step(cfg, meshes, graphdef, params, ecfg, live, repeats):
 # -- 2. Long-tailed completions at one KV memory budget ---------------------------------
 
 
-class _Requests:
-  """One-rollout groups with the given completion budgets, as fast as asked."""
-
-  def __init__(self, budgets, prompt_len):
-    self._budgets = budgets
-    self._prompts = np.random.default_rng(3).integers(0, 256, (len(budgets), prompt_len))
-    self._next = 0
-    self._lock = threading.Lock()
-
-  def take(self, max_groups, live_version, timeout):
-    with self._lock:
-      n = min(max_groups, len(self._budgets) - self._next)
-      ids = range(self._next, self._next + n)
-      self._next += n
-    if n == 0:
-      time.sleep(timeout)
-    return [dispatcher_lib.GroupRequest(
-        group_id=i, prompt=i, prompt_ids=tuple(int(t) for t in self._prompts[i]),
-        dispatch_version=live_version, group_size=1, dispatch_time=time.monotonic(),
-        max_new_tokens=int(self._budgets[i])) for i in ids]
-
-  def note_sampling(self, group_id, version):
-    pass
-
-
-class _Params:
-  def __init__(self, params):
-    self._params = params
-
-  def latest(self):
-    return 0, self._params
-
-
 def long_tail(cfg, meshes, graphdef, params, ecfg, budgets):
   """Runs the engine until every request is done; its stats and wall seconds."""
-  done = []
-  # EOS can end a completion early; a token id outside the model's vocabulary never comes.
-  settings = sampling.SamplingSettings(eos_id=10 ** 6, pad_id=SETTINGS.pad_id)
-  engine = engine_lib.SamplerEngine(
-      cfg=ecfg, settings=settings, graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
-      publisher=_Params(params), dispatcher=_Requests(budgets, PROMPT),
-      on_segment_fn=done.append)
-  start = time.perf_counter()
-  engine.start()
-  while len(done) < len(budgets):
-    engine.raise_if_failed()
-    time.sleep(0.02)
-  seconds = time.perf_counter() - start
-  engine.stop()
-  return engine.stats, seconds
+  return engine_harness.run_engine(cfg, meshes, graphdef, params, ecfg, budgets,
+                                   prompt_len=PROMPT, pad_id=SETTINGS.pad_id)
 
 
 # -- 3. A group's prefill ------------------------------------------------------------------
@@ -281,7 +232,7 @@ def main() -> None:
                                         prompt_buckets=(prompt_len,), max_new_tokens=63,
                                         context_bucket=1, kv_cache=kv_cache, page_size=16)
       seconds = {how: group_prefill(cfg, meshes, graphdef, params, ecfg, group, how,
-                                    repeats=2 if args.quick else 3)
+                                    repeats=1 if args.quick else 3)
                  for how in ("one", "each", "shared")}
       emit({"benchmark": "long_context", "part": "group_prefill", "model": name,
             "kv_cache": kv_cache, "group": group, "prompt_tokens": prompt_len,

@@ -1,8 +1,10 @@
 r"""Sampler engine benchmarks: KV cache vs recompute, continuous vs static
-batching, roofline fraction, and the pause of an in-flight weight swap.
+batching, roofline fraction, the pause of an in-flight weight swap, and the
+engine's tokens/s with decode bursts (several steps per device call).
 
   python benchmarks/sampler.py --out=/tmp/sampler.jsonl          # ~10 min on 2 cores
   python benchmarks/sampler.py --quick                           # seconds, tiny model
+  python benchmarks/sampler.py --parts=engine_burst              # some parts only
 
 Every number is measured in this run, side by side, after a warm-up call that
 compiles; timings are medians of repeats where cheap, else one timed run.
@@ -36,6 +38,7 @@ from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import engine_harness  # noqa: E402  (benchmarks/engine_harness.py)
 import report  # noqa: E402  (benchmarks/report.py, run as a script)
 
 PAD, EOS = 256, 258
@@ -247,6 +250,31 @@ def dataclasses_snapshot(stats):
           "decode_seconds": stats.decode_seconds, "steps": stats.steps}
 
 
+# -- 5. The engine with decode bursts --------------------------------------------------
+
+
+def engine_bursts(cfg, meshes, graphdef, params, num_slots, budgets, bursts, prompt_len):
+  """The engine's sampling tokens/s (busy time: decode, prefill, swaps; the
+  compiles before its first admission excluded) and device calls per token,
+  at each `decode_burst`, on the same requests."""
+  rows = []
+  for burst in bursts:
+    ecfg = engine_config.EngineConfig(num_slots=num_slots, group_size=1,
+                                      prompt_buckets=(prompt_len,),
+                                      max_new_tokens=int(budgets.max()), precompile=True,
+                                      decode_burst=burst)
+    stats, _ = engine_harness.run_engine(cfg, meshes, graphdef, params, ecfg, budgets,
+                                         prompt_len=prompt_len, pad_id=PAD)
+    rows.append({"decode_burst": burst, "tokens": stats.sampled_tokens,
+                 "tokens_per_s": round(stats.sampled_tokens / stats.busy_seconds, 1),
+                 "decode_calls": stats.model_passes,
+                 "steps_per_call": round(stats.steps / max(stats.model_passes, 1), 2),
+                 "decode_s": round(stats.decode_seconds, 2),
+                 "prefill_s": round(stats.prefill_seconds, 2),
+                 "occupancy": round(stats.occupancy, 3)})
+  return rows
+
+
 # -- main -----------------------------------------------------------------------------
 
 
@@ -254,7 +282,10 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="tiny model, small sizes")
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
+  parser.add_argument("--parts", default="kv_vs_no_cache,continuous_vs_static,engine_burst",
+                      help="comma-separated parts (continuous_vs_static includes swap_pause)")
   args = parser.parse_args()
+  parts = set(args.parts.split(","))
   rows = []
   emit = lambda row: (rows.append(row), print(json.dumps(row), flush=True))
   prompt_len, new_tokens = 16, (16 if args.quick else 128)
@@ -265,7 +296,7 @@ def main() -> None:
         "read_gbps": round(bytes_peak / 1e9, 2)})
   for name in sizes:
     cfg, meshes, graphdef, params = _model(name, prompt_len + 256)
-    for b in slot_counts[name]:
+    for b in slot_counts[name] if "kv_vs_no_cache" in parts else ():
       fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
                                         settings=SETTINGS, num_slots=b,
                                         length=prompt_len + new_tokens)
@@ -295,7 +326,7 @@ def main() -> None:
     fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
                                       settings=SETTINGS, num_slots=b, length=prompt_len + 256)
     prompts = _prompts(n, prompt_len, seed=2)
-    if name != "50M":
+    if name != "50M" and "continuous_vs_static" in parts:
       batching(fns, params, prompts, lengths, b, continuous=True)  # compile all inserts
       cont = batching(fns, params, prompts, lengths, b, continuous=True)
       static = batching(fns, params, prompts, lengths, b, continuous=False)
@@ -313,6 +344,20 @@ def main() -> None:
                                           3),
               "pause_fraction_of_decode": round(
                   stats["swap_seconds"] / max(stats["decode_seconds"], 1e-9), 4)})
+  # The engine's own tokens/s with decode bursts (3.2M: the host's share of a
+  # small model's step is largest).
+  name = "tiny" if args.quick else "3M"
+  cfg, meshes, graphdef, params = _model(name, prompt_len + 256)
+  rng = np.random.default_rng(5)
+  n, slots = (16, 4) if args.quick else (256, 32)
+  budgets = np.clip(rng.lognormal(np.log(64), 0.7, n), 8, 256).astype(np.int32)
+  first = None
+  bursts = (1, 4, 8) if "engine_burst" in parts else ()
+  for row in engine_bursts(cfg, meshes, graphdef, params, slots, budgets, bursts, prompt_len):
+    first = first or row
+    emit({"benchmark": "sampler", "part": "engine_burst", "model": name, "slots": slots,
+          "requests": n, "median_len": int(np.median(budgets)), **row,
+          "vs_burst_1": round(row["tokens_per_s"] / first["tokens_per_s"], 2)})
   print()
   for part in dict.fromkeys(r["part"] for r in rows):
     report.print_table([r for r in rows if r["part"] == part], title=part)

@@ -80,7 +80,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # kv_memory_fraction of a sampler device's memory, 0: off).
       kv_cache="dense", page_size=16, kv_pages=0, kv_memory_fraction=0.0,
       # One prefill per group: its samples start from it (share the prompt pages).
-      share_prompts=True))
+      share_prompts=True,
+      # Decode steps per device call while nothing waits between them.
+      decode_burst=1))
 
   config.orchestrator = ml_collections.ConfigDict(dict(
       batch_size=64, group_size=8, max_async_level=2, max_off_policy_steps=4,

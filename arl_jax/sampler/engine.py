@@ -85,8 +85,6 @@ class SamplerEngine:
       stop_ids_fn: prompt record -> the stop tokens (of `settings.stop_ids`)
         that end its segments; None: all of them, for every prompt.
     """
-    if cfg.num_slots < cfg.group_size:
-      raise ValueError(f"num_slots={cfg.num_slots} must be >= group_size={cfg.group_size}")
     self._cfg = cfg
     self._settings = settings
     self._weights = publisher
@@ -115,8 +113,7 @@ class SamplerEngine:
     self._slots: list[waiting_rows.Row | None] = [None] * cfg.num_slots
     self._waiting = waiting_rows.WaitingRows()
     self._stop_rows = np.zeros((cfg.num_slots,), bool)
-    self._no_rows = None
-    self._all_rows = None
+    self._no_rows = self._all_rows = None  # `[B]` bool on the device: no slot, every slot
     self._done = np.zeros((cfg.num_slots,), bool)
     self._version_scalar = None
     self.version: int | None = None  # the live version
@@ -375,12 +372,13 @@ class SamplerEngine:
 
   def _step(self) -> None:
     start = time.monotonic()
-    self._kv.grow(self._slots, self._done, self._preempt)
+    versions = self._updates.decode_versions(
+        (row.version for row in self._slots if row is not None), self.version)
+    steps = self._burst(versions)
+    self._kv.grow(self._slots, self._done, self._preempt, steps)
     self._sync_pages()
     occupied = np.array([row is not None for row in self._slots])
     stop_rows = self._rows_array(self._stop_rows) if self._stop_rows.any() else self._no_rows
-    versions = self._updates.decode_versions(
-        (row.version for row in self._slots if row is not None), self.version)
     for i, version in enumerate(versions):
       mine = occupied if len(versions) == 1 else np.array(
           [row is not None and row.version == version for row in self._slots])
@@ -389,18 +387,21 @@ class SamplerEngine:
       self._state, passes = self._kv.decode(
           self._fns, self._updates.params(version), version_scalar, self._state,
           stop_rows if i == 0 else self._no_rows, self._no_rows,
-          self._all_rows if len(versions) == 1 else self._rows_array(mine), mine, self._slots)
+          self._all_rows if len(versions) == 1 else self._rows_array(mine), mine, self._slots,
+          steps)
       self.stats.model_passes += passes
     self._stop_rows[:] = False
-    for row in self._slots:
-      if row is not None:
-        row.sampled += 1
-    # One small host sync per step: which slots finished.
+    for row in filter(None, self._slots):
+      row.sampled += steps
+    # One small host sync per call: which slots finished.
     self._done = np.array(self._state.done)
-    self.stats.steps += 1
-    self.stats.slot_steps += self._cfg.num_slots
-    self.stats.occupied_slot_steps += int(occupied.sum())
-    self.stats.decode_seconds += time.monotonic() - start
+    self.stats.count_decode(steps, self._cfg.num_slots, int(occupied.sum()), start)
+
+  def _burst(self, versions) -> int:
+    """`decode_burst` steps unless rows, cancellations or versions wait: 1."""
+    with self._lock:
+      waits = bool(self._waiting) or bool(self._cancel_requests) or len(versions) > 1
+    return 1 if waits else self._cfg.decode_burst
 
   def _harvest(self) -> None:
     finished = [i for i, row in enumerate(self._slots) if row is not None and self._done[i]]
@@ -440,9 +441,8 @@ class SamplerEngine:
     row = self._slots[slot]
     self.stats.sampled_tokens += kv_slots.keep_open_segment(row.episode, tokens, logprobs,
                                                             versions)
-    now = time.monotonic()
-    row.episode.timings["generating"] += now - row.start_time
-    row.ready_time = now
+    row.ready_time = time.monotonic()
+    row.episode.timings["generating"] += row.ready_time - row.start_time
     self._free_slot(slot)
     self._stop_rows[slot] = True  # the next decode ends it on the device
     self._waiting.push_front([row])

@@ -46,6 +46,11 @@ class EngineConfig:
     share_prompts: rows admitted together with the same context (a group's
       samples) are prefilled once and the others start from that prefill
       (`sampling.fork`); paged, they share the prompt's pages.
+    decode_burst: decode steps one device call takes while nothing waits
+      for the engine between steps (no row to admit, no cancellation, one
+      version to decode): one host round trip per `decode_burst` tokens. A
+      publish, a cancellation, new work or a checkpoint pause waits for the
+      burst to end; a slot that finishes inside one idles until then.
   """
 
   num_slots: int
@@ -62,6 +67,7 @@ class EngineConfig:
   page_size: int = 16
   num_pages: int = 0
   share_prompts: bool = True
+  decode_burst: int = 1
 
   def __post_init__(self):
     weight_updates.check_names(self.weight_update, self.kv_policy)
@@ -73,6 +79,10 @@ class EngineConfig:
       raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
     if self.page_size < 1:
       raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+    if self.num_slots < self.group_size:
+      raise ValueError(f"num_slots={self.num_slots} must be >= group_size={self.group_size}")
+    if self.decode_burst < 1:
+      raise ValueError(f"decode_burst must be >= 1, got {self.decode_burst}")
     if self.paged and self.num_pages and self.num_pages - 1 < self.pages_per_slot:
       raise ValueError(
           f"kv_pages={self.num_pages} cannot hold one sequence of the longest length: a slot "

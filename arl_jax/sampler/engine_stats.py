@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import time
 
 
 @dataclasses.dataclass
@@ -49,6 +50,13 @@ class EngineStats:
     budget = row.budget or (row.episode.budget(max_new_tokens) - row.episode.length)
     self.cancelled_tokens += max(budget - row.sampled, 0)
     self.cancelled_sampled_tokens += row.sampled
+
+  def count_decode(self, steps: int, num_slots: int, occupied: int, start: float) -> None:
+    """Counts a decode call of `steps` steps begun at `start` (`time.monotonic`)."""
+    self.steps += steps
+    self.slot_steps += steps * num_slots
+    self.occupied_slot_steps += steps * occupied
+    self.decode_seconds += time.monotonic() - start
 
   @property
   def busy_seconds(self) -> float:

@@ -57,20 +57,21 @@ class DenseSlots:
   def release(self, slot: int) -> None:
     del slot
 
-  def grow(self, rows: Sequence, done, preempt: Callable[[int], None]) -> None:
-    """Before a decode step: room for every live slot's next write."""
-    del rows, done, preempt
+  def grow(self, rows: Sequence, done, preempt: Callable[[int], None], steps: int = 1) -> None:
+    """Before a decode call of `steps` steps: room for every live slot's writes."""
+    del rows, done, preempt, steps
 
   def width(self, rows: Sequence) -> int | None:
     """The width (columns) a recompute of the occupied `rows` reads (None: all)."""
     del rows
 
-  def decode(self, fns, params, version, state, stop_rows, no_rows, rows_mask, mine, rows):
-    """One decode step of the slots `mine` (`[B]` bool; `rows_mask` the same
-    on the device) under `params`; `stop_rows` ends slots first, `no_rows`
-    ends none. Returns the state and the model passes run."""
+  def decode(self, fns, params, version, state, stop_rows, no_rows, rows_mask, mine, rows,
+             steps: int = 1):
+    """`steps` decode steps of the slots `mine` (`[B]` bool; `rows_mask` the
+    same on the device) under `params`; `stop_rows` ends slots first,
+    `no_rows` ends none. Returns the state and the model calls made."""
     del no_rows, mine, rows
-    return fns.decode(params, version, state, stop_rows, rows_mask), 1
+    return fns.decode(params, version, state, stop_rows, rows_mask, steps=steps), 1
 
   def sync(self, fns, state):
     """`state` with the device's page table brought up to date."""
@@ -106,39 +107,49 @@ class PagedSlots(DenseSlots):
   def release(self, slot: int) -> None:
     self.pool.release(slot)
 
-  def grow(self, rows: Sequence, done, preempt: Callable[[int], None]) -> None:
-    """Gives every live slot the page its next write lands in, calling
-    `preempt(slot)` on the youngest live slot while the pool has none free
-    (`preempt` must free the slot: `rows[slot]` None afterwards)."""
+  def grow(self, rows: Sequence, done, preempt: Callable[[int], None], steps: int = 1) -> None:
+    """Gives every live slot the pages its next `steps` writes land in (up to
+    its last writable column), calling `preempt(slot)` on the youngest live
+    slot while the pool has none free (`preempt` must free the slot:
+    `rows[slot]` None afterwards)."""
     for slot, row in enumerate(rows):
       if row is None or done[slot]:
         continue
-      while rows[slot] is row and not self.pool.take(slot, row.last_column, row.last_column):
+      first = row.last_column
+      last = max(first, min(first + steps - 1, self._last_write(row)))
+      while rows[slot] is row and not self.pool.take(slot, first, last):
         live = [s for s, r in enumerate(rows) if r is not None and not done[s]]
         preempt(max(live, key=lambda s: (rows[s].start_time, s)))
+
+  def _last_write(self, row) -> int:
+    """The last column `row` can write keys and values at: the one before
+    its last sampled token's (`sampling.insert`'s `limit`)."""
+    return min(row.bucket + row.budget - 1, self._cfg.length - 1) - 1
 
   def width(self, rows: Sequence) -> int:
     last = max((row.last_column for row in rows if row is not None), default=0)
     return self._cfg.width_for(last)
 
-  def decode(self, fns, params, version, state, stop_rows, no_rows, rows_mask, mine, rows):
+  def decode(self, fns, params, version, state, stop_rows, no_rows, rows_mask, mine, rows,
+             steps: int = 1):
     del rows_mask
     passes = 0
-    for width, slots in self.classes(rows, np.flatnonzero(mine)):
+    for width, slots in self.classes(rows, np.flatnonzero(mine), steps):
       state = fns.decode_rows(params, version, state, stop_rows if passes == 0 else no_rows,
-                              slots, width=width)
+                              slots, width=width, steps=steps)
       passes += 1
     return state, passes
 
-  def classes(self, rows: Sequence, slots) -> list[tuple[int, np.ndarray]]:
-    """`(width, slot indices)` of the calls that decode `slots`: slots grouped
-    by the width their last column needs, a group merged into the next wider
+  def classes(self, rows: Sequence, slots, steps: int = 1) -> list[tuple[int, np.ndarray]]:
+    """`(width, slot indices)` of the calls that decode `slots` for `steps`
+    steps: slots grouped by the width their last write needs, a group merged into the next wider
     one when one call costs less than two (a call costs its row bucket times
     its width plus `_ROW_COST` columns per row, plus `_CALL_COST`), indices
     padded to a row bucket by repeating the last."""
     groups: dict[int, list[int]] = {}
     for slot in slots:
-      groups.setdefault(self._cfg.width_for(rows[slot].last_column), []).append(int(slot))
+      last = min(rows[slot].last_column + steps - 1, self._cfg.length - 1)
+      groups.setdefault(self._cfg.width_for(last), []).append(int(slot))
     b = self._cfg.num_slots
     cost = lambda n, width: (slot_fns.row_bucket(n, b) * (width + _ROW_COST)
                              + _CALL_COST * b)

@@ -49,6 +49,7 @@ class Shapes:
     widths: the attention widths of decode and recompute (`(None,)`: dense).
     paged: whether page tables are sent (`set_pages`).
     fork: the row buckets of `fork` (shared prompts; empty when off).
+    steps: the step counts of decode calls (1, and `decode_burst`).
   """
 
   insert: tuple[tuple[int, int], ...]
@@ -57,13 +58,15 @@ class Shapes:
   widths: tuple[int | None, ...] = (None,)
   paged: bool = False
   fork: tuple[int, ...] = ()
+  steps: tuple[int, ...] = (1,)
 
   @property
-  def decode(self) -> tuple[tuple[int | None, int | None], ...]:
-    """`(rows, width)` of each decode program: dense, `decode` of every slot
-    (`(None, None)`); paged, `decode_rows` of every row bucket at each width."""
+  def decode(self) -> tuple[tuple[int | None, int | None, int], ...]:
+    """`(rows, width, steps)` of each decode program: dense, `decode` of
+    every slot (`(None, None, steps)`); paged, `decode_rows` of every row
+    bucket at each width; each at every step count."""
     rows = self.take_rows if self.paged else (None,)
-    return tuple((r, w) for w in self.widths for r in rows)
+    return tuple((r, w, n) for n in self.steps for w in self.widths for r in rows)
 
   @property
   def num_programs(self) -> int:
@@ -113,7 +116,8 @@ def engine_shapes(cfg: engine_config.EngineConfig,
       recompute=cfg.weight_update == "in_flight" and cfg.kv_policy == "recompute",
       widths=cfg.decode_widths, paged=cfg.paged,
       # Any number of rows can start from another's prefill.
-      fork=slot_fns.row_buckets(cfg.num_slots) if cfg.share_prompts else ())
+      fork=slot_fns.row_buckets(cfg.num_slots) if cfg.share_prompts else (),
+      steps=tuple(sorted({1, cfg.decode_burst})))
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
@@ -150,12 +154,13 @@ def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base
   rows = jax.ShapeDtypeStruct(state.done.shape, jnp.bool_, sharding=fns.row_sharding)
   key = jax.ShapeDtypeStruct(base_key.shape, base_key.dtype)
   lowered = []
-  for r, width in shapes.decode:
+  for r, width, steps in shapes.decode:
     if r is None:
-      lowered.append(fns.decode.lower(params, version, state, rows, rows))
+      lowered.append(fns.decode.lower(params, version, state, rows, rows, steps=steps))
     else:  # the engine passes the slot indices as a host array
       lowered.append(fns.decode_rows.lower(params, version, state, rows,
-                                           jax.ShapeDtypeStruct((r,), jnp.int32), width=width))
+                                           jax.ShapeDtypeStruct((r,), jnp.int32), width=width,
+                                           steps=steps))
   for width in shapes.widths if shapes.recompute else ():
     lowered.append(fns.recompute.lower(params, state, rows, width=width))
   if shapes.paged:

@@ -325,7 +325,7 @@ def fork(state: SlotState, base_key, src, dst, key_ids, max_new_tokens, stop_mas
 
 
 def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
-                settings: SamplingSettings) -> SlotState:
+                settings: SamplingSettings, steps: int = 1) -> SlotState:
   """Feeds each live slot's last sampled token and samples its next one.
 
   Args:
@@ -337,12 +337,25 @@ def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
     rows: `[B]` bool, slots this call decodes (all of them, except when the
       engine serves several pinned versions and calls once per version).
     settings: static sampling settings.
+    steps: static, decode steps this call takes (a loop on the device: the
+      engine's `decode_burst`, one host round trip for several tokens); a
+      slot that finishes on the way samples nothing more.
 
   Returns:
-    The SlotState with one more column sampled in every live slot of `rows`.
+    The SlotState with `steps` more columns sampled in every live slot of `rows`.
   """
   model = nnx.merge(graphdef, params)
-  state = state.replace(done=state.done | stop_rows)
+  step = lambda _, s: _decode_all(model, version, s, rows, settings)
+  return _repeat(step, state.replace(done=state.done | stop_rows), steps)
+
+
+def _repeat(step, state: SlotState, steps: int) -> SlotState:
+  """`step(i, state)` `steps` times (a device loop when more than once)."""
+  return step(0, state) if steps == 1 else jax.lax.fori_loop(0, steps, step, state)
+
+
+def _decode_all(model, version, state: SlotState, rows, settings) -> SlotState:
+  """One decode step of every live slot of `rows` (`decode_step`)."""
   b, length = state.tokens.shape
   live = ~state.done & rows
   batch_rows = jnp.arange(b)
@@ -360,7 +373,7 @@ def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
 
 
 def decode_rows(graphdef, params, version, state: SlotState, stop_rows, rows, *,
-                settings: SamplingSettings, width: int) -> SlotState:
+                settings: SamplingSettings, width: int, steps: int = 1) -> SlotState:
   """`decode_step` for the slots `rows` only, over `width` columns: a paged
   cache's pool is shared by every slot, so a call runs the model on `[R]`
   rows and reads only their pages. The engine calls it once per group of
@@ -368,13 +381,20 @@ def decode_rows(graphdef, params, version, state: SlotState, stop_rows, rows, *,
   so a step's attention follows each slot's own context, not the longest.
 
   Args:
-    graphdef, params, version, state, settings: as `decode_step` (a paged state).
+    graphdef, params, version, state, settings, steps: as `decode_step` (a
+      paged state).
     stop_rows: `[B]` bool, slots to end before this step.
     rows: `[R]` int32 slots to decode (a repeated slot gets identical results).
-    width: static, columns attended over (holds every slot's last column).
+    width: static, columns attended over (holds every slot's last column,
+      after every step).
   """
   model = nnx.merge(graphdef, params)
-  state = state.replace(done=state.done | stop_rows)
+  step = lambda _, s: _decode_rows_once(model, version, s, rows, settings, width)
+  return _repeat(step, state.replace(done=state.done | stop_rows), steps)
+
+
+def _decode_rows_once(model, version, state: SlotState, rows, settings, width) -> SlotState:
+  """One decode step of the live slots among `rows` (`decode_rows`)."""
   length = state.tokens.shape[1]
   live = ~state.done[rows]
   last = state.index[rows]

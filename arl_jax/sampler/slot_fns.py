@@ -39,10 +39,11 @@ class SamplerFns:
     fork: `(state, base_key, src, dst, key_ids, max_new, stop_mask) ->
       SlotState`, slots started on the prompt other slots were just given
       (`sampling.fork`; one program per row count).
-    decode: `(params, version, state, stop_rows, rows) -> SlotState`
-      (`sampling.decode_step`).
-    decode_rows: `(params, version, state, stop_rows, rows, width) -> SlotState`
-      (`sampling.decode_rows`, paged states; one program per row count and width).
+    decode: `(params, version, state, stop_rows, rows, steps=1) -> SlotState`
+      (`sampling.decode_step`; one program per step count).
+    decode_rows: `(params, version, state, stop_rows, rows, width, steps=1) ->
+      SlotState` (`sampling.decode_rows`, paged states; one program per row
+      count, width and step count).
     recompute: `(params, state, rows, width=None) -> SlotState`
       (`sampling.recompute_cache`).
     set_pages: `(state, page_table) -> SlotState`, a paged cache's page table
@@ -130,9 +131,10 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
       insert_from_ids=jax.jit(insert_from_ids, out_shardings=shardings, donate_argnums=2),
       fork=jax.jit(functools.partial(counters["fork"].wrap(sampling.fork), settings=settings),
                    out_shardings=shardings, donate_argnums=0),
-      decode=jax.jit(decode, out_shardings=shardings, donate_argnums=2),
+      decode=jax.jit(decode, out_shardings=shardings, donate_argnums=2,
+                     static_argnames="steps"),
       decode_rows=jax.jit(decode_rows, out_shardings=shardings, donate_argnums=2,
-                          static_argnames="width"),
+                          static_argnames=("width", "steps")),
       recompute=jax.jit(recompute, out_shardings=shardings, donate_argnums=1,
                         static_argnames="width"),
       set_pages=jax.jit(counters["set_pages"].wrap(sampling.set_page_table),

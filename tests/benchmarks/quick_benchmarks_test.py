@@ -14,7 +14,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 @pytest.mark.parametrize("script, parts", [
     ("benchmarks/sampler.py", {"machine", "kv_vs_no_cache", "continuous_vs_static",
-                               "swap_pause"}),
+                               "swap_pause", "engine_burst"}),
     ("benchmarks/async_vs_sync.py", None),
     ("benchmarks/orchestrator.py", None),
     ("benchmarks/learner.py", None),

@@ -38,6 +38,22 @@ def _groups(setup, publisher, mode="in_flight", n=4, **options):
   return groups, engine
 
 
+def assert_exact_versions(setup, groups, kv_policy):
+  """Every rollout of `groups` (`{group id: rollouts}`, sampled across a swap
+  from v0 to v1) records rising versions, and log-probs of the params that
+  ran: v0's for its v0 tokens, v1's for the rest when the keys and values
+  were v1's too (recomputed, or a segment pinned to v1)."""
+  for r in (r for rollouts in groups.values() for r in rollouts):
+    versions = r.token_versions
+    assert np.all(np.diff(versions) >= 0) and set(versions) <= {0, 1}
+    n0 = int(np.sum(versions == 0))
+    np.testing.assert_allclose(teacher_forced(setup, r, 0)[:n0], r.behaviour_logprobs[:n0],
+                               atol=1e-5)
+    if kv_policy == "recompute" or n0 == 0:
+      np.testing.assert_allclose(teacher_forced(setup, r, 1)[n0:], r.behaviour_logprobs[n0:],
+                                 atol=1e-5)
+
+
 def test_paged_engines_sample_what_the_dense_engine_samples(setup):
   v0, _ = setup["sampler_params"]
   dense, _ = _groups(setup, ScriptedPublisher(v0, None, 0))

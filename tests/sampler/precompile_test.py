@@ -139,14 +139,16 @@ def test_no_compile_after_the_first_admission(setup):
 
 
 def test_a_paged_engine_compiles_every_width_and_the_page_table_up_front(setup):
-  options = dict(kv_cache="paged", page_size=4, kv_policy="recompute")
+  options = dict(kv_cache="paged", page_size=4, kv_policy="recompute", decode_burst=2)
   engine, late = _run(setup, precompile_shapes=True, total=12, **options)
   assert late == []
   cfg = engine_config.EngineConfig(num_slots=SLOTS, group_size=1, prompt_buckets=(PROMPT_LEN,),
                                    max_new_tokens=NEW, **options)
   assert cfg.decode_widths == (8, 16, 24)  # 6 + 8 + 8 columns -> 24, 6 pages
   shapes = precompile.engine_shapes(cfg)
-  # decode_rows at 1, 2 and 4 rows x 3 widths; recompute at each width.
-  assert engine.stats.precompiled_programs == shapes.num_programs == 3 + 3 + 3 + 3 * 3 + 3 + 1
-  assert engine.traces() == {"init": 1, "insert": 3, "fork": 3, "decode": 9, "recompute": 3,
+  # decode_rows at 1, 2 and 4 rows x 3 widths x 1 or 2 steps (bursts);
+  # recompute at each width.
+  assert engine.stats.precompiled_programs == shapes.num_programs == (
+      3 + 3 + 3 + 3 * 3 * 2 + 3 + 1)
+  assert engine.traces() == {"init": 1, "insert": 3, "fork": 3, "decode": 18, "recompute": 3,
                              "set_pages": 1, "take_rows": 3}

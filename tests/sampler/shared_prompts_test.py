@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from arl_jax.testing import tiny
-from tests.sampler.engine_test import ScriptedPublisher, _engine, _run_until, teacher_forced
-from tests.sampler.paged_engine_test import _check_pages
+from tests.sampler.engine_test import ScriptedPublisher, teacher_forced
+from tests.sampler.paged_engine_test import _check_pages, _groups, assert_exact_versions
 
 PAGED = dict(kv_cache="paged", page_size=4)
 
@@ -16,14 +16,6 @@ PAGED = dict(kv_cache="paged", page_size=4)
 @pytest.fixture(scope="module")
 def setup():
   return tiny.two_published_versions()
-
-
-def _groups(setup, publisher, mode="in_flight", n=4, **options):
-  groups = {}
-  engine = _engine(publisher, setup, mode, lambda req, rs: groups.setdefault(req.group_id, rs),
-                   max_async_level=1, **options)
-  _run_until(engine, lambda: len(groups) >= n)
-  return groups, engine
 
 
 @pytest.mark.parametrize("cache", [{}, PAGED], ids=["dense", "paged"])
@@ -54,16 +46,6 @@ def test_forked_samples_record_exact_versions_across_updates(setup, mode, kv_pol
   groups, engine = _groups(setup, ScriptedPublisher(v0, v1, switch_after=3), mode, n=4,
                            kv_policy=kv_policy, **cache)
   assert engine.stats.forked_rows > 0 and engine.stats.swaps == 1
-  for r in (r for rollouts in groups.values() for r in rollouts):
-    versions = r.token_versions
-    assert np.all(np.diff(versions) >= 0) and set(versions) <= {0, 1}
-    n0 = int(np.sum(versions == 0))
-    # Tokens sampled under v0 carry v0's probability; after the swap too when
-    # the keys and values are v1's (recomputed, or a segment pinned to v1).
-    np.testing.assert_allclose(teacher_forced(setup, r, 0)[:n0], r.behaviour_logprobs[:n0],
-                               atol=1e-5)
-    if kv_policy == "recompute" or n0 == 0:
-      np.testing.assert_allclose(teacher_forced(setup, r, 1)[n0:], r.behaviour_logprobs[n0:],
-                                 atol=1e-5)
+  assert_exact_versions(setup, groups, kv_policy)
   if cache:
     _check_pages(engine)

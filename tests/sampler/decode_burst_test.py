@@ -1,0 +1,54 @@
+"""Decode bursts (`EngineConfig.decode_burst`): several decode steps per
+device call while nothing waits between them sample exactly what single
+steps sample, dense or paged, and a swap, a cancellation or new work waits
+for the burst's end only."""
+
+import numpy as np
+import pytest
+
+from arl_jax.sampler import engine_config, precompile
+from arl_jax.testing import tiny
+from tests.sampler.engine_test import ScriptedPublisher, teacher_forced
+from tests.sampler.paged_engine_test import SMALL_POOL, _check_pages, _groups, assert_exact_versions
+
+PAGED = dict(kv_cache="paged", page_size=4)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  return tiny.two_published_versions()
+
+
+@pytest.mark.parametrize("cache", [{}, SMALL_POOL], ids=["dense", "paged_preempting"])
+def test_bursts_sample_what_single_steps_sample(setup, cache):
+  v0, _ = setup["sampler_params"]
+  single, one = _groups(setup, ScriptedPublisher(v0, None, 0), **cache)
+  burst, engine = _groups(setup, ScriptedPublisher(v0, None, 0), decode_burst=4, **cache)
+  # Fewer device calls (and host round trips) than tokens.
+  assert engine.stats.model_passes < one.stats.model_passes
+  for gid in range(4):
+    for a, b in zip(single[gid], burst[gid]):
+      np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+      np.testing.assert_allclose(b.behaviour_logprobs, a.behaviour_logprobs, atol=1e-5)
+      np.testing.assert_allclose(teacher_forced(setup, b, 0), b.behaviour_logprobs, atol=1e-5)
+  if cache:
+    _check_pages(engine)
+
+
+@pytest.mark.parametrize("mode,kv_policy", [("in_flight", "recompute"), ("pinned", "keep")])
+def test_a_swap_between_bursts_records_exact_versions(setup, mode, kv_policy):
+  v0, v1 = setup["sampler_params"]
+  groups, engine = _groups(setup, ScriptedPublisher(v0, v1, switch_after=3), mode,
+                           kv_policy=kv_policy, decode_burst=3, **PAGED)
+  assert engine.stats.swaps == 1
+  assert_exact_versions(setup, groups, kv_policy)
+
+
+def test_an_engine_with_bursts_compiles_both_step_counts():
+  cfg = engine_config.EngineConfig(num_slots=4, group_size=1, prompt_buckets=(6,),
+                                   max_new_tokens=8, kv_cache="paged", page_size=4,
+                                   decode_burst=4)
+  shapes = precompile.engine_shapes(cfg)
+  assert shapes.steps == (1, 4)
+  assert sorted({s for _, _, s in shapes.decode}) == [1, 4]
+  assert len(shapes.decode) == 2 * len(shapes.take_rows) * len(cfg.decode_widths)
