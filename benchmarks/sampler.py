@@ -352,7 +352,7 @@ def main() -> None:
   n, slots = (16, 4) if args.quick else (256, 32)
   budgets = np.clip(rng.lognormal(np.log(64), 0.7, n), 8, 256).astype(np.int32)
   first = None
-  bursts = (1, 4, 8) if "engine_burst" in parts else ()
+  bursts = ((1, 4) if args.quick else (1, 4, 8)) if "engine_burst" in parts else ()
   for row in engine_bursts(cfg, meshes, graphdef, params, slots, budgets, bursts, prompt_len):
     first = first or row
     emit({"benchmark": "sampler", "part": "engine_burst", "model": name, "slots": slots,

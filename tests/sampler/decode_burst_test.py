@@ -19,10 +19,17 @@ def setup():
   return tiny.two_published_versions()
 
 
-@pytest.mark.parametrize("cache", [{}, SMALL_POOL], ids=["dense", "paged_preempting"])
-def test_bursts_sample_what_single_steps_sample(setup, cache):
+@pytest.fixture(scope="module")
+def single_steps(setup):
+  """The dense engine's groups, one decode step per call (the reference)."""
   v0, _ = setup["sampler_params"]
-  single, one = _groups(setup, ScriptedPublisher(v0, None, 0), **cache)
+  return _groups(setup, ScriptedPublisher(v0, None, 0))
+
+
+@pytest.mark.parametrize("cache", [{}, SMALL_POOL], ids=["dense", "paged_preempting"])
+def test_bursts_sample_what_single_steps_sample(setup, single_steps, cache):
+  v0, _ = setup["sampler_params"]
+  single, one = single_steps
   burst, engine = _groups(setup, ScriptedPublisher(v0, None, 0), decode_burst=4, **cache)
   # Fewer device calls (and host round trips) than tokens.
   assert engine.stats.model_passes < one.stats.model_passes
@@ -32,6 +39,7 @@ def test_bursts_sample_what_single_steps_sample(setup, cache):
       np.testing.assert_allclose(b.behaviour_logprobs, a.behaviour_logprobs, atol=1e-5)
       np.testing.assert_allclose(teacher_forced(setup, b, 0), b.behaviour_logprobs, atol=1e-5)
   if cache:
+    assert engine.stats.preemptions > 0
     _check_pages(engine)
 
 
