@@ -171,7 +171,7 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
   sampler_devices, sampler_shape = _check_meshes(spec, parts, devices)
   if parts["sampler"].kv_memory_fraction:
     spec = _size_kv_pool(spec, parts["sampler"].kv_memory_fraction, sampler_shape.get("tp", 1),
-                         device_memory or _reported_memory(sampler_devices))
+                         device_memory or reported_memory(sampler_devices))
   return Resolved(spec=spec, inputs=inputs)
 
 
@@ -337,7 +337,7 @@ def _check_meshes(spec: RunSpec, parts: dict, devices: Sequence | None) -> tuple
   return sampler_devs, sampler_shape
 
 
-def _reported_memory(devices: Sequence) -> int | None:
+def reported_memory(devices: Sequence) -> int | None:
   """Bytes of memory the first of `devices` reports (None: planned devices,
   or a backend that reports none, like the CPU)."""
   stats = getattr(devices[0], "memory_stats", lambda: None)() if devices else None

@@ -97,8 +97,7 @@ def dry_run(config, num_devices: int | None, print_fn=print,
 
   memory = None if device_gib is None else int(device_gib * 2**30)
   if memory is None and num_devices is None:
-    # Real devices: their memory limit, where the backend reports one.
-    memory = (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    memory = config_lib.reported_memory(jax.devices())  # (None on CPU)
   spec = config_lib.build(config, None if num_devices is None else list(range(num_devices)),
                           device_memory=memory)
   print_fn("resolved config:\n" + str(config))

@@ -48,6 +48,12 @@ class Admission:
   forks: list[tuple[int, int, int, waiting_rows.Row]]
   waiting: list[waiting_rows.Row]
 
+  @property
+  def rows(self) -> list[waiting_rows.Row]:
+    """Every admitted row, inserted or forked."""
+    return ([row for items in self.inserts.values() for _, row in items]
+            + [row for *_, row in self.forks])
+
 
 def plan(free_slots: list[int], rows: list[waiting_rows.Row], cfg: engine_config.EngineConfig,
          kv: kv_slots.DenseSlots) -> Admission:
@@ -55,12 +61,12 @@ def plan(free_slots: list[int], rows: list[waiting_rows.Row], cfg: engine_config
   slot) in `free_slots`, taking their KV room from `kv` as it goes."""
   inserts = collections.defaultdict(list)
   forks = []
-  sources: dict[tuple[int, ...], int] = {}  # a shareable context -> the slot prefilling it
+  prefilled: dict[tuple[int, ...], int] = {}  # a shareable context -> the slot prefilling it
   for i, (slot, row) in enumerate(zip(free_slots, rows)):
     context = tuple(row.episode.context_ids())
     bucket = cfg.bucket_for(len(context))
     shareable = cfg.share_prompts and not row.episode.open_tokens
-    source = sources.get(context) if shareable else None
+    source = prefilled.get(context) if shareable else None
     if not (kv.admit(slot, len(context), bucket) if source is None
             else kv.admit_fork(slot, source, bucket)):
       return Admission(dict(inserts), forks, rows[i:])
@@ -69,5 +75,5 @@ def plan(free_slots: list[int], rows: list[waiting_rows.Row], cfg: engine_config
       continue
     inserts[bucket].append((slot, row))
     if shareable:
-      sources[context] = slot
+      prefilled[context] = slot
   return Admission(dict(inserts), forks, [])

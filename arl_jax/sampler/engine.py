@@ -300,8 +300,8 @@ class SamplerEngine:
     self._sync_pages()
     # Before any first token is sampled (under `oldest_token`, in-flight lag
     # counts from it), so that no publish in between can miss it.
-    for item in [*(i for items in admitted.inserts.values() for i in items), *admitted.forks]:
-      self._requests.note_sampling(item[-1].group_id, self.version)
+    for row in admitted.rows:
+      self._requests.note_sampling(row.group_id, self.version)
     for bucket, items in admitted.inserts.items():
       self._insert(bucket, items)
     if admitted.forks:
@@ -322,8 +322,7 @@ class SamplerEngine:
     self._occupy([(slot, bucket, row) for slot, row in items], batch.max_new, 1, start)
 
   def _fork(self, items: list[tuple[int, int, int, waiting_rows.Row]]) -> None:
-    """Starts `(slot, source slot, bucket, row)` on the prompts `_insert` just
-    gave their source slots (first tokens come with the next decode step)."""
+    """Starts forks `(slot, source, bucket, row)` from `_insert`'s rows (tokens next step)."""
     start = time.monotonic()
     batch = insert_batch.pack_fork(
         [(slot, source, row.episode) for slot, source, _, row in items],
@@ -399,9 +398,10 @@ class SamplerEngine:
 
   def _burst(self, versions) -> int:
     """`decode_burst` steps unless rows, cancellations or versions wait: 1."""
+    if self._cfg.decode_burst == 1 or self._waiting or len(versions) > 1:
+      return 1
     with self._lock:
-      waits = bool(self._waiting) or bool(self._cancel_requests) or len(versions) > 1
-    return 1 if waits else self._cfg.decode_burst
+      return 1 if self._cancel_requests else self._cfg.decode_burst
 
   def _harvest(self) -> None:
     finished = [i for i, row in enumerate(self._slots) if row is not None and self._done[i]]

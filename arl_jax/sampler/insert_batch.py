@@ -154,7 +154,8 @@ def _segment_fields(episodes, max_new_tokens: int, stop_mask_fn) -> dict:
   """`key_ids`, `max_new` and `stop_mask` of the segments `episodes` start."""
   return dict(
       key_ids=token_draw.key_ids([e.group_id for e in episodes],
-                               [e.sample_index for e in episodes], [e.turns for e in episodes]),
+                                 [e.sample_index for e in episodes],
+                                 [e.turns for e in episodes]),
       max_new=np.array([e.budget(max_new_tokens) - e.length for e in episodes], np.int32),
       stop_mask=np.stack([stop_mask_fn(e.request) for e in episodes]))
 

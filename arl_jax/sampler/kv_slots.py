@@ -142,10 +142,10 @@ class PagedSlots(DenseSlots):
 
   def classes(self, rows: Sequence, slots, steps: int = 1) -> list[tuple[int, np.ndarray]]:
     """`(width, slot indices)` of the calls that decode `slots` for `steps`
-    steps: slots grouped by the width their last write needs, a group merged into the next wider
-    one when one call costs less than two (a call costs its row bucket times
-    its width plus `_ROW_COST` columns per row, plus `_CALL_COST`), indices
-    padded to a row bucket by repeating the last."""
+    steps: slots grouped by the width their last write needs, a group merged
+    into the next wider one when one call costs less than two (a call costs
+    its row bucket times its width plus `_ROW_COST` columns per row, plus
+    `_CALL_COST`), indices padded to a row bucket by repeating the last."""
     groups: dict[int, list[int]] = {}
     for slot in slots:
       last = min(rows[slot].last_column + steps - 1, self._cfg.length - 1)

@@ -16,9 +16,9 @@ whole groups of one prompt, so single-turn admissions are multiples of the
 group size in a prompt bucket (or one row per group when its samples share
 its prefill, and `fork` any number of rows); resumed multi-turn episodes and
 episodes a checkpoint left come back in any number, with contexts in any
-continuation bucket; a harvest reads any number of slots. A paged engine decodes any row
-bucket of slots (`decode_rows`) and recomputes at every width of
-`EngineConfig.decode_widths`, and sends page tables (`set_pages`). Rows a
+continuation bucket; a harvest reads any number of slots. A paged engine
+decodes any row bucket of slots (`decode_rows`) and recomputes at every
+width of `EngineConfig.decode_widths`, and sends page tables (`set_pages`). Rows a
 paged engine preempts come back with longer contexts, in continuation
 buckets that are compiled when first used (a pool sized to need no
 preemption never uses them).

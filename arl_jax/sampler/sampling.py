@@ -279,7 +279,7 @@ def insert_from_ids(graphdef, params, version, state: SlotState, base_key, slots
 def fork(state: SlotState, base_key, src, dst, key_ids, max_new_tokens, stop_mask, *,
          settings: SamplingSettings) -> SlotState:
   """Starts slots `dst` on the prompt that slots `src` were just given by
-  `insert`: the G samples of a group share one prefill (`shared_prompts`).
+  `insert`: the G samples of a group share one prefill (`share_prompts`).
 
   A forked row takes its source's prompt columns and their keys and values
   (a paged cache shares the source's pages and copies only the page it
