@@ -271,7 +271,8 @@ def _spec(run: sections.RunSection, parts: dict, *, env, model, data, inputs) ->
                    weight_update=s.weight_update, kv_policy=s.kv_policy, seed=run.seed,
                    multi_turn=eval_env.multi_turn, precompile=s.precompile,
                    kv_cache=s.kv_cache, page_size=s.page_size, num_pages=s.kv_pages,
-                   share_prompts=s.share_prompts, decode_burst=s.decode_burst),
+                   share_prompts=s.share_prompts, decode_burst=s.decode_burst,
+                   prefill_chunk=s.prefill_chunk),
       sampler_model=dataclasses.replace(model, param_dtype=s.param_dtype),
       sampling=sampling_lib.SamplingSettings(
           temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p),

@@ -164,6 +164,9 @@ class SamplerSection:
   # Decode steps per device call while nothing waits between steps (one host
   # round trip per burst; a publish or new work waits for the burst's end).
   decode_burst: int = 1
+  # Contexts wider than this many columns are prefilled a chunk per engine
+  # iteration, between decode steps of the other slots (0: in one call).
+  prefill_chunk: int = 0
 
   def __post_init__(self):
     object.__setattr__(self, "prompt_buckets", tuple(int(b) for b in self.prompt_buckets))
@@ -176,6 +179,8 @@ class SamplerSection:
            f"and sampler.kv_pages={self.kv_pages} both size the pool: set one of them")
     _check(isinstance(self.decode_burst, int) and self.decode_burst >= 1,
            "sampler.decode_burst", f"must be an int >= 1, got {self.decode_burst!r}")
+    _check(_is_int(self.prefill_chunk) and self.prefill_chunk >= 0, "sampler.prefill_chunk",
+           f"must be an int >= 0 (0: off), got {self.prefill_chunk!r}")
     _check(isinstance(self.share_prompts, bool), "sampler.share_prompts",
            f"must be True or False, got {self.share_prompts!r}")
     _check(self.kv_cache in engine_config.KV_CACHES, "sampler.kv_cache",

@@ -25,6 +25,11 @@ Parts (every number measured in this run, side by side):
   the prompt's pages), against admitting a single prompt. Median of timed
   admissions after a compiling one; the forked samples' first tokens come
   with the next decode step, which runs for the group either way.
+- `chunked_prefill`: slots decoding short prompts when a long prompt (4,096
+  tokens) arrives, paged: prefilled in one call (`prefill_chunk=0`) or in
+  chunks between decode steps. The longest wait of a decoding slot between
+  two steps (`sampler_max_decode_gap_s`: a whole prefill, or one chunk), the
+  long prompt's time to its first token, and sampling tokens/s.
 """
 
 from __future__ import annotations
@@ -39,11 +44,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import (
   engine_config,
   insert_batch,
   kv_slots,
   page_pool,
+  sampling,
   slot_fns,
   token_draw,
 )
@@ -162,11 +170,68 @@ def group_prefill(cfg, meshes, graphdef, params, ecfg, group, how, repeats):
   return float(np.median(times[1:]))
 
 
+# -- 4. A long prompt arriving while slots decode --------------------------------------
+
+
+LONG_ID = 10 ** 6  # the long prompt's group id
+
+
+class _LongPromptLater(engine_harness.Requests):
+  """`Requests` whose last request (a long prompt, one token of budget) comes
+  once the engine has taken `after_steps` decode steps."""
+
+  def __init__(self, budgets, prompt_len, long_len, stats, after_steps):
+    super().__init__(budgets, prompt_len)
+    self._long = np.random.default_rng(5).integers(0, 256, long_len)
+    self._stats, self._after_steps = stats, after_steps
+    self.sent = self.first_token = None
+
+  def take(self, max_groups, live_version, timeout):
+    requests = super().take(max_groups, live_version, timeout)
+    if self.sent is None and self._stats().steps >= self._after_steps and max_groups > len(
+        requests):
+      self.sent = time.monotonic()
+      requests.append(dispatcher_lib.GroupRequest(
+          group_id=LONG_ID, prompt=LONG_ID, prompt_ids=tuple(int(t) for t in self._long),
+          dispatch_version=live_version, group_size=1, dispatch_time=self.sent,
+          max_new_tokens=1))
+    return requests
+
+
+def chunked_prefill(cfg, meshes, graphdef, params, ecfg, short, budget, long_len):
+  """Runs `short` requests of `budget` tokens and, once they decode, one
+  of `long_len` prompt tokens; the engine's stats, the long prompt's seconds
+  to its first token and the wall seconds."""
+  engine_box = []
+  requests = _LongPromptLater([budget] * short, PROMPT, long_len,
+                              lambda: engine_box[0].stats, after_steps=8)
+  done = []
+
+  def on_segment(episode):
+    if episode.group_id == LONG_ID:
+      requests.first_token = time.monotonic()
+    done.append(episode)
+
+  engine = engine_lib.SamplerEngine(
+      cfg=ecfg, settings=sampling.SamplingSettings(eos_id=10 ** 6, pad_id=SETTINGS.pad_id),
+      graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
+      publisher=engine_harness.Params(params), dispatcher=requests, on_segment_fn=on_segment)
+  engine_box.append(engine)
+  start = time.perf_counter()
+  engine.start()
+  while len(done) < short + 1:
+    engine.raise_if_failed()
+    time.sleep(0.01)
+  seconds = time.perf_counter() - start
+  engine.stop()
+  return engine.stats, requests.first_token - requests.sent, seconds
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="tiny model, small sizes")
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
-  parser.add_argument("--parts", default="decode_step,long_tail,group_prefill",
+  parser.add_argument("--parts", default="decode_step,long_tail,group_prefill,chunked_prefill",
                       help="comma-separated parts to run")
   args = parser.parse_args()
   parts = set(args.parts.split(","))
@@ -241,6 +306,23 @@ def main() -> None:
             "shared_ms": round(seconds["shared"] * 1e3, 1),
             "each_vs_one": round(seconds["each"] / seconds["one"], 2),
             "shared_vs_one": round(seconds["shared"] / seconds["one"], 2)})
+  if "chunked_prefill" in parts:
+    long_len, short, budget = (128, 2, 16) if args.quick else (4096, 7, 256)
+    chunks = (0, 32) if args.quick else (0, 256, 1024)
+    for chunk in chunks:
+      ecfg = engine_config.EngineConfig(
+          num_slots=short + 1, group_size=1, prompt_buckets=(PROMPT, long_len),
+          max_new_tokens=budget, context_bucket=1, kv_cache="paged", page_size=16,
+          prefill_chunk=chunk, precompile=not args.quick)
+      stats, first_token, seconds = chunked_prefill(cfg, meshes, graphdef, params, ecfg, short,
+                                                    budget, long_len)
+      emit({"benchmark": "long_context", "part": "chunked_prefill", "model": name,
+            "prefill_chunk": chunk, "decoding_slots": short, "long_prompt": long_len,
+            "max_decode_gap_ms": round(stats.max_decode_gap_seconds * 1e3, 1),
+            "long_first_token_ms": round(first_token * 1e3, 1),
+            "chunk_calls": stats.prefill_chunks,
+            "tokens_per_s": round(stats.sampled_tokens / max(stats.busy_seconds, 1e-9), 1),
+            "wall_s": round(seconds, 1)})
   print()
   for part in dict.fromkeys(r["part"] for r in rows):
     report.print_table([r for r in rows if r["part"] == part], title=part)

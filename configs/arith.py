@@ -69,7 +69,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # One prefill per group: its samples start from it (share the prompt pages).
       share_prompts=True,
       # Decode steps per device call while nothing waits between them.
-      decode_burst=1))
+      decode_burst=1,
+      # Contexts wider than this are prefilled a chunk per engine iteration,
+      # between decode steps of the other slots (0: in one call).
+      prefill_chunk=0))
 
   config.orchestrator = ml_collections.ConfigDict(dict(
       batch_size=128, group_size=8, max_async_level=1, max_off_policy_steps=8,

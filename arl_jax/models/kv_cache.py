@@ -72,6 +72,20 @@ class KVCache:
         values=tuple(v.at[dst].set(v[src]) for v in self.values),
         valid=self.valid.at[dst].set(self.valid[src] & (columns < shared[:, None])))
 
+  def rows_view(self, rows: jax.Array, valid: jax.Array) -> KVCache:
+    """The cache of rows `rows` `[R]` alone, with `valid` `[R, W]` their valid
+    columns: a model call over some slots (`sampler/prefill_chunks.py`)
+    writes it, and `put_rows` puts it back."""
+    return KVCache(keys=tuple(k[rows] for k in self.keys),
+                   values=tuple(v[rows] for v in self.values), valid=valid)
+
+  def put_rows(self, rows: jax.Array, view: KVCache, valid: jax.Array) -> KVCache:
+    """This cache with `rows_view(rows, ...)`'s updated keys and values back
+    in rows `rows`, and `valid` `[B, S]` as every row's valid columns."""
+    return self.replace(keys=tuple(k.at[rows].set(r) for k, r in zip(self.keys, view.keys)),
+                        values=tuple(v.at[rows].set(r) for v, r in zip(self.values, view.values)),
+                        valid=valid)
+
   def logical_axes(self) -> KVCache:
     """This cache's structure with each array's logical axis names in its
     place, for `rules.array_shardings` (a rule table places the heads like

@@ -101,6 +101,15 @@ class PagedKVCache:
         values=tuple(v.at[dst_pages].set(v[src_pages]) for v in self.values),
         valid=self.valid.at[dst].set(self.valid[src] & (columns < shared[:, None])))
 
+  def rows_view(self, rows: jax.Array, valid: jax.Array) -> PagedKVCache:
+    """As `KVCache.rows_view`: the rows' page tables over the shared pool."""
+    return self.replace(valid=valid, page_table=self.page_table[rows])
+
+  def put_rows(self, rows: jax.Array, view: PagedKVCache, valid: jax.Array) -> PagedKVCache:
+    """As `KVCache.put_rows`: the view wrote the pool itself."""
+    del rows
+    return self.replace(keys=view.keys, values=view.values, valid=valid)
+
   def logical_axes(self) -> PagedKVCache:
     """Each array's logical axis names (`rules.SAMPLER_RULES`): the pool's
     heads like the attention weights; pages are shared by every slot, so the

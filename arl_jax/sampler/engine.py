@@ -47,7 +47,7 @@ from jax.sharding import Mesh
 
 from arl_jax import episode as episode_lib
 from arl_jax.sampler import (
-  admission,
+  admitter,
   engine_config,
   engine_stats,
   insert_batch,
@@ -57,6 +57,7 @@ from arl_jax.sampler import (
   precompile,
   sampling,
   slot_fns,
+  slot_table,
   sources,
   waiting_rows,
   weight_updates,
@@ -88,10 +89,8 @@ class SamplerEngine:
     self._cfg = cfg
     self._settings = settings
     self._weights = publisher
-    self._requests = dispatcher
     self._on_segment_fn = on_segment_fn
-    self._stop_mask = functools.partial(insert_batch.request_stop_mask, settings,
-                                        stop_ids_fn)
+    stop_mask_fn = functools.partial(insert_batch.request_stop_mask, settings, stop_ids_fn)
     self._fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
                                           settings=settings, num_slots=cfg.num_slots,
                                           length=cfg.length, num_pages=cfg.pool_pages,
@@ -110,14 +109,18 @@ class SamplerEngine:
     self.stats = engine_stats.EngineStats(kv_pages=max(cfg.pool_pages - 1, 0))  # usable
     # Host mirror of the slots; the device SlotState is built at the first publish.
     self._state = None
-    self._slots: list[waiting_rows.Row | None] = [None] * cfg.num_slots
+    self._table = slot_table.SlotTable(cfg.num_slots)
     self._waiting = waiting_rows.WaitingRows()
-    self._stop_rows = np.zeros((cfg.num_slots,), bool)
+    self._admitter = admitter.Admitter(
+        cfg=cfg, fns=self._fns, requests=dispatcher, kv=self._kv, updates=self._updates,
+        table=self._table, waiting=self._waiting, stats=self.stats, base_key=self._base_key,
+        pad_id=settings.pad_id, stop_mask_fn=stop_mask_fn)
+    self._prefills = self._admitter.prefills
     self._no_rows = self._all_rows = None  # `[B]` bool on the device: no slot, every slot
-    self._done = np.zeros((cfg.num_slots,), bool)
     self._version_scalar = None
     self.version: int | None = None  # the live version
     self._checked_version: int | None = None
+    self._live_since: float | None = None  # end of the last decode call that left a slot live
 
   # -- control ---------------------------------------------------------------
 
@@ -188,7 +191,10 @@ class SamplerEngine:
     if self._thread is not None and self._thread.is_alive() and not self._gate.is_paused:
       raise RuntimeError("open_segments() reads the slots: hold the engine with paused()")
     self._apply_cancellations()
-    return slot_fns.open_segments(self._fns, self._state, self._slots, self._waiting)
+    # (A fork waiting for its prompt has nothing on the device yet.)
+    slots = [None if self._prefills.awaits_source(i) else row
+             for i, row in enumerate(self._table.rows)]
+    return slot_fns.open_segments(self._fns, self._state, slots, self._waiting)
 
   def metrics(self) -> dict:
     return self.stats.metrics()
@@ -205,7 +211,7 @@ class SamplerEngine:
 
   @property
   def active_slots(self) -> int:
-    return sum(row is not None for row in self._slots)
+    return self._table.active
 
   # -- loop --------------------------------------------------------------------
 
@@ -220,8 +226,10 @@ class SamplerEngine:
         if self.version is None:
           time.sleep(0.01)
           continue
-        self._take_requests()
-        self._admit()
+        self._admitter.take_requests(self.version)
+        self._state = self._admitter.admit(self._state, self.version, self._version_scalar)
+        if self._prefills:
+          self._state = self._admitter.prefill(self._state, self.version, self._version_scalar)
         if self.active_slots:
           self._step()
           self._harvest()
@@ -254,9 +262,9 @@ class SamplerEngine:
     if self.version is not None:
       self.stats.swaps += 1
       if swap is weight_updates.Swap.RECOMPUTE:
-        occupied = np.array([row is not None for row in self._slots])
+        occupied = np.array([row is not None for row in self._table.rows])
         self._state = self._fns.recompute(params, self._state, self._rows_array(occupied),
-                                          width=self._kv.width(self._slots))
+                                          width=self._kv.width(self._table.rows))
         jax.block_until_ready(self._state.cache.valid)  # so swap_seconds is the real pause
     self.version = version
     self._version_scalar = jnp.int32(version)
@@ -272,83 +280,9 @@ class SamplerEngine:
     self.stats.precompiled_programs = shapes.num_programs
 
   def _forget_unused_versions(self) -> None:
-    used = {row.version for row in self._slots if row is not None} | {self.version}
+    used = {row.version for row in self._table.rows if row is not None} | {self.version}
     held = self._updates.retain(used)
     self.stats.max_versions_held = max(self.stats.max_versions_held, held)
-
-  # -- admission ---------------------------------------------------------------
-
-  def _free_slots(self) -> list[int]:
-    return [i for i, row in enumerate(self._slots) if row is None]
-
-  def _take_requests(self) -> None:
-    for row in self._waiting.take_resumed():  # (of cancelled groups)
-      self.stats.count_cancelled(row, self._cfg.max_new_tokens)
-    if not self._updates.admission_paused:
-      # Block briefly only when there is nothing to decode.
-      idle = not self.active_slots and not self._waiting
-      self._waiting.extend(admission.take_groups(
-          self._requests, self._cfg, free=len(self._free_slots()) - len(self._waiting),
-          version=self.version, timeout=0.05 if idle else 0.0))
-
-  def _admit(self) -> None:
-    if self._updates.admission_paused or not self._waiting:
-      return
-    free = self._free_slots()
-    admitted = admission.plan(free, self._waiting.pop(len(free)), self._cfg, self._kv)
-    self._waiting.push_front(admitted.waiting)
-    self._sync_pages()
-    # Before any first token is sampled (under `oldest_token`, in-flight lag
-    # counts from it), so that no publish in between can miss it.
-    for row in admitted.rows:
-      self._requests.note_sampling(row.group_id, self.version)
-    for bucket, items in admitted.inserts.items():
-      self._insert(bucket, items)
-    if admitted.forks:
-      self._fork(admitted.forks)
-
-  def _insert(self, bucket: int, items: list[tuple[int, waiting_rows.Row]]) -> None:
-    start = time.monotonic()
-    batch = insert_batch.pack(
-        [(slot, row.episode) for slot, row in items], bucket=bucket,
-        num_slots=self._cfg.num_slots, max_new_tokens=self._cfg.max_new_tokens,
-        pad_id=self._settings.pad_id, stop_mask_fn=self._stop_mask)
-    self._state = self._fns.insert_from_ids(self._updates.params(self.version),
-                                            self._version_scalar, self._state, self._base_key,
-                                            *batch.args())
-    # Wait for the prefill so that its time is not billed to the next decode
-    # step (dispatch is asynchronous); inserts are rarer than decode steps.
-    self._done = np.array(self._state.done)  # (a first token may end a segment)
-    self._occupy([(slot, bucket, row) for slot, row in items], batch.max_new, 1, start)
-
-  def _fork(self, items: list[tuple[int, int, int, waiting_rows.Row]]) -> None:
-    """Starts forks `(slot, source, bucket, row)` from `_insert`'s rows (tokens next step)."""
-    start = time.monotonic()
-    batch = insert_batch.pack_fork(
-        [(slot, source, row.episode) for slot, source, _, row in items],
-        num_slots=self._cfg.num_slots, max_new_tokens=self._cfg.max_new_tokens,
-        stop_mask_fn=self._stop_mask)
-    self._state = self._fns.fork(self._state, self._base_key, *batch.args())
-    jax.block_until_ready(self._state.done)  # (billed to prefill, as an insert is)
-    self._occupy([(slot, bucket, row) for slot, _, bucket, row in items], batch.max_new, 0,
-                 start)
-    self.stats.forked_rows += len(items)
-
-  def _occupy(self, items: list[tuple[int, int, waiting_rows.Row]], budgets, sampled: int,
-              start: float) -> None:
-    """Puts admitted `(slot, bucket, row)` in their slots (prefill begun at `start`)."""
-    now = time.monotonic()
-    for (slot, bucket, row), budget in zip(items, budgets):
-      row.version, row.start_time, row.budget, row.sampled = self.version, now, int(budget), sampled
-      row.bucket = bucket
-      row.episode.timings["queued"] += now - row.ready_time
-      self.stats.queue_wait_seconds += now - row.ready_time
-      self.stats.resumes += row.episode.turns > 0
-      self._stop_rows[slot] = False  # (a cancelled occupant's pending stop)
-      self._done[slot] &= sampled > 0  # (a fork has sampled nothing: not done)
-      self._slots[slot] = row
-    self.stats.inserts += len(items)
-    self.stats.prefill_seconds += now - start
 
   # -- cancellation ------------------------------------------------------------
 
@@ -359,10 +293,10 @@ class SamplerEngine:
       return
     for row in self._waiting.cancel(cancelled):
       self.stats.count_cancelled(row, self._cfg.max_new_tokens)
-    for slot, row in enumerate(self._slots):
+    for slot, row in enumerate(self._table.rows):
       if row is not None and row.group_id in cancelled:
         self._free_slot(slot)  # at once; the next decode ends the sequence
-        self._stop_rows[slot] = True
+        self._table.stop[slot] = True
         self.stats.count_cancelled(row, self._cfg.max_new_tokens)
     if self._state is not None:
       self._forget_unused_versions()
@@ -371,47 +305,54 @@ class SamplerEngine:
 
   def _step(self) -> None:
     start = time.monotonic()
-    versions = self._updates.decode_versions(
-        (row.version for row in self._slots if row is not None), self.version)
+    rows = self._table.rows
+    decoding = np.flatnonzero(self._table.occupied(self._prefills.held))
+    if not len(decoding):  # (every occupied slot is prefilling)
+      return
+    versions = self._updates.decode_versions((rows[s].version for s in decoding), self.version)
     steps = self._burst(versions)
-    self._kv.grow(self._slots, self._done, self._preempt, steps)
+    self._kv.grow(rows, self._table.done, self._preempt, steps)
     self._sync_pages()
-    occupied = np.array([row is not None for row in self._slots])
-    stop_rows = self._rows_array(self._stop_rows) if self._stop_rows.any() else self._no_rows
+    held = self._prefills.held
+    occupied = self._table.occupied(held)  # (growing may have preempted some)
+    stop_rows = self._rows_array(self._table.stop) if self._table.stop.any() else self._no_rows
     for i, version in enumerate(versions):
-      mine = occupied if len(versions) == 1 else np.array(
-          [row is not None and row.version == version for row in self._slots])
+      mine = occupied if len(versions) == 1 else occupied & np.array(
+          [row is not None and row.version == version for row in rows])
       version_scalar = self._version_scalar if version == self.version else jnp.int32(version)
       # One model pass per version (per width group, paged); the first ends cancelled slots.
       self._state, passes = self._kv.decode(
           self._fns, self._updates.params(version), version_scalar, self._state,
           stop_rows if i == 0 else self._no_rows, self._no_rows,
-          self._all_rows if len(versions) == 1 else self._rows_array(mine), mine, self._slots,
-          steps)
+          self._all_rows if len(versions) == 1 and not held else self._rows_array(mine), mine,
+          rows, steps)
       self.stats.model_passes += passes
-    self._stop_rows[:] = False
-    for row in filter(None, self._slots):
-      row.sampled += steps
+    self._table.stop[:] = False
+    for slot in np.flatnonzero(occupied):
+      rows[slot].sampled += steps
     # One small host sync per call: which slots finished.
-    self._done = np.array(self._state.done)
-    self.stats.count_decode(steps, self._cfg.num_slots, int(occupied.sum()), start)
+    self._table.read_done(self._state)
+    self.stats.count_decode(steps, self._cfg.num_slots, int(occupied.sum()), start,
+                            None if self._live_since is None else start - self._live_since)
+    # (The next call's wait counts from here if a slot still decodes.)
+    self._live_since = time.monotonic() if (occupied & ~self._table.done).any() else None
 
   def _burst(self, versions) -> int:
     """`decode_burst` steps unless rows, cancellations or versions wait: 1."""
-    if self._cfg.decode_burst == 1 or self._waiting or len(versions) > 1:
+    if self._cfg.decode_burst == 1 or self._waiting or self._prefills or len(versions) > 1:
       return 1
     with self._lock:
       return 1 if self._cancel_requests else self._cfg.decode_burst
 
   def _harvest(self) -> None:
-    finished = [i for i, row in enumerate(self._slots) if row is not None and self._done[i]]
+    finished = self._table.finished(self._prefills.held)
     if not finished:
       return
     segments = slot_fns.read_segments(self._fns, self._state, finished)
     now = time.monotonic()
     ended = []
     for slot, (tokens, logprobs, versions, stopped) in zip(finished, segments):
-      row = self._slots[slot]
+      row = self._table.rows[slot]
       self._free_slot(slot)
       restored = len(row.episode.open_tokens)  # sampled before a resume (counted then)
       row.episode.add_segment(tokens, logprobs, versions, stopped=stopped)
@@ -426,9 +367,11 @@ class SamplerEngine:
 
   # -- KV slots -------------------------------------------------------------------
 
-  def _free_slot(self, slot: int) -> None:
-    self._slots[slot] = None
+  def _free_slot(self, slot: int) -> list:
+    """Frees `slot`; returns the forks that waited on its prefill (to free too)."""
+    self._table.rows[slot] = None
     self._kv.release(slot)
+    return self._prefills.drop(slot)
 
   def _sync_pages(self) -> None:
     self._state = self._kv.sync(self._fns, self._state)
@@ -436,15 +379,22 @@ class SamplerEngine:
 
   def _preempt(self, slot: int) -> None:
     """Evicts `slot` for lack of pages: what it sampled of its segment stays
-    with the episode, which waits first in line to be prefilled again."""
-    (tokens, logprobs, versions, _), = slot_fns.read_segments(self._fns, self._state, [slot])
-    row = self._slots[slot]
-    self.stats.sampled_tokens += kv_slots.keep_open_segment(row.episode, tokens, logprobs,
-                                                            versions)
-    row.ready_time = time.monotonic()
-    row.episode.timings["generating"] += row.ready_time - row.start_time
-    self._free_slot(slot)
-    self._stop_rows[slot] = True  # the next decode ends it on the device
-    self._waiting.push_front([row])
+    with the episode, which waits first in line to be prefilled again (with
+    the forks that waited for its prefill, if it had not ended)."""
+    row = self._table.rows[slot]
+    if not self._prefills.awaits_source(slot):  # (a waiting fork has nothing on the device)
+      (tokens, logprobs, versions, _), = slot_fns.read_segments(self._fns, self._state, [slot])
+      self.stats.sampled_tokens += kv_slots.keep_open_segment(row.episode, tokens, logprobs,
+                                                              versions)
+    rows = [row]
+    for fork_slot, *_, fork_row in self._free_slot(slot):  # forks waiting on its prefill
+      self._free_slot(fork_slot)
+      rows.append(fork_row)
+    now = time.monotonic()
+    for r in rows:
+      r.ready_time = now
+      r.episode.timings["generating"] += now - r.start_time
+    self._table.stop[slot] = True  # the next decode ends it on the device
+    self._waiting.push_front(rows)
     self.stats.preemptions += 1
     self.stats.preempted_tokens += len(row.episode.context_ids())

@@ -51,6 +51,12 @@ class EngineConfig:
       version to decode): one host round trip per `decode_burst` tokens. A
       publish, a cancellation, new work or a checkpoint pause waits for the
       burst to end; a slot that finishes inside one idles until then.
+    prefill_chunk: columns a context is prefilled in per engine iteration
+      when its bucket is wider (0: every context in one call). The chunks
+      of a long prompt, multi-turn, preempted or restored context go
+      between decode steps of the other slots, so a long prefill delays
+      each of their steps by one chunk's cost, not by its whole
+      (`prefilling.py`).
   """
 
   num_slots: int
@@ -68,6 +74,7 @@ class EngineConfig:
   num_pages: int = 0
   share_prompts: bool = True
   decode_burst: int = 1
+  prefill_chunk: int = 0
 
   def __post_init__(self):
     weight_updates.check_names(self.weight_update, self.kv_policy)
@@ -83,6 +90,8 @@ class EngineConfig:
       raise ValueError(f"num_slots={self.num_slots} must be >= group_size={self.group_size}")
     if self.decode_burst < 1:
       raise ValueError(f"decode_burst must be >= 1, got {self.decode_burst}")
+    if self.prefill_chunk < 0:
+      raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
     if self.paged and self.num_pages and self.num_pages - 1 < self.pages_per_slot:
       raise ValueError(
           f"kv_pages={self.num_pages} cannot hold one sequence of the longest length: a slot "
@@ -161,6 +170,20 @@ class EngineConfig:
   def width_for(self, last_column: int) -> int | None:
     """The smallest of `decode_widths` that holds column `last_column`."""
     return next(w for w in self.decode_widths if w is None or w > last_column)
+
+  def chunked(self, bucket: int) -> bool:
+    """Whether a context of `bucket` columns is prefilled in chunks."""
+    return 0 < self.prefill_chunk < bucket
+
+  @property
+  def prefill_widths(self) -> tuple[int | None, ...]:
+    """The attention widths chunks are compiled for: those of `decode_widths`
+    that hold a chunk (a chunk ends at or before its context's bucket); none
+    when no context is chunked."""
+    if not self.chunked(self.continuation_buckets[-1]):
+      return ()
+    smallest = self.width_for(self.prefill_chunk - 1)
+    return tuple(w for w in self.decode_widths if w is None or w >= smallest)
 
   @property
   def continuation_buckets(self) -> tuple[int, ...]:

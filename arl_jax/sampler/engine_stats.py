@@ -14,6 +14,7 @@ class EngineStats:
   inserts: int = 0
   resumes: int = 0  # re-admissions of multi-turn episodes (counted in inserts too)
   forked_rows: int = 0  # inserts that started from another row's prefill (shared prompts)
+  prefill_chunks: int = 0  # chunked-prefill calls (`prefill_chunk`)
   swaps: int = 0
   sampled_tokens: int = 0
   finished_segments: int = 0
@@ -40,9 +41,13 @@ class EngineStats:
   preempted_tokens: int = 0
   kv_pages_peak: int = 0
   kv_pages: int = 0
+  # The longest wait of a live slot between two decode calls (admissions,
+  # prefills, harvests and swaps in between): what a long prefill stalls
+  # every decoding slot for (`prefill_chunk` bounds it).
+  max_decode_gap_seconds: float = 0.0
 
   # Fields that are maxima or sizes rather than counts (summing samplers takes their max).
-  MAXIMA = ("max_versions_held", "kv_pages_peak", "kv_pages")
+  MAXIMA = ("max_versions_held", "kv_pages_peak", "kv_pages", "max_decode_gap_seconds")
 
   def count_cancelled(self, row, max_new_tokens: int) -> None:
     """Counts a cancelled `waiting_rows.Row`: its unsampled budget and what it sampled."""
@@ -51,12 +56,16 @@ class EngineStats:
     self.cancelled_tokens += max(budget - row.sampled, 0)
     self.cancelled_sampled_tokens += row.sampled
 
-  def count_decode(self, steps: int, num_slots: int, occupied: int, start: float) -> None:
-    """Counts a decode call of `steps` steps begun at `start` (`time.monotonic`)."""
+  def count_decode(self, steps: int, num_slots: int, occupied: int, start: float,
+                   waited: float | None = None) -> None:
+    """Counts a decode call of `steps` steps begun at `start` (`time.monotonic`),
+    `waited` seconds after the last call that left a slot decoding (None: none did)."""
     self.steps += steps
     self.slot_steps += steps * num_slots
     self.occupied_slot_steps += steps * occupied
     self.decode_seconds += time.monotonic() - start
+    if waited is not None:
+      self.max_decode_gap_seconds = max(self.max_decode_gap_seconds, waited)
 
   @property
   def busy_seconds(self) -> float:
@@ -75,6 +84,8 @@ class EngineStats:
         "cancelled_tokens_discarded": self.cancelled_sampled_tokens,
         "sampler_resumes": self.resumes,
         "sampler_forked_rows": self.forked_rows,
+        "sampler_max_decode_gap_s": self.max_decode_gap_seconds,
+        "sampler_prefill_chunks": self.prefill_chunks,
         "sampler_busy_s": self.busy_seconds,
         "sampler_swaps": self.swaps,
         "sampler_occupancy": self.occupancy,

@@ -8,7 +8,9 @@ power of two (`slot_fns.row_bucket`) by repeating the last row, so that a
 handful of insert shapes cover every admission; `abstract` describes the
 batch of one shape, for compiling that shape before any admission needs it.
 The other samples of a prompt admitted at once start from its prefill
-(`ForkBatch`, `sampling.fork`).
+(`ForkBatch`, `sampling.fork`). A context prefilled in chunks
+(`prefill_chunks.py`) is put in its slot first (`BeginBatch`): rows of any
+buckets together, each a full slot row wide.
 """
 
 from __future__ import annotations
@@ -148,6 +150,84 @@ def pack_fork(items: list[tuple[int, int, episode_lib.Episode]], *, num_slots: i
       src=np.array([source for _, source, _ in padded], np.int32),
       dst=np.array([slot for slot, _, _ in padded], np.int32),
       **_segment_fields(episodes, max_new_tokens, stop_mask_fn))
+
+
+@dataclasses.dataclass(frozen=True)
+class BeginBatch:
+  """The arguments of `SamplerFns.begin_prefill` after `(state, base_key)`,
+  for R rows (a power of two), each `L` columns wide (a slot's row).
+
+  Attributes:
+    slots: `[R]` int32 slot of each row.
+    tokens: `[R, L]` int32, each context left-padded to its bucket, then pad.
+    token_mask: `[R, L]` bool, True on context tokens.
+    logprobs: `[R, L]` float32 an open segment's recorded log-probs (its columns).
+    versions: `[R, L]` int32 their versions (likewise).
+    key_ids, max_new, stop_mask: as `InsertBatch`.
+    bucket: `[R]` int32 context bucket of each row.
+    open_len: `[R]` int32 open-segment tokens at the end of each context.
+    first: `[R]` int32 first column of each row's first chunk.
+  """
+
+  slots: np.ndarray
+  tokens: np.ndarray
+  token_mask: np.ndarray
+  logprobs: np.ndarray
+  versions: np.ndarray
+  key_ids: np.ndarray
+  max_new: np.ndarray
+  stop_mask: np.ndarray
+  bucket: np.ndarray
+  open_len: np.ndarray
+  first: np.ndarray
+
+  def args(self) -> tuple:
+    return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+def pack_begin(items: list[tuple[int, int, int, episode_lib.Episode]], *, length: int,
+               num_slots: int, max_new_tokens: int, pad_id: int,
+               stop_mask_fn: Callable[[object], np.ndarray]) -> BeginBatch:
+  """Packs `(slot, bucket, first chunk column, episode)` into one
+  `begin_prefill` (see `pack`; the rows' buckets may differ)."""
+  r = slot_fns.row_bucket(len(items), num_slots)
+  padded = items + [items[-1]] * (r - len(items))
+  episodes = [episode for *_, episode in padded]
+  buckets = np.array([bucket for _, bucket, _, _ in padded], np.int32)
+  ending = lambda sequences, fill, dtype: _ending_at(sequences, buckets, length, fill, dtype)
+  tokens, token_mask = ending([e.context_ids() for e in episodes], pad_id, np.int32)
+  logprobs, _ = ending([e.open_logprobs for e in episodes], 0.0, np.float32)
+  versions, _ = ending([e.open_versions for e in episodes], sampling.NO_VERSION, np.int32)
+  return BeginBatch(
+      slots=np.array([slot for slot, *_ in padded], np.int32), tokens=tokens,
+      token_mask=token_mask, logprobs=logprobs, versions=versions,
+      **_segment_fields(episodes, max_new_tokens, stop_mask_fn), bucket=buckets,
+      open_len=np.array([len(e.open_tokens) for e in episodes], np.int32),
+      first=np.array([first for _, _, first, _ in padded], np.int32))
+
+
+def _ending_at(sequences, ends: np.ndarray, width: int, fill, dtype):
+  """`(values [R, width], mask [R, width])`: row i holds sequence i in the
+  columns just before `ends[i]` (`rows.left_pad` to a per-row width)."""
+  values = np.full((len(sequences), width), fill, dtype)
+  mask = np.zeros((len(sequences), width), bool)
+  for i, (sequence, end) in enumerate(zip(sequences, ends)):
+    if len(sequence):
+      values[i, end - len(sequence):end] = sequence
+      mask[i, end - len(sequence):end] = True
+  return values, mask
+
+
+def abstract_begin(rows: int, length: int, num_stop_ids: int) -> BeginBatch:
+  """The shapes `pack_begin` gives a batch of `rows` rows (see `abstract`)."""
+  row = lambda dtype: jax.ShapeDtypeStruct((rows,), dtype)
+  grid = lambda dtype: jax.ShapeDtypeStruct((rows, length), dtype)
+  return BeginBatch(
+      slots=row(np.int32), tokens=grid(np.int32), token_mask=grid(np.bool_),
+      logprobs=grid(np.float32), versions=grid(np.int32),
+      key_ids=jax.ShapeDtypeStruct((rows, 3), np.uint32), max_new=row(np.int32),
+      stop_mask=jax.ShapeDtypeStruct((rows, num_stop_ids), np.bool_), bucket=row(np.int32),
+      open_len=row(np.int32), first=row(np.int32))
 
 
 def _segment_fields(episodes, max_new_tokens: int, stop_mask_fn) -> dict:

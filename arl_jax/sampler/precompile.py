@@ -21,7 +21,10 @@ decodes any row bucket of slots (`decode_rows`) and recomputes at every
 width of `EngineConfig.decode_widths`, and sends page tables (`set_pages`). Rows a
 paged engine preempts come back with longer contexts, in continuation
 buckets that are compiled when first used (a pool sized to need no
-preemption never uses them).
+preemption never uses them), unless those buckets are chunked: a chunked
+prefill (`prefill_chunk`) has programs for row counts and widths only
+(`begin_prefill`, `prefill_chunk`), whatever the context's bucket, so a
+chunked bucket needs no insert program at all.
 """
 
 from __future__ import annotations
@@ -50,6 +53,9 @@ class Shapes:
     paged: whether page tables are sent (`set_pages`).
     fork: the row buckets of `fork` (shared prompts; empty when off).
     steps: the step counts of decode calls (1, and `decode_burst`).
+    begin: the row buckets of `begin_prefill` (chunked prefill; empty when off).
+    prefill: `(rows, width)` of each `prefill_chunk` program.
+    chunk: columns per chunk (`prefill_chunk`).
   """
 
   insert: tuple[tuple[int, int], ...]
@@ -59,6 +65,9 @@ class Shapes:
   paged: bool = False
   fork: tuple[int, ...] = ()
   steps: tuple[int, ...] = (1,)
+  begin: tuple[int, ...] = ()
+  prefill: tuple[tuple[int, int | None], ...] = ()
+  chunk: int = 0
 
   @property
   def decode(self) -> tuple[tuple[int | None, int | None, int], ...]:
@@ -73,7 +82,8 @@ class Shapes:
     """Programs `compile_all` compiles: these shapes, the decode programs,
     `recompute` at each width, and `set_pages` when paged."""
     return (len(self.insert) + len(self.fork) + len(self.take_rows) + len(self.decode)
-            + len(self.widths) * int(self.recompute) + int(self.paged))
+            + len(self.widths) * int(self.recompute) + int(self.paged) + len(self.begin)
+            + len(self.prefill))
 
 
 def engine_shapes(cfg: engine_config.EngineConfig,
@@ -110,14 +120,18 @@ def engine_shapes(cfg: engine_config.EngineConfig,
     # New requests are whole groups of one prompt, so one bucket each.
     rows = slot_fns.row_buckets(cfg.num_slots, cfg.group_size)
     buckets = cfg.prompt_buckets
+  # Any number of rows can be prefilling at once, at any width that holds a chunk.
+  chunk_rows = slot_fns.row_buckets(cfg.num_slots) if cfg.prefill_widths else ()
   return Shapes(
-      insert=tuple((r, b) for b in buckets for r in rows),
+      insert=tuple((r, b) for b in buckets if not cfg.chunked(b) for r in rows),
       take_rows=slot_fns.row_buckets(cfg.num_slots),
       recompute=cfg.weight_update == "in_flight" and cfg.kv_policy == "recompute",
       widths=cfg.decode_widths, paged=cfg.paged,
       # Any number of rows can start from another's prefill.
       fork=slot_fns.row_buckets(cfg.num_slots) if cfg.share_prompts else (),
-      steps=tuple(sorted({1, cfg.decode_burst})))
+      steps=tuple(sorted({1, cfg.decode_burst})), begin=chunk_rows,
+      prefill=tuple((r, w) for w in cfg.prefill_widths for r in chunk_rows),
+      chunk=cfg.prefill_chunk)
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
@@ -172,6 +186,13 @@ def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base
   for r in shapes.fork:
     batch = insert_batch.abstract_fork(r, num_stop_ids)
     lowered.append(fns.fork.lower(state, key, *batch.args()))
+  for r in shapes.begin:
+    batch = insert_batch.abstract_begin(r, state.tokens.shape[1], num_stop_ids)
+    lowered.append(fns.begin_prefill.lower(state, key, *batch.args()))
+  for r, width in shapes.prefill:  # (rows, start, final: host arrays)
+    rows, final = jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.bool_)
+    lowered.append(fns.prefill_chunk.lower(params, version, state, rows, rows, final,
+                                           chunk=shapes.chunk, width=width))
   for r in shapes.take_rows:
     lowered.append(fns.take_rows.lower(state, jax.ShapeDtypeStruct((r,), jnp.int32)))
   for program in lowered:

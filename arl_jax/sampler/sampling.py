@@ -136,11 +136,11 @@ def init_slots(cfg, *, num_slots: int, length: int, pad_id: int, num_stop_ids: i
       stop_mask=jnp.zeros((b, num_stop_ids), jnp.bool_), keys=jnp.zeros((b, 2), jnp.uint32))
 
 
-def _set_rows(arr, rows, values):
+def set_rows(arr, rows, values):
   return arr.at[rows].set(values)
 
 
-def _record(state: SlotState, live, columns, tokens, logp, version, settings, rows=None):
+def record_tokens(state: SlotState, live, columns, tokens, logp, version, settings, rows=None):
   """Writes freshly sampled tokens at per-row `columns` for `live` rows; the
   arguments are per slot `[B]`, or per slot of `rows` `[R]` when given."""
   full = rows is None
@@ -224,33 +224,33 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
 
   tail = lambda fill, dtype: jnp.full((r, length - pb), fill, dtype)
   cache = state.cache.write_prefill(slots, small)
-  cache = cache.replace(valid=_set_rows(
+  cache = cache.replace(valid=set_rows(
       cache.valid, slots, jnp.concatenate([prompt_mask, tail(False, jnp.bool_)], axis=1)))
   state = state.replace(
       cache=cache,
-      tokens=_set_rows(state.tokens, slots, jnp.concatenate(
+      tokens=set_rows(state.tokens, slots, jnp.concatenate(
           [prompt_tokens, tail(settings.pad_id, jnp.int32)], axis=1)),
-      token_mask=_set_rows(state.token_mask, slots, jnp.concatenate(
+      token_mask=set_rows(state.token_mask, slots, jnp.concatenate(
           [prompt_mask, tail(False, jnp.bool_)], axis=1)),
-      logprobs=_set_rows(state.logprobs, slots, jnp.concatenate(
+      logprobs=set_rows(state.logprobs, slots, jnp.concatenate(
           [open_logprobs, tail(0.0, jnp.float32)], axis=1)),
-      versions=_set_rows(state.versions, slots, jnp.concatenate(
+      versions=set_rows(state.versions, slots, jnp.concatenate(
           [open_versions, tail(NO_VERSION, jnp.int32)], axis=1)),
       # The segment (harvested from here) starts with the open tokens.
-      prompt_end=_set_rows(state.prompt_end, slots, pb - open_len),
-      limit=_set_rows(state.limit, slots, jnp.minimum(pb + max_new_tokens - 1, length - 1)),
-      positions=_set_rows(state.positions, slots, jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)),
-      done=_set_rows(state.done, slots, False),
-      stopped=_set_rows(state.stopped, slots, False),
-      stop_mask=_set_rows(state.stop_mask, slots, True if stop_mask is None else stop_mask),
-      keys=_set_rows(state.keys, slots, keys))
+      prompt_end=set_rows(state.prompt_end, slots, pb - open_len),
+      limit=set_rows(state.limit, slots, jnp.minimum(pb + max_new_tokens - 1, length - 1)),
+      positions=set_rows(state.positions, slots, jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)),
+      done=set_rows(state.done, slots, False),
+      stopped=set_rows(state.stopped, slots, False),
+      stop_mask=set_rows(state.stop_mask, slots, True if stop_mask is None else stop_mask),
+      keys=set_rows(state.keys, slots, keys))
   # Sample the first completion token of the inserted rows only.
   column = jnp.full((r,), pb, jnp.int32)
   tokens, logp = token_draw.sample_from_logits(logits[:, -1], keys, open_len, settings)
   b = state.tokens.shape[0]
   live = jnp.zeros((b,), jnp.bool_).at[slots].set(True)
   full = lambda x, fill: jnp.full((b,), fill, x.dtype).at[slots].set(x)
-  return _record(state, live, full(column, 0), full(tokens, settings.pad_id), full(logp, 0.0),
+  return record_tokens(state, live, full(column, 0), full(tokens, settings.pad_id), full(logp, 0.0),
                  version, settings)
 
 
@@ -307,21 +307,21 @@ def fork(state: SlotState, base_key, src, dst, key_ids, max_new_tokens, stop_mas
   token_mask = copy(state.token_mask, False)
   return state.replace(
       cache=state.cache.fork_rows(src, dst, shared),
-      tokens=_set_rows(state.tokens, dst, copy(state.tokens, settings.pad_id)),
-      token_mask=_set_rows(state.token_mask, dst, token_mask),
-      logprobs=_set_rows(state.logprobs, dst, jnp.zeros((dst.shape[0], length), jnp.float32)),
-      versions=_set_rows(state.versions, dst,
+      tokens=set_rows(state.tokens, dst, copy(state.tokens, settings.pad_id)),
+      token_mask=set_rows(state.token_mask, dst, token_mask),
+      logprobs=set_rows(state.logprobs, dst, jnp.zeros((dst.shape[0], length), jnp.float32)),
+      versions=set_rows(state.versions, dst,
                          jnp.full((dst.shape[0], length), NO_VERSION, jnp.int32)),
-      prompt_end=_set_rows(state.prompt_end, dst, shared),
+      prompt_end=set_rows(state.prompt_end, dst, shared),
       # The last prompt token stands as the "last sampled" one, fed next.
-      index=_set_rows(state.index, dst, shared - 1),
-      positions=_set_rows(state.positions, dst,
+      index=set_rows(state.index, dst, shared - 1),
+      positions=set_rows(state.positions, dst,
                           jnp.sum(token_mask, axis=1, dtype=jnp.int32) - 1),
-      limit=_set_rows(state.limit, dst, jnp.minimum(shared + max_new_tokens - 1, length - 1)),
-      done=_set_rows(state.done, dst, False),
-      stopped=_set_rows(state.stopped, dst, False),
-      stop_mask=_set_rows(state.stop_mask, dst, stop_mask),
-      keys=_set_rows(state.keys, dst, token_draw.segment_keys(base_key, key_ids)))
+      limit=set_rows(state.limit, dst, jnp.minimum(shared + max_new_tokens - 1, length - 1)),
+      done=set_rows(state.done, dst, False),
+      stopped=set_rows(state.stopped, dst, False),
+      stop_mask=set_rows(state.stop_mask, dst, stop_mask),
+      keys=set_rows(state.keys, dst, token_draw.segment_keys(base_key, key_ids)))
 
 
 def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
@@ -369,7 +369,7 @@ def _decode_all(model, version, state: SlotState, rows, settings) -> SlotState:
   columns = jnp.minimum(last + 1, length - 1)
   tokens, logp = token_draw.sample_from_logits(logits[:, 0], state.keys,
                                                columns - state.prompt_end, settings)
-  return _record(state, live, columns, tokens, logp, version, settings)
+  return record_tokens(state, live, columns, tokens, logp, version, settings)
 
 
 def decode_rows(graphdef, params, version, state: SlotState, stop_rows, rows, *,
@@ -410,7 +410,7 @@ def _decode_rows_once(model, version, state: SlotState, rows, settings, width) -
   columns = jnp.minimum(last + 1, length - 1)
   tokens, logp = token_draw.sample_from_logits(logits[:, 0], state.keys[rows],
                                                columns - state.prompt_end[rows], settings)
-  return _record(state, live, columns, tokens, logp, version, settings, rows=rows)
+  return record_tokens(state, live, columns, tokens, logp, version, settings, rows=rows)
 
 
 def recompute_cache(graphdef, params, state: SlotState, rows, *,

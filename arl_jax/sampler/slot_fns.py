@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from arl_jax import trace_counter
-from arl_jax.sampler import sampling
+from arl_jax.sampler import prefill_chunks, sampling
 from arl_jax.sharding import rules as rules_lib
 
 
@@ -39,6 +39,13 @@ class SamplerFns:
     fork: `(state, base_key, src, dst, key_ids, max_new, stop_mask) ->
       SlotState`, slots started on the prompt other slots were just given
       (`sampling.fork`; one program per row count).
+    begin_prefill: `(state, base_key, slots, tokens, token_mask, logprobs,
+      versions, key_ids, max_new, stop_mask, bucket, open_len, first) ->
+      SlotState`, contexts put in slots to be prefilled in chunks
+      (`prefill_chunks.begin`; one program per row count).
+    prefill_chunk: `(params, version, state, rows, start, final, chunk,
+      width) -> SlotState`, a chunk of those contexts prefilled
+      (`prefill_chunks.prefill_chunk`; one program per row count and width).
     decode: `(params, version, state, stop_rows, rows, steps=1) -> SlotState`
       (`sampling.decode_step`; one program per step count).
     decode_rows: `(params, version, state, stop_rows, rows, width, steps=1) ->
@@ -58,6 +65,8 @@ class SamplerFns:
   insert: Callable
   insert_from_ids: Callable
   fork: Callable
+  begin_prefill: Callable
+  prefill_chunk: Callable
   decode: Callable
   decode_rows: Callable
   recompute: Callable
@@ -110,8 +119,8 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
     page_size: columns per page of a paged cache.
   """
   counters = {name: trace_counter.TraceCounter()
-              for name in ("init", "insert", "fork", "decode", "recompute", "set_pages",
-                          "take_rows")}
+              for name in ("init", "insert", "fork", "prefill", "decode", "recompute",
+                           "set_pages", "take_rows")}
   init = functools.partial(sampling.init_slots, model_cfg, num_slots=num_slots, length=length,
                            pad_id=settings.pad_id, num_stop_ids=len(settings.stop_ids),
                            num_pages=num_pages, page_size=page_size)
@@ -124,6 +133,8 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
                              settings=settings)
   decode_rows = functools.partial(counters["decode"].wrap(sampling.decode_rows), graphdef,
                                   settings=settings)
+  prefill_chunk = functools.partial(counters["prefill"].wrap(prefill_chunks.prefill_chunk),
+                                    graphdef, settings=settings)
   recompute = functools.partial(counters["recompute"].wrap(sampling.recompute_cache), graphdef)
   return SamplerFns(
       init=jax.jit(counters["init"].wrap(init), out_shardings=shardings),
@@ -131,6 +142,10 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
       insert_from_ids=jax.jit(insert_from_ids, out_shardings=shardings, donate_argnums=2),
       fork=jax.jit(functools.partial(counters["fork"].wrap(sampling.fork), settings=settings),
                    out_shardings=shardings, donate_argnums=0),
+      begin_prefill=jax.jit(counters["prefill"].wrap(prefill_chunks.begin),
+                            out_shardings=shardings, donate_argnums=0),
+      prefill_chunk=jax.jit(prefill_chunk, out_shardings=shardings, donate_argnums=2,
+                            static_argnames=("chunk", "width")),
       decode=jax.jit(decode, out_shardings=shardings, donate_argnums=2,
                      static_argnames="steps"),
       decode_rows=jax.jit(decode_rows, out_shardings=shardings, donate_argnums=2,

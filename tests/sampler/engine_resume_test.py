@@ -28,7 +28,7 @@ class _Publisher:
     return self.version, self.params
 
 
-def _engine(setup, version, on_group, precompile=False):
+def _engine(setup, version, on_group, precompile=False, prefill_chunk=0):
   rng = np.random.default_rng(0)
   prompts = (env_api.TextPrompt(prompt_id=i, text="", answer="") for i in itertools.count())
   encode = lambda p: rng.integers(0, 256, 5).tolist()
@@ -45,7 +45,7 @@ def _engine(setup, version, on_group, precompile=False):
   engine = engine_lib.SamplerEngine(
       cfg=engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
                                   max_new_tokens=NEW, context_bucket=4,
-                                  precompile=precompile),
+                                  precompile=precompile, prefill_chunk=prefill_chunk),
       settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=setup["graphdef"],
       model_cfg=setup["cfg"], mesh=setup["meshes"].sampler,
       publisher=_Publisher(version, setup["sampler_params"][version]), dispatcher=dispatcher,
@@ -97,10 +97,11 @@ def snapshot(setup):
   return json.loads(json.dumps(found["work"]))
 
 
-def _resume(setup, work, version):
+def _resume(setup, work, version, prefill_chunk=0):
   groups = {}
   on_group = lambda req, rs: groups.setdefault(req.group_id, rs)
-  engine, dispatcher = _engine(setup, version, on_group, precompile=True)
+  engine, dispatcher = _engine(setup, version, on_group, precompile=True,
+                               prefill_chunk=prefill_chunk)
   restored = dispatcher.restore_work(work)
   engine.restore([e for g in restored for e in g.to_sample])
   on_segment = engine_test.single_turn_groups(on_group)
@@ -112,15 +113,18 @@ def _resume(setup, work, version):
   # Restored contexts (open segments) land in continuation buckets and come
   # in any number: the engine compiled those shapes too before admitting one.
   traces = engine.traces()
-  assert traces["insert"] + traces["fork"] + traces["take_rows"] + traces["decode"] + traces["recompute"] == (
-      engine.stats.precompiled_programs), traces
+  assert sum(traces.values()) - traces["init"] == engine.stats.precompiled_programs, traces
   return groups
 
 
-def test_open_segments_continue_into_the_uninterrupted_samples(setup, uninterrupted, snapshot):
+@pytest.mark.parametrize("prefill_chunk", [0, 4])
+def test_open_segments_continue_into_the_uninterrupted_samples(setup, uninterrupted, snapshot,
+                                                               prefill_chunk):
   """Same weights before and after: the resumed run samples what the
-  uninterrupted one did (draws are keyed by the offset inside the segment)."""
-  resumed = _resume(setup, snapshot, version=0)
+  uninterrupted one did (draws are keyed by the offset inside the segment),
+  the restored contexts prefilled whole or in chunks of 4 columns (their open
+  segments spanning chunks)."""
+  resumed = _resume(setup, snapshot, version=0, prefill_chunk=prefill_chunk)
   for gid in (0, 1):
     for a, b in zip(uninterrupted[gid], resumed[gid]):
       np.testing.assert_array_equal(a.completion_ids, b.completion_ids)

@@ -58,7 +58,8 @@ def setup():
   return tiny.two_published_versions()
 
 
-def _run(setup, publisher, weight_update, latency_s, num_groups, context_bucket=8):
+def _run(setup, publisher, weight_update, latency_s, num_groups, context_bucket=8,
+         **engine_options):
   dispatch = dispatcher_lib.DispatchConfig(group_size=G, groups_per_batch=2, max_async_level=0,
                                            max_off_policy_steps=4)
   buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig())
@@ -80,7 +81,7 @@ def _run(setup, publisher, weight_update, latency_s, num_groups, context_bucket=
   cfg = engine_config.EngineConfig(num_slots=8, group_size=G, prompt_buckets=(PROMPT_LEN,),
                                 max_new_tokens=NEW, weight_update=weight_update,
                                 multi_turn=True, context_bucket=context_bucket,
-                                precompile=False)
+                                precompile=False, **engine_options)
   runner = env_runner_lib.EnvRunner(SlowToolEnv(latency_s), on_group_fn=on_group,
                                     max_new_tokens=NEW, num_workers=8, timeout_s=10.0)
   engine = engine_lib.SamplerEngine(
@@ -108,13 +109,17 @@ def _segments(rollout):
   return [slice(a, b) for a, b in zip(edges[::2], edges[1::2])]
 
 
-@pytest.mark.parametrize("weight_update", ["pinned", "drain"])
+@pytest.mark.parametrize("weight_update,prefill_chunk", [
+    ("pinned", 0), ("drain", 0), ("pinned", 4)])
 def test_readmitted_segments_are_sampled_under_the_weights_live_at_readmission(
-    setup, weight_update):
+    setup, weight_update, prefill_chunk):
   v0, v1 = setup["sampler_params"]
   # The swap lands while the first episodes wait for their tool (0.3 s).
   publisher = ScriptedPublisher(v0, v1, switch_after=6)
-  groups, engine, runner = _run(setup, publisher, weight_update, latency_s=0.3, num_groups=2)
+  # prefill_chunk: contexts wider than 4 columns (all of them) are prefilled
+  # in chunks of 4 between decode steps, under the version they start on.
+  groups, engine, runner = _run(setup, publisher, weight_update, latency_s=0.3, num_groups=2,
+                                prefill_chunk=prefill_chunk)
   rollouts = [r for g in groups for r in g.rollouts]
   # (the runner may have handed back more than the engine admitted before it stopped)
   assert 0 < engine.stats.resumes <= runner.turns
@@ -137,7 +142,8 @@ def test_readmitted_segments_are_sampled_under_the_weights_live_at_readmission(
       num_slots=8, group_size=G, prompt_buckets=(PROMPT_LEN,), max_new_tokens=NEW,
       multi_turn=True, context_bucket=8).continuation_buckets
   traces = engine.traces()
-  assert 1 <= traces["insert"] <= len(buckets) * 4
+  assert 1 <= traces["insert"] <= len(buckets) * 4 if not prefill_chunk else (
+      traces["insert"] == 0 and engine.stats.prefill_chunks > 0)
   assert traces["decode"] == 1
 
 

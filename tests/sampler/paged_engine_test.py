@@ -23,7 +23,7 @@ def setup():
 def _check_pages(engine):
   """Only occupied slots hold pages, and every page is free or held (by one
   slot, or by the samples sharing a prompt)."""
-  pages, slots = engine._kv.pool, engine._slots  # noqa: SLF001
+  pages, slots = engine._kv.pool, engine._table.rows  # noqa: SLF001
   held = [pages.held(i) for i in range(len(slots))]
   assert all(n == 0 for n, row in zip(held, slots) if row is None)
   named = set(pages.table[pages.table != 0].tolist())

@@ -133,8 +133,8 @@ def test_no_compile_after_the_first_admission(setup):
       num_slots=SLOTS, group_size=1, prompt_buckets=(PROMPT_LEN,), max_new_tokens=NEW))
   assert engine.stats.precompiled_programs == shapes.num_programs == 3 + 3 + 3 + 1
   # Each program traced once, at the first publish: no call traced again.
-  assert engine.traces() == {"init": 1, "insert": 3, "fork": 3, "decode": 1, "recompute": 0,
-                             "set_pages": 0, "take_rows": 3}
+  assert engine.traces() == {"init": 1, "insert": 3, "fork": 3, "prefill": 0,
+                             "decode": 1, "recompute": 0, "set_pages": 0, "take_rows": 3}
   assert engine.metrics()["sampler_precompile_s"] > 0
 
 
@@ -150,5 +150,5 @@ def test_a_paged_engine_compiles_every_width_and_the_page_table_up_front(setup):
   # recompute at each width.
   assert engine.stats.precompiled_programs == shapes.num_programs == (
       3 + 3 + 3 + 3 * 3 * 2 + 3 + 1)
-  assert engine.traces() == {"init": 1, "insert": 3, "fork": 3, "decode": 18, "recompute": 3,
-                             "set_pages": 1, "take_rows": 3}
+  assert engine.traces() == {"init": 1, "insert": 3, "fork": 3, "prefill": 0,
+                             "decode": 18, "recompute": 3, "set_pages": 1, "take_rows": 3}

@@ -58,8 +58,8 @@ def test_the_functions_keep_the_rules_layout_and_count_their_compiles():
       cfg, mesh_lib.RoleMeshes(learner=mesh, sampler=mesh))
   fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=cfg, mesh=mesh,
                                   settings=SETTINGS, num_slots=4, length=12)
-  assert fns.traces() == {"init": 0, "insert": 0, "fork": 0, "decode": 0, "recompute": 0,
-                          "set_pages": 0, "take_rows": 0}
+  assert fns.traces() == {"init": 0, "insert": 0, "fork": 0, "prefill": 0,
+                          "decode": 0, "recompute": 0, "set_pages": 0, "take_rows": 0}
   state = fns.init()
   layout = lambda tree: jax.tree.map(lambda x: x.sharding.spec, tree)
   want = jax.tree.map(lambda s: s.spec, fns.state_shardings)
@@ -84,8 +84,8 @@ def test_the_functions_keep_the_rules_layout_and_count_their_compiles():
     assert len(tokens) == n or (stopped and 0 < len(tokens) < n)
     assert len(logprobs) == len(tokens) and set(versions.tolist()) == {0}
   assert len(segments[3][0]) == 0  # slot 3 was never filled
-  assert fns.traces() == {"init": 1, "insert": 1, "fork": 1, "decode": 1, "recompute": 0,
-                          "set_pages": 0, "take_rows": 1}
+  assert fns.traces() == {"init": 1, "insert": 1, "fork": 1, "prefill": 0,
+                          "decode": 1, "recompute": 0, "set_pages": 0, "take_rows": 1}
 
 
 def test_row_bucket_rounds_up_to_a_power_of_two_within_the_slots():

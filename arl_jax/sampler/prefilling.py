@@ -1,0 +1,133 @@
+"""`ChunkedPrefills`: the engine's slots whose contexts are being prefilled
+a chunk at a time (`EngineConfig.prefill_chunk`, `prefill_chunks.py`), and
+the forks waiting for them.
+
+A context whose bucket is wider than a chunk is put in its slot (`begin`)
+and then advanced by one chunk per engine iteration (`step`), between decode
+steps of the other slots, until its last chunk samples its first token. The
+other samples of its group (`share_prompts`) hold their slots meanwhile and
+start from it (`sampling.fork`) once it is whole. Both kinds of slot are
+`held`: no decode call, harvest or burst touches them. A held slot that
+leaves (cancelled, preempted) is `drop`ped; a source that leaves hands back
+the forks that were waiting on it.
+
+Every chunk of a row runs under the params that decode it now (the live
+version, or its own pinned one): under in-flight `keep` a swap in the middle
+leaves the earlier chunks' keys and values as they were, as it does for a
+decoding row's; `recompute` prefills them again (the slot's `index` is the
+end of its prefilled columns).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from collections.abc import Callable
+
+import numpy as np
+
+from arl_jax.sampler import engine_config, insert_batch, prefill_chunks, slot_fns
+
+ForkItem = tuple  # (slot, source slot, bucket, waiting_rows.Row), as admission.Admission.forks
+
+
+@dataclasses.dataclass
+class _Prefill:
+  starts: list[int]  # first column of each chunk still to run
+  forks: list[ForkItem] = dataclasses.field(default_factory=list)
+
+
+class ChunkedPrefills:
+  """See the module docstring; all methods belong to the engine thread."""
+
+  def __init__(self, cfg: engine_config.EngineConfig):
+    self._cfg = cfg
+    self._prefills: dict[int, _Prefill] = {}  # slot -> what is left of its prefill
+    self._sources: dict[int, int] = {}  # a waiting fork's slot -> its source's slot
+    self.calls = 0  # prefill_chunk calls made
+
+  def __bool__(self) -> bool:
+    return bool(self._prefills)
+
+  @property
+  def held(self) -> set[int]:
+    """Slots that are prefilling or waiting for a prefill to fork from."""
+    return set(self._prefills) | set(self._sources)
+
+  def prefilling(self, slot: int) -> bool:
+    return slot in self._prefills
+
+  def awaits_source(self, slot: int) -> bool:
+    """Whether `slot` holds a fork that has not started (nothing of it is on the device)."""
+    return slot in self._sources
+
+  def begin(self, fns: slot_fns.SamplerFns, state, base_key, items, *, pad_id: int,
+            stop_mask_fn: Callable) -> object:
+    """Puts `(slot, bucket, row)` in their slots for chunked prefill; returns the state."""
+    chunk = self._cfg.prefill_chunk
+    plans = [prefill_chunks.chunk_starts(len(row.episode.context_ids()), bucket, chunk)
+             for _, bucket, row in items]
+    batch = insert_batch.pack_begin(
+        [(slot, bucket, starts[0], row.episode)
+         for (slot, bucket, row), starts in zip(items, plans)],
+        length=self._cfg.length, num_slots=self._cfg.num_slots,
+        max_new_tokens=self._cfg.max_new_tokens, pad_id=pad_id, stop_mask_fn=stop_mask_fn)
+    for (slot, _, _), starts in zip(items, plans):
+      self._prefills[slot] = _Prefill(starts)
+    return fns.begin_prefill(state, base_key, *batch.args())
+
+  def wait(self, fork: ForkItem) -> None:
+    """Holds `fork` `(slot, source, bucket, row)` until its source is prefilled."""
+    slot, source = fork[0], fork[1]
+    self._prefills[source].forks.append(fork)
+    self._sources[slot] = source
+
+  def step(self, fns: slot_fns.SamplerFns, state, version_of: Callable[[int], int],
+           params_of: Callable[[int], tuple]) -> tuple[object, list[int], list[ForkItem]]:
+    """Runs one chunk of every prefilling slot, one call per version
+    (`version_of(slot)`; `params_of(version)` -> `(params, version scalar)`).
+
+    Returns:
+      The state, the slots whose prefill ended (their first token sampled),
+      and the forks that can start from them now.
+    """
+    by_version = collections.defaultdict(list)
+    for slot in sorted(self._prefills):
+      by_version[version_of(slot)].append(slot)
+    finished, ready = [], []
+    for version, slots in sorted(by_version.items()):
+      starts = [self._prefills[s].starts.pop(0) for s in slots]
+      final = [not self._prefills[s].starts for s in slots]
+      width = self._cfg.width_for(max(starts) + self._cfg.prefill_chunk - 1)
+      params, version_scalar = params_of(version)
+      state = fns.prefill_chunk(params, version_scalar, state, *self._padded(slots, starts, final),
+                                chunk=self._cfg.prefill_chunk, width=width)
+      self.calls += 1
+      for slot in (s for s, last in zip(slots, final) if last):
+        plan = self._prefills.pop(slot)
+        finished.append(slot)
+        ready += plan.forks
+        for fork in plan.forks:
+          del self._sources[fork[0]]
+    return state, finished, ready
+
+  def _padded(self, slots, starts, final) -> tuple[np.ndarray, ...]:
+    """A chunk call's `rows`, `start` and `final`, padded to a row bucket by
+    repeating the last row."""
+    extra = slot_fns.row_bucket(len(slots), self._cfg.num_slots) - len(slots)
+    pad = lambda values, dtype: np.array(values + [values[-1]] * extra, dtype)
+    return pad(slots, np.int32), pad(starts, np.int32), pad(final, bool)
+
+  def drop(self, slot: int) -> list[ForkItem]:
+    """Forgets `slot` (its row left); a prefilling source returns the forks
+    that were waiting on it (their slots must be freed too)."""
+    if slot in self._sources:
+      plan = self._prefills[self._sources.pop(slot)]
+      plan.forks = [fork for fork in plan.forks if fork[0] != slot]
+      return []
+    plan = self._prefills.pop(slot, None)
+    if plan is None:
+      return []
+    for fork in plan.forks:
+      del self._sources[fork[0]]
+    return plan.forks
