@@ -169,6 +169,10 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
            f"context model.max_seq_len={model.max_seq_len}")
   spec = _spec(run, parts, env=env, model=model, data=data, inputs=inputs)
   sampler_devices, sampler_shape = _check_meshes(spec, parts, devices)
+  platforms = sorted({getattr(d, "platform", "?") for d in sampler_devices})
+  _require(parts["sampler"].paged_attention != "pallas" or platforms == ["gpu"],
+           "sampler.paged_attention", f"'pallas' is the GPU kernel; the sampler devices are "
+           f"{platforms} (use 'xla', or 'pallas_interpret' to run it slowly anywhere)")
   if parts["sampler"].kv_memory_fraction:
     spec = _size_kv_pool(spec, parts["sampler"].kv_memory_fraction, sampler_shape.get("tp", 1),
                          device_memory or reported_memory(sampler_devices))
@@ -272,7 +276,7 @@ def _spec(run: sections.RunSection, parts: dict, *, env, model, data, inputs) ->
                    multi_turn=eval_env.multi_turn, precompile=s.precompile,
                    kv_cache=s.kv_cache, page_size=s.page_size, num_pages=s.kv_pages,
                    share_prompts=s.share_prompts, decode_burst=s.decode_burst,
-                   prefill_chunk=s.prefill_chunk),
+                   prefill_chunk=s.prefill_chunk, paged_attention=s.paged_attention),
       sampler_model=dataclasses.replace(model, param_dtype=s.param_dtype),
       sampling=sampling_lib.SamplingSettings(
           temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p),

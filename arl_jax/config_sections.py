@@ -24,6 +24,7 @@ from arl_jax.envs import prompt_source
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import losses as losses_lib
 from arl_jax.metrics import writer as writer_lib
+from arl_jax.models import paged_attention as paged_attention_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import staleness
 from arl_jax.sampler import engine_config, weight_updates
@@ -167,6 +168,9 @@ class SamplerSection:
   # Contexts wider than this many columns are prefilled a chunk per engine
   # iteration, between decode steps of the other slots (0: in one call).
   prefill_chunk: int = 0
+  # Paged: decode attention through the decoder's XLA code ("xla") or JAX's
+  # Pallas paged attention kernel ("pallas": GPU sampler devices only).
+  paged_attention: str = "xla"
 
   def __post_init__(self):
     object.__setattr__(self, "prompt_buckets", tuple(int(b) for b in self.prompt_buckets))
@@ -181,6 +185,10 @@ class SamplerSection:
            "sampler.decode_burst", f"must be an int >= 1, got {self.decode_burst!r}")
     _check(_is_int(self.prefill_chunk) and self.prefill_chunk >= 0, "sampler.prefill_chunk",
            f"must be an int >= 0 (0: off), got {self.prefill_chunk!r}")
+    _check(self.paged_attention in paged_attention_lib.ATTENTIONS, "sampler.paged_attention",
+           f"must be one of {paged_attention_lib.ATTENTIONS}, got {self.paged_attention!r}")
+    _check(self.paged_attention == "xla" or self.kv_cache == "paged", "sampler.paged_attention",
+           f"={self.paged_attention!r} reads a paged pool: it needs kv_cache='paged'")
     _check(isinstance(self.share_prompts, bool), "sampler.share_prompts",
            f"must be True or False, got {self.share_prompts!r}")
     _check(self.kv_cache in engine_config.KV_CACHES, "sampler.kv_cache",

@@ -153,7 +153,7 @@ def group_prefill(cfg, meshes, graphdef, params, ecfg, group, how, repeats):
     jax.block_until_ready(state.done)
     start = time.perf_counter()
     for slot in slots:  # the host's page book, as the engine's admission keeps it
-      assert kv.admit(int(slot), bucket, bucket)
+      assert kv.admit(int(slot), bucket)
     if how == "shared":
       for slot in forks:
         assert kv.admit_fork(int(slot), 0, bucket)

@@ -83,9 +83,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       share_prompts=True,
       # Decode steps per device call while nothing waits between them.
       decode_burst=1,
-      # Contexts wider than this are prefilled a chunk per engine iteration,
+      # Contexts longer than this are prefilled a chunk per engine iteration,
       # between decode steps of the other slots (0: in one call).
-      prefill_chunk=0))
+      prefill_chunk=0,
+      # Paged decode attention: "xla", or "pallas" (JAX's GPU paged attention kernel).
+      paged_attention="xla"))
 
   config.orchestrator = ml_collections.ConfigDict(dict(
       batch_size=64, group_size=8, max_async_level=2, max_off_policy_steps=4,

@@ -104,6 +104,24 @@ class Attention(nnx.Module):
     k = rope_lib.apply_rope(k, positions, inv_freq, scale)
     k = k.transpose(0, 2, 1, 3)  # [B, K, T, Dh], the cache layout
     v = v.transpose(0, 2, 1, 3)
+    b, t, h, dh = q.shape
+    if t == 1 and getattr(layer_cache, "attends", False):
+      # A decode step through a paged attention kernel, which reads the
+      # cache's pages itself (`paged_kv_cache.PagedLayer.attend`).
+      out, new_cache = layer_cache.attend(q[:, 0] / math.sqrt(dh), k, v, cache_index,
+                                          write_mask, width=attn_mask.shape[-1])
+      out = out[:, None].astype(x.dtype)  # [B, 1, H, Dh]
+    else:
+      out, new_cache = self._attend(q, k, v, attn_mask, layer_cache, cache_index, write_mask)
+      out = out.astype(x.dtype)
+    out = jnp.einsum("bthe,hed->btd", out, self.o_proj[...])
+    if self.cfg.out_bias:
+      out = out + self.o_bias[...]
+    return out, new_cache
+
+  def _attend(self, q, k, v, attn_mask, layer_cache, cache_index, write_mask):
+    """XLA attention of `q` `[B, T, H, Dh]` over `k`, `v` `[B, K, T, Dh]`, or
+    over the cache's columns once they are written: `([B, T, H, Dh] float32, cache)`."""
     new_cache = None
     if layer_cache is not None:
       k, v, new_cache = layer_cache.update(k, v, cache_index, write_mask,
@@ -117,12 +135,8 @@ class Attention(nnx.Module):
     scores = scores / math.sqrt(dh)
     scores = jnp.where(attn_mask[:, None, None, :, :], scores, _MASK_VALUE)
     probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v.astype(jnp.float32)).astype(x.dtype)
-    out = out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
-    out = jnp.einsum("bthe,hed->btd", out, self.o_proj[...])
-    if self.cfg.out_bias:
-      out = out + self.o_bias[...]
-    return out, new_cache
+    out = jnp.einsum("bkgts,bksd->bkgtd", probs, v.astype(jnp.float32))
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh), new_cache
 
 
 class SwiGLU(nnx.Module):

@@ -7,17 +7,23 @@ column c of slot b lives at row `c % page_size` of page
 pages as it crosses page boundaries and takes them back when it leaves.
 Table entries the host has not filled name page 0, the trash page: it is never
 handed out, writes of masked rows go there, and no valid column lives there
-(the `valid` mask keeps attention off it), so a slot's left padding and its
-unused tail cost no memory.
+(the `valid` mask keeps attention off it), so a slot's unused tail costs no
+memory.
 
 Attention reads the first `width` columns of every row by gathering the
 first `width / page_size` pages of its table row: a decode step costs what
 the batch's longest live context costs, not the slot length (the engine
 compiles a handful of widths, `engine_config.EngineConfig.decode_widths`).
 
-Layout per layer `[pages, KVH, page_size, Dh]`: a gathered row is
-`[width/page_size, KVH, page_size, Dh]`, transposed once to the decoder's
-`[KVH, width, Dh]`.
+Layout per layer `[KVH, pages, page_size, Dh]` (the pools of JAX's Pallas
+paged attention kernels): a gathered row is `[KVH, width/page_size,
+page_size, Dh]`, reshaped to the decoder's `[KVH, width, Dh]`.
+
+Decode attention reads the gathered columns through the decoder's XLA
+attention (`attention="xla"`), or through JAX's Pallas paged attention
+kernel (`"pallas"`: `models/paged_attention.py`), which reads each row's
+first `index + 1` columns from its pages itself; rows start at column 0
+(`sampler/sampling.py`), so those are exactly the row's tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +31,8 @@ from __future__ import annotations
 import flax.struct
 import jax
 import jax.numpy as jnp
+
+from arl_jax.models import paged_attention
 
 TRASH_PAGE = 0  # never handed out: unfilled table entries and masked writes point here
 
@@ -34,30 +42,34 @@ class PagedKVCache:
   """Per-layer page pools, the slots' page tables and their valid columns.
 
   Attributes:
-    keys: one array per layer, `[N, KVH, page_size, Dh]` (N pages, page 0 the trash page).
+    keys: one array per layer, `[KVH, N, page_size, Dh]` (N pages, page 0 the trash page).
     values: likewise.
     valid: `[B, L]` bool, True where a real (non-pad) token has been written.
     page_table: `[B, L / page_size]` int32, the page of each slot's column block.
+    attention: static, how decode steps attend (`paged_attention.ATTENTIONS`).
   """
 
   keys: tuple[jax.Array, ...]
   values: tuple[jax.Array, ...]
   valid: jax.Array
   page_table: jax.Array
+  attention: str = flax.struct.field(pytree_node=False, default="xla")
 
   @classmethod
   def zeros(cls, *, batch: int, num_layers: int, num_kv_heads: int, length: int,
-            head_dim: int, num_pages: int, page_size: int,
-            dtype=jnp.float32) -> PagedKVCache:
+            head_dim: int, num_pages: int, page_size: int, dtype=jnp.float32,
+            attention: str = "xla") -> PagedKVCache:
     if length % page_size:
       raise ValueError(f"a paged cache's length ({length}) must be a multiple of its page "
                        f"size ({page_size})")
-    shape = (num_pages, num_kv_heads, page_size, head_dim)
+    paged_attention.check_name(attention)
+    shape = (num_kv_heads, num_pages, page_size, head_dim)
     return cls(
         keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
         values=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
         valid=jnp.zeros((batch, length), jnp.bool_),
-        page_table=jnp.full((batch, length // page_size), TRASH_PAGE, jnp.int32))
+        page_table=jnp.full((batch, length // page_size), TRASH_PAGE, jnp.int32),
+        attention=attention)
 
   @property
   def page_size(self) -> int:
@@ -68,7 +80,8 @@ class PagedKVCache:
     return self.valid.shape[1]
 
   def layer(self, i: int) -> PagedLayer:
-    return PagedLayer(keys=self.keys[i], values=self.values[i], page_table=self.page_table)
+    return PagedLayer(keys=self.keys[i], values=self.values[i], page_table=self.page_table,
+                      attention=self.attention)
 
   def with_layers(self, layers) -> PagedKVCache:
     return self.replace(keys=tuple(layer.keys for layer in layers),
@@ -97,8 +110,8 @@ class PagedKVCache:
     src_pages = jnp.take_along_axis(self.page_table[src], block[:, None], axis=1)[:, 0]
     dst_pages = jnp.take_along_axis(self.page_table[dst], block[:, None], axis=1)[:, 0]
     return self.replace(
-        keys=tuple(k.at[dst_pages].set(k[src_pages]) for k in self.keys),
-        values=tuple(v.at[dst_pages].set(v[src_pages]) for v in self.values),
+        keys=tuple(k.at[:, dst_pages].set(k[:, src_pages]) for k in self.keys),
+        values=tuple(v.at[:, dst_pages].set(v[:, src_pages]) for v in self.values),
         valid=self.valid.at[dst].set(self.valid[src] & (columns < shared[:, None])))
 
   def rows_view(self, rows: jax.Array, valid: jax.Array) -> PagedKVCache:
@@ -114,10 +127,11 @@ class PagedKVCache:
     """Each array's logical axis names (`rules.SAMPLER_RULES`): the pool's
     heads like the attention weights; pages are shared by every slot, so the
     pool is not split over the slots' `data` axis."""
-    layer = ("kv_pages", "kv_heads", "page_rows", "head_dim")
+    layer = ("kv_heads", "kv_pages", "page_rows", "head_dim")
     return PagedKVCache(keys=tuple(layer for _ in self.keys),
                         values=tuple(layer for _ in self.values),
-                        valid=("batch", "length"), page_table=("batch", "slot_pages"))
+                        valid=("batch", "length"), page_table=("batch", "slot_pages"),
+                        attention=self.attention)
 
 
 def _scatter(pool: jax.Array, table: jax.Array, new: jax.Array, index: jax.Array,
@@ -130,8 +144,8 @@ def _scatter(pool: jax.Array, table: jax.Array, new: jax.Array, index: jax.Array
   pages = jnp.take_along_axis(table, columns // page_size, axis=1)
   if write_mask is not None:
     pages = jnp.where(write_mask[:, None], pages, TRASH_PAGE)
-  # Advanced indices on axes 0 and 2 lead the indexed shape: [B, T, KVH, Dh].
-  return pool.at[pages, :, columns % page_size].set(new.transpose(0, 2, 1, 3))
+  # Adjacent advanced indices on axes 1 and 2 stay in place: [KVH, B, T, Dh].
+  return pool.at[:, pages, columns % page_size].set(new.transpose(1, 0, 2, 3))
 
 
 def gather(pool: jax.Array, table: jax.Array, width: int) -> jax.Array:
@@ -141,9 +155,9 @@ def gather(pool: jax.Array, table: jax.Array, width: int) -> jax.Array:
   if width % page_size:
     raise ValueError(f"a paged read's width ({width}) must be a multiple of the page size "
                      f"({page_size})")
-  rows = pool[table[:, :width // page_size]]  # [B, W/ps, KVH, ps, Dh]
-  b, n, kvh, ps, dh = rows.shape
-  return rows.transpose(0, 2, 1, 3, 4).reshape(b, kvh, n * ps, dh)
+  rows = pool[:, table[:, :width // page_size]]  # [KVH, B, W/ps, ps, Dh]
+  kvh, b, n, ps, dh = rows.shape
+  return rows.transpose(1, 0, 2, 3, 4).reshape(b, kvh, n * ps, dh)
 
 
 @flax.struct.dataclass
@@ -153,6 +167,26 @@ class PagedLayer:
   keys: jax.Array
   values: jax.Array
   page_table: jax.Array
+  attention: str = flax.struct.field(pytree_node=False, default="xla")
+
+  @property
+  def attends(self) -> bool:
+    """Whether decode attention runs in a kernel (`attend`), not in the decoder."""
+    return self.attention != "xla"
+
+  def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
+             write_mask: jax.Array | None, width: int):
+    """One decode step's attention through the paged attention kernel:
+    writes `k`, `v` `[B, KVH, 1, Dh]` at columns `index` `[B]` and attends
+    `q` `[B, H, Dh]` (already scaled) over each row's columns `[0, index]`
+    among its first `width`. Returns `[B, H, Dh]` and the updated layer."""
+    keys = _scatter(self.keys, self.page_table, k, index, write_mask)
+    values = _scatter(self.values, self.page_table, v, index, write_mask)
+    out = paged_attention.decode_attention(
+        q, keys, values, self.page_table[:, :width // keys.shape[2]], index + 1,
+        interpret=self.attention == "pallas_interpret")
+    return out, PagedLayer(keys=keys, values=values, page_table=self.page_table,
+                           attention=self.attention)
 
   def update(self, k: jax.Array, v: jax.Array, index: jax.Array,
              write_mask: jax.Array | None, width: int):
@@ -162,4 +196,5 @@ class PagedLayer:
     keys = _scatter(self.keys, self.page_table, k, index, write_mask)
     values = _scatter(self.values, self.page_table, v, index, write_mask)
     return (gather(keys, self.page_table, width), gather(values, self.page_table, width),
-            PagedLayer(keys=keys, values=values, page_table=self.page_table))
+            PagedLayer(keys=keys, values=values, page_table=self.page_table,
+                       attention=self.attention))

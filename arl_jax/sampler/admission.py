@@ -39,8 +39,8 @@ def take_groups(requests: sources.RequestSource, cfg: engine_config.EngineConfig
 class Admission:
   """Attributes:
     inserts: context bucket -> `(slot, row)` to prefill in that bucket.
-    forks: `(slot, source slot, bucket, row)` to start from the prefill of
-      the source slot's row (one of `inserts`).
+    forks: `(slot, source slot, row)` to start from the prefill of the
+      source slot's row (one of `inserts`).
     waiting: rows that did not fit, in queue order.
   """
 
@@ -67,11 +67,11 @@ def plan(free_slots: list[int], rows: list[waiting_rows.Row], cfg: engine_config
     bucket = cfg.bucket_for(len(context))
     shareable = cfg.share_prompts and not row.episode.open_tokens
     source = prefilled.get(context) if shareable else None
-    if not (kv.admit(slot, len(context), bucket) if source is None
-            else kv.admit_fork(slot, source, bucket)):
+    if not (kv.admit(slot, len(context)) if source is None
+            else kv.admit_fork(slot, source, len(context))):
       return Admission(dict(inserts), forks, rows[i:])
     if source is not None:
-      forks.append((slot, source, bucket, row))
+      forks.append((slot, source, row))
       continue
     inserts[bucket].append((slot, row))
     if shareable:

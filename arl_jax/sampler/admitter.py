@@ -83,10 +83,10 @@ class Admitter:
       self._requests.note_sampling(row.group_id, version)
     chunked = []
     for bucket, items in admitted.inserts.items():
-      if self._cfg.chunked(bucket):
-        chunked += [(slot, bucket, row) for slot, row in items]
-      else:
-        state = self._insert(state, version, version_scalar, bucket, items)
+      chunked += [item for item in items if self._chunked(item[1])]
+      whole = [item for item in items if not self._chunked(item[1])]
+      if whole:
+        state = self._insert(state, version, version_scalar, bucket, whole)
     if chunked:
       state = self.prefills.begin(self._fns, state, self._base_key, chunked,
                                   pad_id=self._pad_id, stop_mask_fn=self._stop_mask)
@@ -96,7 +96,7 @@ class Admitter:
     for fork in admitted.forks:
       if self.prefills.prefilling(fork[1]):  # starts when the prompt it forks from is whole
         self.prefills.wait(fork)
-        self._occupy([(fork[0], fork[2], fork[3])], [self._budget(fork[3])], 0, version,
+        self._occupy([(fork[0], fork[2])], [self._budget(fork[2])], 0, version,
                      time.monotonic())
       else:
         forks.append(fork)
@@ -118,6 +118,10 @@ class Admitter:
     self._stats.prefill_seconds += time.monotonic() - start
     return self._fork(state, forks, version, occupied=True) if forks else state
 
+  def _chunked(self, row: waiting_rows.Row) -> bool:
+    """Whether `row`'s context is prefilled in chunks (it is longer than one)."""
+    return self._cfg.chunked(len(row.episode.context_ids()))
+
   def _budget(self, row: waiting_rows.Row) -> int:
     """Tokens `row`'s segment may sample."""
     return row.episode.budget(self._cfg.max_new_tokens) - row.episode.length
@@ -132,16 +136,16 @@ class Admitter:
     state = self._fns.insert_from_ids(self._updates.params(version), version_scalar, state,
                                       self._base_key, *batch.args())
     self._table.read_done(state)  # (a first token may end a segment)
-    self._occupy([(slot, bucket, row) for slot, row in items], batch.max_new, 1, version, start)
+    self._occupy(items, batch.max_new, 1, version, start)
     return state
 
   def _fork(self, state, items, version: int, occupied: bool = False):
-    """Starts forks `(slot, source, bucket, row)` from their sources' fresh
+    """Starts forks `(slot, source, row)` from their sources' fresh
     prefills (their first tokens come with the next decode step);
     `occupied`: their slots were taken when the source's prefill began."""
     start = time.monotonic()
     batch = insert_batch.pack_fork(
-        [(slot, source, row.episode) for slot, source, _, row in items],
+        [(slot, source, row.episode) for slot, source, row in items],
         num_slots=self._cfg.num_slots, max_new_tokens=self._cfg.max_new_tokens,
         stop_mask_fn=self._stop_mask)
     state = self._fns.fork(state, self._base_key, *batch.args())
@@ -150,18 +154,17 @@ class Admitter:
       self._table.done[[slot for slot, *_ in items]] = False
       self._stats.prefill_seconds += time.monotonic() - start
     else:
-      self._occupy([(slot, bucket, row) for slot, _, bucket, row in items], batch.max_new, 0,
-                   version, start)
+      self._occupy([(slot, row) for slot, _, row in items], batch.max_new, 0, version, start)
     self._stats.forked_rows += len(items)
     return state
 
   def _occupy(self, items, budgets, sampled: int, version: int, start: float) -> None:
-    """Puts admitted `(slot, bucket, row)` in their slots, `sampled` tokens
-    sampled already (prefill begun at `start`)."""
+    """Puts admitted `(slot, row)` in their slots, `sampled` tokens sampled
+    already (prefill begun at `start`)."""
     now = time.monotonic()
-    for (slot, bucket, row), budget in zip(items, budgets):
+    for (slot, row), budget in zip(items, budgets):
       row.version, row.start_time, row.budget, row.sampled = version, now, int(budget), sampled
-      row.bucket = bucket
+      row.first_column = len(row.episode.context_ids())
       row.episode.timings["queued"] += now - row.ready_time
       self._stats.queue_wait_seconds += now - row.ready_time
       self._stats.resumes += row.episode.turns > 0

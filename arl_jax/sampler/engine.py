@@ -94,7 +94,8 @@ class SamplerEngine:
     self._fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
                                           settings=settings, num_slots=cfg.num_slots,
                                           length=cfg.length, num_pages=cfg.pool_pages,
-                                          page_size=cfg.page_size)
+                                          page_size=cfg.page_size,
+                                          paged_attention=cfg.paged_attention)
     self._kv = kv_slots.make(cfg)
     self._updates = weight_updates.make_policy(cfg.weight_update, cfg.kv_policy)
     # Every segment's PRNG key derives from it, in the insert program.

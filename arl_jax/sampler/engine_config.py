@@ -8,6 +8,7 @@ import dataclasses
 
 import numpy as np
 
+from arl_jax.models import paged_attention as paged_attention_lib
 from arl_jax.sampler import weight_updates
 
 KV_CACHES = ("dense", "paged")
@@ -52,11 +53,15 @@ class EngineConfig:
       publish, a cancellation, new work or a checkpoint pause waits for the
       burst to end; a slot that finishes inside one idles until then.
     prefill_chunk: columns a context is prefilled in per engine iteration
-      when its bucket is wider (0: every context in one call). The chunks
+      when it is longer (0: every context in one call). The chunks
       of a long prompt, multi-turn, preempted or restored context go
       between decode steps of the other slots, so a long prefill delays
       each of their steps by one chunk's cost, not by its whole
       (`prefilling.py`).
+    paged_attention: how a paged engine's decode steps attend: "xla" (the
+      decoder's attention over the gathered pages) or "pallas" (JAX's
+      Pallas paged attention kernel, GPU; "pallas_interpret" runs it in
+      interpret mode on any backend: `models/paged_attention.py`).
   """
 
   num_slots: int
@@ -75,6 +80,7 @@ class EngineConfig:
   share_prompts: bool = True
   decode_burst: int = 1
   prefill_chunk: int = 0
+  paged_attention: str = "xla"
 
   def __post_init__(self):
     weight_updates.check_names(self.weight_update, self.kv_policy)
@@ -90,6 +96,9 @@ class EngineConfig:
       raise ValueError(f"num_slots={self.num_slots} must be >= group_size={self.group_size}")
     if self.decode_burst < 1:
       raise ValueError(f"decode_burst must be >= 1, got {self.decode_burst}")
+    paged_attention_lib.check_name(self.paged_attention)
+    if self.paged_attention != "xla" and not self.paged:
+      raise ValueError(f"paged_attention={self.paged_attention!r} needs kv_cache='paged'")
     if self.prefill_chunk < 0:
       raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
     if self.paged and self.num_pages and self.num_pages - 1 < self.pages_per_slot:
@@ -171,9 +180,15 @@ class EngineConfig:
     """The smallest of `decode_widths` that holds column `last_column`."""
     return next(w for w in self.decode_widths if w is None or w > last_column)
 
-  def chunked(self, bucket: int) -> bool:
-    """Whether a context of `bucket` columns is prefilled in chunks."""
-    return 0 < self.prefill_chunk < bucket
+  def chunked(self, context_len: int) -> bool:
+    """Whether a context of `context_len` tokens is prefilled in chunks."""
+    return 0 < self.prefill_chunk < context_len
+
+  def chunks_all(self, bucket: int) -> bool:
+    """Whether every context padded to `bucket` (one of
+    `continuation_buckets`) is chunked: none needs an insert program."""
+    below = [b for b in self.continuation_buckets if b < bucket]
+    return self.chunked(max(below, default=0) + 1)
 
   @property
   def prefill_widths(self) -> tuple[int | None, ...]:

@@ -2,15 +2,15 @@
 
 An admission prefills the episodes that share a context bucket with one
 `SamplerFns.insert` call. Their contexts (prompt, completion so far, and the
-open segment a checkpoint left) are left-padded to the bucket, so that every
-row's next token lands in the same column, and the row count is padded to a
+open segment a checkpoint left) are left-padded to the bucket for the
+prefill (`sampling.insert` moves each row to column 0 of its slot), and the row count is padded to a
 power of two (`slot_fns.row_bucket`) by repeating the last row, so that a
 handful of insert shapes cover every admission; `abstract` describes the
 batch of one shape, for compiling that shape before any admission needs it.
 The other samples of a prompt admitted at once start from its prefill
 (`ForkBatch`, `sampling.fork`). A context prefilled in chunks
 (`prefill_chunks.py`) is put in its slot first (`BeginBatch`): rows of any
-buckets together, each a full slot row wide.
+length together, each a full slot row wide, from column 0.
 """
 
 from __future__ import annotations
@@ -159,12 +159,12 @@ class BeginBatch:
 
   Attributes:
     slots: `[R]` int32 slot of each row.
-    tokens: `[R, L]` int32, each context left-padded to its bucket, then pad.
+    tokens: `[R, L]` int32, each context from column 0, then pad.
     token_mask: `[R, L]` bool, True on context tokens.
     logprobs: `[R, L]` float32 an open segment's recorded log-probs (its columns).
     versions: `[R, L]` int32 their versions (likewise).
     key_ids, max_new, stop_mask: as `InsertBatch`.
-    bucket: `[R]` int32 context bucket of each row.
+    context_len: `[R]` int32 context tokens of each row.
     open_len: `[R]` int32 open-segment tokens at the end of each context.
     first: `[R]` int32 first column of each row's first chunk.
   """
@@ -177,7 +177,7 @@ class BeginBatch:
   key_ids: np.ndarray
   max_new: np.ndarray
   stop_mask: np.ndarray
-  bucket: np.ndarray
+  context_len: np.ndarray
   open_len: np.ndarray
   first: np.ndarray
 
@@ -185,25 +185,26 @@ class BeginBatch:
     return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
-def pack_begin(items: list[tuple[int, int, int, episode_lib.Episode]], *, length: int,
+def pack_begin(items: list[tuple[int, int, episode_lib.Episode]], *, length: int,
                num_slots: int, max_new_tokens: int, pad_id: int,
                stop_mask_fn: Callable[[object], np.ndarray]) -> BeginBatch:
-  """Packs `(slot, bucket, first chunk column, episode)` into one
-  `begin_prefill` (see `pack`; the rows' buckets may differ)."""
+  """Packs `(slot, first chunk column, episode)` into one `begin_prefill`
+  (see `pack`; each context from column 0)."""
   r = slot_fns.row_bucket(len(items), num_slots)
   padded = items + [items[-1]] * (r - len(items))
   episodes = [episode for *_, episode in padded]
-  buckets = np.array([bucket for _, bucket, _, _ in padded], np.int32)
-  ending = lambda sequences, fill, dtype: _ending_at(sequences, buckets, length, fill, dtype)
-  tokens, token_mask = ending([e.context_ids() for e in episodes], pad_id, np.int32)
+  contexts = [e.context_ids() for e in episodes]
+  ends = np.array([len(c) for c in contexts], np.int32)
+  ending = lambda sequences, fill, dtype: _ending_at(sequences, ends, length, fill, dtype)
+  tokens, token_mask = ending(contexts, pad_id, np.int32)
   logprobs, _ = ending([e.open_logprobs for e in episodes], 0.0, np.float32)
   versions, _ = ending([e.open_versions for e in episodes], sampling.NO_VERSION, np.int32)
   return BeginBatch(
       slots=np.array([slot for slot, *_ in padded], np.int32), tokens=tokens,
       token_mask=token_mask, logprobs=logprobs, versions=versions,
-      **_segment_fields(episodes, max_new_tokens, stop_mask_fn), bucket=buckets,
+      **_segment_fields(episodes, max_new_tokens, stop_mask_fn), context_len=ends,
       open_len=np.array([len(e.open_tokens) for e in episodes], np.int32),
-      first=np.array([first for _, _, first, _ in padded], np.int32))
+      first=np.array([first for _, first, _ in padded], np.int32))
 
 
 def _ending_at(sequences, ends: np.ndarray, width: int, fill, dtype):
@@ -226,7 +227,8 @@ def abstract_begin(rows: int, length: int, num_stop_ids: int) -> BeginBatch:
       slots=row(np.int32), tokens=grid(np.int32), token_mask=grid(np.bool_),
       logprobs=grid(np.float32), versions=grid(np.int32),
       key_ids=jax.ShapeDtypeStruct((rows, 3), np.uint32), max_new=row(np.int32),
-      stop_mask=jax.ShapeDtypeStruct((rows, num_stop_ids), np.bool_), bucket=row(np.int32),
+      stop_mask=jax.ShapeDtypeStruct((rows, num_stop_ids), np.bool_),
+      context_len=row(np.int32),
       open_len=row(np.int32), first=row(np.int32))
 
 

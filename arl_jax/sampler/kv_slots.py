@@ -42,16 +42,16 @@ _CALL_COST = 16
 class DenseSlots:
   """Every slot holds its full length: admission always fits, nothing grows."""
 
-  def admit(self, slot: int, context_len: int, bucket: int) -> bool:
-    """Whether `slot` can take a context of `context_len` tokens padded to
-    `bucket` (its pages are taken if so)."""
-    del slot, context_len, bucket
+  def admit(self, slot: int, context_len: int) -> bool:
+    """Whether `slot` can take a context of `context_len` tokens (its pages
+    are taken if so)."""
+    del slot, context_len
     return True
 
-  def admit_fork(self, slot: int, source: int, bucket: int) -> bool:
-    """Whether `slot` can start on the prompt (of `bucket` columns) that
+  def admit_fork(self, slot: int, source: int, context_len: int) -> bool:
+    """Whether `slot` can start on the prompt (of `context_len` tokens) that
     `source` was just admitted with (`sampling.fork`)."""
-    del slot, source, bucket
+    del slot, source, context_len
     return True
 
   def release(self, slot: int) -> None:
@@ -91,15 +91,16 @@ class PagedSlots(DenseSlots):
     self.pool = page_pool.PagePool(num_pages=cfg.pool_pages, page_size=cfg.page_size,
                                    num_slots=cfg.num_slots, length=cfg.length)
 
-  def admit(self, slot: int, context_len: int, bucket: int) -> bool:
-    # The first decode step writes the first sampled token at column `bucket`.
-    return self.pool.take(slot, bucket - context_len, bucket)
+  def admit(self, slot: int, context_len: int) -> bool:
+    # The context fills columns [0, context_len) and the first decode step
+    # writes the first sampled token's keys at column `context_len`.
+    return self.pool.take(slot, 0, context_len)
 
-  def admit_fork(self, slot: int, source: int, bucket: int) -> bool:
+  def admit_fork(self, slot: int, source: int, context_len: int) -> bool:
     # The prompt's pages are shared up to the one holding its last column,
     # which the fork writes again (copied), and the next (the first sample).
-    self.pool.share(slot, source, (bucket - 1) // self._cfg.page_size)
-    if self.pool.take(slot, bucket - 1, bucket):
+    self.pool.share(slot, source, (context_len - 1) // self._cfg.page_size)
+    if self.pool.take(slot, context_len - 1, context_len):
       return True
     self.pool.release(slot)
     return False
@@ -124,7 +125,7 @@ class PagedSlots(DenseSlots):
   def _last_write(self, row) -> int:
     """The last column `row` can write keys and values at: the one before
     its last sampled token's (`sampling.insert`'s `limit`)."""
-    return min(row.bucket + row.budget - 1, self._cfg.length - 1) - 1
+    return min(row.first_column + row.budget - 1, self._cfg.length - 1) - 1
 
   def width(self, rows: Sequence) -> int:
     last = max((row.last_column for row in rows if row is not None), default=0)

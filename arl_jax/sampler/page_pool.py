@@ -1,8 +1,8 @@
 """`PagePool`: the host's book of a paged KV cache's pages (`models/paged_kv_cache.py`).
 
 The engine thread owns it. A slot holds the pages of the column blocks it has
-written or is about to write; its left padding and unused tail point at the
-trash page, so they cost nothing. Pages come from a free list: at admission
+written or is about to write; its unused tail points at the trash page, so
+it costs nothing. Pages come from a free list: at admission
 for the context and the first decode column, then one more each time a slot's
 next write crosses a page boundary; they all go back at once when the slot
 ends its segment, is cancelled or is preempted. The samples of a group

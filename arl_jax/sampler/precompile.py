@@ -21,10 +21,10 @@ decodes any row bucket of slots (`decode_rows`) and recomputes at every
 width of `EngineConfig.decode_widths`, and sends page tables (`set_pages`). Rows a
 paged engine preempts come back with longer contexts, in continuation
 buckets that are compiled when first used (a pool sized to need no
-preemption never uses them), unless those buckets are chunked: a chunked
+preemption never uses them), unless their contexts are chunked: a chunked
 prefill (`prefill_chunk`) has programs for row counts and widths only
-(`begin_prefill`, `prefill_chunk`), whatever the context's bucket, so a
-chunked bucket needs no insert program at all.
+(`begin_prefill`, `prefill_chunk`), whatever the context's length, and a
+bucket whose contexts are all chunked needs no insert program at all.
 """
 
 from __future__ import annotations
@@ -123,7 +123,7 @@ def engine_shapes(cfg: engine_config.EngineConfig,
   # Any number of rows can be prefilling at once, at any width that holds a chunk.
   chunk_rows = slot_fns.row_buckets(cfg.num_slots) if cfg.prefill_widths else ()
   return Shapes(
-      insert=tuple((r, b) for b in buckets if not cfg.chunked(b) for r in rows),
+      insert=tuple((r, b) for b in buckets if not cfg.chunks_all(b) for r in rows),
       take_rows=slot_fns.row_buckets(cfg.num_slots),
       recompute=cfg.weight_update == "in_flight" and cfg.kv_policy == "recompute",
       widths=cfg.decode_widths, paged=cfg.paged,

@@ -10,15 +10,16 @@ engine keeps it out of decode calls until its last chunk. Each
 row it is given, at that row's place in the slot, attending over the slot's
 cache (the chunks before it and itself, causally): keys and values go
 straight into the slot's cache (dense rows or pool pages). The last chunk of
-a row ends at its context bucket and samples the segment's first token, with
+a row ends at the end of its context and samples the segment's first token, with
 the draw `sampling.insert` would have made (same key, same offset), so a
 chunked prefill samples what an unchunked one does, up to the float
 rounding of computing the same keys in another shape.
 
-Chunks are right-aligned: the last covers `[bucket - chunk, bucket)`, the
-ones before it step back by `chunk` columns, and the first is clamped at
-column 0 (it may then overlap the second, whose columns are computed again:
-the same keys and values). A chunk made only of left padding is skipped.
+Chunks are right-aligned: the last covers `[n - chunk, n)` of a context of
+n tokens (columns `[0, n)` of its row, `sampling.py`), the ones before it
+step back by `chunk` columns, and the first is clamped at column 0 (it may
+then overlap the second, whose columns are computed again: the same keys
+and values).
 The slot's `index` is the end of the columns prefilled so far, so the
 `recompute` KV policy re-prefills exactly those after a swap.
 """
@@ -31,24 +32,25 @@ from flax import nnx
 from arl_jax.sampler import sampling, token_draw
 
 
-def chunk_starts(context_len: int, bucket: int, chunk: int) -> list[int]:
+def chunk_starts(context_len: int, chunk: int) -> list[int]:
   """The first column of each chunk of a context of `context_len` tokens
-  left-padded to `bucket` columns (`bucket >= chunk`), in prefill order."""
-  if bucket < chunk:
-    raise ValueError(f"a chunked context's bucket ({bucket}) must hold a chunk ({chunk})")
+  (at least a chunk), in prefill order."""
+  if context_len < chunk:
+    raise ValueError(f"a chunked context ({context_len} tokens) must hold a chunk ({chunk})")
   count = -(-context_len // chunk)
-  return [max(bucket - (count - k) * chunk, 0) for k in range(count)]
+  return [max(context_len - (count - k) * chunk, 0) for k in range(count)]
 
 
 def begin(state: sampling.SlotState, base_key, slots, tokens, token_mask, logprobs, versions,
-          key_ids, max_new_tokens, stop_mask, bucket, open_len, first) -> sampling.SlotState:
+          key_ids, max_new_tokens, stop_mask, context_len, open_len,
+          first) -> sampling.SlotState:
   """Puts R contexts in slots `slots`, to be prefilled by `prefill_chunk`.
 
   Args:
     state: the slot state.
     base_key: `[2]` uint32, `jax.random.PRNGKey(seed)`.
     slots: `[R]` int32 slots to fill (a repeated slot gets an identical row).
-    tokens: `[R, L]` int32, each context left-padded to its bucket, then pad.
+    tokens: `[R, L]` int32, each context from column 0, then pad.
     token_mask: `[R, L]` bool, True on context tokens.
     logprobs: `[R, L]` float32, recorded log-probs of an open segment at the
       end of the context (as `sampling.insert`'s `open_logprobs`), else 0.
@@ -56,7 +58,7 @@ def begin(state: sampling.SlotState, base_key, slots, tokens, token_mask, logpro
     key_ids: `[R, 3]` uint32 (group id, sample index, turn) of each row.
     max_new_tokens: `[R]` int32 completion budget of each row's segment.
     stop_mask: `[R, S]` bool, which of the stop ids end each row's segment.
-    bucket: `[R]` int32 context bucket: the column of the first sampled token.
+    context_len: `[R]` int32 context tokens: the column of the first sampled token.
     open_len: `[R]` int32 open-segment tokens at the end of each context.
     first: `[R]` int32 first column of each row's first chunk.
   """
@@ -66,9 +68,9 @@ def begin(state: sampling.SlotState, base_key, slots, tokens, token_mask, logpro
   return state.replace(
       cache=cache, tokens=put(state.tokens, tokens), token_mask=put(state.token_mask, token_mask),
       logprobs=put(state.logprobs, logprobs), versions=put(state.versions, versions),
-      prompt_end=put(state.prompt_end, bucket - open_len),
+      prompt_end=put(state.prompt_end, context_len - open_len),
       index=put(state.index, first),  # nothing fed before it
-      limit=put(state.limit, jnp.minimum(bucket + max_new_tokens - 1, length - 1)),
+      limit=put(state.limit, jnp.minimum(context_len + max_new_tokens - 1, length - 1)),
       positions=put(state.positions, jnp.sum(token_mask, axis=1, dtype=jnp.int32)),
       done=put(state.done, False), stopped=put(state.stopped, False),
       stop_mask=put(state.stop_mask, stop_mask),
@@ -88,7 +90,7 @@ def prefill_chunk(graphdef, params, version, state: sampling.SlotState, rows, st
     state: the slot state.
     rows: `[R]` int32 slots (a repeated slot gets identical results).
     start: `[R]` int32 first column of each row's chunk.
-    final: `[R]` bool, the chunk ends at the row's bucket (its last).
+    final: `[R]` bool, the chunk ends the row's context (its last).
     settings: static sampling settings.
     chunk: static, C columns per chunk.
     width: static, columns attended over (>= every `start + chunk`; None: all).

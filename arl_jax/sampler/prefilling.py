@@ -2,7 +2,7 @@
 a chunk at a time (`EngineConfig.prefill_chunk`, `prefill_chunks.py`), and
 the forks waiting for them.
 
-A context whose bucket is wider than a chunk is put in its slot (`begin`)
+A context longer than a chunk is put in its slot (`begin`)
 and then advanced by one chunk per engine iteration (`step`), between decode
 steps of the other slots, until its last chunk samples its first token. The
 other samples of its group (`share_prompts`) hold their slots meanwhile and
@@ -28,7 +28,7 @@ import numpy as np
 
 from arl_jax.sampler import engine_config, insert_batch, prefill_chunks, slot_fns
 
-ForkItem = tuple  # (slot, source slot, bucket, waiting_rows.Row), as admission.Admission.forks
+ForkItem = tuple  # (slot, source slot, waiting_rows.Row), as admission.Admission.forks
 
 
 @dataclasses.dataclass
@@ -63,21 +63,19 @@ class ChunkedPrefills:
 
   def begin(self, fns: slot_fns.SamplerFns, state, base_key, items, *, pad_id: int,
             stop_mask_fn: Callable) -> object:
-    """Puts `(slot, bucket, row)` in their slots for chunked prefill; returns the state."""
-    chunk = self._cfg.prefill_chunk
-    plans = [prefill_chunks.chunk_starts(len(row.episode.context_ids()), bucket, chunk)
-             for _, bucket, row in items]
+    """Puts `(slot, row)` in their slots for chunked prefill; returns the state."""
+    plans = [prefill_chunks.chunk_starts(len(row.episode.context_ids()), self._cfg.prefill_chunk)
+             for _, row in items]
     batch = insert_batch.pack_begin(
-        [(slot, bucket, starts[0], row.episode)
-         for (slot, bucket, row), starts in zip(items, plans)],
+        [(slot, starts[0], row.episode) for (slot, row), starts in zip(items, plans)],
         length=self._cfg.length, num_slots=self._cfg.num_slots,
         max_new_tokens=self._cfg.max_new_tokens, pad_id=pad_id, stop_mask_fn=stop_mask_fn)
-    for (slot, _, _), starts in zip(items, plans):
+    for (slot, _), starts in zip(items, plans):
       self._prefills[slot] = _Prefill(starts)
     return fns.begin_prefill(state, base_key, *batch.args())
 
   def wait(self, fork: ForkItem) -> None:
-    """Holds `fork` `(slot, source, bucket, row)` until its source is prefilled."""
+    """Holds `fork` `(slot, source, row)` until its source is prefilled."""
     slot, source = fork[0], fork[1]
     self._prefills[source].forks.append(fork)
     self._sources[slot] = source

@@ -12,9 +12,11 @@ bucket, write column, position and length limit, so a slot can be refilled
 (`insert`) while the others keep decoding, and nothing a slot computes depends
 on its neighbours.
 
-Row layout: the prompt is left-padded into columns `[0, Pb)` of its row (Pb =
-its prompt bucket) and the completion follows from column Pb. Shapes: B slots,
-L = longest prompt bucket + max new tokens = cache length, R rows inserted.
+Row layout: a row's context (n tokens) fills columns `[0, n)` and its
+completion follows, so its keys and values are the first `index + 1`
+columns (as paged attention kernels read them); inserts prefill contexts
+left-padded to a bucket of Pb columns and move each to column 0. Shapes: B
+slots, L = longest bucket + max new tokens = cache length, R rows inserted.
 """
 
 from __future__ import annotations
@@ -112,17 +114,17 @@ class SlotState:
 
 
 def init_slots(cfg, *, num_slots: int, length: int, pad_id: int, num_stop_ids: int = 0,
-               num_pages: int = 0, page_size: int = 0) -> SlotState:
+               num_pages: int = 0, page_size: int = 0, attention: str = "xla") -> SlotState:
   """All slots empty (done), with a zeroed cache of `length` columns: dense
   (`[num_slots, KVH, length, Dh]` per layer), or paged when `num_pages` > 0
   (a pool of `num_pages` pages of `page_size` columns, page 0 the trash page,
-  every slot's page table pointing at it)."""
+  every slot's page table pointing at it; decode `attention` as it says)."""
   b = num_slots
   geometry = dict(batch=b, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                   length=length, head_dim=cfg.head_dim, dtype=jnp.dtype(cfg.param_dtype))
   if num_pages:
     cache = paged_kv_cache.PagedKVCache.zeros(num_pages=num_pages, page_size=page_size,
-                                              **geometry)
+                                              attention=attention, **geometry)
   else:
     cache = kv_cache_lib.KVCache.zeros(**geometry)
   zeros = jnp.zeros((b,), jnp.int32)
@@ -215,12 +217,20 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
     open_versions = jnp.full((r, pb), NO_VERSION, jnp.int32)
   small = kv_cache_lib.KVCache.zeros(
       batch=r, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads, length=pb,
-      head_dim=cfg.head_dim, dtype=state.cache.keys[0].dtype)
-  small = small.replace(valid=prompt_mask)
+      head_dim=cfg.head_dim, dtype=state.cache.keys[0].dtype).replace(valid=prompt_mask)
   positions = decoder_lib.positions_from_mask(prompt_mask)
   attn = prompt_mask[:, None, :] & (jnp.arange(pb)[None, None, :] <= jnp.arange(pb)[None, :, None])
   logits, small = model(prompt_tokens, positions, attn, small, jnp.zeros((r,), jnp.int32),
                         last_only=True)
+  # Each row moves to column 0 (its left padding rolls round to the end).
+  n = jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)
+  columns = (jnp.arange(pb)[None, :] + (pb - n)[:, None]) % pb  # [R, Pb]
+  shift = lambda a, axis=1: jnp.take_along_axis(a, jnp.expand_dims(
+      columns, tuple(range(2, a.ndim))).swapaxes(1, axis), axis=axis)
+  prompt_tokens, prompt_mask, open_logprobs, open_versions = map(
+      shift, (prompt_tokens, prompt_mask, open_logprobs, open_versions))
+  small = small.replace(valid=prompt_mask, keys=tuple(shift(k, 2) for k in small.keys),
+                        values=tuple(shift(v, 2) for v in small.values))
 
   tail = lambda fill, dtype: jnp.full((r, length - pb), fill, dtype)
   cache = state.cache.write_prefill(slots, small)
@@ -237,20 +247,19 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
       versions=set_rows(state.versions, slots, jnp.concatenate(
           [open_versions, tail(NO_VERSION, jnp.int32)], axis=1)),
       # The segment (harvested from here) starts with the open tokens.
-      prompt_end=set_rows(state.prompt_end, slots, pb - open_len),
-      limit=set_rows(state.limit, slots, jnp.minimum(pb + max_new_tokens - 1, length - 1)),
-      positions=set_rows(state.positions, slots, jnp.sum(prompt_mask, axis=1, dtype=jnp.int32)),
+      prompt_end=set_rows(state.prompt_end, slots, n - open_len),
+      limit=set_rows(state.limit, slots, jnp.minimum(n + max_new_tokens - 1, length - 1)),
+      positions=set_rows(state.positions, slots, n),
       done=set_rows(state.done, slots, False),
       stopped=set_rows(state.stopped, slots, False),
       stop_mask=set_rows(state.stop_mask, slots, True if stop_mask is None else stop_mask),
       keys=set_rows(state.keys, slots, keys))
-  # Sample the first completion token of the inserted rows only.
-  column = jnp.full((r,), pb, jnp.int32)
+  # Sample the first completion token of the inserted rows only, at column n.
   tokens, logp = token_draw.sample_from_logits(logits[:, -1], keys, open_len, settings)
   b = state.tokens.shape[0]
   live = jnp.zeros((b,), jnp.bool_).at[slots].set(True)
   full = lambda x, fill: jnp.full((b,), fill, x.dtype).at[slots].set(x)
-  return record_tokens(state, live, full(column, 0), full(tokens, settings.pad_id), full(logp, 0.0),
+  return record_tokens(state, live, full(n, 0), full(tokens, settings.pad_id), full(logp, 0.0),
                  version, settings)
 
 

@@ -101,7 +101,7 @@ def _take_rows(state: sampling.SlotState, slots):
 
 def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.SamplingSettings,
                      num_slots: int, length: int, num_pages: int = 0,
-                     page_size: int = 0) -> SamplerFns:
+                     page_size: int = 0, paged_attention: str = "xla") -> SamplerFns:
   """Jits the slot functions with params as an argument and one pinned layout.
 
   Every function returns the SlotState in the same sharding (else the first
@@ -117,13 +117,16 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
     length: L, columns of a slot (and of its cache).
     num_pages: pages of a paged KV cache (0: a dense cache, `[B, L]` columns).
     page_size: columns per page of a paged cache.
+    paged_attention: how a paged cache's decode steps attend
+      (`models/paged_attention.ATTENTIONS`).
   """
   counters = {name: trace_counter.TraceCounter()
               for name in ("init", "insert", "fork", "prefill", "decode", "recompute",
                            "set_pages", "take_rows")}
   init = functools.partial(sampling.init_slots, model_cfg, num_slots=num_slots, length=length,
                            pad_id=settings.pad_id, num_stop_ids=len(settings.stop_ids),
-                           num_pages=num_pages, page_size=page_size)
+                           num_pages=num_pages, page_size=page_size,
+                           attention=paged_attention)
   shardings = state_shardings(mesh, jax.eval_shape(init))
   insert = functools.partial(counters["insert"].wrap(sampling.insert), graphdef,
                              settings=settings)

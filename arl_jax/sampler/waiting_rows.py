@@ -26,13 +26,13 @@ class Row:
   start_time: float = 0.0
   budget: int = 0  # tokens this segment may sample
   sampled: int = 0  # tokens sampled so far (the first by the insert)
-  bucket: int = 0  # context bucket of its admission: column of its first sampled token
+  first_column: int = 0  # column of its first sampled token (its context's length)
 
   @property
   def last_column(self) -> int:
     """The column of the last token it sampled (in a slot): the next decode
     step writes that token's keys and values there."""
-    return self.bucket + self.sampled - 1
+    return self.first_column + self.sampled - 1
 
   @property
   def group_id(self) -> int:

@@ -59,7 +59,7 @@ def test_masked_rows_write_only_the_trash_page():
   _, _, written = layer.update(new, new, jnp.array([3, 3, 3]), jnp.array([True, False, True]),
                                width=PAGE)
   keys = np.asarray(written.keys)
-  touched = {int(p) for p in np.nonzero(keys.reshape(16, -1).any(axis=1))[0]}
+  touched = {int(p) for p in np.nonzero(np.moveaxis(keys, 1, 0).reshape(16, -1).any(axis=1))[0]}
   # Columns 3-4 of rows 0 and 2: pages 1, 2 and 7, 8; row 1 went to page 0.
   assert touched == {0, 1, 2, 7, 8}
 

@@ -31,7 +31,7 @@ from tests.sampler.paged_engine_test import (
   assert_exact_versions,
 )
 
-PROMPTS = dict(prompt_tokens=(1, 6))  # buckets of 6 columns: 1 to 3 chunks of 2
+PROMPTS = dict(prompt_tokens=(1, 6))  # 1 to 6 tokens: whole, or 2 to 3 chunks of 2
 
 
 @pytest.fixture(scope="module")
@@ -48,15 +48,17 @@ def whole(setup):
   return groups
 
 
-def test_chunks_are_right_aligned_and_skip_the_left_padding():
-  assert prefill_chunks.chunk_starts(4, 6, 2) == [2, 4]
-  assert prefill_chunks.chunk_starts(5, 6, 4) == [0, 2]  # clamped at 0: overlaps the next
-  assert prefill_chunks.chunk_starts(1, 16, 4) == [12]
-  with pytest.raises(ValueError, match="bucket"):
-    prefill_chunks.chunk_starts(3, 3, 4)
-  cfg = engine_config.EngineConfig(num_slots=4, group_size=1, prompt_buckets=(6,),
+def test_chunks_are_right_aligned_to_the_end_of_the_context():
+  assert prefill_chunks.chunk_starts(4, 2) == [0, 2]
+  assert prefill_chunks.chunk_starts(5, 4) == [0, 1]  # clamped at 0: overlaps the next
+  assert prefill_chunks.chunk_starts(16, 4) == [0, 4, 8, 12]
+  with pytest.raises(ValueError, match="chunk"):
+    prefill_chunks.chunk_starts(3, 4)
+  cfg = engine_config.EngineConfig(num_slots=4, group_size=1, prompt_buckets=(4, 8),
                                    max_new_tokens=8, prefill_chunk=4)
-  assert cfg.chunked(6) and not cfg.chunked(4)
+  assert cfg.chunked(5) and not cfg.chunked(4)
+  # Contexts of 5-8 tokens are all chunked: bucket 8 needs no insert program.
+  assert cfg.chunks_all(8) and not cfg.chunks_all(4)
   with pytest.raises(ValueError, match="prefill_chunk"):
     engine_config.EngineConfig(num_slots=4, group_size=1, prompt_buckets=(6,),
                                max_new_tokens=8, prefill_chunk=-1)
@@ -64,8 +66,8 @@ def test_chunks_are_right_aligned_and_skip_the_left_padding():
 
 @pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
 def test_a_chunked_prefill_fills_the_cache_an_insert_fills(setup, paged):
-  """Slot functions alone: begin + chunks (of 8 over a bucket of 32, some
-  clamped at column 0) leave the slots as one insert does: the same first
+  """Slot functions alone: begin + chunks (of 8, some clamped at column 0)
+  leave the slots as one insert (of a bucket of 32) does: the same first
   tokens, positions and columns, and the same next 10 tokens."""
   slots, length, page_size, bucket, chunk = 4, 64, 4, 32, 8
   pages = dict(num_pages=slots * length // page_size + 1, page_size=page_size) if paged else {}
@@ -92,12 +94,12 @@ def test_a_chunked_prefill_fills_the_cache_an_insert_fills(setup, paged):
                             stops, np.zeros(slots, np.int32),
                             np.zeros((slots, bucket), np.float32),
                             np.full((slots, bucket), -1, np.int32))
-  plans = [prefill_chunks.chunk_starts(len(p), bucket, chunk) for p in prompts]
-  wide = lambda a, fill: np.concatenate([a, np.full((slots, length - bucket), fill, a.dtype)], 1)
+  plans = [prefill_chunks.chunk_starts(len(p), chunk) for p in prompts]
+  row_tokens, row_mask = rows_lib.right_pad(prompts, length, 256)
   state = fns.begin_prefill(
-      fresh(), base, rows, wide(tokens, 256), wide(mask, False),
-      np.zeros((slots, length), np.float32), np.full((slots, length), -1, np.int32), key_ids,
-      budget, stops, np.full(slots, bucket, np.int32), np.zeros(slots, np.int32),
+      fresh(), base, rows, row_tokens, row_mask, np.zeros((slots, length), np.float32),
+      np.full((slots, length), -1, np.int32), key_ids, budget, stops,
+      np.array([len(p) for p in prompts], np.int32), np.zeros(slots, np.int32),
       np.array([p[0] for p in plans], np.int32))
   for k in range(max(map(len, plans))):
     live = [i for i in range(slots) if k < len(plans[i])]
@@ -116,13 +118,12 @@ def test_a_chunked_prefill_fills_the_cache_an_insert_fills(setup, paged):
 
 
 @pytest.mark.parametrize("options", [
-    dict(prefill_chunk=2), dict(prefill_chunk=2, share_prompts=False),
-    dict(prefill_chunk=4, **PAGED), dict(prefill_chunk=4, **SMALL_POOL)],
-    ids=["dense", "dense-unshared", "paged", "paged-preempting"])
+    dict(prefill_chunk=2, share_prompts=False), dict(prefill_chunk=4, **PAGED),
+    dict(prefill_chunk=4, **SMALL_POOL)], ids=["dense-unshared", "paged", "paged-preempting"])
 def test_chunked_prefills_sample_what_whole_prefills_sample(setup, whole, options):
   chunked, engine = _groups(setup, ScriptedPublisher(setup["sampler_params"][0], None, 0),
                             **PROMPTS, **options)
-  assert engine.stats.prefill_chunks > 0 and engine.traces()["insert"] == 0
+  assert engine.stats.prefill_chunks > 0
   assert (engine.stats.forked_rows > 0) == options.get("share_prompts", True)
   if options.get("num_pages"):
     assert engine.stats.preemptions > 0
@@ -185,16 +186,16 @@ def test_live_slots_decode_between_the_chunks_of_a_long_prefill(setup):
 
 
 def test_chunk_programs_are_compiled_up_front(setup):
-  """A chunked bucket needs no insert program: begin and chunk programs per
-  row bucket (and per width that holds a chunk), whatever the context."""
+  """Begin and chunk programs per row bucket (and per width that holds a
+  chunk: paged, those of `decode_widths` from the chunk's up), whatever the
+  context's length, compiled with the rest up front."""
   from tests.sampler.precompile_test import SLOTS, _run
-  options = dict(kv_cache="paged", page_size=4, prefill_chunk=4)
-  engine, late = _run(setup, precompile_shapes=True, total=12, **options)
-  assert late == []
-  cfg = engine_config.EngineConfig(num_slots=SLOTS, group_size=1, prompt_buckets=(6,),
-                                   max_new_tokens=8, **options)
-  assert cfg.prefill_widths == (8, 16, 24)
-  shapes = precompile.engine_shapes(cfg)
-  assert shapes.insert == () and shapes.begin == (1, 2, 4) and len(shapes.prefill) == 9
-  assert engine.traces()["insert"] == 0
+  engine, late = _run(setup, precompile_shapes=True, total=12, prefill_chunk=4)
+  assert late == [] and engine.stats.prefill_chunks > 0
+  geometry = dict(num_slots=SLOTS, group_size=1, prompt_buckets=(6,), max_new_tokens=8,
+                  prefill_chunk=4)
+  paged = engine_config.EngineConfig(kv_cache="paged", page_size=4, **geometry)
+  assert paged.decode_widths == (8, 16, 24) and paged.prefill_widths == (8, 16, 24)
+  shapes = precompile.engine_shapes(engine_config.EngineConfig(**geometry))
+  assert shapes.begin == (1, 2, 4) and shapes.prefill == ((1, None), (2, None), (4, None))
   assert engine.traces()["prefill"] == len(shapes.begin) + len(shapes.prefill)

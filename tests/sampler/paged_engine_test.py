@@ -121,11 +121,12 @@ def test_cancellation_gives_the_pages_back_at_once(setup):
   engine._apply_cancellations = apply_and_count  # noqa: SLF001
   _run_until(engine, lambda: len(groups) >= 2)
   assert 0 not in groups and engine.stats.cancelled_rollouts == 4
-  # Group 0's first slot held 2 pages (context columns 2-6 of 4-column
-  # pages), the three sharing its prompt the first of them and a page of
-  # their own each; the cancellation returned them before the next step.
+  # Group 0's first slot held 2 pages of 4 columns (its 4-token context in
+  # columns 0-3, its first sample's in 4); the three forks of its prompt two
+  # of their own each (a copy of the page of the prompt's last column, and
+  # the next); the cancellation returned them before the next step.
   (before, after), = applied
-  assert before - after == 2 + 3 * 1
+  assert before - after == 2 + 3 * 2
   _check_pages(engine)
 
 

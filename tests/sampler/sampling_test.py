@@ -100,13 +100,14 @@ def test_stop_tokens_apply_per_row():
                                 settings=settings, num_slots=4, bucket=BUCKET, max_new_tokens=NEW)
   opt_in = np.array([True, False, True, False])
   stop_mask = np.repeat(opt_in[:, None], len(stops), axis=1)
-  driver.insert(params, 0, [0, 1, 2, 3], _prompts(4, seed=5), group_ids=[0, 1, 2, 3],
-                stop_mask=stop_mask)
+  prompts = _prompts(4, seed=5)
+  driver.insert(params, 0, [0, 1, 2, 3], prompts, group_ids=[0, 1, 2, 3], stop_mask=stop_mask)
   for _ in range(NEW - 1):
     driver.decode(params, 0)
   stopped = np.asarray(driver.state.stopped)
   for slot in range(4):
-    completion = driver.row(slot)["tokens"][BUCKET:][driver.row(slot)["token_mask"][BUCKET:]]
+    row, start = driver.row(slot), len(prompts[slot])  # (the completion follows the prompt)
+    completion = row["tokens"][start:][row["token_mask"][start:]]
     if opt_in[slot]:  # the first token (or EOS) ends the segment
       assert len(completion) == 1 and stopped[slot]
     else:  # only EOS or the budget ends it

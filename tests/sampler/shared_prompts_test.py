@@ -21,8 +21,11 @@ def setup():
 @pytest.mark.parametrize("cache", [{}, PAGED], ids=["dense", "paged"])
 def test_forked_samples_sample_what_their_own_prefills_sample(setup, cache):
   v0, _ = setup["sampler_params"]
-  own, alone = _groups(setup, ScriptedPublisher(v0, None, 0), share_prompts=False, **cache)
-  shared, engine = _groups(setup, ScriptedPublisher(v0, None, 0), **cache)
+  # Prompts of 5-6 tokens: more than a page of 4 columns.
+  own, alone = _groups(setup, ScriptedPublisher(v0, None, 0), share_prompts=False,
+                       prompt_tokens=(5, 6), **cache)
+  shared, engine = _groups(setup, ScriptedPublisher(v0, None, 0), prompt_tokens=(5, 6),
+                           **cache)
   assert alone.stats.forked_rows == 0
   # Groups of 4 admitted whole: 3 of every 4 rows start from another's prefill.
   assert engine.stats.forked_rows == 3 * engine.stats.inserts // 4 > 0
@@ -33,8 +36,8 @@ def test_forked_samples_sample_what_their_own_prefills_sample(setup, cache):
       np.testing.assert_allclose(teacher_forced(setup, b, 0), b.behaviour_logprobs, atol=1e-5)
   if cache:
     _check_pages(engine)
-    # A group's prompt (columns 2-5 of bucket 6) is one shared page, and its
-    # last column's page a copy each: fewer pages than four prefills hold.
+    # A group's prompt (columns 0-4 or 0-5) is one shared page, and its last
+    # column's page a copy each: fewer pages than four prefills hold.
     assert engine.stats.kv_pages_peak < alone.stats.kv_pages_peak
 
 
