@@ -4,7 +4,7 @@ It takes whole groups from the request source while slots are free
 (`admission.take_groups`), plans each admission (`admission.plan`: which
 rows are prefilled, which fork from another's prefill, which wait for KV
 room), and runs the prefills: contexts that fit a chunk in one `insert`
-call per bucket; wider ones a chunk per engine iteration
+call per bucket; longer ones a chunk per engine iteration
 (`prefilling.ChunkedPrefills`, between decode steps); forks at once, or when
 the prompt they fork from is whole. Every admitted row goes into the
 engine's `slot_table.SlotTable` with the version it starts on.

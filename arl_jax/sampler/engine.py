@@ -21,9 +21,11 @@ and hand it back with `resume`, and it is re-admitted (ahead of new requests)
 by prefilling its whole context, padded to `continuation_buckets`, under the
 params live then (`engine_config.py`: the budget counts observations too).
 
-Admission (`admission.py`) fills free slots in queue order; the samples of
-a group share one prefill (`share_prompts`). Cancelled groups lose their
-waiting rows, their slots and any later resume at once.
+Admission (`admitter.py`, `admission.py`) fills free slots in queue order;
+the samples of a group share one prefill (`share_prompts`); contexts longer
+than `prefill_chunk` are prefilled a chunk per loop iteration, between
+decode steps (`prefilling.py`). Cancelled groups lose their waiting rows,
+their slots and any later resume at once.
 
 KV cache (`kv_cache`): dense, or paged (`kv_slots.py`: slots hold pages as
 they grow; a full pool preempts the youngest, which resumes what it sampled).
