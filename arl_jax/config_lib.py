@@ -309,7 +309,7 @@ def _loss(lc: sections.LearnerSection, s: sections.SamplerSection, model):
       norm_constant=float(s.max_new_tokens), kl_coef=float(lc.kl_coef),
       entropy_coef=float(lc.entropy_coef), temperature=float(s.temperature),
       num_epochs=lc.num_epochs, num_minibatches=lc.num_minibatches,
-      num_microbatches=lc.num_microbatches)
+      num_microbatches=lc.num_microbatches, logprob_chunk=lc.logprob_chunk)
 
 
 def _mesh(mesh: mesh_lib.MeshConfig) -> mesh_lib.MeshConfig:

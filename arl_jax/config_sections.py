@@ -290,8 +290,13 @@ class LearnerSection:
   b2: float
   weight_decay: float
   max_grad_norm: float
+  # Tokens whose float32 logits are computed at once when scoring (0: every
+  # token of a microbatch): `learner/logprobs.py`.
+  logprob_chunk: int = 0
 
   def __post_init__(self):
+    _check(_is_int(self.logprob_chunk) and self.logprob_chunk >= 0, "learner.logprob_chunk",
+           f"must be an int >= 0 (0: off), got {self.logprob_chunk!r}")
     _check(self.loss in losses_lib.LOSSES, "learner.loss",
            f"unknown loss {self.loss!r}; known: {sorted(losses_lib.LOSSES)}")
     _check(self.advantage in advantages_lib.ADVANTAGE_ESTIMATORS, "learner.advantage",

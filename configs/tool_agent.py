@@ -99,7 +99,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       lam=1.0, vf_coef=0.5, tau=0.04,
       tis_cap=0.0, age_decay=0.0, decoupled=False, aggregation="token_mean", kl_coef=0.0,
       entropy_coef=0.0, advantage="grpo", num_epochs=1, num_minibatches=1, num_microbatches=1,
-      lr=1e-4, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0))
+      lr=1e-4, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0,
+      # Tokens whose float32 logits exist at once when scoring (0: all of a
+      # microbatch); at a large vocabulary they dominate the learner's memory.
+      logprob_chunk=0))
 
   # `hf`: a local tokenizer.json (path, eos_token, ...); see README "Tokenizers".
   config.tokenizer = ml_collections.ConfigDict(dict(

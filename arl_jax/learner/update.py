@@ -77,6 +77,7 @@ class LossSettings:
   num_epochs: int = 1
   num_minibatches: int = 1
   num_microbatches: int = 1
+  logprob_chunk: int = 0  # tokens whose logits exist at once (0: all; `logprobs.py`)
 
   def __post_init__(self):
     if self.name not in losses_lib.LOSSES:
@@ -86,6 +87,8 @@ class LossSettings:
     for name in ("num_epochs", "num_minibatches", "num_microbatches"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+    if self.logprob_chunk < 0:
+      raise ValueError(f"logprob_chunk must be >= 0 (0: off), got {self.logprob_chunk}")
     if self.name == "vtrace" and (self.is_decoupled or self.tis_cap is not None):
       raise ValueError("vtrace truncates its importance weights itself (rho_bar): it takes "
                        "neither a decoupled objective nor tis_cap, so it runs one optimizer "
@@ -237,7 +240,8 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
 
   def logprobs(params, rows, with_values=False):
     return logprobs_lib.token_logprobs_and_entropy(graphdef, params, rows.tokens,
-                                                   rows.token_mask, s.temperature, with_values)
+                                                   rows.token_mask, s.temperature, with_values,
+                                                   chunk=s.logprob_chunk)
 
   # Versions since each token was sampled (prompt and observation tokens carry
   # -1 and are masked out of every use).

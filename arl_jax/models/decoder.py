@@ -186,7 +186,7 @@ class Decoder(nnx.Module):
       self.value_head = _param(rngs, (cfg.d_model,), ("embed",), dtype, 0.0)
 
   def __call__(self, tokens, positions, attn_mask, cache=None, cache_index=None,
-               write_mask=None, last_only=False, with_values=False):
+               write_mask=None, last_only=False, with_values=False, hidden_only=False):
     """Runs the decoder.
 
     Args:
@@ -202,6 +202,10 @@ class Decoder(nnx.Module):
       last_only: return logits for the last position only (`[B, 1, V]`): a
         prefill needs no others, and at a large vocabulary they dominate memory.
       with_values: also return the value head's output (needs `value_head`).
+      hidden_only: return the final hidden states `[B, T, D]` (normed, in
+        the parameter dtype) in place of the logits: `head_logits` turns
+        them into logits (with `head_weight`) a chunk of tokens at a time
+        (`learner/logprobs.py`), never `[B, T, V]` at once.
 
     Returns:
       `(logits [B, T, V] float32, updated KVCache or None)`, plus
@@ -217,10 +221,7 @@ class Decoder(nnx.Module):
     if last_only:
       x = x[:, -1:]
     x = self.final_norm(x)
-    head = self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
-    # Logits in float32 whatever the parameter dtype: log-softmax of bfloat16
-    # logits is off by ~0.02 nats, which would pollute every ratio statistic.
-    logits = jnp.einsum("btd,dv->btv", x.astype(jnp.float32), head.astype(jnp.float32))
+    logits = x if hidden_only else head_logits(x, self.head_weight())
     new_cache = None if cache is None else cache.with_layers(new_layers)
     if not with_values:
       return logits, new_cache
@@ -229,6 +230,18 @@ class Decoder(nnx.Module):
     values = jnp.einsum("btd,d->bt", x.astype(jnp.float32),
                         self.value_head[...].astype(jnp.float32))
     return logits, new_cache, values
+
+  def head_weight(self) -> jax.Array:
+    """The output projection `[D, V]` (the embedding's transpose when tied)."""
+    return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+
+def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:
+  """Logits `[..., V]` float32 of final hidden states `x` `[..., D]` through
+  `head` `[D, V]`. Float32 whatever the parameter dtype: log-softmax of
+  bfloat16 logits is off by ~0.02 nats, which would pollute every ratio
+  statistic."""
+  return jnp.einsum("...d,dv->...v", x.astype(jnp.float32), head.astype(jnp.float32))
 
 
 def positions_from_mask(token_mask: jax.Array) -> jax.Array:
