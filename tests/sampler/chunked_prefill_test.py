@@ -118,8 +118,8 @@ def test_a_chunked_prefill_fills_the_cache_an_insert_fills(setup, paged):
 
 
 @pytest.mark.parametrize("options", [
-    dict(prefill_chunk=2, share_prompts=False), dict(prefill_chunk=4, **PAGED),
-    dict(prefill_chunk=4, **SMALL_POOL)], ids=["dense-unshared", "paged", "paged-preempting"])
+    dict(prefill_chunk=2, share_prompts=False), dict(prefill_chunk=4, **SMALL_POOL)],
+    ids=["dense-unshared", "paged-preempting"])
 def test_chunked_prefills_sample_what_whole_prefills_sample(setup, whole, options):
   chunked, engine = _groups(setup, ScriptedPublisher(setup["sampler_params"][0], None, 0),
                             **PROMPTS, **options)
