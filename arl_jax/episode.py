@@ -67,6 +67,11 @@ class Episode:
     at the sampler's `default`."""
     return self.request.budget(default)
 
+  def budget_left(self, default: int) -> int:
+    """Completion tokens the episode's next segment may sample (`budget` less
+    what it holds)."""
+    return self.budget(default) - self.length
+
   @property
   def length(self) -> int:
     """Completion tokens held so far, an open segment's included (they count

@@ -105,7 +105,7 @@ class Attention(nnx.Module):
     k = k.transpose(0, 2, 1, 3)  # [B, K, T, Dh], the cache layout
     v = v.transpose(0, 2, 1, 3)
     b, t, h, dh = q.shape
-    if t == 1 and getattr(layer_cache, "attends", False):
+    if t == 1 and layer_cache is not None and layer_cache.attends:
       # A decode step through a paged attention kernel, which reads the
       # cache's pages itself (`paged_kv_cache.PagedLayer.attend`).
       out, new_cache = layer_cache.attend(q[:, 0] / math.sqrt(dh), k, v, cache_index,

@@ -102,6 +102,10 @@ class DenseLayer:
   keys: jax.Array
   values: jax.Array
 
+  # Attention runs in the decoder, over what `update` returns (a paged
+  # layer may attend itself: `paged_kv_cache.PagedLayer.attend`).
+  attends = False
+
   def update(self, k: jax.Array, v: jax.Array, index: jax.Array,
              write_mask: jax.Array | None, width: int):
     """Writes `k`, `v` `[B, KVH, T, Dh]` at per-row offsets `index` `[B]`

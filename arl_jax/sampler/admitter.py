@@ -83,14 +83,16 @@ class Admitter:
       self._requests.note_sampling(row.group_id, version)
     chunked = []
     for bucket, items in admitted.inserts.items():
-      chunked += [item for item in items if self._chunked(item[1])]
-      whole = [item for item in items if not self._chunked(item[1])]
+      whole = []
+      for slot, row in items:  # a context longer than a chunk is prefilled in chunks
+        (chunked if self._cfg.chunked(len(row.episode.context_ids())) else whole).append(
+            (slot, row))
       if whole:
         state = self._insert(state, version, version_scalar, bucket, whole)
     if chunked:
       state = self.prefills.begin(self._fns, state, self._base_key, chunked,
                                   pad_id=self._pad_id, stop_mask_fn=self._stop_mask)
-      self._occupy(chunked, [self._budget(row) for *_, row in chunked], 0, version,
+      self._occupy(chunked, [self._budget(row) for _, row in chunked], 0, version,
                    time.monotonic())
     forks = []
     for fork in admitted.forks:
@@ -118,13 +120,9 @@ class Admitter:
     self._stats.prefill_seconds += time.monotonic() - start
     return self._fork(state, forks, version, occupied=True) if forks else state
 
-  def _chunked(self, row: waiting_rows.Row) -> bool:
-    """Whether `row`'s context is prefilled in chunks (it is longer than one)."""
-    return self._cfg.chunked(len(row.episode.context_ids()))
-
   def _budget(self, row: waiting_rows.Row) -> int:
     """Tokens `row`'s segment may sample."""
-    return row.episode.budget(self._cfg.max_new_tokens) - row.episode.length
+    return row.episode.budget_left(self._cfg.max_new_tokens)
 
   def _insert(self, state, version: int, version_scalar, bucket: int, items):
     """Prefills `(slot, row)` whose contexts share `bucket`, in one call."""

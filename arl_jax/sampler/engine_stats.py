@@ -52,7 +52,7 @@ class EngineStats:
   def count_cancelled(self, row, max_new_tokens: int) -> None:
     """Counts a cancelled `waiting_rows.Row`: its unsampled budget and what it sampled."""
     self.cancelled_rollouts += 1
-    budget = row.budget or (row.episode.budget(max_new_tokens) - row.episode.length)
+    budget = row.budget or row.episode.budget_left(max_new_tokens)
     self.cancelled_tokens += max(budget - row.sampled, 0)
     self.cancelled_sampled_tokens += row.sampled
 

@@ -238,7 +238,7 @@ def _segment_fields(episodes, max_new_tokens: int, stop_mask_fn) -> dict:
       key_ids=token_draw.key_ids([e.group_id for e in episodes],
                                  [e.sample_index for e in episodes],
                                  [e.turns for e in episodes]),
-      max_new=np.array([e.budget(max_new_tokens) - e.length for e in episodes], np.int32),
+      max_new=np.array([e.budget_left(max_new_tokens) for e in episodes], np.int32),
       stop_mask=np.stack([stop_mask_fn(e.request) for e in episodes]))
 
 

@@ -29,6 +29,7 @@ from tests.sampler.paged_engine_test import (
   _check_pages,
   _groups,
   assert_exact_versions,
+  assert_same_samples,
 )
 
 PROMPTS = dict(prompt_tokens=(1, 6))  # 1 to 6 tokens: whole, or 2 to 3 chunks of 2
@@ -127,11 +128,7 @@ def test_chunked_prefills_sample_what_whole_prefills_sample(setup, whole, option
   assert (engine.stats.forked_rows > 0) == options.get("share_prompts", True)
   if options.get("num_pages"):
     assert engine.stats.preemptions > 0
-  for gid in range(4):
-    for a, b in zip(whole[gid], chunked[gid]):
-      np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
-      np.testing.assert_allclose(b.behaviour_logprobs, a.behaviour_logprobs, atol=1e-5)
-      np.testing.assert_allclose(teacher_forced(setup, b, 0), b.behaviour_logprobs, atol=1e-5)
+  assert_same_samples(setup, whole, chunked)
   if options.get("kv_cache"):
     _check_pages(engine)
 

@@ -38,6 +38,17 @@ def _groups(setup, publisher, mode="in_flight", n=4, **options):
   return groups, engine
 
 
+def assert_same_samples(setup, reference, groups, n=4):
+  """The first `n` groups of `groups` sampled the tokens of `reference`'s
+  (`{group id: rollouts}` each), with log-probs within 1e-5 of theirs and of
+  the learner's teacher-forced ones under version 0."""
+  for gid in range(n):
+    for a, b in zip(reference[gid], groups[gid]):
+      np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
+      np.testing.assert_allclose(b.behaviour_logprobs, a.behaviour_logprobs, atol=1e-5)
+      np.testing.assert_allclose(teacher_forced(setup, b, 0), b.behaviour_logprobs, atol=1e-5)
+
+
 def assert_exact_versions(setup, groups, kv_policy):
   """Every rollout of `groups` (`{group id: rollouts}`, sampled across a swap
   from v0 to v1) records rising versions, and log-probs of the params that
@@ -61,14 +72,10 @@ def test_paged_engines_sample_what_the_dense_engine_samples(setup):
   assert tight.stats.preemptions > 0
   assert tight.stats.kv_pages_peak == tight.stats.kv_pages == 12
   _check_pages(tight)
-  for gid in range(4):
-    for d, s in zip(dense[gid], small[gid]):
-      # The draws depend only on (group, sample, turn, offset), and the
-      # log-probs agree to rounding: the same tokens, preempted or not.
-      np.testing.assert_array_equal(d.completion_ids, s.completion_ids)
-      np.testing.assert_allclose(s.behaviour_logprobs, d.behaviour_logprobs, atol=1e-5)
-      np.testing.assert_allclose(teacher_forced(setup, s, 0), s.behaviour_logprobs, atol=1e-5)
-      assert np.all(s.token_versions == 0)
+  # The draws depend only on (group, sample, turn, offset), and the
+  # log-probs agree to rounding: the same tokens, preempted or not.
+  assert_same_samples(setup, dense, small)
+  assert all(np.all(s.token_versions == 0) for gid in range(4) for s in small[gid])
 
 
 @pytest.mark.parametrize("mode,kv_policy", [("in_flight", "recompute"), ("pinned", "keep")])

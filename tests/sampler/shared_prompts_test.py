@@ -3,12 +3,16 @@ the others start from it (`sampling.fork`) and sample what they would have
 sampled from prefills of their own, dense or paged (sharing the prompt's
 pages), in every weight-update mode."""
 
-import numpy as np
 import pytest
 
 from arl_jax.testing import tiny
-from tests.sampler.engine_test import ScriptedPublisher, teacher_forced
-from tests.sampler.paged_engine_test import _check_pages, _groups, assert_exact_versions
+from tests.sampler.engine_test import ScriptedPublisher
+from tests.sampler.paged_engine_test import (
+  _check_pages,
+  _groups,
+  assert_exact_versions,
+  assert_same_samples,
+)
 
 PAGED = dict(kv_cache="paged", page_size=4)
 
@@ -29,11 +33,7 @@ def test_forked_samples_sample_what_their_own_prefills_sample(setup, cache):
   assert alone.stats.forked_rows == 0
   # Groups of 4 admitted whole: 3 of every 4 rows start from another's prefill.
   assert engine.stats.forked_rows == 3 * engine.stats.inserts // 4 > 0
-  for gid in range(4):
-    for a, b in zip(own[gid], shared[gid]):
-      np.testing.assert_array_equal(a.completion_ids, b.completion_ids)
-      np.testing.assert_allclose(b.behaviour_logprobs, a.behaviour_logprobs, atol=1e-5)
-      np.testing.assert_allclose(teacher_forced(setup, b, 0), b.behaviour_logprobs, atol=1e-5)
+  assert_same_samples(setup, own, shared)
   if cache:
     _check_pages(engine)
     # A group's prompt (columns 0-4 or 0-5) is one shared page, and its last
