@@ -15,6 +15,7 @@ import ml_collections
 
 from arl_jax import checkpointing
 from arl_jax import config_sections as sections
+from arl_jax import packing as packing_lib
 from arl_jax.envs import env_api, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
@@ -60,6 +61,7 @@ class RunSpec:
   buffer: buffer_lib.BufferConfig
   mask_truncated_completions: bool
   loss: update_lib.LossSettings
+  packing: packing_lib.Packing | None  # how the learner's rows hold rollouts (None: padded)
   advantage_estimator: str
   optim: optim_lib.OptimConfig
   warmup: sections.WarmupSection
@@ -168,7 +170,14 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
            f"{parts['sampler'].prompt_len + parts['sampler'].max_new_tokens} exceeds the model "
            f"context model.max_seq_len={model.max_seq_len}")
   spec = _spec(run, parts, env=env, model=model, data=data, inputs=inputs)
-  sampler_devices, sampler_shape = _check_meshes(spec, parts, devices)
+  sampler_devices, sampler_shape, fsdp = _check_meshes(spec, parts, devices)
+  lc = parts["learner"]
+  if lc.pack_len:
+    # Each minibatch packed on its own, into rows its microbatches and the
+    # learner's data shards split evenly.
+    spec = dataclasses.replace(spec, packing=packing_lib.Packing(
+        pack_len=lc.pack_len, num_slices=lc.num_minibatches,
+        row_multiple=lc.num_microbatches * fsdp))
   platforms = sorted({getattr(d, "platform", "?") for d in sampler_devices})
   _require(parts["sampler"].paged_attention != "pallas" or platforms == ["gpu"],
            "sampler.paged_attention", f"'pallas' is the GPU kernel; the sampler devices are "
@@ -291,7 +300,7 @@ def _spec(run: sections.RunSection, parts: dict, *, env, model, data, inputs) ->
           staleness_reference=o.staleness_reference, assembly=o.assembly,
           window_groups=max(1, round(o.window_fraction * o.groups_per_batch))),
       mask_truncated_completions=o.mask_truncated_completions,
-      loss=_loss(lc, s, model), advantage_estimator=lc.advantage,
+      loss=_loss(lc, s, model), packing=None, advantage_estimator=lc.advantage,
       optim=_wrap("learner", optim_lib.OptimConfig, lr=lc.lr, b1=lc.b1, b2=lc.b2,
                   weight_decay=lc.weight_decay, max_grad_norm=lc.max_grad_norm),
       warmup=parts["warmup"])
@@ -319,10 +328,11 @@ def _mesh(mesh: mesh_lib.MeshConfig) -> mesh_lib.MeshConfig:
       sampler=tuple((str(a), int(n)) for a, n in mesh.sampler))
 
 
-def _check_meshes(spec: RunSpec, parts: dict, devices: Sequence | None) -> tuple[list, dict]:
+def _check_meshes(spec: RunSpec, parts: dict, devices: Sequence | None
+                  ) -> tuple[list, dict, int]:
   """Plans the meshes now (counting devices only), so that a mesh needing more
   devices than exist fails here, not after compilation; returns the sampler's
-  devices and mesh shape."""
+  devices and mesh shape, and the size of the learner's fsdp axis."""
   try:
     learner_devs, sampler_devs = mesh_lib.role_devices(spec.mesh, devices)
     learner_shape = dict(mesh_lib.resolve_shape(spec.mesh.learner, len(learner_devs), "learner"))
@@ -339,7 +349,7 @@ def _check_meshes(spec: RunSpec, parts: dict, devices: Sequence | None) -> tuple
   _require(spec.engine.num_slots % data == 0, "sampler.num_slots",
            f"{spec.engine.num_slots} slots do not split over the sampler's data axis of "
            f"size {data}")
-  return sampler_devs, sampler_shape
+  return sampler_devs, sampler_shape, fsdp
 
 
 def reported_memory(devices: Sequence) -> int | None:

@@ -293,8 +293,13 @@ class LearnerSection:
   # Tokens whose float32 logits are computed at once when scoring (0: every
   # token of a microbatch): `learner/logprobs.py`.
   logprob_chunk: int = 0
+  # Rollouts packed into rows of up to this many tokens, several a row (0:
+  # one rollout a padded row): `packing.py`.
+  pack_len: int = 0
 
   def __post_init__(self):
+    _check(_is_int(self.pack_len) and self.pack_len >= 0, "learner.pack_len",
+           f"must be an int >= 0 (0: padded rows), got {self.pack_len!r}")
     _check(_is_int(self.logprob_chunk) and self.logprob_chunk >= 0, "learner.logprob_chunk",
            f"must be an int >= 0 (0: off), got {self.logprob_chunk!r}")
     _check(self.loss in losses_lib.LOSSES, "learner.loss",

@@ -79,13 +79,12 @@ def _batch(rows: int, length: int, prompt: int, seed: int = 0) -> train_batch_li
   rng = np.random.default_rng(seed)
   loss_mask = np.zeros((rows, length), np.float32)
   loss_mask[:, prompt:] = 1.0
-  return train_batch_lib.TrainBatch(
+  return train_batch_lib.from_rows(
       tokens=rng.integers(0, 256, (rows, length)).astype(np.int32),
       token_mask=np.ones((rows, length), bool), loss_mask=loss_mask,
       behaviour_logprobs=(rng.normal(-5.5, 0.1, (rows, length)) * loss_mask).astype(np.float32),
       token_versions=np.zeros((rows, length), np.int32),
-      advantages=rng.normal(size=rows).astype(np.float32), rewards=np.zeros(rows, np.float32),
-      group_ids=np.arange(rows, dtype=np.int32), lag=np.zeros(rows, np.int32))
+      advantages=rng.normal(size=rows).astype(np.float32), rewards=np.zeros(rows, np.float32))
 
 
 def bench(model: str, fsdp: int, rows: int, length: int, steps: int, peak: float) -> dict:

@@ -89,7 +89,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       lr=3e-4, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0,
       # Tokens whose float32 logits exist at once when scoring (0: all of a
       # microbatch); at a large vocabulary they dominate the learner's memory.
-      logprob_chunk=0))
+      logprob_chunk=0,
+      # Rollouts packed several to a learner row of up to this many tokens
+      # (0: one rollout a row, padded to the batch's longest): packing.py.
+      pack_len=0))
 
   # `hf`: a local tokenizer.json (path, eos_token, ...); see README "Tokenizers".
   config.tokenizer = ml_collections.ConfigDict(dict(

@@ -109,7 +109,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       num_microbatches=32, lr=1e-6, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0,
       # Tokens whose float32 logits exist at once when scoring (0: all of a
       # microbatch); at a large vocabulary they dominate the learner's memory.
-      logprob_chunk=1024))
+      logprob_chunk=1024,
+      # Rollouts packed several to a learner row of up to this many tokens
+      # (0: one rollout a row, padded to the batch's longest): packing.py.
+      pack_len=0))
 
   # Special tokens and chat template as the folder's tokenizer_config.json names
   # them (for Qwen2.5-Instruct: <|im_end|>, <|endoftext|>, no BOS, chatml).

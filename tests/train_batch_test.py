@@ -22,12 +22,11 @@ def _group(group_id, lengths):
 
 def test_assemble_and_zeros_follow_one_layout():
   assert set(train_batch.FIELDS) == {f.name for f in dataclasses.fields(train_batch.TrainBatch)}
-  batch = train_batch.assemble([_group(0, [3, 5]), _group(1, [2, 4])], batch_version=1,
-                               prompt_len=4, max_new_tokens=8, pad_id=0,
-                               advantage_estimator="grpo", staleness_reference="dispatch")
+  batch = train_batch.assemble([_group(0, [3, 5]), _group(1, [2, 4])], prompt_len=4,
+                               max_new_tokens=8, pad_id=0, advantage_estimator="grpo")
   zeros = train_batch.zeros(4, 12)
-  for name, (dtype, per_token) in train_batch.FIELDS.items():
+  for name, (dtype, _) in train_batch.FIELDS.items():
     got = np.asarray(getattr(batch, name))
     assert got.dtype == np.dtype(dtype), name
-    assert got.shape == ((4, 12) if per_token else (4,)), name
+    assert got.shape == (4, 12), name
     assert getattr(zeros, name).dtype == got.dtype and getattr(zeros, name).shape == got.shape

@@ -17,16 +17,18 @@ from flax import nnx
 from arl_jax.models import decoder as decoder_lib
 
 
-def token_logprobs_and_entropy(graphdef, params, tokens, token_mask, temperature: float,
-                               with_values: bool = False, chunk: int = 0):
+def token_logprobs_and_entropy(graphdef, params, tokens, segment_ids, positions,
+                               temperature: float, with_values: bool = False, chunk: int = 0):
   """Log-probability of every token given its prefix, plus the policy entropy
   (and the critic's values with `with_values`).
 
   Args:
     graphdef: nnx graph definition of the decoder.
     params: decoder params (nnx.State).
-    tokens: `[B, L]` int32, left-padded prompt followed by the completion.
-    token_mask: `[B, L]` bool, real tokens.
+    tokens: `[B, L]` int32, rows of sequences (a TrainBatch's).
+    segment_ids: `[B, L]` int32, 0 on padding, k on a row's k-th sequence:
+      a token sees only the earlier tokens of its own sequence.
+    positions: `[B, L]` int32 RoPE positions (from 0 in each sequence).
     temperature: the sampler's temperature, so that at zero lag the ratio is 1.
     with_values: also return `values [B, L]`, column t holding V of the state
       before `tokens[:, t]` is sampled (from the hidden state at t - 1).
@@ -34,11 +36,12 @@ def token_logprobs_and_entropy(graphdef, params, tokens, token_mask, temperature
 
   Returns:
     `(logprobs [B, L], entropy [B, L])` (+ `values`), float32; column t scores
-    `tokens[:, t]` given `tokens[:, :t]`, column 0 is 0.
+    `tokens[:, t]` given the tokens of its sequence before it, column 0 is 0.
+    A sequence's first column is scored from the column before it, which is
+    not its own: prompt tokens, never trained.
   """
   model = nnx.merge(graphdef, params)
-  positions = decoder_lib.positions_from_mask(token_mask)
-  out = model(tokens, positions, decoder_lib.causal_mask(token_mask), with_values=with_values,
+  out = model(tokens, positions, decoder_lib.segment_mask(segment_ids), with_values=with_values,
               hidden_only=chunk > 0)
   if chunk:
     picked, entropy = _chunked_scores(out[0][:, :-1], model.head_weight(), tokens[:, 1:],

@@ -42,6 +42,8 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from arl_jax.learner import segments as segments_lib
+
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
 
 
@@ -68,7 +70,8 @@ def _check(logprobs, behaviour_logprobs, advantages, loss_mask, *optional):
   chex.assert_type([logprobs, behaviour_logprobs, advantages, loss_mask], float)
 
 
-def token_weights(loss_mask, aggregation: str, norm_constant: float | None = None):
+def token_weights(loss_mask, aggregation: str, norm_constant: float | None = None,
+                  segment_ids=None):
   """`[B, L]` weights such that `sum(weights * per_token_loss)` is the loss.
 
   - `token_mean`: every trained token of the batch counts the same (DAPO).
@@ -78,21 +81,28 @@ def token_weights(loss_mask, aggregation: str, norm_constant: float | None = Non
     `norm_constant` (e.g. the completion budget), then the mean over
     sequences (Dr. GRPO, Liu et al., 2025): no length bias.
 
+  A sequence is a segment of `segment_ids` (`segments.py`; None: each row is
+  one sequence), so packed rows weigh their rollouts as padded rows do.
   Computed once per minibatch (an optimizer step's rows) and sliced with it
   into microbatches, so accumulating the microbatches' gradients gives the
   minibatch's.
   """
   chex.assert_rank(loss_mask, 2)
-  per_row = jnp.sum(loss_mask, axis=1, keepdims=True)
-  num_rows = jnp.maximum(jnp.sum(per_row > 0), 1.0)
+  if segment_ids is None:
+    per_sequence = jnp.broadcast_to(jnp.sum(loss_mask, axis=1, keepdims=True), loss_mask.shape)
+  else:
+    per_sequence = segments_lib.totals(loss_mask, segment_ids)
+  # Each trained sequence's tokens add up to 1 here (rounded: it counts sequences).
+  num_sequences = jnp.maximum(jnp.round(jnp.sum(
+      jnp.where(loss_mask > 0, loss_mask / jnp.maximum(per_sequence, 1e-30), 0.0))), 1.0)
   if aggregation == "token_mean":
     return loss_mask / jnp.maximum(jnp.sum(loss_mask), 1.0)
   if aggregation == "seq_mean_token_mean":
-    return loss_mask / (jnp.maximum(per_row, 1.0) * num_rows)
+    return loss_mask / (jnp.maximum(per_sequence, 1.0) * num_sequences)
   if aggregation == "seq_sum_norm":
     if norm_constant is None or norm_constant <= 0:
       raise ValueError(f"seq_sum_norm needs a positive norm_constant, got {norm_constant}")
-    return loss_mask / (norm_constant * num_rows)
+    return loss_mask / (norm_constant * num_sequences)
   raise ValueError(f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}")
 
 

@@ -174,11 +174,12 @@ def _critic_targets(logp, values, mb, token_lag, s: LossSettings):
   mask = mb.loss_mask
   on = mask > 0
   log_rhos = jnp.where(on, jax.lax.stop_gradient(logp - mb.behaviour_logprobs), 0.0)
-  rewards = vtrace_lib.last_token_rewards(mb.rewards, mask)
+  rewards = vtrace_lib.last_token_rewards(mb.rewards, mask, mb.segment_ids)
   vs, advantages = vtrace_lib.vtrace_targets(
       values, rewards, log_rhos, mask, lam=s.lam,
       rho_bar=losses_lib.truncation_level(s.rho_bar, token_lag, s.age_decay),
-      c_bar=losses_lib.truncation_level(s.c_bar, token_lag, s.age_decay))
+      c_bar=losses_lib.truncation_level(s.c_bar, token_lag, s.age_decay),
+      segment_ids=mb.segment_ids)
   value_loss = jnp.where(on, 0.5 * jnp.square(vs - values), 0.0)
   error_var = losses_lib.masked_mean(jnp.square(vs - values), mask) - jnp.square(
       losses_lib.masked_mean(vs - values, mask))
@@ -240,14 +241,14 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
 
   def logprobs(params, rows, with_values=False):
     return logprobs_lib.token_logprobs_and_entropy(graphdef, params, rows.tokens,
-                                                   rows.token_mask, s.temperature, with_values,
+                                                   rows.segment_ids, rows.positions,
+                                                   s.temperature, with_values,
                                                    chunk=s.logprob_chunk)
 
   # Versions since each token was sampled (prompt and observation tokens carry
   # -1 and are masked out of every use).
   token_lag = state.step - batch.token_versions
-  advantages = jnp.broadcast_to(batch.advantages[:, None], batch.loss_mask.shape)
-  rows = {"batch": batch, "token_lag": token_lag, "advantages": advantages}
+  rows = {"batch": batch, "token_lag": token_lag, "advantages": batch.advantages}
   n_mb, n_micro = s.num_minibatches, s.num_microbatches
 
   # Log-probs of the policy at the start of the batch (proximal policy) and of
@@ -272,7 +273,7 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     params, opt_state, skipped = carry
     minibatch = jax.tree.map(lambda x: x[step_index % n_mb], minibatches)
     weights = losses_lib.token_weights(minibatch["batch"].loss_mask, s.aggregation,
-                                       s.norm_constant)
+                                       s.norm_constant, minibatch["batch"].segment_ids)
     micro = _split({**minibatch, "weights": weights}, n_micro)
 
     def accumulate(acc, m):

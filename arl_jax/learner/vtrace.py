@@ -26,17 +26,22 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from arl_jax.learner import segments as segments_lib
 
-def last_token_rewards(rewards, loss_mask):
-  """`[B, L]`: each row's scalar reward at its last sampled token, 0 elsewhere."""
-  chex.assert_rank([rewards, loss_mask], [1, 2])
-  cols = jnp.arange(loss_mask.shape[1])
-  last = jnp.max(jnp.where(loss_mask > 0, cols, -1), axis=1)
-  return jnp.where(cols[None, :] == last[:, None], rewards[:, None], 0.0)
+
+def last_token_rewards(rewards, loss_mask, segment_ids=None):
+  """`[B, L]`: each sequence's reward at its last sampled token, 0 elsewhere.
+
+  `rewards` `[B, L]` holds a sequence's reward on its tokens (a TrainBatch's);
+  a sequence is a segment of `segment_ids` (None: each row is one)."""
+  chex.assert_rank([rewards, loss_mask], 2)
+  if segment_ids is None:
+    segment_ids = jnp.ones(loss_mask.shape, jnp.int32)
+  return jnp.where(segments_lib.last_marked(loss_mask, segment_ids), rewards, 0.0)
 
 
 def vtrace_targets(values, rewards, log_rhos, loss_mask, *, rho_bar=1.0, c_bar=1.0,
-                   lam: float = 1.0):
+                   lam: float = 1.0, segment_ids=None):
   """V-trace value targets and policy-gradient advantages.
 
   Args:
@@ -51,6 +56,9 @@ def vtrace_targets(values, rewards, log_rhos, loss_mask, *, rho_bar=1.0, c_bar=1
       floats, or `[B, L]` per-token levels (the age-aware trust region,
       `losses.truncation_level`).
     lam: the lambda of the trace.
+    segment_ids: optional `[B, L]` (`segments.py`): each segment of a row is
+      its own episode, the recursion restarting at its last column (None:
+      each row is one).
 
   Returns:
     `(vs, advantages)`, both `[B, L]` float32, 0 where `loss_mask` is 0;
@@ -71,9 +79,11 @@ def vtrace_targets(values, rewards, log_rhos, loss_mask, *, rho_bar=1.0, c_bar=1
 
   def step(carry, column):
     # V_{i+1}, v_{i+1} - V_{i+1}, and the rewards of the skipped columns
-    # since t_i (they belong to r_i, discount 1).
-    next_value, next_correction, pending = carry
-    value, reward, rho_c, c, on = column
+    # since t_i (they belong to r_i, discount 1); nothing of them crosses
+    # into an earlier segment.
+    value, reward, rho_c, c, on, end = column
+    next_value, next_correction, pending = jax.tree.map(
+        lambda x: jnp.where(end, 0.0, x), carry)
     reward = reward + pending
     delta = rho_c * (reward + next_value - value)
     correction = delta + c * next_correction
@@ -82,9 +92,11 @@ def vtrace_targets(values, rewards, log_rhos, loss_mask, *, rho_bar=1.0, c_bar=1
                  jnp.where(on, 0.0, reward))
     return new_carry, (jnp.where(on, value + correction, 0.0), jnp.where(on, advantage, 0.0))
 
+  ends = (jnp.zeros(on.shape, bool) if segment_ids is None
+          else segments_lib.ends(segment_ids))
   columns = jax.tree.map(lambda x: jnp.swapaxes(x, 0, 1),
                          (values.astype(jnp.float32), rewards.astype(jnp.float32),
-                          clipped_rho.astype(jnp.float32), cs.astype(jnp.float32), on))
+                          clipped_rho.astype(jnp.float32), cs.astype(jnp.float32), on, ends))
   zeros = jnp.zeros(values.shape[0], jnp.float32)
   _, (vs, advantages) = jax.lax.scan(step, (zeros, zeros, zeros), columns, reverse=True)
   return jnp.swapaxes(vs, 0, 1), jnp.swapaxes(advantages, 0, 1)

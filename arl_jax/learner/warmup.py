@@ -28,7 +28,7 @@ def sft_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBatc
 
   def objective(params):
     logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, params, batch.tokens,
-                                                      batch.token_mask, 1.0)
+                                                      batch.segment_ids, batch.positions, 1.0)
     return -losses_lib.masked_mean(logp, batch.loss_mask)
 
   loss, grads = jax.value_and_grad(objective)(state.params)
@@ -51,13 +51,12 @@ def supervised_batch(prompt_ids: list[list[int]], demonstrations: list, *,
   loss_mask, _ = rows_lib.right_pad([demo.loss_mask for demo in demonstrations], max_new_tokens,
                                     0.0, np.float32)
   zeros_f = np.zeros((b,), np.float32)
-  return train_batch_lib.TrainBatch(
+  return train_batch_lib.from_rows(
       tokens=np.concatenate([prompts, completions], axis=1),
       token_mask=np.concatenate([prompt_mask, completion_mask], axis=1),
       loss_mask=np.concatenate([np.zeros((b, prompt_len), np.float32), loss_mask], axis=1),
       behaviour_logprobs=np.zeros((b, length), np.float32),
-      token_versions=np.full((b, length), -1, np.int32), advantages=zeros_f, rewards=zeros_f,
-      group_ids=np.zeros((b,), np.int32), lag=np.zeros((b,), np.int32))
+      token_versions=np.full((b, length), -1, np.int32), advantages=zeros_f, rewards=zeros_f)
 
 
 def run_warmup(*, params, graphdef, mesh, optimizer, steps: int, batch_size: int, prompt_ids,

@@ -254,3 +254,14 @@ def causal_mask(token_mask: jax.Array) -> jax.Array:
   t = token_mask.shape[1]
   causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
   return causal[None, :, :] & token_mask[:, None, :].astype(jnp.bool_)
+
+
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+  """`[B, T, T]` attention mask for rows of segments (`segment_ids` `[B, T]`,
+  0 on padding): causal within each segment, nothing across segments, no pad
+  keys. With one segment per row (the row's `token_mask`) it equals
+  `causal_mask` on every real query."""
+  t = segment_ids.shape[1]
+  causal = jnp.tril(jnp.ones((t, t), jnp.bool_))
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  return causal[None, :, :] & same & (segment_ids[:, None, :] > 0)

@@ -52,6 +52,11 @@ class Batch:
   masked: collections.Counter
   staleness_reference: str
 
+  def rollout_lags(self) -> np.ndarray:
+    """`[rollouts]` int32: each rollout's lag (its group's), in batch order."""
+    return np.array([staleness.lag(self.batch_version, g, self.staleness_reference)
+                     for g in self.groups for _ in g.rollouts], np.int32)
+
   def lag_metrics(self) -> dict:
     """Per-group lag and its split into versions that passed while the group
     was in flight (reference -> arrival in the buffer) and while it waited in

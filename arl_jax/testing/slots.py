@@ -7,6 +7,7 @@ import numpy as np
 
 from arl_jax import rows as rows_lib
 from arl_jax.learner import logprobs as logprobs_lib
+from arl_jax.models import decoder as decoder_lib
 from arl_jax.sampler import slot_fns, token_draw
 
 
@@ -51,6 +52,7 @@ class SlotDriver:
 def teacher_forced_logprobs(graphdef, params, tokens, token_mask, temperature=1.0):
   """Learner log-probs of one or more host rows `[B, L]` (or `[L]`)."""
   tokens, token_mask = np.atleast_2d(tokens), np.atleast_2d(token_mask)
-  logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, params, tokens, token_mask,
-                                                    temperature)
+  logp, _ = logprobs_lib.token_logprobs_and_entropy(
+      graphdef, params, tokens, token_mask.astype(np.int32),
+      decoder_lib.positions_from_mask(token_mask), temperature)
   return np.asarray(logp)

@@ -154,13 +154,13 @@ class LearnerLoop:
     spec = self._spec
     self._stop_request.phase = f"update {step}"
     host_batch = train_batch_lib.assemble(
-        batch.groups, batch_version=self.version, prompt_len=spec.engine.prompt_len,
-        # Trained columns follow the batch's longest completion, not the budget.
-        max_new_tokens=train_batch_lib.completion_width(batch.groups,
-                                                        spec.engine.max_new_tokens),
+        batch.groups, prompt_len=spec.engine.prompt_len,
+        # Padded columns follow the batch's longest completion, not the budget.
+        max_new_tokens=(spec.engine.max_new_tokens if spec.packing else
+                        train_batch_lib.completion_width(batch.groups,
+                                                         spec.engine.max_new_tokens)),
         pad_id=self._pad_id, advantage_estimator=spec.advantage_estimator,
-        staleness_reference=spec.buffer.staleness_reference,
-        mask_truncated_completions=spec.mask_truncated_completions)
+        mask_truncated_completions=spec.mask_truncated_completions, packing=spec.packing)
     version = self.version + 1
     evaluate = self._eval_due(version)
     save = self._checkpointer is not None and self._checkpointer.should_save(version)

@@ -32,7 +32,7 @@ def step_record(*, step: int, version: int, host_batch, batch, update_metrics: d
   record = {
       "step": step,
       "version": version,
-      "reward_mean": float(np.mean(host_batch.rewards)),
+      "reward_mean": float(np.mean([r.reward for r in rollouts])),
       "reward_by_env": _reward_by_env(batch.groups),
       **batch.lag_metrics(),
       "seconds_in_flight": float(np.mean(in_flight)),
@@ -45,7 +45,12 @@ def step_record(*, step: int, version: int, host_batch, batch, update_metrics: d
       "masked_env_error": int(batch.masked["env_error"]),
       "masked_truncated": int(batch.masked["truncated"]),
       # Rows whose trained tokens were sampled by more than one policy version.
-      "multi_version_fraction": float(np.mean(_version_spread(host_batch) > 0)),
+      "multi_version_fraction": float(np.mean([_version_spread(r) > 0 for r in rollouts])),
+      # The trained rows: padded (one rollout each) or packed; the share of
+      # their columns that hold a token.
+      "batch_rows": int(host_batch.tokens.shape[0]),
+      "batch_columns": int(host_batch.tokens.shape[1]),
+      "batch_fill": float(np.mean(host_batch.token_mask)),
       **components,
       # Shares of the RL wall time so far: the learner not waiting for a
       # batch, the sampler thread decoding, prefilling or swapping.
@@ -59,9 +64,10 @@ def step_record(*, step: int, version: int, host_batch, batch, update_metrics: d
 
 def batch_summary(batch, host_batch) -> dict:
   """What tests keep of each trained batch (`run(..., keep_batches=True)`)."""
-  return {"batch_version": batch.batch_version, "lag": host_batch.lag.copy(),
+  return {"batch_version": batch.batch_version, "lag": batch.rollout_lags(),
           "token_versions": host_batch.token_versions.copy(),
           "tokens": host_batch.tokens.copy(), "token_mask": host_batch.token_mask.copy(),
+          "segment_ids": host_batch.segment_ids.copy(),
           "behaviour_logprobs": host_batch.behaviour_logprobs.copy(),
           "loss_mask": host_batch.loss_mask.copy(),
           "dispatch_versions": [g.dispatch_version for g in batch.groups],
@@ -77,10 +83,7 @@ def _reward_by_env(groups) -> dict[str, float]:
   return {name: float(np.mean(v)) for name, v in sorted(rewards.items())}
 
 
-def _version_spread(batch) -> np.ndarray:
-  """`[B]` newest minus oldest version among each row's trained tokens (0 if none)."""
-  sampled = batch.loss_mask > 0
-  big = np.iinfo(np.int32).max
-  newest = np.where(sampled, batch.token_versions, -1).max(axis=1)
-  oldest = np.where(sampled, batch.token_versions, big).min(axis=1)
-  return np.where(sampled.any(axis=1), newest - oldest, 0)
+def _version_spread(rollout) -> int:
+  """Newest minus oldest version among a rollout's trained tokens (0 if none)."""
+  versions = np.asarray(rollout.token_versions)[np.asarray(rollout.loss_mask) > 0]
+  return int(versions.max() - versions.min()) if len(versions) else 0

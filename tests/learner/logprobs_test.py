@@ -27,6 +27,11 @@ def _model(**overrides):
   return cfg, graphdef, params
 
 
+def _segments(mask):
+  """One sequence per row: `(segment_ids, positions)` of a token mask."""
+  return mask.astype(jnp.int32), decoder_lib.positions_from_mask(mask)
+
+
 def _rows(rows=3, length=10, seed=0):
   tokens, mask = tiny.random_prompts(rows, length, PAD, seed=seed)
   return jnp.asarray(tokens), jnp.asarray(mask)
@@ -40,7 +45,7 @@ def test_chunked_scores_and_gradients_equal_the_whole_computation(chunk, value_h
   tokens, mask = _rows()
 
   def objective(params, chunk):
-    out = logprobs_lib.token_logprobs_and_entropy(graphdef, params, tokens, mask, 0.7,
+    out = logprobs_lib.token_logprobs_and_entropy(graphdef, params, tokens, *_segments(mask), 0.7,
                                                   with_values=value_head, chunk=chunk)
     weights = mask.astype(jnp.float32)
     return sum(jnp.sum(x * weights * (i + 1)) for i, x in enumerate(out)), out
@@ -61,7 +66,8 @@ def _scratch_bytes(vocab_size, chunk, tokens=1024):
   tokens_, mask = _rows(rows=1, length=tokens)
 
   def objective(params):
-    logp, entropy = logprobs_lib.token_logprobs_and_entropy(graphdef, params, tokens_, mask, 1.0,
+    logp, entropy = logprobs_lib.token_logprobs_and_entropy(graphdef, params, tokens_, *_segments(mask),
+                                                            1.0,
                                                             chunk=chunk)
     return jnp.sum(logp) + jnp.sum(entropy)
 

@@ -178,7 +178,7 @@ def test_vtrace_targets_hand_checked(jit):
   mask = np.array([[1, 1, 0, 1, 0]], np.float32)
   values = np.array([[0.5, 0.2, 7.0, 0.9, 3.0]], np.float32)  # 7 and 3 must not matter
   log_rhos = np.log(np.array([[2.0, 0.5, 5.0, 1.0, 5.0]], np.float32))
-  rewards = vtrace_lib.last_token_rewards(np.array([1.0], np.float32), mask)
+  rewards = vtrace_lib.last_token_rewards(np.ones_like(mask), mask)
   np.testing.assert_array_equal(rewards, [[0, 0, 0, 1, 0]])
   fn = maybe_jit(vtrace_lib.vtrace_targets, jit, lam=0.9)
   vs, adv = fn(values, rewards, log_rhos, mask)
@@ -192,7 +192,8 @@ def test_vtrace_on_policy_equals_the_lambda_return():
   mask = (rng.random((b, length)) < 0.8).astype(np.float32)
   mask[:, 0] = 1
   values = rng.normal(size=(b, length)).astype(np.float32)
-  rewards = vtrace_lib.last_token_rewards(rng.normal(size=b).astype(np.float32), mask)
+  rewards = vtrace_lib.last_token_rewards(
+      np.broadcast_to(rng.normal(size=(b, 1)), mask.shape).astype(np.float32), mask)
   vs, _ = vtrace_lib.vtrace_targets(values, rewards, np.zeros((b, length), np.float32), mask,
                                     lam=lam)
   for row in range(b):  # G_i = r_i + (1 - lam) V_{i+1} + lam G_{i+1}, discount 1

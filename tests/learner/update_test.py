@@ -22,7 +22,7 @@ def _random_batch(rng, rows=8, prompt_len=6, new=6):
   tokens, mask = tiny.random_prompts(rows, prompt_len, PAD, seed=int(rng.integers(1 << 30)))
   completion = rng.integers(0, 256, (rows, new)).astype(np.int32)
   loss_mask = np.ones((rows, new), np.float32)
-  return train_batch_lib.TrainBatch(
+  return train_batch_lib.from_rows(
       tokens=np.concatenate([tokens, completion], 1),
       token_mask=np.concatenate([mask, np.ones((rows, new), bool)], 1),
       loss_mask=np.concatenate([np.zeros((rows, prompt_len), np.float32), loss_mask], 1),
@@ -30,9 +30,12 @@ def _random_batch(rng, rows=8, prompt_len=6, new=6):
           [np.zeros((rows, prompt_len), np.float32),
            rng.normal(-5.5, 0.1, (rows, new)).astype(np.float32)], 1),
       token_versions=np.zeros((rows, prompt_len + new), np.int32),
-      advantages=rng.normal(size=rows).astype(np.float32),
-      rewards=np.zeros(rows, np.float32), group_ids=np.arange(rows, dtype=np.int32),
-      lag=np.zeros(rows, np.int32))
+      advantages=rng.normal(size=rows).astype(np.float32), rewards=np.zeros(rows, np.float32))
+
+
+def _on_tokens(batch, per_row):
+  """Per-row values on each row's tokens (a TrainBatch's advantages, rewards)."""
+  return (batch.token_mask * np.asarray(per_row, np.float32)[:, None]).astype(np.float32)
 
 
 def _setup(traces=None):
@@ -82,7 +85,7 @@ def test_update_donates_the_old_state():
 def test_update_moves_logprobs_in_the_direction_of_the_advantage():
   state, update_fn, _ = _setup()
   batch = _random_batch(np.random.default_rng(2))
-  batch = batch.replace(advantages=np.where(np.arange(8) < 4, 1.0, -1.0).astype(np.float32))
+  batch = batch.replace(advantages=_on_tokens(batch, np.where(np.arange(8) < 4, 1.0, -1.0)))
   metrics_0 = None
   for _ in range(5):
     state, metrics = update_fn(state, batch)
@@ -96,7 +99,7 @@ def test_kl_metric_is_the_k3_estimator_of_kl_behaviour_to_policy():
   batch = _random_batch(np.random.default_rng(3))
   graphdef, _, _ = tiny.learner_and_sampler_params(tiny.tiny_model_config(), tiny.role_meshes())
   logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, state.params, batch.tokens,
-                                                    batch.token_mask, 1.0)
+                                                    batch.segment_ids, batch.positions, 1.0)
   log_ratio = (np.asarray(logp) - batch.behaviour_logprobs) * batch.loss_mask
   # Tokens were drawn from mu: E_mu[r - 1 - log r] with r = pi / mu is KL(mu || pi).
   expected = np.sum((np.exp(log_ratio) - 1 - log_ratio) * batch.loss_mask) / batch.loss_mask.sum()
@@ -204,15 +207,15 @@ def test_one_step_raises_the_logprob_of_a_positive_advantage_token(loss):
   batch = _random_batch(np.random.default_rng(7), rows=2)
   # One trained token per row; behaviour = the current policy (on-policy).
   logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, state.params, batch.tokens,
-                                                    batch.token_mask, 1.0)
+                                                    batch.segment_ids, batch.positions, 1.0)
   loss_mask = np.zeros_like(batch.loss_mask)
   loss_mask[:, -3] = 1
-  batch = batch.replace(loss_mask=loss_mask, advantages=np.array([1.0, -1.0], np.float32),
+  batch = batch.replace(loss_mask=loss_mask, advantages=_on_tokens(batch, [1.0, -1.0]),
                         behaviour_logprobs=np.asarray(logp) * loss_mask)
   before = np.asarray(logp)[:, -3]
   state, _ = update_fn(state, batch)
   after, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, state.params, batch.tokens,
-                                                     batch.token_mask, 1.0)
+                                                     batch.segment_ids, batch.positions, 1.0)
   after = np.asarray(after)[:, -3]
   assert after[0] > before[0] and after[1] < before[1]
 
@@ -235,7 +238,7 @@ def test_staleness_metrics_split_the_log_ratio_by_token_lag():
   graphdef, state, update_fn = _state_and_update(update_lib.LossSettings(), mesh)
   batch = _random_batch(np.random.default_rng(9))
   logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, state.params, batch.tokens,
-                                                    batch.token_mask, 1.0)
+                                                    batch.segment_ids, batch.positions, 1.0)
   # Rows 0-3 were sampled by the current policy (version 0, exact log-probs);
   # rows 4-7 by a version "-2" whose log-probs differ by 0.5 on every token.
   behaviour = np.asarray(logp) * batch.loss_mask
@@ -275,12 +278,13 @@ def test_the_critic_is_trained_toward_the_vtrace_targets_of_its_own_values():
       lambda path, x: x + 0.3 if "value_head" in jax.tree_util.keystr(path) else x,
       state.params))
   batch = _ragged(_random_batch(np.random.default_rng(12)))
-  batch = batch.replace(rewards=np.linspace(0, 1, 8).astype(np.float32))
+  batch = batch.replace(rewards=_on_tokens(batch, np.linspace(0, 1, 8)))
   logp, _, values = logprobs_lib.token_logprobs_and_entropy(
-      graphdef, state.params, batch.tokens, batch.token_mask, 1.0, with_values=True)
+      graphdef, state.params, batch.tokens, batch.segment_ids, batch.positions, 1.0,
+      with_values=True)
   mask = batch.loss_mask
   log_rhos = (np.asarray(logp) - batch.behaviour_logprobs) * mask
-  rewards = vtrace_lib.last_token_rewards(batch.rewards, mask)
+  rewards = vtrace_lib.last_token_rewards(batch.rewards, mask, batch.segment_ids)
   vs, _ = vtrace_lib.vtrace_targets(values, rewards, log_rhos, mask, rho_bar=1.5, lam=0.8)
   expected = np.sum(0.5 * (np.asarray(vs) - np.asarray(values)) ** 2 * mask) / mask.sum()
   assert np.std(np.asarray(values)[mask > 0]) > 0  # the values differ per position
@@ -293,7 +297,7 @@ def test_vtrace_actor_critic_learns_values_from_the_last_token_reward():
   settings = update_lib.LossSettings(name="vtrace", critic=True, lam=0.9, rho_bar=1.5)
   _, state, update_fn = _state_and_update(settings, mesh, optimizer=optax.adam(3e-3))
   batch = _random_batch(np.random.default_rng(11))
-  batch = batch.replace(rewards=np.ones(8, np.float32))  # every completion earns 1
+  batch = batch.replace(rewards=_on_tokens(batch, np.ones(8)))  # every completion earns 1
   history = []
   for _ in range(30):
     state, metrics = update_fn(state, batch)
@@ -314,8 +318,7 @@ def test_trimming_padding_columns_changes_nothing():
   short = _random_batch(rng, new=6)
   pad = 10  # columns of pure padding (no token, no loss) after the completions
   padded = train_batch_lib.TrainBatch(**{
-      name: (np.concatenate([value, np.full((value.shape[0], pad), fill, value.dtype)], 1)
-             if value.ndim == 2 else value)
+      name: np.concatenate([value, np.full((value.shape[0], pad), fill, value.dtype)], 1)
       for name, fill, value in [
           (f, {"tokens": PAD, "token_versions": -1}.get(f, 0), getattr(short, f))
           for f in train_batch_lib.TrainBatch.__dataclass_fields__]})
@@ -366,7 +369,7 @@ def test_nan_and_inf_on_masked_columns_do_not_skip_or_change_the_update(settings
   _, state, update_fn = _state_and_update(settings, mesh, optimizer=optax.adam(1e-3),
                                           reference=settings.kl_coef > 0)
   batch = _ragged(_random_batch(np.random.default_rng(13)))
-  batch = batch.replace(rewards=np.linspace(0, 1, 8).astype(np.float32))
+  batch = batch.replace(rewards=_on_tokens(batch, np.linspace(0, 1, 8)))
   poisoned = _poison_masked_columns(batch)
   assert not np.all(np.isfinite(poisoned.behaviour_logprobs))
   twin = jax.tree.map(jnp.copy, state)
@@ -397,16 +400,17 @@ def test_the_critic_targets_shrink_their_truncation_levels_with_age_decay():
       lambda path, x: x + 0.3 if "value_head" in jax.tree_util.keystr(path) else x,
       state.params))
   batch = _ragged(_random_batch(np.random.default_rng(14)))
-  batch = batch.replace(rewards=np.linspace(0, 1, 8).astype(np.float32))
+  batch = batch.replace(rewards=_on_tokens(batch, np.linspace(0, 1, 8)))
   logp, _, values = logprobs_lib.token_logprobs_and_entropy(
-      graphdef, state.params, batch.tokens, batch.token_mask, 1.0, with_values=True)
+      graphdef, state.params, batch.tokens, batch.segment_ids, batch.positions, 1.0,
+      with_values=True)
   logp, values, mask = np.asarray(logp), np.asarray(values), batch.loss_mask
   # rho = e^0.4 = 1.49 on every other trained column: under rho_bar = 1.5 and
   # c_bar = 1.3 at lag 0, above both levels at lag 2 (1.1667 and 1.1).
   shift = np.where(np.arange(mask.shape[1]) % 2 == 0, 0.4, -0.1)[None, :]
   batch = batch.replace(behaviour_logprobs=((logp - shift) * mask).astype(np.float32))
   log_rhos = (logp - batch.behaviour_logprobs) * mask
-  rewards = vtrace_lib.last_token_rewards(batch.rewards, mask)
+  rewards = vtrace_lib.last_token_rewards(batch.rewards, mask, batch.segment_ids)
 
   def value_loss(rho_level, c_level):
     vs, _ = vtrace_lib.vtrace_targets(values, rewards, log_rhos, mask, lam=0.9,

@@ -76,9 +76,8 @@ def test_env_exception_and_timeout_mark_the_rollout_error_and_the_group_still_ar
   assert all(r.env_name == "flaky" for r in group.rollouts)
   assert group.rollouts[3].timings["in_env"] >= 0.3
 
-  batch = train_batch_lib.assemble([group], batch_version=0, prompt_len=4,
-                                   max_new_tokens=3, pad_id=256, advantage_estimator="grpo",
-                                   staleness_reference="dispatch")
+  batch = train_batch_lib.assemble([group], prompt_len=4, max_new_tokens=3, pad_id=256,
+                                   advantage_estimator="grpo")
   assert batch.loss_mask[1].sum() == 0 and batch.loss_mask[3].sum() == 0  # never trained on
   assert batch.loss_mask[0].sum() == 3 and batch.loss_mask[2].sum() == 3
 
@@ -209,14 +208,16 @@ def test_observation_ids_outside_the_vocabulary_are_environment_faults():
 
 def test_assemble_lays_out_rows_like_the_sampler():
   group = make_group(3, 5, [[5, 6], [6]])
-  batch = train_batch_lib.assemble([group], batch_version=7, prompt_len=4, max_new_tokens=3,
-                                   pad_id=256, advantage_estimator="grpo",
-                                   staleness_reference="dispatch")
+  batch = train_batch_lib.assemble([group], prompt_len=4, max_new_tokens=3, pad_id=256,
+                                   advantage_estimator="grpo")
   np.testing.assert_array_equal(batch.tokens[0], [256, 256, 1, 2, 0, 1, 256])
   np.testing.assert_array_equal(batch.token_mask[1], [0, 0, 1, 1, 1, 0, 0])
   np.testing.assert_array_equal(batch.token_versions[0], [-1, -1, -1, -1, 5, 6, -1])
-  np.testing.assert_array_equal(batch.lag, [2, 2])
-  np.testing.assert_allclose(batch.advantages, [-1, 1], atol=1e-5)  # rewards 0 and 1
+  np.testing.assert_array_equal(batch.positions[0], [0, 0, 0, 1, 2, 3, 0])
+  np.testing.assert_array_equal(batch.segment_ids[1], [0, 0, 1, 1, 1, 0, 0])
+  # Rewards 0 and 1: each rollout's advantage on its tokens.
+  np.testing.assert_allclose(batch.advantages[:, 4], [-1, 1], atol=1e-5)
+  np.testing.assert_allclose(batch.advantages[1], [0, 0, 1, 1, 1, 0, 0], atol=1e-5)
 
 
 def test_a_worker_bug_is_surfaced_not_swallowed():
