@@ -177,7 +177,8 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
     # learner's data shards split evenly.
     spec = dataclasses.replace(spec, packing=packing_lib.Packing(
         pack_len=lc.pack_len, num_slices=lc.num_minibatches,
-        row_multiple=lc.num_microbatches * fsdp))
+        row_multiple=lc.num_microbatches * fsdp,
+        attention_width=packing_lib.attention_width(spec.model)))
   platforms = sorted({getattr(d, "platform", "?") for d in sampler_devices})
   _require(parts["sampler"].paged_attention != "pallas" or platforms == ["gpu"],
            "sampler.paged_attention", f"'pallas' is the GPU kernel; the sampler devices are "

@@ -12,8 +12,12 @@ with room; at most 11/9 of the optimal row count plus one). A batch's packed
 width is chosen among a handful, so that the jitted update compiles once per
 width and row count, not per batch: `pack_len` halved while the longest
 rollout still fits (or the power of two that holds a longer one), the width
-whose rows cover the fewest columns winning. Row counts are rounded up to
-`row_multiple` times 1, 2, 3, 4, 6, 8, 12, ... (at most a third wasted).
+whose rows cost the least winning. A row of W columns costs W tokens' matmuls
+plus attention over W x W scores (the XLA attention computes every pair, and
+masks): `W (1 + W / attention_width)`, `attention_width` the width at which
+the two are equal (`attention_width`: ~1,500 for a 3M-parameter model, ~35k
+for a 7B one). Row counts are rounded up to `row_multiple` times
+1, 2, 3, 4, 6, 8, 12, ... (at most a third wasted).
 
 Minibatches stay what they are unpacked: with `num_slices = n` the rollouts
 `j, j + n, j + 2n, ...` (unpacked minibatch j) are packed on their own into
@@ -38,11 +42,15 @@ class Packing:
     num_slices: minibatches of the update; each is packed on its own.
     row_multiple: each slice's rows are a multiple of this (microbatches x
       the learner's data shards), so that every slice splits evenly.
+    attention_width: the row width at which the model's attention over a
+      row costs as much as the rest of it (`attention_width`; 0: attention
+      is not counted when choosing a width).
   """
 
   pack_len: int
   num_slices: int = 1
   row_multiple: int = 1
+  attention_width: float = 0.0
 
   def __post_init__(self):
     for name in ("pack_len", "num_slices", "row_multiple"):
@@ -74,12 +82,20 @@ def packed(lengths, packing: Packing) -> Layout:
   lengths = np.asarray(lengths, np.int64)
   if not len(lengths) or lengths.min() < 1:
     raise ValueError(f"packing needs one or more non-empty sequences, got lengths {lengths}")
-  best = None
-  for width in candidate_widths(int(lengths.max()), packing.pack_len):
-    layout = _packed_at(lengths, width, packing)
-    if best is None or layout.rows * layout.width < best.rows * best.width:
-      best = layout
-  return best
+  def cost(layout):
+    quadratic = layout.width / packing.attention_width if packing.attention_width else 0.0
+    return layout.rows * layout.width * (1.0 + quadratic)
+
+  layouts = [_packed_at(lengths, width, packing)
+             for width in candidate_widths(int(lengths.max()), packing.pack_len)]
+  return min(layouts, key=cost)  # the widest of equal costs: fewer rows
+
+
+def attention_width(model) -> float:
+  """The row width at which a decoder's (`ModelConfig`'s) attention FLOPs
+  over a row equal its matmuls': per token, `2 x params` against
+  `4 x layers x heads x head_dim x width` (the learner benchmark's model)."""
+  return model.num_params / (2 * model.num_layers * model.num_heads * model.head_dim)
 
 
 def candidate_widths(longest: int, pack_len: int) -> list[int]:

@@ -1,9 +1,19 @@
 r"""Learner step benchmark: step time, tokens/s, model FLOP utilisation against
 a matmul peak measured in the same run, and memory per device, for the ~3M
-and ~50M decoders on learner meshes of fsdp in {1, 2, 4}.
+and ~50M decoders on learner meshes of fsdp in {1, 2, 4} (part `mfu`); and
+packed against padded rows on long-tailed completion lengths (part `packing`).
 
-  python benchmarks/learner.py --out=/tmp/learner.jsonl     # ~5 min on 2 cores
+  python benchmarks/learner.py --out=/tmp/learner.jsonl     # ~10 min on 2 cores
+  python benchmarks/learner.py --parts=packing              # one part
   python benchmarks/learner.py --quick                      # tiny model, seconds
+
+Packing: groups of rollouts with 32-token prompts and lognormal completion
+lengths (median 64 or 512, p99 at the cap, the cap enforced), trained as
+today's padded rows (one rollout a row, as wide as the batch's longest
+completion rounded up to a power of two) and as packed rows
+(`learner.pack_len`), the same batch in the same run. Trained tokens/s counts
+loss-masked tokens only (what the loss sees); fill is the share of the rows'
+columns that hold a token.
 
 Model FLOPs per step (the PaLM convention, Chowdhery et al., 2022): forward +
 backward = 3 x forward, with forward = 2 x (matmul parameters) per token plus
@@ -35,6 +45,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from arl_jax import packing as packing_lib  # noqa: E402
+from arl_jax import rollout as rollout_lib  # noqa: E402
 from arl_jax import train_batch as train_batch_lib  # noqa: E402
 from arl_jax.learner import train_state as train_state_lib  # noqa: E402
 from arl_jax.learner import update as update_lib  # noqa: E402
@@ -119,22 +131,99 @@ def bench(model: str, fsdp: int, rows: int, length: int, steps: int, peak: float
   }
 
 
+def long_tail_groups(num_rollouts: int, median: int, cap: int, prompt: int = 32,
+                     group_size: int = 4, seed: int = 0) -> list[rollout_lib.Group]:
+  """Groups of rollouts whose completion lengths are lognormal with this
+  median and their 99th percentile at `cap` (longer ones cut at the cap)."""
+  rng = np.random.default_rng(seed)
+  sigma = np.log(cap / median) / 2.326  # the normal's 99th percentile
+  lengths = np.clip(rng.lognormal(np.log(median), sigma, num_rollouts).astype(int), 1, cap)
+  groups = []
+  for g in range(num_rollouts // group_size):
+    prompt_ids = rng.integers(0, 256, prompt).astype(np.int32)
+    rollouts = []
+    for i in range(group_size):
+      n = int(lengths[g * group_size + i])
+      rollouts.append(rollout_lib.Rollout(
+          group_id=g, sample_index=i, prompt_ids=prompt_ids,
+          completion_ids=rng.integers(0, 256, n).astype(np.int32),
+          loss_mask=np.ones(n, np.float32),
+          behaviour_logprobs=rng.normal(-5.5, 0.1, n).astype(np.float32),
+          token_versions=np.zeros(n, np.int32), dispatch_version=0, finish_reason="stop",
+          reward=float(rng.integers(0, 2))))
+    groups.append(rollout_lib.Group(group_id=g, prompt_id=g, dispatch_version=0,
+                                    rollouts=rollouts))
+  return groups
+
+
+def bench_packing(model: str, median: int, cap: int, num_rollouts: int, pack_len: int,
+                  steps: int) -> list[dict]:
+  """Padded and packed rows of one long-tailed batch, side by side."""
+  cfg = model_config_lib.ModelConfig(vocab_size=VOCAB, max_seq_len=32 + 2 * cap,
+                                     **MODELS[model])
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  groups = long_tail_groups(num_rollouts, median, cap)
+  kw = dict(prompt_len=32, pad_id=VOCAB - 1, advantage_estimator="grpo")
+  layouts = {
+      "padded": train_batch_lib.assemble(
+          groups, max_new_tokens=train_batch_lib.completion_width(groups, cap), **kw),
+      "packed": train_batch_lib.assemble(groups, max_new_tokens=cap,
+                                         packing=packing_lib.Packing(
+          pack_len=pack_len, attention_width=packing_lib.attention_width(cfg)), **kw)}
+  rows = []
+  for name, batch in layouts.items():
+    graphdef, params, _ = init_lib.init_params(cfg, mesh, rules_lib.LEARNER_RULES, 0)
+    optimizer = optax.adamw(1e-4)
+    state, shardings = train_state_lib.create(params, optimizer, mesh)
+    update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
+                                          settings=update_lib.LossSettings(),
+                                          state_shardings=shardings, mesh=mesh)
+    state, metrics = update_fn(state, batch)  # compile + first step
+    jax.block_until_ready(metrics)
+    times = []
+    for _ in range(steps):
+      start = time.perf_counter()
+      state, metrics = update_fn(state, batch)
+      jax.block_until_ready(metrics)
+      times.append(time.perf_counter() - start)
+    step = statistics.median(times)
+    trained = float(np.sum(batch.loss_mask))
+    rows.append({
+        "benchmark": "learner", "part": "packing", "model": model,
+        "completions": f"median {median}, cap {cap}", "rollouts": num_rollouts,
+        "layout": name, "rows x width": "x".join(map(str, batch.tokens.shape)),
+        "fill": round(float(np.mean(batch.token_mask)), 3), "step ms": round(1e3 * step, 1),
+        "trained tokens/s": round(trained / step)})
+  rows[-1]["speedup"] = round(rows[-1]["trained tokens/s"] / rows[0]["trained tokens/s"], 2)
+  return rows
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="tiny model, fsdp 1 and 2")
+  parser.add_argument("--parts", default="mfu,packing", help="comma-separated parts to run")
   parser.add_argument("--steps", type=int, default=5, help="timed steps per row (median)")
   parser.add_argument("--out", default=None, help="append JSON rows here")
   args = parser.parse_args()
-  peak = matmul_peak(512 if args.quick else 2048)
-  if args.quick:
-    grid = [("tiny", fsdp, 8, 32) for fsdp in (1, 2)]
-  else:
-    grid = [(model, fsdp, rows, 128) for model, rows in (("3M", 32), ("50M", 16))
-            for fsdp in (1, 2, 4)]
-  rows = [bench(model, fsdp, r, length, 2 if args.quick else args.steps, peak)
-          for model, fsdp, r, length in grid]
-  report.print_table(rows, title="learner step (clipped_ratio, AdamW, float32)")
-  report.append_jsonl(rows, args.out)
+  parts = set(args.parts.split(","))
+  steps = 2 if args.quick else args.steps
+  if "mfu" in parts:
+    peak = matmul_peak(512 if args.quick else 2048)
+    if args.quick:
+      grid = [("tiny", fsdp, 8, 32) for fsdp in (1, 2)]
+    else:
+      grid = [(model, fsdp, rows, 128) for model, rows in (("3M", 32), ("50M", 16))
+              for fsdp in (1, 2, 4)]
+    rows = [bench(model, fsdp, r, length, steps, peak) for model, fsdp, r, length in grid]
+    report.print_table(rows, title="learner step (clipped_ratio, AdamW, float32)")
+    report.append_jsonl(rows, args.out)
+  if "packing" in parts:
+    cases = ([("tiny", 16, 128, 16, 256)] if args.quick else
+             [("3M", 64, 1024, 64, 2048), ("3M", 512, 2048, 16, 2048)])
+    rows = [row for model, median, cap, n, pack_len in cases
+            for row in bench_packing(model, median, cap, n, pack_len, steps)]
+    report.print_table(rows, title="packed vs padded learner rows (clipped_ratio, AdamW)")
+    report.append_jsonl(rows, args.out)
 
 
 if __name__ == "__main__":

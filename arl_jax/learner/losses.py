@@ -235,14 +235,16 @@ def m2po_keep_mask(log_ratio, loss_mask, tau: float):
 
 
 def m2po(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logprobs=None,
-         token_lag=None, tau: float = 0.04, tis_cap: float | None = None):
+         token_lag=None, tau: float = 0.04, tis_cap: float | None = None, keep=None):
   """M2PO (Zheng et al., 2025): second-moment masking, then an importance-weighted
   policy gradient on the kept tokens, without ratio clipping:
 
     loss_t = -keep_t * w_t * r_t * A_t
 
   The mask is computed on `log(pi_theta / mu)` (stop-gradient) over the tokens
-  of this call (the whole batch, or one microbatch when accumulating).
+  of this call, or given as `keep` (`[B, L]`, 1 on kept tokens): the update
+  computes it over a whole minibatch first when it accumulates microbatches,
+  so that each microbatch is masked as the one pass would mask it.
   """
   _check(logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag)
   logprobs, behaviour_logprobs, advantages, proximal_logprobs = _zero_masked(
@@ -250,7 +252,11 @@ def m2po(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logpro
   r, w, metrics = _trust_region_ratio(logprobs, behaviour_logprobs, loss_mask,
                                       proximal_logprobs, tis_cap)
   log_ratio = jax.lax.stop_gradient(logprobs - behaviour_logprobs)
-  keep = m2po_keep_mask(log_ratio, loss_mask, tau)
+  if keep is None:
+    keep = m2po_keep_mask(log_ratio, loss_mask, tau)
+  else:
+    chex.assert_equal_shape([keep, loss_mask])
+    keep = keep * loss_mask
   metrics["masked_fraction"] = masked_mean(1.0 - keep, loss_mask)
   metrics["m2_kept"] = masked_mean(jnp.square(log_ratio), keep)
   return jnp.where(keep > 0, -w * r * advantages, 0.0), metrics

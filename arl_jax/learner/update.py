@@ -96,10 +96,6 @@ class LossSettings:
     if self.critic and self.name != "vtrace":
       raise ValueError(f"a critic (model.value_head) is trained only by the vtrace loss, not "
                        f"{self.name!r}")
-    if self.name == "m2po" and self.num_microbatches > 1:
-      raise ValueError("m2po masks tokens by a second moment over the whole minibatch; "
-                       "with num_microbatches > 1 each microbatch would be masked on its own, "
-                       "so accumulation would not equal one pass: use num_microbatches=1")
     if self.name == "m2po" and self.age_decay:
       raise ValueError("m2po has no clip range for an age-aware trust region to shrink")
 
@@ -111,14 +107,20 @@ class LossSettings:
   def is_decoupled(self) -> bool:
     return self.decoupled or self.tis_cap is not None or self.optimizer_steps > 1
 
-  def token_loss(self, logp, batch, advantages, proximal, token_lag):
+  @property
+  def masks_minibatch_first(self) -> bool:
+    """M2PO's second-moment mask is over the whole minibatch: accumulating
+    microbatches, a stop-gradient pass computes it first (`train_step`)."""
+    return self.name == "m2po" and self.num_microbatches > 1
+
+  def token_loss(self, logp, batch, advantages, proximal, token_lag, m2po_keep=None):
     if self.name == "clipped_ratio":
       knobs = dict(eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip,
                    tis_cap=self.tis_cap, age_decay=self.age_decay)
     elif self.name == "vtrace":
       knobs = dict(rho_bar=self.rho_bar, age_decay=self.age_decay)
     else:
-      knobs = dict(tau=self.tau, tis_cap=self.tis_cap)
+      knobs = dict(tau=self.tau, tis_cap=self.tis_cap, keep=m2po_keep)
     return losses_lib.LOSSES[self.name](
         logp, batch.behaviour_logprobs, advantages, batch.loss_mask,
         proximal_logprobs=proximal, token_lag=token_lag, **knobs)
@@ -207,7 +209,7 @@ def _objective(params, micro, weights, *, logprobs_fn, settings: LossSettings, o
     logp, entropy = logprobs_fn(params, mb)
     advantages, value_loss, critic_metrics = micro["advantages"], 0.0, {}
   per_token, metrics = s.token_loss(logp, mb, advantages, micro.get("proximal"),
-                                    micro["token_lag"])
+                                    micro["token_lag"], micro.get("m2po_keep"))
   metrics.update(critic_metrics)
   on = mb.loss_mask > 0
   total = per_token + s.vf_coef * value_loss - s.entropy_coef * jnp.where(on, entropy, 0.0)
@@ -253,8 +255,8 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
 
   # Log-probs of the policy at the start of the batch (proximal policy) and of
   # the reference policy, in microbatch slices to bound memory.
-  def frozen_logprobs(params):
-    chunks = _split(batch, n_mb * n_micro)
+  def frozen_logprobs(params, rows=batch, slices=n_mb * n_micro):
+    chunks = _split(rows, slices)
     logp = jax.lax.map(lambda chunk: logprobs(params, chunk)[0], chunks)
     return jax.lax.stop_gradient(_unsplit(logp))
 
@@ -274,7 +276,13 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     minibatch = jax.tree.map(lambda x: x[step_index % n_mb], minibatches)
     weights = losses_lib.token_weights(minibatch["batch"].loss_mask, s.aggregation,
                                        s.norm_constant, minibatch["batch"].segment_ids)
-    micro = _split({**minibatch, "weights": weights}, n_micro)
+    minibatch = {**minibatch, "weights": weights}
+    if s.masks_minibatch_first:
+      rows = minibatch["batch"]
+      log_ratio = frozen_logprobs(params, rows, n_micro) - rows.behaviour_logprobs
+      minibatch["m2po_keep"] = losses_lib.m2po_keep_mask(
+          jnp.where(rows.loss_mask > 0, log_ratio, 0.0), rows.loss_mask, s.tau)
+    micro = _split(minibatch, n_micro)
 
     def accumulate(acc, m):
       (loss, metrics), grads = grad_fn(params, m, m["weights"])

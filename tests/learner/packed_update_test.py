@@ -30,7 +30,7 @@ CASES = {
     "vtrace": update_lib.LossSettings(name="vtrace", rho_bar=1.5),
     "vtrace_critic": update_lib.LossSettings(name="vtrace", critic=True, lam=0.9, rho_bar=1.5,
                                              c_bar=1.2),
-    "m2po": update_lib.LossSettings(name="m2po", tau=0.5),
+    "m2po_microbatches": update_lib.LossSettings(name="m2po", tau=0.5, num_microbatches=2),
 }
 
 
@@ -114,7 +114,9 @@ def test_pack_len_reaches_the_learner_loop_through_the_config():
   config.learner.pack_len = 64
   config.learner.num_minibatches = 2
   spec = config_lib.build(config)
-  assert spec.packing == packing_lib.Packing(pack_len=64, num_slices=2, row_multiple=4)
+  assert spec.packing == packing_lib.Packing(
+      pack_len=64, num_slices=2, row_multiple=4,
+      attention_width=packing_lib.attention_width(spec.model))
   config.learner.pack_len = -1
   with pytest.raises(config_lib.ConfigError, match="learner.pack_len"):
     config_lib.build(config)

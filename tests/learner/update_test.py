@@ -178,9 +178,23 @@ def test_gradient_accumulation_matches_one_pass(aggregation):
     np.testing.assert_allclose(m1[key], m4[key], rtol=1e-4, err_msg=key)
 
 
-def test_m2po_rejects_microbatches():
-  with pytest.raises(ValueError, match="m2po masks tokens by a second moment"):
-    update_lib.LossSettings(name="m2po", num_microbatches=2)
+def test_m2po_masks_the_whole_minibatch_before_accumulating_microbatches():
+  """The second-moment mask is over the minibatch (a stop-gradient pass
+  first), so 4 microbatches train exactly as one pass: a mask per microbatch
+  would keep different tokens."""
+  mesh = _mesh((("fsdp", 2), ("tp", 1)))
+  batch = _ragged(_random_batch(np.random.default_rng(6)))
+  results = []
+  for micro in (1, 4):
+    settings = update_lib.LossSettings(name="m2po", tau=0.012, num_microbatches=micro)
+    _, state, update_fn = _state_and_update(settings, mesh)
+    state, metrics = update_fn(state, batch)
+    results.append((_host(state.params), {k: float(v) for k, v in metrics.items()}))
+  (p1, m1), (p4, m4) = results
+  assert 0.05 < m1["masked_fraction"] < 0.95
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p4)
+  for key in ("loss", "masked_fraction", "grad_norm", "entropy"):
+    np.testing.assert_allclose(m1[key], m4[key], rtol=1e-4, err_msg=key)
 
 
 def test_non_finite_loss_skips_the_step_and_keeps_the_state():
