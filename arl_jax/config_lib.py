@@ -319,7 +319,8 @@ def _loss(lc: sections.LearnerSection, s: sections.SamplerSection, model):
       norm_constant=float(s.max_new_tokens), kl_coef=float(lc.kl_coef),
       entropy_coef=float(lc.entropy_coef), temperature=float(s.temperature),
       num_epochs=lc.num_epochs, num_minibatches=lc.num_minibatches,
-      num_microbatches=lc.num_microbatches, logprob_chunk=lc.logprob_chunk)
+      num_microbatches=lc.num_microbatches, logprob_chunk=lc.logprob_chunk,
+      attention_chunk=lc.attention_chunk, remat=lc.remat)
 
 
 def _mesh(mesh: mesh_lib.MeshConfig) -> mesh_lib.MeshConfig:

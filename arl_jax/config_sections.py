@@ -24,6 +24,7 @@ from arl_jax.envs import prompt_source
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import losses as losses_lib
 from arl_jax.metrics import writer as writer_lib
+from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import paged_attention as paged_attention_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import staleness
@@ -296,8 +297,18 @@ class LearnerSection:
   # Rollouts packed into rows of up to this many tokens, several a row (0:
   # one rollout a padded row): `packing.py`.
   pack_len: int = 0
+  # Queries whose attention scores exist at once (0: a whole row's):
+  # `models/segment_attention.py`.
+  attention_chunk: int = 0
+  # What the backward pass keeps of each decoder block: none | block | dots.
+  remat: str = "none"
 
   def __post_init__(self):
+    _check(_is_int(self.attention_chunk) and self.attention_chunk >= 0,
+           "learner.attention_chunk",
+           f"must be an int >= 0 (0: a whole row), got {self.attention_chunk!r}")
+    _check(self.remat in decoder_lib.REMAT_POLICIES, "learner.remat",
+           f"must be one of {sorted(decoder_lib.REMAT_POLICIES)}, got {self.remat!r}")
     _check(_is_int(self.pack_len) and self.pack_len >= 0, "learner.pack_len",
            f"must be an int >= 0 (0: padded rows), got {self.pack_len!r}")
     _check(_is_int(self.logprob_chunk) and self.logprob_chunk >= 0, "learner.logprob_chunk",

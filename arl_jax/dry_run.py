@@ -85,19 +85,9 @@ def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
   learner = {"params": params, "adam_moments": 2 * params, "gradients": params}
   if spec.loss.kl_coef > 0:
     learner["kl_reference_params"] = params
-  # Activations (rough): per layer, the saved residual/attention/MLP inputs
-  # and the attention probabilities; plus the float32 logits and their
-  # gradient. Rows of one microbatch, split over the batch-sharding axis.
   cfg, engine = spec.model, spec.engine
-  rows = spec.dispatch.groups_per_batch * spec.dispatch.group_size
-  rows //= spec.loss.num_minibatches * spec.loss.num_microbatches
-  rows = max(1, rows // lm.get("fsdp", 1))
-  t = engine.prompt_len + engine.max_new_tokens
-  act_itemsize = np.dtype(cfg.param_dtype).itemsize
-  per_layer = rows * t * (8 * cfg.d_model + 3 * cfg.mlp_dim) * act_itemsize
-  per_layer += rows * cfg.num_heads * t * t * 4
-  learner["activations_rough"] = (cfg.num_layers * per_layer
-                                  + 2 * rows * t * cfg.vocab_size * 4)
+  learner["activations_rough"] = learner_activations(
+      spec.model, spec.loss, *learner_rows(spec, lm.get("fsdp", 1)))
 
   # Sampler: params in its dtype (replicated over `data`); while a swap is in
   # progress the old and new versions coexist, and `pinned` holds up to K + 1.
@@ -120,6 +110,47 @@ def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
               num_params=cfg.num_params,
               learner=RolePlan("learner", learner_mesh, learner),
               sampler=RolePlan("sampler", sampler_mesh, sampler))
+
+
+def learner_rows(spec: config_lib.RunSpec, fsdp: int) -> tuple[int, int]:
+  """`(rows, width)` of one microbatch on one learner device at its largest:
+  rows of the longest rollouts (`prompt_len + max_new_tokens`), or packed
+  rows as wide as they may get, split over `fsdp`."""
+  loss, engine = spec.loss, spec.engine
+  rows = spec.dispatch.groups_per_batch * spec.dispatch.group_size
+  rows //= loss.num_minibatches * loss.num_microbatches
+  rows = max(1, rows // fsdp)
+  longest = engine.prompt_len + engine.max_new_tokens
+  if spec.packing is None:
+    return rows, longest
+  width = max(spec.packing.pack_len, 1 << (longest - 1).bit_length())
+  return max(1, math.ceil(rows * longest / width)), width
+
+
+def learner_activations(cfg, loss, rows: int, width: int) -> int:
+  """Rough bytes of the activations of `rows x width` tokens of a decoder
+  (`ModelConfig`) under `loss` (`LossSettings`) on one device.
+
+  Per layer the backward pass keeps the block's saved inputs and outputs
+  (all of them, the matmul outputs, or only the block's input:
+  `learner.remat`), plus the attention scores of a whole row unless
+  `learner.attention_chunk` computes them a block of queries at a time (then
+  one block's exist at once, recomputed); then the float32 logits and their
+  gradient, or a few `learner.logprob_chunk`s of them.
+  """
+  tokens = rows * width
+  itemsize = np.dtype(cfg.param_dtype).itemsize
+  block_internals = tokens * (8 * cfg.d_model + 3 * cfg.mlp_dim) * itemsize
+  kept = {"none": block_internals, "dots": tokens * (4 * cfg.d_model + 2 * cfg.mlp_dim) * itemsize,
+          "block": tokens * cfg.d_model * itemsize}[loss.remat]
+  total = cfg.num_layers * kept + (block_internals if loss.remat != "none" else 0)
+  scores = rows * cfg.num_heads * width * 4
+  if loss.attention_chunk:
+    total += scores * min(loss.attention_chunk, width)  # one block's, recomputed
+  else:
+    total += cfg.num_layers * scores * width
+  logit_tokens = min(loss.logprob_chunk, tokens) if loss.logprob_chunk else tokens
+  return total + 3 * logit_tokens * cfg.vocab_size * 4
 
 
 def format_plan(p: Plan, device_memory: int | None = None) -> str:

@@ -15,6 +15,13 @@ completion rounded up to a power of two) and as packed rows
 loss-masked tokens only (what the loss sees); fill is the share of the rows'
 columns that hold a token.
 
+Long rows (part `long_row`): the update of one row of L tokens for the 50M
+trunk with a vocabulary of V, compiled (not run) on one device: XLA's memory
+per device against the bound `params + AdamW moments + gradients + one
+logprob chunk's float32 logits`, with the memory controls on
+(`logprob_chunk`, `attention_chunk`, `remat`) and off, and `--dry_run`'s
+rough estimate of the same.
+
 Model FLOPs per step (the PaLM convention, Chowdhery et al., 2022): forward +
 backward = 3 x forward, with forward = 2 x (matmul parameters) per token plus
 attention `4 * layers * T * heads * head_dim` per token, the output projection
@@ -47,6 +54,7 @@ import optax  # noqa: E402
 
 from arl_jax import packing as packing_lib  # noqa: E402
 from arl_jax import rollout as rollout_lib  # noqa: E402
+from arl_jax import dry_run  # noqa: E402
 from arl_jax import train_batch as train_batch_lib  # noqa: E402
 from arl_jax.learner import train_state as train_state_lib  # noqa: E402
 from arl_jax.learner import update as update_lib  # noqa: E402
@@ -198,10 +206,40 @@ def bench_packing(model: str, median: int, cap: int, num_rollouts: int, pack_len
   return rows
 
 
+def bench_long_row(model: str, vocab: int, length: int, controls: bool) -> dict:
+  """Compiled memory of one `length`-token row's update (nothing runs)."""
+  cfg = model_config_lib.ModelConfig(vocab_size=vocab, max_seq_len=length, **MODELS[model])
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  settings = update_lib.LossSettings(
+      **(dict(logprob_chunk=1024, attention_chunk=512, remat="block") if controls else {}))
+  graphdef, params, _ = init_lib.init_params(cfg, mesh, rules_lib.LEARNER_RULES, 0)
+  optimizer = optax.adamw(1e-4)
+  state, shardings = train_state_lib.create(params, optimizer, mesh)
+  update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
+                                        settings=settings, state_shardings=shardings, mesh=mesh)
+  batch = jax.eval_shape(lambda: _batch(1, length, prompt=length // 8))
+  start = time.perf_counter()
+  memory = update_fn.lower(state, batch).compile().memory_analysis()
+  compile_s = time.perf_counter() - start
+  measured = (memory.argument_size_in_bytes + memory.output_size_in_bytes
+              + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+  chunk = settings.logprob_chunk or length
+  bound = 4 * cfg.num_params * 4 + chunk * vocab * 4  # params, 2 moments, grads; a chunk
+  estimate = 4 * cfg.num_params * 4 + dry_run.learner_activations(cfg, settings, 1, length)
+  mib = lambda x: round(x / 2**20)
+  return {"benchmark": "learner", "part": "long_row", "model": model,
+          "params M": round(cfg.num_params / 1e6, 1), "V": vocab, "L": length,
+          "controls": "chunks + remat" if controls else "off",
+          "MiB/device": mib(measured), "bound MiB": mib(bound),
+          "measured / bound": round(measured / bound, 2), "dry_run MiB": mib(estimate),
+          "compile s": round(compile_s, 1)}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="tiny model, fsdp 1 and 2")
-  parser.add_argument("--parts", default="mfu,packing", help="comma-separated parts to run")
+  parser.add_argument("--parts", default="mfu,packing,long_row",
+                      help="comma-separated parts to run")
   parser.add_argument("--steps", type=int, default=5, help="timed steps per row (median)")
   parser.add_argument("--out", default=None, help="append JSON rows here")
   args = parser.parse_args()
@@ -223,6 +261,13 @@ def main() -> None:
     rows = [row for model, median, cap, n, pack_len in cases
             for row in bench_packing(model, median, cap, n, pack_len, steps)]
     report.print_table(rows, title="packed vs padded learner rows (clipped_ratio, AdamW)")
+    report.append_jsonl(rows, args.out)
+  if "long_row" in parts:
+    cases = ([("tiny", 4096, 512, True), ("tiny", 4096, 512, False)] if args.quick else
+             [("50M", 151_936, 16_384, True), ("50M", 151_936, 4096, True),
+              ("50M", 32_768, 16_384, True), ("50M", 151_936, 16_384, False)])
+    rows = [bench_long_row(*case) for case in cases]
+    report.print_table(rows, title="memory of one long row's update (compiled, AdamW, float32)")
     report.append_jsonl(rows, args.out)
 
 

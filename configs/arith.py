@@ -92,7 +92,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       logprob_chunk=0,
       # Rollouts packed several to a learner row of up to this many tokens
       # (0: one rollout a row, padded to the batch's longest): packing.py.
-      pack_len=0))
+      pack_len=0,
+      # Queries whose attention scores exist at once (0: a row's), and what
+      # the backward pass keeps of each block (none | block | dots).
+      attention_chunk=0, remat="none"))
 
   # `hf`: a local tokenizer.json (path, eos_token, ...); see README "Tokenizers".
   config.tokenizer = ml_collections.ConfigDict(dict(

@@ -15,10 +15,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arl_jax.models import decoder as decoder_lib
+from arl_jax.models import segment_attention as segment_attention_lib
 
 
 def token_logprobs_and_entropy(graphdef, params, tokens, segment_ids, positions,
-                               temperature: float, with_values: bool = False, chunk: int = 0):
+                               temperature: float, with_values: bool = False, chunk: int = 0,
+                               attention_chunk: int = 0, remat: str = "none"):
   """Log-probability of every token given its prefix, plus the policy entropy
   (and the critic's values with `with_values`).
 
@@ -33,6 +35,10 @@ def token_logprobs_and_entropy(graphdef, params, tokens, segment_ids, positions,
     with_values: also return `values [B, L]`, column t holding V of the state
       before `tokens[:, t]` is sampled (from the hidden state at t - 1).
     chunk: static, tokens whose logits are computed at once (0: all of them).
+    attention_chunk: static, queries whose attention scores exist at once
+      (0: a whole row's; `models/segment_attention.py`).
+    remat: static, what the backward pass keeps of each decoder block
+      (`decoder.REMAT_POLICIES`).
 
   Returns:
     `(logprobs [B, L], entropy [B, L])` (+ `values`), float32; column t scores
@@ -41,8 +47,8 @@ def token_logprobs_and_entropy(graphdef, params, tokens, segment_ids, positions,
     not its own: prompt tokens, never trained.
   """
   model = nnx.merge(graphdef, params)
-  out = model(tokens, positions, decoder_lib.segment_mask(segment_ids), with_values=with_values,
-              hidden_only=chunk > 0)
+  out = model(tokens, positions, segment_attention_lib.Segments(segment_ids, attention_chunk),
+              with_values=with_values, hidden_only=chunk > 0, remat=remat)
   if chunk:
     picked, entropy = _chunked_scores(out[0][:, :-1], model.head_weight(), tokens[:, 1:],
                                       temperature, chunk)

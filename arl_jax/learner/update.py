@@ -45,6 +45,7 @@ from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import losses as losses_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import vtrace as vtrace_lib
+from arl_jax.models import decoder as decoder_lib
 
 # Token-lag buckets of the |log-ratio| metrics: (name, lowest lag, highest lag).
 LAG_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3_4", 3, 4), ("5_8", 5, 8),
@@ -78,6 +79,8 @@ class LossSettings:
   num_minibatches: int = 1
   num_microbatches: int = 1
   logprob_chunk: int = 0  # tokens whose logits exist at once (0: all; `logprobs.py`)
+  attention_chunk: int = 0  # queries whose scores exist at once (0: a row's)
+  remat: str = "none"  # what the backward pass keeps of a block (`decoder.REMAT_POLICIES`)
 
   def __post_init__(self):
     if self.name not in losses_lib.LOSSES:
@@ -87,8 +90,12 @@ class LossSettings:
     for name in ("num_epochs", "num_minibatches", "num_microbatches"):
       if getattr(self, name) < 1:
         raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    if self.logprob_chunk < 0:
-      raise ValueError(f"logprob_chunk must be >= 0 (0: off), got {self.logprob_chunk}")
+    for name in ("logprob_chunk", "attention_chunk"):
+      if getattr(self, name) < 0:
+        raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
+    if self.remat not in decoder_lib.REMAT_POLICIES:
+      raise ValueError(f"remat must be one of {sorted(decoder_lib.REMAT_POLICIES)}, "
+                       f"got {self.remat!r}")
     if self.name == "vtrace" and (self.is_decoupled or self.tis_cap is not None):
       raise ValueError("vtrace truncates its importance weights itself (rho_bar): it takes "
                        "neither a decoupled objective nor tis_cap, so it runs one optimizer "
@@ -245,7 +252,9 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     return logprobs_lib.token_logprobs_and_entropy(graphdef, params, rows.tokens,
                                                    rows.segment_ids, rows.positions,
                                                    s.temperature, with_values,
-                                                   chunk=s.logprob_chunk)
+                                                   chunk=s.logprob_chunk,
+                                                   attention_chunk=s.attention_chunk,
+                                                   remat=s.remat)
 
   # Versions since each token was sampled (prompt and observation tokens carry
   # -1 and are masked out of every use).

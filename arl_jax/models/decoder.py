@@ -23,6 +23,7 @@ from flax import nnx
 
 from arl_jax.models import model_config as model_config_lib
 from arl_jax.models import rope as rope_lib
+from arl_jax.models import segment_attention as segment_attention_lib
 
 # Large negative instead of -inf: a row whose keys are all masked (a pad query)
 # then gets a uniform softmax instead of NaN, and its output is ignored anyway.
@@ -79,7 +80,9 @@ class Attention(nnx.Module):
       x: `[B, T, D]` normalised hidden states.
       positions: `[B, T]` RoPE positions.
       attn_mask: `[B, T, S]` bool, True where query t may attend to key s
-        (S = T without a cache, the cache length with one).
+        (S = T without a cache, the cache length with one); or, without a
+        cache, `segment_attention.Segments` (training rows: causal within
+        each segment, a block of queries at a time).
       layer_cache: optional layer view of a cache (`kv_cache.KVCache.layer`
         or `paged_kv_cache.PagedKVCache.layer`); attention runs over its
         first S columns, S the mask's width.
@@ -105,7 +108,10 @@ class Attention(nnx.Module):
     k = k.transpose(0, 2, 1, 3)  # [B, K, T, Dh], the cache layout
     v = v.transpose(0, 2, 1, 3)
     b, t, h, dh = q.shape
-    if t == 1 and layer_cache is not None and layer_cache.attends:
+    if isinstance(attn_mask, segment_attention_lib.Segments):
+      out = segment_attention_lib.attend(q, k, v, attn_mask).astype(x.dtype)
+      new_cache = None
+    elif t == 1 and layer_cache is not None and layer_cache.attends:
       # A decode step through a paged attention kernel, which reads the
       # cache's pages itself (`paged_kv_cache.PagedLayer.attend`).
       out, new_cache = layer_cache.attend(q[:, 0] / math.sqrt(dh), k, v, cache_index,
@@ -186,13 +192,15 @@ class Decoder(nnx.Module):
       self.value_head = _param(rngs, (cfg.d_model,), ("embed",), dtype, 0.0)
 
   def __call__(self, tokens, positions, attn_mask, cache=None, cache_index=None,
-               write_mask=None, last_only=False, with_values=False, hidden_only=False):
+               write_mask=None, last_only=False, with_values=False, hidden_only=False,
+               remat: str = "none"):
     """Runs the decoder.
 
     Args:
       tokens: `[B, T]` int32 token ids.
       positions: `[B, T]` int32 RoPE positions.
-      attn_mask: `[B, T, S]` bool attention mask (see `Attention`).
+      attn_mask: `[B, T, S]` bool attention mask, or `Segments` (see
+        `Attention`).
       cache: optional `KVCache` or `PagedKVCache`; when given, this call's
         keys/values are written at `cache_index` and attention runs over the
         cache's first S columns (S: the mask's width).
@@ -206,6 +214,10 @@ class Decoder(nnx.Module):
         the parameter dtype) in place of the logits: `head_logits` turns
         them into logits (with `head_weight`) a chunk of tokens at a time
         (`learner/logprobs.py`), never `[B, T, V]` at once.
+      remat: what the backward pass keeps of each block (without a cache):
+        `none` (what XLA keeps), `block` (only the block's input: its
+        insides are recomputed) or `dots` (the matmul outputs, recomputing
+        the rest): `REMAT_POLICIES`.
 
     Returns:
       `(logits [B, T, V] float32, updated KVCache or None)`, plus
@@ -214,9 +226,16 @@ class Decoder(nnx.Module):
     """
     x = jnp.take(self.embed[...], tokens, axis=0)
     new_layers = []
+    if remat not in REMAT_POLICIES:
+      raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
+    policy = REMAT_POLICIES[remat] if cache is None else None
     for i, block in enumerate(self.blocks):
       layer_cache = None if cache is None else cache.layer(i)
-      x, layer_cache = block(x, positions, attn_mask, layer_cache, cache_index, write_mask)
+      if policy is None:
+        x, layer_cache = block(x, positions, attn_mask, layer_cache, cache_index, write_mask)
+      else:
+        x, layer_cache = nnx.remat(Block.__call__, policy=policy)(
+            block, x, positions, attn_mask, None, None, None)
       new_layers.append(layer_cache)
     if last_only:
       x = x[:, -1:]
@@ -234,6 +253,14 @@ class Decoder(nnx.Module):
   def head_weight(self) -> jax.Array:
     """The output projection `[D, V]` (the embedding's transpose when tied)."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+
+# What the backward pass keeps of a decoder block (`Decoder.__call__`'s remat).
+REMAT_POLICIES = {
+    "none": None,
+    "block": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
 
 
 def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:

@@ -1,0 +1,98 @@
+"""Training attention by blocks of queries (`segment_attention.py`) and the
+decoder's remat policies: the same values and gradients as the whole-row
+attention under `decoder.segment_mask`, and less memory."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from arl_jax.models import decoder as decoder_lib
+from arl_jax.models import model_config as model_config_lib
+from arl_jax.models import segment_attention as segment_attention_lib
+
+
+def _model(**overrides):
+  cfg = model_config_lib.ModelConfig(**{
+      **dict(vocab_size=64, d_model=32, num_layers=2, num_heads=4, num_kv_heads=2,
+             head_dim=8, mlp_dim=64, max_seq_len=256), **overrides})
+  model = decoder_lib.Decoder(cfg, rngs=nnx.Rngs(0))
+  graphdef, params = nnx.split(model, nnx.Param)
+  return graphdef, params
+
+
+def _rows(length=37):
+  """Two rows: three segments then padding, and one left-padded segment."""
+  ids = np.zeros((2, length), np.int32)
+  ids[0, :10], ids[0, 10:11], ids[0, 11:30] = 1, 2, 3
+  ids[1, 5:] = 1
+  positions = np.zeros_like(ids)
+  for r in range(2):
+    for k in range(1, ids[r].max() + 1):
+      cols = np.flatnonzero(ids[r] == k)
+      positions[r, cols] = np.arange(len(cols))
+  tokens = np.random.default_rng(0).integers(0, 64, ids.shape).astype(np.int32)
+  return jnp.asarray(tokens), jnp.asarray(ids), jnp.asarray(positions)
+
+
+def _objective(graphdef, params, attn_mask, remat="none"):
+  tokens, ids, positions = _rows()
+  logits, _ = nnx.merge(graphdef, params)(tokens, positions, attn_mask, remat=remat)
+  # Padding queries attend to nothing: their outputs are ignored.
+  return jnp.sum(jnp.where((ids > 0)[..., None], jnp.tanh(logits), 0.0)), logits
+
+
+@pytest.mark.parametrize("chunk", [0, 8, 13, 64])
+def test_blocks_of_queries_equal_the_whole_row(chunk):
+  graphdef, params = _model()
+  _, ids, _ = _rows()
+  mask = decoder_lib.segment_mask(ids)
+  segments = segment_attention_lib.Segments(ids, chunk)
+  grad = jax.value_and_grad(lambda p, m: _objective(graphdef, p, m), has_aux=True)
+  (want, want_logits), want_grads = grad(params, mask)
+  (got, got_logits), got_grads = jax.jit(grad)(params, segments)
+  on = np.asarray(ids) > 0
+  np.testing.assert_allclose(np.asarray(got_logits)[on], np.asarray(want_logits)[on],
+                             atol=1e-5)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  # Gradients up to ~35 in size: float32 rounding of sums in another order.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-4), want_grads,
+               got_grads)
+
+
+@pytest.mark.parametrize("remat", ["block", "dots"])
+def test_remat_policies_change_no_gradient(remat):
+  graphdef, params = _model()
+  _, ids, _ = _rows()
+  segments = segment_attention_lib.Segments(ids, 8)
+  grad = lambda r: jax.jit(jax.grad(lambda p: _objective(graphdef, p, segments, r)[0]))(params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, atol=1e-6), grad("none"),
+               grad(remat))
+  with pytest.raises(ValueError, match="remat must be one of"):
+    _objective(graphdef, params, segments, "all")
+
+
+def _scratch_mib(chunk, remat, length=2048):
+  """XLA's planned temporary MiB for the gradient over one row of `length`."""
+  graphdef, params = _model(num_heads=8, num_kv_heads=8, max_seq_len=length)
+  ids = jnp.ones((1, length), jnp.int32)
+  tokens = jnp.zeros((1, length), jnp.int32)
+  positions = jnp.arange(length)[None]
+
+  def objective(p):
+    logits, _ = nnx.merge(graphdef, p)(tokens, positions,
+                                       segment_attention_lib.Segments(ids, chunk), remat=remat)
+    return jnp.sum(logits)
+
+  compiled = jax.jit(jax.grad(objective)).lower(params).compile()
+  return compiled.memory_analysis().temp_size_in_bytes / 2**20
+
+
+def test_blocks_and_remat_bound_the_scores_kept_for_the_backward_pass():
+  """Whole-row scores of 8 heads over 2,048 tokens are 128 MiB a layer, kept
+  for the backward pass; blocks of 256 queries keep an eighth of that."""
+  whole = _scratch_mib(0, "none")
+  blocks = _scratch_mib(256, "block")
+  assert whole > 2 * 128  # two layers' scores
+  assert blocks < whole / 4, (whole, blocks)
