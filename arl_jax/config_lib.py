@@ -170,7 +170,7 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
            f"{parts['sampler'].prompt_len + parts['sampler'].max_new_tokens} exceeds the model "
            f"context model.max_seq_len={model.max_seq_len}")
   spec = _spec(run, parts, env=env, model=model, data=data, inputs=inputs)
-  sampler_devices, sampler_shape, fsdp = _check_meshes(spec, parts, devices)
+  learner_devices, sampler_devices, sampler_shape, fsdp = _check_meshes(spec, parts, devices)
   lc = parts["learner"]
   if lc.pack_len:
     # Each minibatch packed on its own, into rows its microbatches and the
@@ -179,6 +179,10 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
         pack_len=lc.pack_len, num_slices=lc.num_minibatches,
         row_multiple=lc.num_microbatches * fsdp,
         attention_width=packing_lib.attention_width(spec.model)))
+  learner_platforms = sorted({getattr(d, "platform", "?") for d in learner_devices})
+  _require(lc.attention != "splash" or learner_platforms == ["tpu"], "learner.attention",
+           f"'splash' is the TPU kernel; the learner devices are {learner_platforms} (use "
+           "'xla', or 'splash_interpret' to run it slowly anywhere)")
   platforms = sorted({getattr(d, "platform", "?") for d in sampler_devices})
   _require(parts["sampler"].paged_attention != "pallas" or platforms == ["gpu"],
            "sampler.paged_attention", f"'pallas' is the GPU kernel; the sampler devices are "
@@ -320,7 +324,7 @@ def _loss(lc: sections.LearnerSection, s: sections.SamplerSection, model):
       entropy_coef=float(lc.entropy_coef), temperature=float(s.temperature),
       num_epochs=lc.num_epochs, num_minibatches=lc.num_minibatches,
       num_microbatches=lc.num_microbatches, logprob_chunk=lc.logprob_chunk,
-      attention_chunk=lc.attention_chunk, remat=lc.remat)
+      attention_chunk=lc.attention_chunk, remat=lc.remat, attention=lc.attention)
 
 
 def _mesh(mesh: mesh_lib.MeshConfig) -> mesh_lib.MeshConfig:
@@ -331,10 +335,11 @@ def _mesh(mesh: mesh_lib.MeshConfig) -> mesh_lib.MeshConfig:
 
 
 def _check_meshes(spec: RunSpec, parts: dict, devices: Sequence | None
-                  ) -> tuple[list, dict, int]:
+                  ) -> tuple[list, list, dict, int]:
   """Plans the meshes now (counting devices only), so that a mesh needing more
-  devices than exist fails here, not after compilation; returns the sampler's
-  devices and mesh shape, and the size of the learner's fsdp axis."""
+  devices than exist fails here, not after compilation; returns the learner's
+  and the sampler's devices, the sampler's mesh shape, and the size of the
+  learner's fsdp axis."""
   try:
     learner_devs, sampler_devs = mesh_lib.role_devices(spec.mesh, devices)
     learner_shape = dict(mesh_lib.resolve_shape(spec.mesh.learner, len(learner_devs), "learner"))
@@ -351,7 +356,7 @@ def _check_meshes(spec: RunSpec, parts: dict, devices: Sequence | None
   _require(spec.engine.num_slots % data == 0, "sampler.num_slots",
            f"{spec.engine.num_slots} slots do not split over the sampler's data axis of "
            f"size {data}")
-  return sampler_devs, sampler_shape, fsdp
+  return learner_devs, sampler_devs, sampler_shape, fsdp
 
 
 def reported_memory(devices: Sequence) -> int | None:

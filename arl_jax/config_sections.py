@@ -26,6 +26,7 @@ from arl_jax.learner import losses as losses_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import paged_attention as paged_attention_lib
+from arl_jax.models import segment_attention as segment_attention_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import staleness
 from arl_jax.sampler import engine_config, weight_updates
@@ -302,11 +303,16 @@ class LearnerSection:
   attention_chunk: int = 0
   # What the backward pass keeps of each decoder block: none | block | dots.
   remat: str = "none"
+  # The training attention: xla | splash (TPU) | splash_interpret (anywhere,
+  # slowly): `models/segment_attention.py`.
+  attention: str = "xla"
 
   def __post_init__(self):
     _check(_is_int(self.attention_chunk) and self.attention_chunk >= 0,
            "learner.attention_chunk",
            f"must be an int >= 0 (0: a whole row), got {self.attention_chunk!r}")
+    _check(self.attention in segment_attention_lib.KERNELS, "learner.attention",
+           f"must be one of {segment_attention_lib.KERNELS}, got {self.attention!r}")
     _check(self.remat in decoder_lib.REMAT_POLICIES, "learner.remat",
            f"must be one of {sorted(decoder_lib.REMAT_POLICIES)}, got {self.remat!r}")
     _check(_is_int(self.pack_len) and self.pack_len >= 0, "learner.pack_len",

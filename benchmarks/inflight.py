@@ -24,7 +24,10 @@ decode step), `sampler idle %` (share of the run's wall time the sampler
 thread was not decoding, prefilling or swapping), `pause/swap ms` (the engine
 thread's time per weight swap) and the mean lag of trained groups. Every mode
 runs the arith model (~0.45M params), 64 slots, batches of 32 rollouts,
-max_async_level=1, K=8 and FIFO assembly (all flags).
+max_async_level=1, K=8 and FIFO assembly (all flags); the learner packs
+rollouts into rows of up to `--pack_len` tokens (0: one padded row each, as
+before packing). `learner busy %` is the share of the run the learner was not
+waiting for a batch: near 100, the learner paces the run; low, the sampler.
 
   python benchmarks/inflight.py --out=/tmp/inflight.jsonl   # ~2 min
   python benchmarks/inflight.py --quick
@@ -104,6 +107,7 @@ def _config(mode: str, steps: int, args):
   config.orchestrator.update(batch_size=args.batch, group_size=8,
                              max_async_level=args.max_async_level,
                              max_off_policy_steps=8, assembly="fifo")
+  config.learner.pack_len = args.pack_len
   return config
 
 
@@ -117,10 +121,12 @@ def run_mode(mode: str, steps: int, args) -> dict:
   last = history[-1]
   swaps = max(last["sampler_swaps"], 1)
   return {
-      "benchmark": "inflight", "mode": mode, "updates": len(history),
+      "benchmark": "inflight", "mode": mode, "pack_len": args.pack_len,
+      "updates": len(history),
       "s_per_update": round(float(np.median([r["step_seconds"] for r in steady])), 4),
       "sampler_occupancy": round(last["sampler_occupancy"], 3),
       "sampler_idle_pct": round(100 * (1 - last["sampler_busy_s"] / last["wall_s"]), 1),
+      "learner_busy_pct": round(100 * last["learner_busy_fraction"], 1),
       "pause_per_swap_ms": round(1000 * last["sampler_swap_pause_s"] / swaps, 2),
       "swaps": last["sampler_swaps"],
       "lag_mean": round(float(np.mean([r["lag_mean"] for r in history])), 2),
@@ -138,6 +144,8 @@ def main() -> None:
   parser.add_argument("--slots", type=int, default=64)
   parser.add_argument("--batch", type=int, default=32)
   parser.add_argument("--max_async_level", type=int, default=1)
+  parser.add_argument("--pack_len", type=int, default=512,
+                      help="learner.pack_len (0: one padded row per rollout)")
   parser.add_argument("--quick", action="store_true", help="short lengths, few steps")
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
   args = parser.parse_args()

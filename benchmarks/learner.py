@@ -52,9 +52,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from arl_jax import dry_run  # noqa: E402
 from arl_jax import packing as packing_lib  # noqa: E402
 from arl_jax import rollout as rollout_lib  # noqa: E402
-from arl_jax import dry_run  # noqa: E402
 from arl_jax import train_batch as train_batch_lib  # noqa: E402
 from arl_jax.learner import train_state as train_state_lib  # noqa: E402
 from arl_jax.learner import update as update_lib  # noqa: E402

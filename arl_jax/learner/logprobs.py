@@ -20,7 +20,8 @@ from arl_jax.models import segment_attention as segment_attention_lib
 
 def token_logprobs_and_entropy(graphdef, params, tokens, segment_ids, positions,
                                temperature: float, with_values: bool = False, chunk: int = 0,
-                               attention_chunk: int = 0, remat: str = "none"):
+                               attention_chunk: int = 0, remat: str = "none",
+                               attention: str = "xla"):
   """Log-probability of every token given its prefix, plus the policy entropy
   (and the critic's values with `with_values`).
 
@@ -39,6 +40,7 @@ def token_logprobs_and_entropy(graphdef, params, tokens, segment_ids, positions,
       (0: a whole row's; `models/segment_attention.py`).
     remat: static, what the backward pass keeps of each decoder block
       (`decoder.REMAT_POLICIES`).
+    attention: static, the attention kernel (`segment_attention.KERNELS`).
 
   Returns:
     `(logprobs [B, L], entropy [B, L])` (+ `values`), float32; column t scores
@@ -47,7 +49,8 @@ def token_logprobs_and_entropy(graphdef, params, tokens, segment_ids, positions,
     not its own: prompt tokens, never trained.
   """
   model = nnx.merge(graphdef, params)
-  out = model(tokens, positions, segment_attention_lib.Segments(segment_ids, attention_chunk),
+  out = model(tokens, positions, segment_attention_lib.Segments(segment_ids, attention_chunk,
+                                                                 attention),
               with_values=with_values, hidden_only=chunk > 0, remat=remat)
   if chunk:
     picked, entropy = _chunked_scores(out[0][:, :-1], model.head_weight(), tokens[:, 1:],

@@ -46,6 +46,7 @@ from arl_jax.learner import losses as losses_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import vtrace as vtrace_lib
 from arl_jax.models import decoder as decoder_lib
+from arl_jax.models import segment_attention as segment_attention_lib
 
 # Token-lag buckets of the |log-ratio| metrics: (name, lowest lag, highest lag).
 LAG_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3_4", 3, 4), ("5_8", 5, 8),
@@ -81,6 +82,7 @@ class LossSettings:
   logprob_chunk: int = 0  # tokens whose logits exist at once (0: all; `logprobs.py`)
   attention_chunk: int = 0  # queries whose scores exist at once (0: a row's)
   remat: str = "none"  # what the backward pass keeps of a block (`decoder.REMAT_POLICIES`)
+  attention: str = "xla"  # the training attention's kernel (`segment_attention.KERNELS`)
 
   def __post_init__(self):
     if self.name not in losses_lib.LOSSES:
@@ -93,6 +95,9 @@ class LossSettings:
     for name in ("logprob_chunk", "attention_chunk"):
       if getattr(self, name) < 0:
         raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
+    if self.attention not in segment_attention_lib.KERNELS:
+      raise ValueError(f"attention must be one of {segment_attention_lib.KERNELS}, "
+                       f"got {self.attention!r}")
     if self.remat not in decoder_lib.REMAT_POLICIES:
       raise ValueError(f"remat must be one of {sorted(decoder_lib.REMAT_POLICIES)}, "
                        f"got {self.remat!r}")
@@ -254,7 +259,7 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
                                                    s.temperature, with_values,
                                                    chunk=s.logprob_chunk,
                                                    attention_chunk=s.attention_chunk,
-                                                   remat=s.remat)
+                                                   remat=s.remat, attention=s.attention)
 
   # Versions since each token was sampled (prompt and observation tokens carry
   # -1 and are masked out of every use).

@@ -12,23 +12,35 @@ never `[T, T]`. Every query's computation is the same as over the whole row
 float rounding (<= 1e-6, `tests/models/segment_attention_test.py`).
 
 This is the XLA path, for every platform; it still computes every pair of a
-row's columns (masked), so a row costs `T^2` whatever its segments. The
-fused kernels JAX ships for TPU (splash attention with segment ids) and GPU
-(cuDNN through `jax.nn.dot_product_attention`) skip masked blocks; they are
-not wired yet.
+row's columns (masked), so a row costs `T^2` whatever its segments. On TPU,
+`kernel="splash"` runs JAX's Pallas splash attention
+(`jax.experimental.pallas.ops.tpu.splash_attention`) with the rows' segment
+ids: a fused flash-style kernel that never materialises the scores and skips
+the blocks its causal mask rules out. `"splash_interpret"` runs the same
+kernel in Pallas interpret mode anywhere (slowly): that is how its values and
+gradients are tested against the XLA path on CPU. Rows are padded to a
+multiple of 128 columns for it (padding is segment 0). Not wired: GPU's cuDNN
+attention, and a `shard_map` around the kernel (under a sharded learner mesh
+XLA cannot partition the Mosaic call).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
 
 # As the decoder's: a query whose keys are all masked (padding) gets a uniform
 # softmax instead of NaN, and its output is ignored.
 MASK_VALUE = -1e30
+
+# How the attention of training rows is computed (`learner.attention`).
+KERNELS = ("xla", "splash", "splash_interpret")
 
 
 @flax.struct.dataclass
@@ -37,11 +49,13 @@ class Segments:
 
   Attributes:
     ids: `[B, T]` int32, 0 on padding, k on a row's k-th sequence.
-    chunk: static, queries per block (0: the whole row at once).
+    chunk: static, queries per block of the XLA path (0: the whole row).
+    kernel: static, one of `KERNELS`.
   """
 
   ids: jax.Array
   chunk: int = flax.struct.field(pytree_node=False, default=0)
+  kernel: str = flax.struct.field(pytree_node=False, default="xla")
 
 
 def attend(q, k, v, segments: Segments):
@@ -58,6 +72,11 @@ def attend(q, k, v, segments: Segments):
   b, t, h, dh = q.shape
   kv_heads = k.shape[1]
   q = q.reshape(b, t, kv_heads, h // kv_heads, dh).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,Dh]
+  if segments.kernel not in KERNELS:
+    raise ValueError(f"attention kernel must be one of {KERNELS}, got {segments.kernel!r}")
+  if segments.kernel != "xla":
+    out = _splash(q, k, v, segments.ids, interpret=segments.kernel == "splash_interpret")
+    return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
   k, v = k.astype(jnp.float32), v.astype(jnp.float32)
   ids = segments.ids
   key_ids = ids[:, None, :]  # [B, 1, T]
@@ -84,3 +103,35 @@ def attend(q, k, v, segments: Segments):
     outs = jax.lax.map(lambda xs: jax.checkpoint(block)(*xs), (q_blocks, id_blocks, col_blocks))
     out = jnp.moveaxis(outs, 0, 3).reshape(b, kv_heads, -1, t + pad, dh)[:, :, :, :t]
   return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+
+
+@functools.cache
+def _splash_kernel(length: int, group: int, interpret: bool):
+  """The splash MQA kernel for rows of `length` (a multiple of 128) and
+  `group` query heads per key/value head: causal, segments by id."""
+  block = next(n for n in (512, 256, 128) if length % n == 0)
+  sizes = splash.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                            block_q_dkv=block, block_kv_dkv=block,
+                            block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
+  mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length))] * group)
+  return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+
+
+def _splash(q, k, v, ids, *, interpret: bool):
+  """Splash attention of `q` `[B, K, G, T, Dh]` over `k`, `v` `[B, K, T, Dh]`:
+  `[B, K, G, T, Dh]` float32. Each key/value head with its query heads is one
+  MQA call; rows are padded to a multiple of 128 columns (segment 0)."""
+  b, kv_heads, group, t, dh = q.shape
+  pad = -t % 128
+  columns = lambda x, axis: jnp.pad(x, [(0, pad if a == axis else 0) for a in range(x.ndim)])
+  q = columns(q / math.sqrt(dh), 3)
+  k, v, ids = columns(k, 2), columns(v, 2), columns(ids, 1)
+  kernel = _splash_kernel(t + pad, group, interpret)
+
+  def row(q_row, k_row, v_row, ids_row):  # [K, G, T, Dh], [K, T, Dh], [K, T, Dh], [T]
+    segment_ids = splash.SegmentIds(q=ids_row, kv=ids_row)
+    return jax.vmap(lambda qg, kg, vg: kernel(qg, kg, vg, segment_ids=segment_ids))(
+        q_row, k_row, v_row)
+
+  out = jax.vmap(row)(q, k, v, ids)
+  return out[:, :, :, :t].astype(jnp.float32)

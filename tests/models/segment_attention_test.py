@@ -61,6 +61,35 @@ def test_blocks_of_queries_equal_the_whole_row(chunk):
                got_grads)
 
 
+def test_the_tpu_splash_kernel_in_interpret_mode_equals_the_xla_path():
+  """JAX's splash attention with the rows' segment ids (Pallas interpret
+  mode on CPU; rows padded to 128 columns inside): values and gradients."""
+  graphdef, params = _model()
+  _, ids, _ = _rows()
+  grad = jax.value_and_grad(lambda p, m: _objective(graphdef, p, m), has_aux=True)
+  (want, want_logits), want_grads = jax.jit(grad)(params, segment_attention_lib.Segments(ids))
+  (got, got_logits), got_grads = jax.jit(grad)(
+      params, segment_attention_lib.Segments(ids, kernel="splash_interpret"))
+  on = np.asarray(ids) > 0
+  np.testing.assert_allclose(np.asarray(got_logits)[on], np.asarray(want_logits)[on],
+                             atol=1e-5)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-4), want_grads,
+               got_grads)
+
+
+def test_the_splash_kernel_needs_tpus():
+  from arl_jax import config_lib
+  from arl_jax.testing import tiny
+  config = tiny.load_config()
+  config.learner.attention = "splash"
+  with pytest.raises(config_lib.ConfigError, match="learner.attention: 'splash' is the TPU"):
+    config_lib.build(config)
+  config.learner.attention = "flash"
+  with pytest.raises(config_lib.ConfigError, match="learner.attention: must be one of"):
+    config_lib.build(config)
+
+
 @pytest.mark.parametrize("remat", ["block", "dots"])
 def test_remat_policies_change_no_gradient(remat):
   graphdef, params = _model()
