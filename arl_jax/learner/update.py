@@ -291,11 +291,13 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     weights = losses_lib.token_weights(minibatch["batch"].loss_mask, s.aggregation,
                                        s.norm_constant, minibatch["batch"].segment_ids)
     minibatch = {**minibatch, "weights": weights}
+    m2po_log_ratio = None
     if s.masks_minibatch_first:
       rows = minibatch["batch"]
-      log_ratio = frozen_logprobs(params, rows, n_micro) - rows.behaviour_logprobs
-      minibatch["m2po_keep"] = losses_lib.m2po_keep_mask(
-          jnp.where(rows.loss_mask > 0, log_ratio, 0.0), rows.loss_mask, s.tau)
+      m2po_log_ratio = jnp.where(
+          rows.loss_mask > 0, frozen_logprobs(params, rows, n_micro) - rows.behaviour_logprobs,
+          0.0)
+      minibatch["m2po_keep"] = losses_lib.m2po_keep_mask(m2po_log_ratio, rows.loss_mask, s.tau)
     micro = _split(minibatch, n_micro)
 
     def accumulate(acc, m):
@@ -311,6 +313,9 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     start_log_ratio = metrics.pop("start_log_ratio", None)
     metrics = _combine(metrics, jnp.sum(micro["batch"].loss_mask, axis=(1, 2)))
+    if s.masks_minibatch_first:  # a mean over kept tokens: exact from the minibatch's mask
+      metrics["m2_kept"] = losses_lib.masked_mean(jnp.square(m2po_log_ratio),
+                                                  minibatch["m2po_keep"])
     metrics.update(loss=loss, grad_norm=optax.global_norm(grads),
                    update_norm=jnp.where(finite, optax.global_norm(updates), 0.0))
     carry = (keep(new_params, params), keep(new_opt_state, opt_state),

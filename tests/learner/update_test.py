@@ -193,7 +193,7 @@ def test_m2po_masks_the_whole_minibatch_before_accumulating_microbatches():
   (p1, m1), (p4, m4) = results
   assert 0.05 < m1["masked_fraction"] < 0.95
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), p1, p4)
-  for key in ("loss", "masked_fraction", "grad_norm", "entropy"):
+  for key in ("loss", "masked_fraction", "m2_kept", "grad_norm", "entropy"):
     np.testing.assert_allclose(m1[key], m4[key], rtol=1e-4, err_msg=key)
 
 
