@@ -54,8 +54,9 @@ MODES = {
 WORKLOADS = ("tool_agent", "arith")
 
 
-def _config(workload: str, mode: str, steps: int, quick: bool):
+def _config(workload: str, mode: str, steps: int, quick: bool, pack_len: int = 0):
   config = tiny.load_config(workload, "tiny" if quick else None)
+  config.learner.pack_len = pack_len
   settings = MODES[mode]
   config.num_steps = steps
   config.eval_every = 0 if quick else steps  # once, after the last update
@@ -69,10 +70,10 @@ def _config(workload: str, mode: str, steps: int, quick: bool):
   return config
 
 
-def run_mode(workload: str, mode: str, steps: int, quick: bool) -> dict:
+def run_mode(workload: str, mode: str, steps: int, quick: bool, pack_len: int = 0) -> dict:
   with tempfile.TemporaryDirectory() as workdir:
     start = time.monotonic()
-    result = run_lib.run(_config(workload, mode, steps, quick), workdir,
+    result = run_lib.run(_config(workload, mode, steps, quick, pack_len), workdir,
                          print_fn=lambda *_: None)
     total = time.monotonic() - start
   history = result.history
@@ -84,7 +85,8 @@ def run_mode(workload: str, mode: str, steps: int, quick: bool) -> dict:
   steady_seconds = rl_wall - history[skip - 1]["wall_s"]
   return {
       "benchmark": "async_vs_sync", "workload": workload + ("_tiny" if quick else ""),
-      "mode": mode, "updates": len(history), "rl_wall_s": round(rl_wall, 2),
+      "mode": mode, "pack_len": pack_len, "updates": len(history),
+      "rl_wall_s": round(rl_wall, 2),
       "trained_tok/s": round(steady_tokens / steady_seconds, 1),
       "learner_busy": round(last["learner_busy_fraction"], 3),
       "sampler_busy": round(last["sampler_busy_fraction"], 3),
@@ -102,13 +104,15 @@ def main() -> None:
   parser.add_argument("--workloads", default=",".join(WORKLOADS))
   parser.add_argument("--quick", action="store_true",
                       help="tool_agent's tiny config, 5 warm-up steps, 3 updates, no evaluation")
+  parser.add_argument("--pack_len", type=int, default=0,
+                      help="learner.pack_len of every run (0: one padded row per rollout)")
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
   args = parser.parse_args()
   steps = 3 if args.quick else args.steps
   workloads = ["tool_agent"] if args.quick else args.workloads.split(",")
   rows = []
   for workload in workloads:
-    pair = [run_mode(workload, mode, steps, args.quick) for mode in MODES]
+    pair = [run_mode(workload, mode, steps, args.quick, args.pack_len) for mode in MODES]
     pair[1]["speedup"] = round(pair[1]["trained_tok/s"] / pair[0]["trained_tok/s"], 2)
     rows += pair
   report.print_table(rows, skip=("benchmark",))
