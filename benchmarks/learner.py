@@ -3,7 +3,7 @@ a matmul peak measured in the same run, and memory per device, for the ~3M
 and ~50M decoders on learner meshes of fsdp in {1, 2, 4} (part `mfu`); and
 packed against padded rows on long-tailed completion lengths (part `packing`).
 
-  python benchmarks/learner.py --out=/tmp/learner.jsonl     # ~10 min on 2 cores
+  python benchmarks/learner.py --out=/tmp/learner.jsonl     # ~18 min on 2 cores
   python benchmarks/learner.py --parts=packing              # one part
   python benchmarks/learner.py --quick                      # tiny model, seconds
 
