@@ -97,6 +97,27 @@ def step_flops(cfg: model_config_lib.ModelConfig, rows: int, length: int) -> flo
   return 3.0 * per_token * rows * length
 
 
+def median_step_seconds(update_fn, state, batch, steps: int) -> float:
+  """Median wall time of `steps` updates after a first (compiling) one."""
+  state, metrics = update_fn(state, batch)
+  jax.block_until_ready(metrics)
+  times = []
+  for _ in range(steps):
+    start = time.perf_counter()
+    state, metrics = update_fn(state, batch)
+    jax.block_until_ready(metrics)
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)
+
+
+def compiled_bytes(update_fn, state, batch) -> int:
+  """XLA's compiled memory per device of one update: arguments + outputs +
+  temporaries - aliased (the donated state)."""
+  memory = update_fn.lower(state, batch).compile().memory_analysis()
+  return (memory.argument_size_in_bytes + memory.output_size_in_bytes
+          + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
+
+
 def _batch(rows: int, length: int, prompt: int, seed: int = 0) -> train_batch_lib.TrainBatch:
   rng = np.random.default_rng(seed)
   loss_mask = np.zeros((rows, length), np.float32)
@@ -119,18 +140,8 @@ def bench(model: str, fsdp: int, rows: int, length: int, steps: int, peak: float
                                         settings=update_lib.LossSettings(),
                                         state_shardings=shardings, mesh=mesh)
   batch = _batch(rows, length, prompt=length // 4)
-  memory = update_fn.lower(state, batch).compile().memory_analysis()
-  per_device = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-                + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
-  state, metrics = update_fn(state, batch)  # compile + first step
-  jax.block_until_ready(metrics)
-  times = []
-  for _ in range(steps):
-    start = time.perf_counter()
-    state, metrics = update_fn(state, batch)
-    jax.block_until_ready(metrics)
-    times.append(time.perf_counter() - start)
-  step = statistics.median(times)
+  per_device = compiled_bytes(update_fn, state, batch)
+  step = median_step_seconds(update_fn, state, batch, steps)
   flops = step_flops(cfg, rows, length)
   return {
       "benchmark": "learner", "model": model, "params M": round(cfg.num_params / 1e6, 1),
@@ -190,15 +201,7 @@ def bench_packing(model: str, median: int, cap: int, num_rollouts: int, pack_len
     update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
                                           settings=update_lib.LossSettings(attention_chunk=256),
                                           state_shardings=shardings, mesh=mesh)
-    state, metrics = update_fn(state, batch)  # compile + first step
-    jax.block_until_ready(metrics)
-    times = []
-    for _ in range(steps):
-      start = time.perf_counter()
-      state, metrics = update_fn(state, batch)
-      jax.block_until_ready(metrics)
-      times.append(time.perf_counter() - start)
-    step = statistics.median(times)
+    step = median_step_seconds(update_fn, state, batch, steps)
     trained = float(np.sum(batch.loss_mask))
     rows.append({
         "benchmark": "learner", "part": "packing", "model": model,
@@ -223,10 +226,8 @@ def bench_long_row(model: str, vocab: int, length: int, controls: bool) -> dict:
                                         settings=settings, state_shardings=shardings, mesh=mesh)
   batch = jax.eval_shape(lambda: _batch(1, length, prompt=length // 8))
   start = time.perf_counter()
-  memory = update_fn.lower(state, batch).compile().memory_analysis()
+  measured = compiled_bytes(update_fn, state, batch)
   compile_s = time.perf_counter() - start
-  measured = (memory.argument_size_in_bytes + memory.output_size_in_bytes
-              + memory.temp_size_in_bytes - memory.alias_size_in_bytes)
   chunk = settings.logprob_chunk or length
   bound = 4 * cfg.num_params * 4 + chunk * vocab * 4  # params, 2 moments, grads; a chunk
   estimate = 4 * cfg.num_params * 4 + dry_run.learner_activations(cfg, settings, 1, length)

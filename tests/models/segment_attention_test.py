@@ -43,6 +43,18 @@ def _objective(graphdef, params, attn_mask, remat="none"):
   return jnp.sum(jnp.where((ids > 0)[..., None], jnp.tanh(logits), 0.0)), logits
 
 
+def _assert_same(ids, want, got):
+  """`(objective, logits, gradients)` of two attentions agree on real tokens."""
+  (want, want_logits, want_grads), (got, got_logits, got_grads) = want, got
+  on = np.asarray(ids) > 0
+  np.testing.assert_allclose(np.asarray(got_logits)[on], np.asarray(want_logits)[on],
+                             atol=1e-5)
+  np.testing.assert_allclose(got, want, rtol=1e-6)
+  # Gradients up to ~35 in size: float32 rounding of sums in another order.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-4), want_grads,
+               got_grads)
+
+
 @pytest.mark.parametrize("chunk", [0, 8, 13, 64])
 def test_blocks_of_queries_equal_the_whole_row(chunk):
   graphdef, params = _model()
@@ -52,13 +64,7 @@ def test_blocks_of_queries_equal_the_whole_row(chunk):
   grad = jax.value_and_grad(lambda p, m: _objective(graphdef, p, m), has_aux=True)
   (want, want_logits), want_grads = grad(params, mask)
   (got, got_logits), got_grads = jax.jit(grad)(params, segments)
-  on = np.asarray(ids) > 0
-  np.testing.assert_allclose(np.asarray(got_logits)[on], np.asarray(want_logits)[on],
-                             atol=1e-5)
-  np.testing.assert_allclose(got, want, rtol=1e-6)
-  # Gradients up to ~35 in size: float32 rounding of sums in another order.
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-4), want_grads,
-               got_grads)
+  _assert_same(ids, (want, want_logits, want_grads), (got, got_logits, got_grads))
 
 
 def test_the_tpu_splash_kernel_in_interpret_mode_equals_the_xla_path():
@@ -70,12 +76,7 @@ def test_the_tpu_splash_kernel_in_interpret_mode_equals_the_xla_path():
   (want, want_logits), want_grads = jax.jit(grad)(params, segment_attention_lib.Segments(ids))
   (got, got_logits), got_grads = jax.jit(grad)(
       params, segment_attention_lib.Segments(ids, kernel="splash_interpret"))
-  on = np.asarray(ids) > 0
-  np.testing.assert_allclose(np.asarray(got_logits)[on], np.asarray(want_logits)[on],
-                             atol=1e-5)
-  np.testing.assert_allclose(got, want, rtol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-4), want_grads,
-               got_grads)
+  _assert_same(ids, (want, want_logits, want_grads), (got, got_logits, got_grads))
 
 
 def test_the_splash_kernel_needs_tpus():
