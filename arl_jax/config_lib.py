@@ -183,6 +183,9 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
   _require(lc.attention != "splash" or learner_platforms == ["tpu"], "learner.attention",
            f"'splash' is the TPU kernel; the learner devices are {learner_platforms} (use "
            "'xla', or 'splash_interpret' to run it slowly anywhere)")
+  _require(lc.attention != "pallas_gpu" or learner_platforms == ["gpu"], "learner.attention",
+           f"'pallas_gpu' is the GPU kernel; the learner devices are {learner_platforms} (use "
+           "'xla', or 'pallas_gpu_interpret' to run it slowly anywhere)")
   platforms = sorted({getattr(d, "platform", "?") for d in sampler_devices})
   _require(parts["sampler"].paged_attention != "pallas" or platforms == ["gpu"],
            "sampler.paged_attention", f"'pallas' is the GPU kernel; the sampler devices are "
@@ -324,7 +327,8 @@ def _loss(lc: sections.LearnerSection, s: sections.SamplerSection, model):
       entropy_coef=float(lc.entropy_coef), temperature=float(s.temperature),
       num_epochs=lc.num_epochs, num_minibatches=lc.num_minibatches,
       num_microbatches=lc.num_microbatches, logprob_chunk=lc.logprob_chunk,
-      attention_chunk=lc.attention_chunk, remat=lc.remat, attention=lc.attention)
+      attention_chunk=lc.attention_chunk, remat=lc.remat, attention=lc.attention,
+      scan_layers=lc.scan_layers)
 
 
 def _mesh(mesh: mesh_lib.MeshConfig) -> mesh_lib.MeshConfig:

@@ -303,11 +303,17 @@ class LearnerSection:
   attention_chunk: int = 0
   # What the backward pass keeps of each decoder block: none | block | dots.
   remat: str = "none"
-  # The training attention: xla | splash (TPU) | splash_interpret (anywhere,
-  # slowly): `models/segment_attention.py`.
+  # The training attention: xla | splash (TPU) | pallas_gpu (GPU) |
+  # splash_interpret, pallas_gpu_interpret (anywhere, slowly):
+  # `models/segment_attention.py`.
   attention: str = "xla"
+  # The decoder's blocks as one lax.scan over their stacked parameters: the
+  # same numbers; the backward pass's scratch exists once, not per layer.
+  scan_layers: bool = False
 
   def __post_init__(self):
+    _check(isinstance(self.scan_layers, bool), "learner.scan_layers",
+           f"must be True or False, got {self.scan_layers!r}")
     _check(_is_int(self.attention_chunk) and self.attention_chunk >= 0,
            "learner.attention_chunk",
            f"must be an int >= 0 (0: a whole row), got {self.attention_chunk!r}")

@@ -136,7 +136,11 @@ def learner_activations(cfg, loss, rows: int, width: int) -> int:
   `learner.remat`), plus the attention scores of a whole row unless
   `learner.attention_chunk` computes them a block of queries at a time (then
   one block's exist at once, recomputed); then the float32 logits and their
-  gradient, or a few `learner.logprob_chunk`s of them.
+  gradient, or a few `learner.logprob_chunk`s of them. One block's scratch
+  counts once: a scan over the layers (`learner.scan_layers`) makes it so,
+  for the price of a stacked copy of the blocks' parameters and its
+  gradient; unrolled, XLA:CPU plans each layer's apart (`benchmarks/learner.py`
+  part `long_row` measures both).
   """
   tokens = rows * width
   itemsize = np.dtype(cfg.param_dtype).itemsize
@@ -149,6 +153,8 @@ def learner_activations(cfg, loss, rows: int, width: int) -> int:
     total += scores * min(loss.attention_chunk, width)  # one block's, recomputed
   else:
     total += cfg.num_layers * scores * width
+  if loss.scan_layers:
+    total += 2 * cfg.num_layers * cfg.block_params * itemsize
   logit_tokens = min(loss.logprob_chunk, tokens) if loss.logprob_chunk else tokens
   return total + 3 * logit_tokens * cfg.vocab_size * 4
 

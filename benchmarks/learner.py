@@ -21,8 +21,8 @@ Long rows (part `long_row`): the update of one row of L tokens for the 50M
 trunk with a vocabulary of V, compiled (not run) on one device: XLA's memory
 per device against the bound `params + AdamW moments + gradients + one
 logprob chunk's float32 logits`, with the memory controls on
-(`logprob_chunk`, `attention_chunk`, `remat`) and off, and `--dry_run`'s
-rough estimate of the same.
+(`logprob_chunk`, `attention_chunk`, `remat`) and off, the layers unrolled
+or as one scan (`scan_layers`), and `--dry_run`'s rough estimate of the same.
 
 Model FLOPs per step (the PaLM convention, Chowdhery et al., 2022): forward +
 backward = 3 x forward, with forward = 2 x (matmul parameters) per token plus
@@ -213,12 +213,13 @@ def bench_packing(model: str, median: int, cap: int, num_rollouts: int, pack_len
   return rows
 
 
-def bench_long_row(model: str, vocab: int, length: int, controls: bool) -> dict:
+def bench_long_row(model: str, vocab: int, length: int, controls: bool, scan: bool) -> dict:
   """Compiled memory of one `length`-token row's update (nothing runs)."""
   cfg = model_config_lib.ModelConfig(vocab_size=vocab, max_seq_len=length, **MODELS[model])
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
   settings = update_lib.LossSettings(
-      **(dict(logprob_chunk=1024, attention_chunk=512, remat="block") if controls else {}))
+      **(dict(logprob_chunk=1024, attention_chunk=512, remat="block") if controls else {}),
+      scan_layers=scan)
   graphdef, params, _ = init_lib.init_params(cfg, mesh, rules_lib.LEARNER_RULES, 0)
   optimizer = optax.adamw(1e-4)
   state, shardings = train_state_lib.create(params, optimizer, mesh)
@@ -235,6 +236,7 @@ def bench_long_row(model: str, vocab: int, length: int, controls: bool) -> dict:
   return {"benchmark": "learner", "part": "long_row", "model": model,
           "params M": round(cfg.num_params / 1e6, 1), "V": vocab, "L": length,
           "controls": "chunks + remat" if controls else "off",
+          "layers": "scan" if scan else "unrolled",
           "MiB/device": mib(measured), "bound MiB": mib(bound),
           "measured / bound": round(measured / bound, 2), "dry_run MiB": mib(estimate),
           "compile s": round(compile_s, 1)}
@@ -242,7 +244,7 @@ def bench_long_row(model: str, vocab: int, length: int, controls: bool) -> dict:
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--quick", action="store_true", help="tiny model, fsdp 1 and 2")
+  parser.add_argument("--quick", action="store_true", help="tiny model, fsdp 2, short rows")
   parser.add_argument("--parts", default="mfu,packing,long_row",
                       help="comma-separated parts to run")
   parser.add_argument("--steps", type=int, default=5, help="timed steps per row (median)")
@@ -253,7 +255,7 @@ def main() -> None:
   if "mfu" in parts:
     peak = matmul_peak(512 if args.quick else 2048)
     if args.quick:
-      grid = [("tiny", fsdp, 8, 32) for fsdp in (1, 2)]
+      grid = [("tiny", 2, 8, 32)]
     else:
       grid = [(model, fsdp, rows, 128) for model, rows in (("3M", 32), ("50M", 16))
               for fsdp in (1, 2, 4)]
@@ -268,9 +270,10 @@ def main() -> None:
     report.print_table(rows, title="packed vs padded learner rows (clipped_ratio, AdamW)")
     report.append_jsonl(rows, args.out)
   if "long_row" in parts:
-    cases = ([("tiny", 4096, 512, True), ("tiny", 4096, 512, False)] if args.quick else
-             [("50M", 151_936, 16_384, True), ("50M", 151_936, 4096, True),
-              ("50M", 32_768, 16_384, True), ("50M", 151_936, 16_384, False)])
+    cases = ([("tiny", 4096, 1024, True, True), ("tiny", 4096, 1024, False, False)] if args.quick
+             else [("50M", 151_936, 16_384, True, True), ("50M", 151_936, 16_384, True, False),
+                   ("50M", 151_936, 4096, True, True), ("50M", 32_768, 16_384, True, True),
+                   ("50M", 151_936, 16_384, False, False)])
     rows = [bench_long_row(*case) for case in cases]
     report.print_table(rows, title="memory of one long row's update (compiled, AdamW, float32)")
     report.append_jsonl(rows, args.out)

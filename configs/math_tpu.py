@@ -113,9 +113,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # Rollouts packed several to a learner row of up to this many tokens
       # (0: one rollout a row, padded to the batch's longest): packing.py.
       pack_len=2048,
-      # Queries whose attention scores exist at once (0: a row's), and what
-      # the backward pass keeps of each block (none | block | dots).
-      attention_chunk=512, remat="block"))
+      # Queries whose attention scores exist at once (0: a row's), what the
+      # backward pass keeps of each block (none | block | dots), and the
+      # blocks as one lax.scan (a block's scratch once, not per layer).
+      attention_chunk=512, remat="block", scan_layers=True))
 
   # Special tokens and chat template as the folder's tokenizer_config.json names
   # them (for Qwen2.5-Instruct: <|im_end|>, <|endoftext|>, no BOS, chatml).

@@ -106,9 +106,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # Rollouts packed several to a learner row of up to this many tokens
       # (0: one rollout a row, padded to the batch's longest): packing.py.
       pack_len=0,
-      # Queries whose attention scores exist at once (0: a row's), and what
-      # the backward pass keeps of each block (none | block | dots).
-      attention_chunk=0, remat="none"))
+      # Queries whose attention scores exist at once (0: a row's), what the
+      # backward pass keeps of each block (none | block | dots), and the
+      # blocks as one lax.scan (a block's scratch once, not per layer).
+      attention_chunk=0, remat="none", scan_layers=False))
 
   # `hf`: a local tokenizer.json (path, eos_token, ...); see README "Tokenizers".
   config.tokenizer = ml_collections.ConfigDict(dict(

@@ -83,6 +83,7 @@ class LossSettings:
   attention_chunk: int = 0  # queries whose scores exist at once (0: a row's)
   remat: str = "none"  # what the backward pass keeps of a block (`decoder.REMAT_POLICIES`)
   attention: str = "xla"  # the training attention's kernel (`segment_attention.KERNELS`)
+  scan_layers: bool = False  # the decoder's blocks as one lax.scan (`Decoder.__call__`)
 
   def __post_init__(self):
     if self.name not in losses_lib.LOSSES:
@@ -118,6 +119,13 @@ class LossSettings:
   @property
   def is_decoupled(self) -> bool:
     return self.decoupled or self.tis_cap is not None or self.optimizer_steps > 1
+
+  @property
+  def scoring(self) -> dict:
+    """How the learner's forward pass is computed: the memory controls and
+    the attention kernel (`logprobs.token_logprobs_and_entropy`'s keywords)."""
+    return dict(chunk=self.logprob_chunk, attention_chunk=self.attention_chunk,
+                remat=self.remat, attention=self.attention, scan_layers=self.scan_layers)
 
   @property
   def masks_minibatch_first(self) -> bool:
@@ -254,12 +262,9 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     raise ValueError("reference_params must be given exactly when kl_coef > 0")
 
   def logprobs(params, rows, with_values=False):
-    return logprobs_lib.token_logprobs_and_entropy(graphdef, params, rows.tokens,
-                                                   rows.segment_ids, rows.positions,
-                                                   s.temperature, with_values,
-                                                   chunk=s.logprob_chunk,
-                                                   attention_chunk=s.attention_chunk,
-                                                   remat=s.remat, attention=s.attention)
+    return logprobs_lib.token_logprobs_and_entropy(
+        graphdef, params, rows.tokens, rows.segment_ids, rows.positions, s.temperature,
+        with_values, **s.scoring)
 
   # Versions since each token was sampled (prompt and observation tokens carry
   # -1 and are masked out of every use).

@@ -193,7 +193,7 @@ class Decoder(nnx.Module):
 
   def __call__(self, tokens, positions, attn_mask, cache=None, cache_index=None,
                write_mask=None, last_only=False, with_values=False, hidden_only=False,
-               remat: str = "none"):
+               remat: str = "none", scan_layers: bool = False):
     """Runs the decoder.
 
     Args:
@@ -218,6 +218,11 @@ class Decoder(nnx.Module):
         `none` (what XLA keeps), `block` (only the block's input: its
         insides are recomputed) or `dots` (the matmul outputs, recomputing
         the rest): `REMAT_POLICIES`.
+      scan_layers: without a cache, run the blocks as one `lax.scan` over
+        their stacked parameters (`_scan_blocks`) instead of one copy of the
+        block per layer: the same numbers from one block's program, so the
+        backward pass's scratch (a block's attention scores) is planned
+        once instead of once per layer.
 
     Returns:
       `(logits [B, T, V] float32, updated KVCache or None)`, plus
@@ -229,14 +234,17 @@ class Decoder(nnx.Module):
     if remat not in REMAT_POLICIES:
       raise ValueError(f"remat must be one of {sorted(REMAT_POLICIES)}, got {remat!r}")
     policy = REMAT_POLICIES[remat] if cache is None else None
-    for i, block in enumerate(self.blocks):
-      layer_cache = None if cache is None else cache.layer(i)
-      if policy is None:
-        x, layer_cache = block(x, positions, attn_mask, layer_cache, cache_index, write_mask)
-      else:
-        x, layer_cache = nnx.remat(Block.__call__, policy=policy)(
-            block, x, positions, attn_mask, None, None, None)
-      new_layers.append(layer_cache)
+    if scan_layers and cache is None:
+      x = _scan_blocks(list(self.blocks), x, positions, attn_mask, policy)
+    else:
+      for i, block in enumerate(self.blocks):
+        layer_cache = None if cache is None else cache.layer(i)
+        if policy is None:
+          x, layer_cache = block(x, positions, attn_mask, layer_cache, cache_index, write_mask)
+        else:
+          x, layer_cache = nnx.remat(Block.__call__, policy=policy)(
+              block, x, positions, attn_mask, None, None, None)
+        new_layers.append(layer_cache)
     if last_only:
       x = x[:, -1:]
     x = self.final_norm(x)
@@ -253,6 +261,30 @@ class Decoder(nnx.Module):
   def head_weight(self) -> jax.Array:
     """The output projection `[D, V]` (the embedding's transpose when tied)."""
     return self.embed[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+
+
+def _scan_blocks(blocks, x, positions, attn_mask, policy):
+  """`x` through `blocks` (no cache) as one `lax.scan` over their parameters
+  stacked along a new leading axis.
+
+  Why: XLA compiles an unrolled stack of blocks into one program per layer,
+  and on CPU it plans each copy's temporaries (the backward pass's attention
+  blocks, ~1 GiB per layer for a 16k-token row) apart; a scan has one body,
+  so they exist once. The stacked copy of the parameters costs one trunk's
+  bytes, built inside the step (the stored layout, its sharding, checkpoints
+  and the HF mapping stay per layer).
+  """
+  split = [nnx.split(block) for block in blocks]
+  graphdef = split[0][0]
+  stacked = jax.tree.map(lambda *layers: jnp.stack(layers), *[state for _, state in split])
+
+  def body(x, state):
+    y, _ = nnx.merge(graphdef, state)(x, positions, attn_mask, None, None, None)
+    return y, None
+
+  if policy is not None:
+    body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+  return jax.lax.scan(body, x, stacked)[0]
 
 
 # What the backward pass keeps of a decoder block (`Decoder.__call__`'s remat).

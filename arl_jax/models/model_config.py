@@ -64,14 +64,17 @@ class ModelConfig:
       raise ValueError(f"model.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
 
   @property
-  def num_params(self) -> int:
-    """Exact parameter count, used by dry runs and progress lines."""
+  def block_params(self) -> int:
+    """Exact parameter count of one decoder block."""
     attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)
     attn += self.qkv_bias * self.head_dim * (self.num_heads + 2 * self.num_kv_heads)
     attn += self.out_bias * self.d_model + self.qk_norm * 2 * self.head_dim
-    mlp = 3 * self.d_model * self.mlp_dim
-    block = attn + mlp + 2 * self.d_model
+    return attn + 3 * self.d_model * self.mlp_dim + 2 * self.d_model
+
+  @property
+  def num_params(self) -> int:
+    """Exact parameter count, used by dry runs and progress lines."""
     head = 0 if self.tie_embeddings else self.d_model * self.vocab_size
     value = self.d_model if self.value_head else 0
-    return (self.vocab_size * self.d_model + self.num_layers * block + self.d_model + head
-            + value)
+    return (self.vocab_size * self.d_model + self.num_layers * self.block_params + self.d_model
+            + head + value)

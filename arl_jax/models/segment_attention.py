@@ -16,12 +16,17 @@ row's columns (masked), so a row costs `T^2` whatever its segments. On TPU,
 `kernel="splash"` runs JAX's Pallas splash attention
 (`jax.experimental.pallas.ops.tpu.splash_attention`) with the rows' segment
 ids: a fused flash-style kernel that never materialises the scores and skips
-the blocks its causal mask rules out. `"splash_interpret"` runs the same
-kernel in Pallas interpret mode anywhere (slowly): that is how its values and
-gradients are tested against the XLA path on CPU. Rows are padded to a
-multiple of 128 columns for it (padding is segment 0). Not wired: GPU's cuDNN
-attention, and a `shard_map` around the kernel (under a sharded learner mesh
-XLA cannot partition the Mosaic call).
+the blocks its causal mask rules out. On GPU, `kernel="pallas_gpu"` runs
+JAX's Pallas (Triton) flash attention (`jax.experimental.pallas.ops.gpu.
+attention.mha`, segment ids, causal). `"splash_interpret"` and
+`"pallas_gpu_interpret"` run the same kernels in Pallas interpret mode
+anywhere (slowly): that is how their values and gradients are tested against
+the XLA path on CPU. Rows are padded to a multiple of 128 columns for them
+(padding is segment 0). Not wired: cuDNN attention (`jax.nn.
+dot_product_attention` takes no segment ids, only a `[T, T]` mask), and a
+`shard_map` around the kernels (under a sharded learner mesh XLA cannot
+partition a Mosaic or Triton call). Not measured: either kernel's speed (no
+TPU or GPU was lent) and the GPU kernel's float32 matmul precision there.
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_ma
 MASK_VALUE = -1e30
 
 # How the attention of training rows is computed (`learner.attention`).
-KERNELS = ("xla", "splash", "splash_interpret")
+KERNELS = ("xla", "splash", "splash_interpret", "pallas_gpu", "pallas_gpu_interpret")
 
 
 @flax.struct.dataclass
@@ -74,9 +79,12 @@ def attend(q, k, v, segments: Segments):
   q = q.reshape(b, t, kv_heads, h // kv_heads, dh).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,Dh]
   if segments.kernel not in KERNELS:
     raise ValueError(f"attention kernel must be one of {KERNELS}, got {segments.kernel!r}")
-  if segments.kernel != "xla":
+  if segments.kernel.startswith("splash"):
     out = _splash(q, k, v, segments.ids, interpret=segments.kernel == "splash_interpret")
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
+  if segments.kernel.startswith("pallas_gpu"):
+    return _pallas_gpu(q, k, v, segments.ids,
+                       interpret=segments.kernel == "pallas_gpu_interpret")
   k, v = k.astype(jnp.float32), v.astype(jnp.float32)
   ids = segments.ids
   key_ids = ids[:, None, :]  # [B, 1, T]
@@ -135,3 +143,19 @@ def _splash(q, k, v, ids, *, interpret: bool):
 
   out = jax.vmap(row)(q, k, v, ids)
   return out[:, :, :, :t].astype(jnp.float32)
+
+
+def _pallas_gpu(q, k, v, ids, *, interpret: bool):
+  """Pallas GPU flash attention of `q` `[B, K, G, T, Dh]` over `k`, `v`
+  `[B, K, T, Dh]`: `[B, T, H, Dh]` float32. The kernel is multi-head only,
+  so each key/value head is repeated for its `G` query heads (the gradient
+  sums over the copies); rows are padded to a multiple of 128 columns."""
+  from jax.experimental.pallas.ops.gpu import attention as gpu_attention  # noqa: PLC0415
+  b, kv_heads, group, t, dh = q.shape
+  pad = -t % 128
+  q = q.reshape(b, kv_heads * group, t, dh).transpose(0, 2, 1, 3)  # [B, T, H, Dh]
+  k, v = (jnp.repeat(x, group, axis=1).transpose(0, 2, 1, 3) for x in (k, v))
+  q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+  out = gpu_attention.mha(q, k, v, jnp.pad(ids, ((0, 0), (0, pad))), sm_scale=1 / math.sqrt(dh),
+                          causal=True, interpret=interpret)
+  return out[:, :t].astype(jnp.float32)

@@ -92,8 +92,10 @@ def test_a_train_step_with_chunked_scoring_equals_the_whole_one():
   mesh = _mesh((("fsdp", 2), ("tp", 1)))
   batch = _random_batch(np.random.default_rng(3))
   results = []
+  # The second step also scans over the layers (same numbers: `Decoder`).
   for chunk in (0, 5):
-    settings = dataclasses.replace(update_lib.LossSettings(), logprob_chunk=chunk)
+    settings = dataclasses.replace(update_lib.LossSettings(), logprob_chunk=chunk,
+                                   scan_layers=chunk > 0)
     _, state, update_fn = _state_and_update(settings, mesh)
     state, metrics = update_fn(state, batch)
     results.append((_host(state.params), {k: float(v) for k, v in metrics.items()}))
