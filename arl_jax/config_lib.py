@@ -180,6 +180,9 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
         row_multiple=lc.num_microbatches * fsdp,
         attention_width=packing_lib.attention_width(spec.model)))
   learner_platforms = sorted({getattr(d, "platform", "?") for d in learner_devices})
+  if lc.attention == "auto":  # the platform's kernel (XLA where there is none)
+    kernel = {("tpu",): "splash", ("gpu",): "pallas_gpu"}.get(tuple(learner_platforms), "xla")
+    spec = dataclasses.replace(spec, loss=dataclasses.replace(spec.loss, attention=kernel))
   _require(lc.attention != "splash" or learner_platforms == ["tpu"], "learner.attention",
            f"'splash' is the TPU kernel; the learner devices are {learner_platforms} (use "
            "'xla', or 'splash_interpret' to run it slowly anywhere)")
@@ -327,7 +330,8 @@ def _loss(lc: sections.LearnerSection, s: sections.SamplerSection, model):
       entropy_coef=float(lc.entropy_coef), temperature=float(s.temperature),
       num_epochs=lc.num_epochs, num_minibatches=lc.num_minibatches,
       num_microbatches=lc.num_microbatches, logprob_chunk=lc.logprob_chunk,
-      attention_chunk=lc.attention_chunk, remat=lc.remat, attention=lc.attention,
+      attention_chunk=lc.attention_chunk, remat=lc.remat,
+      attention="xla" if lc.attention == "auto" else lc.attention,
       scan_layers=lc.scan_layers)
 
 

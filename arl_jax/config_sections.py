@@ -303,8 +303,9 @@ class LearnerSection:
   attention_chunk: int = 0
   # What the backward pass keeps of each decoder block: none | block | dots.
   remat: str = "none"
-  # The training attention: xla | splash (TPU) | pallas_gpu (GPU) |
-  # splash_interpret, pallas_gpu_interpret (anywhere, slowly):
+  # The training attention: auto (the learner platform's kernel: splash on
+  # TPU, pallas_gpu on GPU, xla elsewhere) | xla | splash (TPU) | pallas_gpu
+  # (GPU) | splash_interpret, pallas_gpu_interpret (anywhere, slowly):
   # `models/segment_attention.py`.
   attention: str = "xla"
   # The decoder's blocks as one lax.scan over their stacked parameters: the
@@ -317,8 +318,8 @@ class LearnerSection:
     _check(_is_int(self.attention_chunk) and self.attention_chunk >= 0,
            "learner.attention_chunk",
            f"must be an int >= 0 (0: a whole row), got {self.attention_chunk!r}")
-    _check(self.attention in segment_attention_lib.KERNELS, "learner.attention",
-           f"must be one of {segment_attention_lib.KERNELS}, got {self.attention!r}")
+    _check(self.attention in ("auto",) + segment_attention_lib.KERNELS, "learner.attention",
+           f"must be one of {('auto',) + segment_attention_lib.KERNELS}, got {self.attention!r}")
     _check(self.remat in decoder_lib.REMAT_POLICIES, "learner.remat",
            f"must be one of {sorted(decoder_lib.REMAT_POLICIES)}, got {self.remat!r}")
     _check(_is_int(self.pack_len) and self.pack_len >= 0, "learner.pack_len",

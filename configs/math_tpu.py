@@ -116,7 +116,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # Queries whose attention scores exist at once (0: a row's), what the
       # backward pass keeps of each block (none | block | dots), and the
       # blocks as one lax.scan (a block's scratch once, not per layer).
-      attention_chunk=512, remat="block", scan_layers=True))
+      attention_chunk=512, remat="block", scan_layers=True,
+      # The training attention's kernel: auto picks splash on TPU (XLA when
+      # planning on CPU), pallas_gpu on GPU.
+      attention="auto"))
 
   # Special tokens and chat template as the folder's tokenizer_config.json names
   # them (for Qwen2.5-Instruct: <|im_end|>, <|endoftext|>, no BOS, chatml).

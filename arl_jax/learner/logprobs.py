@@ -21,7 +21,8 @@ from arl_jax.models import segment_attention as segment_attention_lib
 def token_logprobs_and_entropy(graphdef, params, tokens, segment_ids, positions,
                                temperature: float, with_values: bool = False, chunk: int = 0,
                                attention_chunk: int = 0, remat: str = "none",
-                               attention: str = "xla", scan_layers: bool = False):
+                               attention: str = "xla", scan_layers: bool = False,
+                               mesh=None):
   """Log-probability of every token given its prefix, plus the policy entropy
   (and the critic's values with `with_values`).
 
@@ -43,6 +44,8 @@ def token_logprobs_and_entropy(graphdef, params, tokens, segment_ids, positions,
     attention: static, the attention kernel (`segment_attention.KERNELS`).
     scan_layers: static, run the decoder's blocks as one `lax.scan`
       (`Decoder.__call__`): the same numbers, a block's scratch planned once.
+    mesh: the mesh the rows are sharded on; an attention kernel then runs
+      per device (`segment_attention.Segments`).
 
   Returns:
     `(logprobs [B, L], entropy [B, L])` (+ `values`), float32; column t scores
@@ -52,7 +55,7 @@ def token_logprobs_and_entropy(graphdef, params, tokens, segment_ids, positions,
   """
   model = nnx.merge(graphdef, params)
   out = model(tokens, positions, segment_attention_lib.Segments(segment_ids, attention_chunk,
-                                                                 attention),
+                                                                 attention, mesh),
               with_values=with_values, hidden_only=chunk > 0, remat=remat,
               scan_layers=scan_layers)
   if chunk:

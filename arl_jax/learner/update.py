@@ -84,6 +84,9 @@ class LossSettings:
   remat: str = "none"  # what the backward pass keeps of a block (`decoder.REMAT_POLICIES`)
   attention: str = "xla"  # the training attention's kernel (`segment_attention.KERNELS`)
   scan_layers: bool = False  # the decoder's blocks as one lax.scan (`Decoder.__call__`)
+  # Not configuration: the learner mesh, set by `make_update_fn`; an attention
+  # kernel runs on each device's rows and heads under it.
+  mesh: Mesh | None = None
 
   def __post_init__(self):
     if self.name not in losses_lib.LOSSES:
@@ -125,7 +128,8 @@ class LossSettings:
     """How the learner's forward pass is computed: the memory controls and
     the attention kernel (`logprobs.token_logprobs_and_entropy`'s keywords)."""
     return dict(chunk=self.logprob_chunk, attention_chunk=self.attention_chunk,
-                remat=self.remat, attention=self.attention, scan_layers=self.scan_layers)
+                remat=self.remat, attention=self.attention, scan_layers=self.scan_layers,
+                mesh=self.mesh)
 
   @property
   def masks_minibatch_first(self) -> bool:
@@ -364,6 +368,8 @@ def make_update_fn(*, graphdef, optimizer, settings: LossSettings | None, state_
   (laid out like the state's params) are passed to every step when given.
   A `step_fn` wrapped by a `trace_counter.TraceCounter` counts its compiles.
   """
+  if settings is not None:
+    settings = dataclasses.replace(settings, mesh=mesh)
   step = functools.partial(step_fn, graphdef=graphdef, optimizer=optimizer, settings=settings)
   rows = batch_shardings(mesh)
   in_shardings = (state_shardings, rows) + (() if reference_params is None else

@@ -23,10 +23,12 @@ attention.mha`, segment ids, causal). `"splash_interpret"` and
 anywhere (slowly): that is how their values and gradients are tested against
 the XLA path on CPU. Rows are padded to a multiple of 128 columns for them
 (padding is segment 0). Not wired: cuDNN attention (`jax.nn.
-dot_product_attention` takes no segment ids, only a `[T, T]` mask), and a
-`shard_map` around the kernels (under a sharded learner mesh XLA cannot
-partition a Mosaic or Triton call). Not measured: either kernel's speed (no
-TPU or GPU was lent) and the GPU kernel's float32 matmul precision there.
+dot_product_attention` takes no segment ids, only a `[T, T]` mask). XLA
+cannot partition a Mosaic or Triton call, so under a sharded learner mesh
+the kernels run per device in a `shard_map` (rows over `fsdp`, key/value
+heads over `tp`; attention is independent per row and head). Not measured:
+either kernel's speed (no TPU or GPU was lent) and the GPU kernel's float32
+matmul precision there.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as splash_mask
+from jax.sharding import PartitionSpec as P
 
 # As the decoder's: a query whose keys are all masked (padding) gets a uniform
 # softmax instead of NaN, and its output is ignored.
@@ -56,11 +59,14 @@ class Segments:
     ids: `[B, T]` int32, 0 on padding, k on a row's k-th sequence.
     chunk: static, queries per block of the XLA path (0: the whole row).
     kernel: static, one of `KERNELS`.
+    mesh: static, the mesh the rows are sharded on (the learner's), or None:
+      a kernel then runs on each device's rows and heads (`_per_shard`).
   """
 
   ids: jax.Array
   chunk: int = flax.struct.field(pytree_node=False, default=0)
   kernel: str = flax.struct.field(pytree_node=False, default="xla")
+  mesh: jax.sharding.Mesh | None = flax.struct.field(pytree_node=False, default=None)
 
 
 def attend(q, k, v, segments: Segments):
@@ -79,12 +85,13 @@ def attend(q, k, v, segments: Segments):
   q = q.reshape(b, t, kv_heads, h // kv_heads, dh).transpose(0, 2, 3, 1, 4)  # [B,K,G,T,Dh]
   if segments.kernel not in KERNELS:
     raise ValueError(f"attention kernel must be one of {KERNELS}, got {segments.kernel!r}")
-  if segments.kernel.startswith("splash"):
-    out = _splash(q, k, v, segments.ids, interpret=segments.kernel == "splash_interpret")
+  if segments.kernel != "xla":
+    kernel = _splash if segments.kernel.startswith("splash") else _pallas_gpu
+    kernel = functools.partial(kernel, interpret=segments.kernel.endswith("_interpret"))
+    if segments.mesh is not None and segments.mesh.size > 1:
+      kernel = _per_shard(kernel, segments.mesh, b, kv_heads)
+    out = kernel(q, k, v, segments.ids)
     return out.transpose(0, 3, 1, 2, 4).reshape(b, t, h, dh)
-  if segments.kernel.startswith("pallas_gpu"):
-    return _pallas_gpu(q, k, v, segments.ids,
-                       interpret=segments.kernel == "pallas_gpu_interpret")
   k, v = k.astype(jnp.float32), v.astype(jnp.float32)
   ids = segments.ids
   key_ids = ids[:, None, :]  # [B, 1, T]
@@ -122,7 +129,11 @@ def _splash_kernel(length: int, group: int, interpret: bool):
                             block_q_dkv=block, block_kv_dkv=block,
                             block_kv_dkv_compute=block, block_q_dq=block, block_kv_dq=block)
   mask = splash_mask.MultiHeadMask([splash_mask.CausalMask((length, length))] * group)
-  return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
+  # Built eagerly, whatever trace asks first: the kernel holds the mask's
+  # block tables as arrays, and a cached kernel built inside one trace would
+  # leak its tracers into the next (each scan or map body is a trace).
+  with jax.ensure_compile_time_eval():
+    return splash.make_splash_mqa_single_device(mask, block_sizes=sizes, interpret=interpret)
 
 
 def _splash(q, k, v, ids, *, interpret: bool):
@@ -145,9 +156,23 @@ def _splash(q, k, v, ids, *, interpret: bool):
   return out[:, :, :, :t].astype(jnp.float32)
 
 
+def _per_shard(kernel, mesh: jax.sharding.Mesh, rows: int, kv_heads: int):
+  """`kernel(q, k, v, ids)` run on each device's rows (over `fsdp`, the
+  learner's data axis) and key/value heads (over `tp`, as the attention
+  weights that make them). An axis that does not divide its dimension stays
+  whole (its shards then compute the same values)."""
+  def axis(name, size):
+    n = dict(mesh.shape).get(name, 1)
+    return name if n > 1 and size % n == 0 else None
+  row, head = axis("fsdp", rows), axis("tp", kv_heads)
+  heads, ids = P(row, head), P(row)
+  return jax.shard_map(kernel, mesh=mesh, in_specs=(heads, heads, heads, ids), out_specs=heads,
+                       check_vma=False)
+
+
 def _pallas_gpu(q, k, v, ids, *, interpret: bool):
   """Pallas GPU flash attention of `q` `[B, K, G, T, Dh]` over `k`, `v`
-  `[B, K, T, Dh]`: `[B, T, H, Dh]` float32. The kernel is multi-head only,
+  `[B, K, T, Dh]`: `[B, K, G, T, Dh]` float32. The kernel is multi-head only,
   so each key/value head is repeated for its `G` query heads (the gradient
   sums over the copies); rows are padded to a multiple of 128 columns."""
   from jax.experimental.pallas.ops.gpu import attention as gpu_attention  # noqa: PLC0415
@@ -158,4 +183,4 @@ def _pallas_gpu(q, k, v, ids, *, interpret: bool):
   q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
   out = gpu_attention.mha(q, k, v, jnp.pad(ids, ((0, 0), (0, pad))), sm_scale=1 / math.sqrt(dh),
                           causal=True, interpret=interpret)
-  return out[:, :t].astype(jnp.float32)
+  return out[:, :t].transpose(0, 2, 1, 3).reshape(b, kv_heads, group, t, dh).astype(jnp.float32)

@@ -3,6 +3,8 @@ for every loss and aggregation, with multi-turn rows (observation tokens
 inside completions), tokens of mixed versions, minibatches and microbatches;
 and the learner's log-probs of packed rows equal the sampler's records."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -34,14 +36,14 @@ CASES = {
 }
 
 
-def _mesh():
-  return jax.sharding.Mesh(np.array(jax.devices()[:FSDP]).reshape(FSDP, 1), ("fsdp", "tp"))
+def _mesh(tp=1):
+  return jax.sharding.Mesh(np.array(jax.devices()[:FSDP * tp]).reshape(FSDP, tp), ("fsdp", "tp"))
 
 
-def _train(settings, batch, step=2):
+def _train(settings, batch, step=2, tp=1):
   """`(param deltas, metrics)` of one update with SGD at rate 1 (the deltas
   are minus the summed gradients) from a fixed start at version `step`."""
-  mesh = _mesh()
+  mesh = _mesh(tp)
   cfg = tiny.tiny_model_config(vocab_size=260, value_head=settings.critic)
   graphdef, params, _ = tiny.learner_and_sampler_params(
       cfg, mesh_lib.RoleMeshes(learner=mesh, sampler=mesh), seed=0)
@@ -75,6 +77,23 @@ def test_packed_loss_metrics_and_gradients_equal_padded(case):
   for key in want:
     np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
   assert want["loss"] != 0 and want["grad_norm"] > 0
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               got_deltas, want_deltas)
+
+
+@pytest.mark.parametrize("kernel", ["splash_interpret", "pallas_gpu_interpret"])
+def test_attention_kernels_train_sharded_packed_rows_as_the_xla_path(kernel):
+  """The TPU and GPU kernels (Pallas interpret mode) run per device in a
+  shard_map (rows over fsdp, heads over tp) under an fsdp 2 x tp 2 learner
+  mesh: the same loss, metrics and gradients as XLA's attention."""
+  groups = random_groups(np.random.default_rng(5), num_groups=4)
+  packed = train_batch_lib.assemble(groups, packing=packing_lib.Packing(
+      pack_len=32, row_multiple=FSDP), **KW)
+  settings = CASES["clipped_ratio"]
+  want_deltas, want = _train(settings, packed, tp=2)
+  got_deltas, got = _train(dataclasses.replace(settings, attention=kernel), packed, tp=2)
+  for key in want:
+    np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                got_deltas, want_deltas)
 
