@@ -54,10 +54,10 @@ _MESSAGE_KEYS = {"hello": ("name", "devices"), "take": ("n", "version"), "group"
                  "heartbeat": ("stats", "env"), "bye": ("stats", "env")}
 
 
-def _parse(frame: bytes) -> dict | str:
+def _parse(frames: list) -> dict | str:
   """A sampler's message, or what is wrong with it."""
   try:
-    message = wire.decode(frame)
+    message = wire.decode(frames)
   except ValueError as e:
     return str(e)
   kind = message["type"]
@@ -245,8 +245,8 @@ class SamplerFleet:
           return
         if poller.poll(10):
           while self._socket.poll(0):
-            identity, frame = self._socket.recv_multipart()
-            message = _parse(frame)
+            identity, *frames = self._socket.recv_multipart()
+            message = _parse(frames)
             if isinstance(message, str):  # a sampler's fault, not the run's
               self._refuse(identity, f"sent a malformed message ({message})")
             else:
@@ -256,7 +256,7 @@ class SamplerFleet:
       self._error = e
 
   def _send(self, identity: bytes, message: dict) -> None:
-    self._socket.send_multipart([identity, wire.encode(message)])
+    self._socket.send_multipart([identity, *wire.encode(message)])
 
   def _send_outbox(self) -> None:
     while True:
@@ -310,7 +310,7 @@ class SamplerFleet:
           self._owner[request.group_id] = sampler
           sampler.owned.add(request.group_id)
       self._send(identity, {"type": "groups",
-                            "requests": [wire.request_to_json(r) for r in requests]})
+                            "requests": [wire.request_to_wire(r) for r in requests]})
     elif kind == "group":
       self._receive_group(sampler, message["group"])
     elif kind == "heartbeat":
@@ -359,7 +359,7 @@ class SamplerFleet:
       del self._owner[gid]
       sampler.owned.discard(gid)
     try:
-      group = wire.group_from_json(record)
+      group = wire.group_from_wire(record)
       if len(group.rollouts) != self._orchestrator.dispatch_cfg.group_size:
         raise ValueError(f"{len(group.rollouts)} rollouts")
     except (ValueError, KeyError, TypeError) as e:
@@ -377,7 +377,7 @@ class SamplerFleet:
 
   def _account(self, sampler: _Sampler, message: dict) -> None:
     """Adds what a sampler's reported totals grew by since its last report."""
-    stats = wire.stats_from_json(message["stats"])
+    stats = wire.stats_from_wire(message["stats"])
     env = message["env"]
     with self._lock:
       for f in dataclasses.fields(stats):

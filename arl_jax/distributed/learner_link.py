@@ -87,7 +87,8 @@ class LearnerLink:
     # ZeroMQ keeps reconnecting in the background and sends the hello once
     # a connection is up, so waiting is retrying; the notices tell the user
     # early that nothing answers (a wrong address, or no learner yet).
-    self._socket.send(wire.encode({"type": "hello", "name": name, "devices": num_devices}))
+    self._socket.send_multipart(wire.encode({"type": "hello", "name": name,
+                                             "devices": num_devices}))
     start = time.monotonic()
     while True:
       left = start + connect_timeout_s - time.monotonic()
@@ -102,7 +103,7 @@ class LearnerLink:
       if print_fn is not None:
         print_fn(f"sampler {name}: no answer from {address} after {waited:.0f}s; still "
                  f"trying (giving up after {connect_timeout_s:g}s)")
-    welcome = wire.decode(self._socket.recv())
+    welcome = wire.decode(self._socket.recv_multipart())
     if welcome["type"] == "refused":
       raise LearnerGone(f"the learner refused this sampler: {welcome['reason']}")
     self.welcome = welcome
@@ -157,7 +158,7 @@ class LearnerLink:
       self._notes.append([group_id, version])
 
   def send_group(self, group) -> None:
-    self._outbox.put({"type": "group", "group": wire.group_to_json(group)})
+    self._outbox.put({"type": "group", "group": wire.group_to_wire(group)})
 
   def close(self, say_bye: bool) -> None:
     if say_bye and self._thread is not None and not self.ended.is_set():
@@ -190,7 +191,7 @@ class LearnerLink:
         self._flush()
         if self._socket.poll(10):
           while self._socket.poll(0):
-            self._handle(wire.decode(self._socket.recv()))
+            self._handle(wire.decode(self._socket.recv_multipart()))
         if time.monotonic() - self._last_heard > self.timeout_s:
           self._end(EXIT_FAILED, f"the learner at {self.address} was silent for "
                                  f"{self.timeout_s}s")
@@ -207,13 +208,13 @@ class LearnerLink:
       if message["type"] in ("take", "heartbeat", "bye"):
         with self._lock:
           message["notes"], self._notes = self._notes, []
-      self._socket.send(wire.encode(message))
+      self._socket.send_multipart(wire.encode(message))
 
   def _handle(self, message: dict) -> None:
     self._last_heard = time.monotonic()
     kind = message["type"]
     if kind == "groups":
-      requests = [wire.request_from_json(r) for r in message["requests"]]
+      requests = [wire.request_from_wire(r) for r in message["requests"]]
       with self._lock:
         self._asking = False
         if not requests:

@@ -89,7 +89,7 @@ class LocalSampling:
     self.env_runner.cancel(group_ids)
 
   def _report(self) -> dict:
-    return {"stats": wire.stats_to_json(self.engine.stats),
+    return {"stats": wire.stats_to_wire(self.engine.stats),
             "env": {"errors": dict(self.env_runner.errors),
                     "timeouts": dict(self.env_runner.timeouts), "turns": self.env_runner.turns},
             "version": self.engine.version}

@@ -1,10 +1,22 @@
-"""What crosses the wire between the learner and its sampler processes, as JSON.
+"""What crosses the wire between the learner and its sampler processes.
 
-Group requests go out, finished groups come back. JSON, not pickle: a sampler
-process must never be able to make the learner run code, and the messages stay
-readable when debugging a fleet. Token lists are small (a group is at most a
-few thousand tokens) and float32 log-probs round-trip exactly through a JSON
-double, so a rollout arrives bit-for-bit as it was sampled.
+A message is a dict of JSON metadata whose numpy arrays travel as raw
+little-endian buffers: `encode` turns it into ZeroMQ multipart frames, a
+small versioned JSON header (the message with each array replaced by a
+reference `{"__frame__": i, "dtype": ..., "shape": [...]}`) followed by one
+frame per array, its bytes as they lie in memory. No per-float text and no
+pickle: a sampler process must never be able to make the learner run code,
+and a float32 log-prob arrives bit for bit as it was sampled. The header
+stays readable when debugging a fleet.
+
+`decode` checks everything a peer could get wrong (the version, the header,
+the number of frames, each array's dtype and byte count) and raises
+ValueError naming it; the fleet then drops that peer, not the run.
+
+A finished group is one message whose five per-token arrays hold all its
+rollouts end to end (`group_to_wire`); the header keeps each rollout's
+lengths and scalars. Before this format the same records went as JSON text
+(`benchmarks/data_plane.py` keeps that codec as its comparison row).
 """
 
 from __future__ import annotations
@@ -20,26 +32,98 @@ from arl_jax.envs import prompt_codec
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import engine_stats
 
+# Bumped whenever a message's layout changes; peers of another version are refused.
+WIRE_VERSION = 1
 
-def encode(message: dict) -> bytes:
-  return json.dumps(message, separators=(",", ":")).encode()
+# The array types a message may carry, little-endian whatever the host.
+_DTYPES = {np.dtype(t).newbyteorder("<").str: np.dtype(t).newbyteorder("<")
+           for t in (np.int32, np.int64, np.float32, np.float64, np.uint8, np.bool_)}
+
+_REF = "__frame__"
 
 
-def decode(frame: bytes) -> dict:
-  message = json.loads(frame)
-  if not isinstance(message, dict) or "type" not in message:
-    raise ValueError(f"not a fleet message: {frame[:200]!r}")
+def encode(message: dict) -> list:
+  """The frames of `message` (a dict with a `type`; numpy arrays anywhere in
+  it): `[header, array 0, array 1, ...]`. Array frames are the arrays' own
+  buffers when already contiguous and little-endian (no copy)."""
+  arrays = []
+
+  def strip(value):
+    if isinstance(value, np.ndarray):
+      array = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))
+      if array.dtype.str not in _DTYPES:
+        raise TypeError(f"cannot send a {array.dtype} array (sendable: {sorted(_DTYPES)})")
+      arrays.append(array)
+      return {_REF: len(arrays) - 1, "dtype": array.dtype.str, "shape": list(array.shape)}
+    if isinstance(value, dict):
+      return {k: strip(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+      return [strip(v) for v in value]
+    return value
+
+  header = {"v": WIRE_VERSION, **strip(message)}
+  return [json.dumps(header, separators=(",", ":")).encode(),
+          *(memoryview(a).cast("B") if a.size else b"" for a in arrays)]
+
+
+def decode(frames: list) -> dict:
+  """The message of `encode`'s frames; ValueError on anything malformed."""
+  if not frames:
+    raise ValueError("an empty message")
+  try:
+    header = json.loads(bytes(frames[0]))
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise ValueError(f"not a fleet message header ({e}): {bytes(frames[0])[:200]!r}") from e
+  if not isinstance(header, dict) or "type" not in header:
+    raise ValueError(f"not a fleet message: {bytes(frames[0])[:200]!r}")
+  version = header.pop("v", None)
+  if version != WIRE_VERSION:
+    raise ValueError(f"wire version {version!r}, this process speaks {WIRE_VERSION} "
+                     "(run the same arl_jax on both sides)")
+  buffers = frames[1:]
+  used = set()
+
+  def restore(value):
+    if isinstance(value, dict) and _REF in value:
+      return _array(value, buffers, used)
+    if isinstance(value, dict):
+      return {k: restore(v) for k, v in value.items()}
+    if isinstance(value, list):
+      return [restore(v) for v in value]
+    return value
+
+  message = restore(header)
+  if len(used) != len(buffers):
+    raise ValueError(f"{len(buffers)} array frames, the header refers to {len(used)}")
   return message
 
 
-def request_to_json(request: dispatcher_lib.GroupRequest) -> dict:
+def _array(ref: dict, buffers: list, used: set) -> np.ndarray:
+  index, dtype, shape = ref.get(_REF), ref.get("dtype"), ref.get("shape")
+  if not isinstance(index, int) or not 0 <= index < len(buffers) or index in used:
+    raise ValueError(f"array reference {index!r} with {len(buffers)} array frames")
+  if dtype not in _DTYPES:
+    raise ValueError(f"array dtype {dtype!r} not sendable")
+  if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
+    raise ValueError(f"array shape {shape!r}")
+  buffer = buffers[index]
+  want = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype].itemsize
+  if len(buffer) != want:
+    raise ValueError(f"array frame {index} holds {len(buffer)} bytes, {shape} {dtype} "
+                     f"needs {want} (truncated?)")
+  used.add(index)
+  # A read-only view of the frame: no copy (the frame lives as long as the array).
+  return np.frombuffer(buffer, dtype=_DTYPES[dtype]).reshape(shape)
+
+
+def request_to_wire(request: dispatcher_lib.GroupRequest) -> dict:
   return {"group_id": request.group_id, "prompt": prompt_codec.to_json(request.prompt),
-          "prompt_ids": [int(t) for t in request.prompt_ids],
+          "prompt_ids": np.asarray(request.prompt_ids, np.int32),
           "dispatch_version": request.dispatch_version, "group_size": request.group_size,
           "attempt": request.attempt, "max_new_tokens": request.max_new_tokens}
 
 
-def request_from_json(record: dict) -> dispatcher_lib.GroupRequest:
+def request_from_wire(record: dict) -> dispatcher_lib.GroupRequest:
   """The request as the sampler process sees it; its `dispatch_time` is this
   process's clock at arrival (the learner's clock means nothing here)."""
   return dispatcher_lib.GroupRequest(
@@ -50,40 +134,63 @@ def request_from_json(record: dict) -> dispatcher_lib.GroupRequest:
       max_new_tokens=record["max_new_tokens"])
 
 
-def group_to_json(group: rollout_lib.Group) -> dict:
-  return {
+# A group's per-token arrays, rollouts end to end: (wire name, Rollout field, dtype).
+_TOKEN_ARRAYS = (("prompt_ids", "prompt_ids", np.int32),
+                 ("completion_ids", "completion_ids", np.int32),
+                 ("loss_mask", "loss_mask", np.float32),
+                 ("logprobs", "behaviour_logprobs", np.float32),
+                 ("versions", "token_versions", np.int32))
+
+
+def group_to_wire(group: rollout_lib.Group) -> dict:
+  record = {
       "group_id": group.group_id, "prompt_id": group.prompt_id,
       "dispatch_version": group.dispatch_version,
       "rollouts": [{
-          "sample_index": r.sample_index, "prompt_ids": r.prompt_ids.tolist(),
-          "completion_ids": r.completion_ids.tolist(), "loss_mask": r.loss_mask.tolist(),
-          "logprobs": r.behaviour_logprobs.tolist(), "versions": r.token_versions.tolist(),
-          "finish_reason": r.finish_reason, "reward": r.reward, "env_name": r.env_name,
-          "timings": r.timings} for r in group.rollouts],
+          "sample_index": r.sample_index, "prompt_len": len(r.prompt_ids),
+          "completion_len": len(r.completion_ids), "finish_reason": r.finish_reason,
+          "reward": r.reward, "env_name": r.env_name, "timings": r.timings}
+          for r in group.rollouts],
   }
+  for name, field, dtype in _TOKEN_ARRAYS:
+    parts = [np.asarray(getattr(r, field), dtype) for r in group.rollouts]
+    record[name] = np.concatenate(parts) if parts else np.zeros(0, dtype)
+  return record
 
 
-def group_from_json(record: dict) -> rollout_lib.Group:
-  """Raises ValueError (from `Rollout`'s own checks) on an inconsistent record."""
+def group_from_wire(record: dict) -> rollout_lib.Group:
+  """Raises ValueError (from `Rollout`'s own checks, or lengths that do not
+  add up to the arrays) on an inconsistent record."""
   group_id, dispatch_version = int(record["group_id"]), int(record["dispatch_version"])
+  rows = record["rollouts"]
+  prompt_lens = [int(r["prompt_len"]) for r in rows]
+  completion_lens = [int(r["completion_len"]) for r in rows]
+  split = {}
+  for name, _, dtype in _TOKEN_ARRAYS:
+    array = record[name]
+    if not isinstance(array, np.ndarray) or array.dtype != np.dtype(dtype).newbyteorder("<"):
+      raise ValueError(f"{name} must be a {np.dtype(dtype)} array")
+    lens = prompt_lens if name == "prompt_ids" else completion_lens
+    if min(lens, default=0) < 0 or sum(lens) != array.shape[0] or array.ndim != 1:
+      raise ValueError(f"{name}: {array.shape} tokens, the rollouts' lengths add up to "
+                       f"{sum(lens)}")
+    # A writable copy: the frame's buffer is read-only and later stages may mask in place.
+    split[name] = np.split(np.array(array), np.cumsum(lens)[:-1]) if lens else []
   rollouts = [rollout_lib.Rollout(
       group_id=group_id, sample_index=int(r["sample_index"]),
-      prompt_ids=np.asarray(r["prompt_ids"], np.int32),
-      completion_ids=np.asarray(r["completion_ids"], np.int32),
-      loss_mask=np.asarray(r["loss_mask"], np.float32),
-      behaviour_logprobs=np.asarray(r["logprobs"], np.float32),
-      token_versions=np.asarray(r["versions"], np.int32), dispatch_version=dispatch_version,
+      prompt_ids=split["prompt_ids"][i], completion_ids=split["completion_ids"][i],
+      loss_mask=split["loss_mask"][i], behaviour_logprobs=split["logprobs"][i],
+      token_versions=split["versions"][i], dispatch_version=dispatch_version,
       finish_reason=r["finish_reason"], reward=r["reward"], env_name=r["env_name"],
-      timings={k: float(v) for k, v in r["timings"].items()}) for r in record["rollouts"]]
+      timings={k: float(v) for k, v in r["timings"].items()}) for i, r in enumerate(rows)]
   return rollout_lib.Group(group_id=group_id, prompt_id=int(record["prompt_id"]),
                            dispatch_version=dispatch_version, rollouts=rollouts)
 
 
-def stats_to_json(stats: engine_stats.EngineStats) -> dict:
+def stats_to_wire(stats: engine_stats.EngineStats) -> dict:
   return dataclasses.asdict(stats)
 
 
-def stats_from_json(record: dict) -> engine_stats.EngineStats:
+def stats_from_wire(record: dict) -> engine_stats.EngineStats:
   fields = {f.name for f in dataclasses.fields(engine_stats.EngineStats)}
   return engine_stats.EngineStats(**{k: v for k, v in record.items() if k in fields})
-

@@ -48,7 +48,7 @@ class _FakeSampler:
     self.welcome = self.ask({"type": "hello", "name": "fake", "devices": devices})
 
   def send(self, message):
-    self.socket.send(wire.encode(message))
+    self.socket.send_multipart(wire.encode(message))
 
   def ask(self, message, timeout_s=10.0):
     self.send(message)
@@ -56,27 +56,32 @@ class _FakeSampler:
 
   def receive(self, timeout_s=10.0):
     assert self.socket.poll(int(timeout_s * 1000)), "the fleet did not answer"
-    return wire.decode(self.socket.recv())
+    return wire.decode(self.socket.recv_multipart())
 
   def take(self, n, version=0):
     reply = self.ask({"type": "take", "n": n, "version": version})
     assert reply["type"] == "groups"
-    return [wire.request_from_json(r) for r in reply["requests"]]
+    return [wire.request_from_wire(r) for r in reply["requests"]]
 
   def deliver(self, request, reward=1.0):
-    rollouts = [rollout_lib.Rollout(
+    self.send(_group_message(request, reward))
+
+  def close(self):
+    self.socket.close()
+
+
+def _group_message(request, reward=1.0):
+  """The message a sampler sends with `request`'s finished group."""
+  rollouts = [rollout_lib.Rollout(
         group_id=request.group_id, sample_index=s,
         prompt_ids=np.asarray(request.prompt_ids, np.int32),
         completion_ids=np.array([7, 8], np.int32), loss_mask=np.ones(2, np.float32),
         behaviour_logprobs=np.array([-0.5, -0.25], np.float32),
         token_versions=np.array([0, 0], np.int32), dispatch_version=request.dispatch_version,
         finish_reason="stop", reward=reward, env_name="t") for s in range(_G)]
-    self.send({"type": "group", "group": wire.group_to_json(rollout_lib.Group(
-        group_id=request.group_id, prompt_id=request.prompt.prompt_id,
-        dispatch_version=request.dispatch_version, rollouts=rollouts))})
-
-  def close(self):
-    self.socket.close()
+  return {"type": "group", "group": wire.group_to_wire(rollout_lib.Group(
+      group_id=request.group_id, prompt_id=request.prompt.prompt_id,
+      dispatch_version=request.dispatch_version, rollouts=rollouts))}
 
 
 @pytest.fixture
@@ -206,6 +211,31 @@ def test_a_sampler_breaking_the_protocol_is_dropped_and_the_run_goes_on(fleet):
       [r.group_id for r in held]]
   assert [r.group_id for r in good.take(2)] == [r.group_id for r in held]
   assert not fleet.failed
+  bad.close()
+  good.close()
+
+
+@pytest.mark.parametrize("damage", ["truncated_array", "missing_frame", "other_version",
+                                    "not_json"])
+def test_a_damaged_frame_drops_that_sampler_not_the_run(fleet, damage):
+  bad, good = _FakeSampler(fleet.address), _FakeSampler(fleet.address)
+  (request,) = bad.take(1)
+  frames = [bytes(f) for f in wire.encode(_group_message(request))]
+  if damage == "truncated_array":
+    frames[3] = frames[3][:-2]
+  elif damage == "missing_frame":
+    frames.pop()
+  elif damage == "other_version":
+    frames[0] = frames[0].replace(b'"v":%d' % wire.WIRE_VERSION, b'"v":99')
+  else:
+    frames[0] = b"\xff" + frames[0]
+  bad.socket.send_multipart(frames)
+  reply = bad.receive()
+  assert reply["type"] == "rejected" and "malformed message" in reply["reason"], reply
+  assert [r.group_id for r in good.take(1)] == [request.group_id]  # generated again
+  good.deliver(request)
+  _wait(lambda: fleet.metrics()["fleet_groups_by_sampler"] == {"0": 0, "1": 1})
+  assert not fleet.failed and fleet.bad_groups == 0
   bad.close()
   good.close()
 

@@ -100,8 +100,8 @@ def test_settings_this_host_cannot_use_are_one_error_line(tmp_path):
 
   def answer_hello():
     if router.poll(30_000):
-      identity, _ = router.recv_multipart()
-      router.send_multipart([identity, wire.encode({
+      identity, *_ = router.recv_multipart()
+      router.send_multipart([identity, *wire.encode({
           "type": "welcome", "sampler_id": 0, "spec": spec_codec.to_json(spec),
           "sampler_mesh": [["data", 1], ["tp", 1]], "weights_address": "tcp://127.0.0.1:1",
           "heartbeat_s": 0.5, "timeout_s": 5.0})])
