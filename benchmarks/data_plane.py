@@ -15,6 +15,13 @@ Parts:
   parses each message the way the fleet's server thread does
   (`fleet._parse`, then `group_from_wire` / the JSON codec): tokens per second
   this one thread absorbs, from the first message to the last.
+- `orchestrator`: the orchestrator's own cost per group (dispatch, arrival,
+  sweep + cut, publish) in steady state with 1k-16k groups in flight
+  (`bench_orchestrator`): microseconds per group, flat in the number in
+  flight when no step scans everything in the system.
+- `assemble`: process 0 building the global `TrainBatch` (packed rows) from
+  finished groups, as it does before every step today: seconds, bytes per
+  token of the batch every process then receives (`lockstep.share`).
 
   python benchmarks/data_plane.py --out=/tmp/data_plane.jsonl   # ~1 min
   python benchmarks/data_plane.py --quick                      # seconds
@@ -23,6 +30,9 @@ Parts:
 from __future__ import annotations
 
 import argparse
+import collections
+import gc
+import itertools
 import json
 import os
 import statistics
@@ -35,9 +45,15 @@ import time
 import numpy as np
 import zmq
 
+from arl_jax import packing as packing_lib
 from arl_jax import rollout as rollout_lib
+from arl_jax import train_batch as train_batch_lib
 from arl_jax.distributed import fleet as fleet_lib
 from arl_jax.distributed import wire
+from arl_jax.envs import env_api
+from arl_jax.orchestrator import buffer as buffer_lib
+from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import orchestrator as orchestrator_lib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py, run as a script)
@@ -195,10 +211,115 @@ def bench_ingest(codec: str, senders: int, shape: tuple, count: int, tmp: str) -
           "tokens/s": round(tokens / seconds), "groups/s": round(received / seconds, 1)}
 
 
+def bench_orchestrator(in_flight: int, groups_per_batch: int, assembly: str, reference: str,
+                       steps: int, regime: str = "learner-bound") -> dict:
+  """Microseconds of the orchestrator's own work per group in steady state,
+  with `in_flight` groups in the system: `take` (dispatch; under
+  `oldest_token` with the sampler's first `note_sampling`), `group_finished`
+  (into the buffer), `try_cut` (sweep + assembly) and `publish` (the
+  cancellation scan + retirement). `regime`: learner-bound, the buffer holds
+  all but one batch of them, finished; sampler-bound, all but one batch are
+  generating. Each step one batch finishes (in a shuffled order); K is the
+  async level + 2, so nothing is dropped."""
+  level = in_flight // groups_per_batch - 1
+  k = level + 2
+  orch = orchestrator_lib.Orchestrator(
+      dispatch_cfg=dispatcher_lib.DispatchConfig(
+          group_size=1, groups_per_batch=groups_per_batch, max_async_level=level,
+          max_off_policy_steps=k, staleness_reference=reference),
+      buffer_cfg=buffer_lib.BufferConfig(
+          max_off_policy_steps=k, staleness_reference=reference, assembly=assembly,
+          window_groups=max(1, groups_per_batch // 4)),
+      prompts=(env_api.TextPrompt(prompt_id=i, text="", answer="") for i in itertools.count()),
+      encode_fn=lambda p: (1, 2), env_name_of=lambda p: "x", max_new_tokens=8)
+  rng = np.random.default_rng(0)
+  pending = collections.deque()
+  seconds = collections.Counter()
+  version = 0
+
+  def timed(name, fn, *args):
+    start = time.perf_counter()
+    out = fn(*args)
+    seconds[name] += time.perf_counter() - start
+    return out
+
+  def dispatch():
+    def take():
+      requests = orch.dispatcher.take(in_flight, version, 0.0)
+      for r in requests:
+        orch.dispatcher.note_sampling(r.group_id, version)
+      return requests
+    pending.extend(timed("take", take))
+
+  def finish(requests):
+    for i in rng.permutation(len(requests)):
+      r = requests[i]
+      group = rollout_lib.Group(group_id=r.group_id, prompt_id=r.prompt.prompt_id,
+                                dispatch_version=r.dispatch_version, rollouts=[
+          rollout_lib.Rollout(group_id=r.group_id, sample_index=0,
+                              prompt_ids=np.asarray(r.prompt_ids, np.int32),
+                              completion_ids=np.ones(1, np.int32),
+                              loss_mask=np.ones(1, np.float32),
+                              behaviour_logprobs=np.zeros(1, np.float32),
+                              token_versions=np.full(1, version, np.int32),
+                              dispatch_version=r.dispatch_version, finish_reason="stop",
+                              reward=1.0, env_name="x")])
+      timed("finish", orch.group_finished, group)
+
+  # The learner-bound steady state: all but one batch of the groups in flight
+  # wait finished in the buffer; each step the generating batch finishes, the
+  # oldest batch is cut, trained and published, and a new batch starts.
+  dispatch()
+  if regime == "learner-bound":
+    finish([pending.popleft() for _ in range(in_flight - groups_per_batch)])
+  for step in range(level + 2 + steps):
+    if step == level + 2:
+      seconds.clear()
+    gc.collect()  # (between steps, untimed: a collection inside one call is noise)
+    finish([pending.popleft() for _ in range(groups_per_batch)])
+    batch = timed("cut", orch.try_cut, version)
+    assert batch is not None and len(batch.groups) == groups_per_batch and not batch.stale
+    version += 1
+    timed("publish", orch.publish, version, batch.groups)
+    dispatch()
+  us = {name: 1e6 * s / (steps * groups_per_batch) for name, s in seconds.items()}
+  return {"benchmark": "data_plane", "part": "orchestrator", "regime": regime,
+          "in_flight": in_flight,
+          "groups/batch": groups_per_batch, "assembly": assembly, "reference": reference,
+          **{f"{name} us": round(us[name], 2) for name in ("take", "finish", "cut", "publish")},
+          "us/group": round(sum(us.values()), 2)}
+
+
+def bench_assemble(num_groups: int, shape: tuple, pack_len: int, repeats: int) -> dict:
+  """Process 0 building one global `TrainBatch` from finished groups (what
+  it does before every step today): packed rows of `pack_len`."""
+  groups = [make_group(*shape, seed=i) for i in range(num_groups)]
+  group_size, prompt_len, completion_len = shape
+  packing = packing_lib.Packing(pack_len=pack_len)
+  seconds = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    batch = train_batch_lib.assemble(groups, prompt_len=prompt_len,
+                                     max_new_tokens=completion_len, pad_id=0,
+                                     advantage_estimator="grpo", packing=packing)
+    seconds.append(time.perf_counter() - start)
+  nbytes = sum(getattr(batch, name).nbytes for name in train_batch_lib.FIELDS)
+  rollouts = num_groups * group_size
+  tokens = rollouts * (prompt_len + completion_len)
+  median = statistics.median(seconds)
+  return {"benchmark": "data_plane", "part": "assemble", "groups": num_groups,
+          "rollouts": rollouts, "tokens": tokens, "rows x width": f"{batch.tokens.shape[0]} x "
+          f"{batch.tokens.shape[1]}", "batch MB": round(nbytes / 1e6, 1),
+          "bytes/token": round(nbytes / tokens, 1), "seconds": round(median, 3),
+          "us/rollout": round(1e6 * median / rollouts, 1),
+          "tokens/s": round(tokens / median)}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small groups, few messages")
-  parser.add_argument("--parts", default="codec,ingest", help="comma-separated parts to run")
+  parser.add_argument("--parts", default="codec,ingest,orchestrator,assemble",
+                      help="comma-separated parts to run")
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
   args = parser.parse_args()
   parts = set(args.parts.split(","))
@@ -207,6 +328,21 @@ def main() -> None:
   if "codec" in parts:
     rows = bench_codec(make_group(*shape), repeats=3 if args.quick else 10)
     report.print_table(rows, title=f"one group ({shape[0]} x ({shape[1]} + {shape[2]}) tokens)")
+    report.append_jsonl(rows, args.out)
+  if "orchestrator" in parts:
+    sizes = (512, 2048) if args.quick else (1024, 4096, 16384)
+    cases = [("learner-bound", "fifo", "dispatch"), ("learner-bound", "windowed_fifo", "dispatch"),
+             ("learner-bound", "first_done", "oldest_token"),
+             ("sampler-bound", "fifo", "dispatch")]
+    rows = [bench_orchestrator(n, 256 if args.quick else 1024, assembly, reference,
+                               steps=2 if args.quick else 20, regime=regime)
+            for regime, assembly, reference in cases for n in sizes]
+    report.print_table(rows, title="the orchestrator's own cost per group, by groups in flight")
+    report.append_jsonl(rows, args.out)
+  if "assemble" in parts:
+    rows = [bench_assemble(n, shape, 2 * (shape[1] + shape[2]), repeats=2 if args.quick else 3)
+            for n in ((2,) if args.quick else (4, 16))]
+    report.print_table(rows, title="process 0 assembling the global batch (packed rows)")
     report.append_jsonl(rows, args.out)
   if "ingest" in parts:
     count = 4 if args.quick else 16

@@ -150,7 +150,7 @@ def main() -> None:
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
   args = parser.parse_args()
   if args.quick:
-    args.steps, args.max_len, args.median_len, args.slots, args.batch = 5, 32, 6, 16, 16
+    args.steps, args.max_len, args.median_len, args.slots, args.batch = 4, 32, 6, 16, 8
   env_cfg = LongTailConfig(max_operand=99, median_len=args.median_len, sigma=args.sigma,
                            max_len=args.max_len)
   lengths = [LongTailEnv(env_cfg, None).max_new_tokens_for(p)

@@ -204,20 +204,22 @@ def _ints(text: str) -> tuple[int, ...]:
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true",
-                      help="tiny config, 1 seed, K = 2, 3 updates per run")
+                      help="tiny config, 1 seed, one loss, K = 2, 3 updates per run")
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
   parser.add_argument("--seeds", type=int, default=None,
                       help="number of seeds (config.seed = 0..n-1); default 2, quick 1")
   parser.add_argument("--steps", type=int, default=None,
                       help="RL updates per run; default 100, quick 3")
-  parser.add_argument("--losses", default=",".join(LOSSES), help="comma-separated losses")
+  parser.add_argument("--losses", default=None,
+                      help="comma-separated losses; default all, quick the first")
   parser.add_argument("--ks", default=None,
                       help="comma-separated K values; default 0,1,2,4,8, quick 2")
   args = parser.parse_args()
   seeds = args.seeds or (1 if args.quick else 2)
   steps = args.steps or (3 if args.quick else 100)
   ks = _ints(args.ks) if args.ks else ((2,) if args.quick else KS)
-  losses = tuple(x for x in args.losses.split(",") if x)
+  losses = (tuple(x for x in args.losses.split(",") if x) if args.losses else
+            tuple(LOSSES)[:1] if args.quick else tuple(LOSSES))
   unknown = sorted(set(losses) - set(LOSSES))
   if unknown:
     parser.error(f"unknown loss(es) {unknown}; known: {list(LOSSES)}")

@@ -13,9 +13,10 @@ stays readable when debugging a fleet.
 the number of frames, each array's dtype and byte count) and raises
 ValueError naming it; the fleet then drops that peer, not the run.
 
-A finished group is one message whose five per-token arrays hold all its
-rollouts end to end (`group_to_wire`); the header keeps each rollout's
-lengths and scalars. Before this format the same records went as JSON text
+A finished group is one message: the header holds each rollout's scalars,
+and its five per-token arrays (ids, mask, log-probs, versions) are frames,
+sent from the rollout's memory and received as read-only views of the frames
+(`group_to_wire`, `group_from_wire`): the only copies are the socket's. Before this format the same records went as JSON text
 (`benchmarks/data_plane.py` keeps that codec as its comparison row).
 """
 
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 
 import numpy as np
@@ -50,7 +52,9 @@ def encode(message: dict) -> list:
 
   def strip(value):
     if isinstance(value, np.ndarray):
-      array = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))
+      array = value
+      if array.dtype.str not in _DTYPES or not array.flags.c_contiguous:  # (else as it is)
+        array = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))
       if array.dtype.str not in _DTYPES:
         raise TypeError(f"cannot send a {array.dtype} array (sendable: {sorted(_DTYPES)})")
       arrays.append(array)
@@ -107,13 +111,14 @@ def _array(ref: dict, buffers: list, used: set) -> np.ndarray:
   if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
     raise ValueError(f"array shape {shape!r}")
   buffer = buffers[index]
-  want = int(np.prod(shape, dtype=np.int64)) * _DTYPES[dtype].itemsize
+  want = math.prod(shape) * _DTYPES[dtype].itemsize
   if len(buffer) != want:
     raise ValueError(f"array frame {index} holds {len(buffer)} bytes, {shape} {dtype} "
                      f"needs {want} (truncated?)")
   used.add(index)
   # A read-only view of the frame: no copy (the frame lives as long as the array).
-  return np.frombuffer(buffer, dtype=_DTYPES[dtype]).reshape(shape)
+  array = np.frombuffer(buffer, dtype=_DTYPES[dtype])
+  return array if len(shape) == 1 else array.reshape(shape)
 
 
 def request_to_wire(request: dispatcher_lib.GroupRequest) -> dict:
@@ -134,7 +139,7 @@ def request_from_wire(record: dict) -> dispatcher_lib.GroupRequest:
       max_new_tokens=record["max_new_tokens"])
 
 
-# A group's per-token arrays, rollouts end to end: (wire name, Rollout field, dtype).
+# A rollout's per-token arrays: (wire name, Rollout field, dtype).
 _TOKEN_ARRAYS = (("prompt_ids", "prompt_ids", np.int32),
                  ("completion_ids", "completion_ids", np.int32),
                  ("loss_mask", "loss_mask", np.float32),
@@ -143,46 +148,39 @@ _TOKEN_ARRAYS = (("prompt_ids", "prompt_ids", np.int32),
 
 
 def group_to_wire(group: rollout_lib.Group) -> dict:
-  record = {
+  """The group as a message body; each rollout's arrays become frames of
+  their own, sent from the arrays' memory (no concatenation)."""
+  return {
       "group_id": group.group_id, "prompt_id": group.prompt_id,
       "dispatch_version": group.dispatch_version,
       "rollouts": [{
-          "sample_index": r.sample_index, "prompt_len": len(r.prompt_ids),
-          "completion_len": len(r.completion_ids), "finish_reason": r.finish_reason,
-          "reward": r.reward, "env_name": r.env_name, "timings": r.timings}
+          "sample_index": r.sample_index, "finish_reason": r.finish_reason,
+          "reward": r.reward, "env_name": r.env_name, "timings": r.timings,
+          **{name: np.asarray(getattr(r, field), dtype) for name, field, dtype in _TOKEN_ARRAYS}}
           for r in group.rollouts],
   }
-  for name, field, dtype in _TOKEN_ARRAYS:
-    parts = [np.asarray(getattr(r, field), dtype) for r in group.rollouts]
-    record[name] = np.concatenate(parts) if parts else np.zeros(0, dtype)
-  return record
 
 
 def group_from_wire(record: dict) -> rollout_lib.Group:
-  """Raises ValueError (from `Rollout`'s own checks, or lengths that do not
-  add up to the arrays) on an inconsistent record."""
+  """Raises ValueError (from `Rollout`'s own checks, or arrays of the wrong
+  type) on an inconsistent record. The rollouts' arrays are views of the
+  frames, no copy: read-only, as a sampled rollout is."""
   group_id, dispatch_version = int(record["group_id"]), int(record["dispatch_version"])
-  rows = record["rollouts"]
-  prompt_lens = [int(r["prompt_len"]) for r in rows]
-  completion_lens = [int(r["completion_len"]) for r in rows]
-  split = {}
-  for name, _, dtype in _TOKEN_ARRAYS:
-    array = record[name]
-    if not isinstance(array, np.ndarray) or array.dtype != np.dtype(dtype).newbyteorder("<"):
-      raise ValueError(f"{name} must be a {np.dtype(dtype)} array")
-    lens = prompt_lens if name == "prompt_ids" else completion_lens
-    if min(lens, default=0) < 0 or sum(lens) != array.shape[0] or array.ndim != 1:
-      raise ValueError(f"{name}: {array.shape} tokens, the rollouts' lengths add up to "
-                       f"{sum(lens)}")
-    # A writable copy: the frame's buffer is read-only and later stages may mask in place.
-    split[name] = np.split(np.array(array), np.cumsum(lens)[:-1]) if lens else []
-  rollouts = [rollout_lib.Rollout(
-      group_id=group_id, sample_index=int(r["sample_index"]),
-      prompt_ids=split["prompt_ids"][i], completion_ids=split["completion_ids"][i],
-      loss_mask=split["loss_mask"][i], behaviour_logprobs=split["logprobs"][i],
-      token_versions=split["versions"][i], dispatch_version=dispatch_version,
-      finish_reason=r["finish_reason"], reward=r["reward"], env_name=r["env_name"],
-      timings={k: float(v) for k, v in r["timings"].items()}) for i, r in enumerate(rows)]
+  rollouts = []
+  for r in record["rollouts"]:
+    for name, _, dtype in _TOKEN_ARRAYS:
+      array = r[name]
+      if (not isinstance(array, np.ndarray) or array.ndim != 1
+          or array.dtype != np.dtype(dtype).newbyteorder("<")):
+        raise ValueError(f"rollout {r.get('sample_index')!r}: {name} must be a 1-D "
+                         f"{np.dtype(dtype)} array")
+    rollouts.append(rollout_lib.Rollout(
+        group_id=group_id, sample_index=int(r["sample_index"]), prompt_ids=r["prompt_ids"],
+        completion_ids=r["completion_ids"], loss_mask=r["loss_mask"],
+        behaviour_logprobs=r["logprobs"], token_versions=r["versions"],
+        dispatch_version=dispatch_version, finish_reason=r["finish_reason"],
+        reward=r["reward"], env_name=r["env_name"],
+        timings={k: float(v) for k, v in r["timings"].items()}))
   return rollout_lib.Group(group_id=group_id, prompt_id=int(record["prompt_id"]),
                            dispatch_version=dispatch_version, rollouts=rollouts)
 

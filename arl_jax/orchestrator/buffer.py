@@ -15,6 +15,12 @@ Bounded by admission control rather than by a size of its own: the dispatcher
 never lets more than `(max_async_level + 1) * groups_per_batch` groups be in
 the system, and every group in the buffer is one of them.
 
+Every operation costs what it touches, not what the system holds (thousands
+of groups in flight at pod scale; `benchmarks/data_plane.py` part
+`orchestrator`): the queues are insertion-ordered dicts (O(1) removal), a cut
+reads only the head of the queue it assembles from, and the sweep pops stale
+groups off a heap ordered by reference version instead of checking them all.
+
 Thread-safe (env workers put groups, the learner cuts) and deterministic given
 the order of calls: cuts never block here (`try_cut`); the caller waits with
 `wait_for_change` (see `orchestrator.Orchestrator.cut`). Time comes from an
@@ -23,8 +29,9 @@ injectable clock so tests can drive the buffer with a fake one.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
+import heapq
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -70,9 +77,13 @@ class RolloutBuffer:
     self._cond = threading.Condition()
     # group_id -> dispatch version, in dispatch order (dicts keep insertion order).
     self._dispatch_queue: dict[int, int] = {}
+    # Finished groups, in completion order.
     self._finished: dict[int, rollout_lib.Group] = {}
-    self._completion_order: collections.deque[int] = collections.deque()
     self._arrival_time: dict[int, float] = {}
+    # (reference version, arrival number, group id) of finished groups; entries
+    # of groups that left the buffer stay until they surface (then skipped).
+    self._by_reference: list[tuple[int, int, int]] = []
+    self._arrivals = itertools.count()
     self._generation = 0  # bumped by every change a waiting cut may care about
     self.closed = False
 
@@ -86,7 +97,6 @@ class RolloutBuffer:
     with self._cond:
       self._dispatch_queue.pop(group_id, None)
       if self._finished.pop(group_id, None) is not None:
-        self._completion_order.remove(group_id)
         self._arrival_time.pop(group_id)
       self._changed_locked()
 
@@ -101,8 +111,9 @@ class RolloutBuffer:
         return False
       group.arrival_version = live_version
       self._finished[group.group_id] = group
-      self._completion_order.append(group.group_id)
       self._arrival_time[group.group_id] = self._clock()
+      reference = staleness.reference_version(group, self._cfg.staleness_reference)
+      heapq.heappush(self._by_reference, (reference, next(self._arrivals), group.group_id))
       self._changed_locked()
       return True
 
@@ -144,16 +155,22 @@ class RolloutBuffer:
     self._cond.notify_all()
 
   def _sweep_locked(self, batch_version: int) -> list[rollout_lib.Group]:
-    cfg = self._cfg
-    stale_ids = [gid for gid, g in self._finished.items()
-                 if staleness.is_stale(batch_version, g, cfg.max_off_policy_steps,
-                                       cfg.staleness_reference)]
-    return [self._pop_locked(gid) for gid in stale_ids]
+    """Pops the groups whose lag in `B_{batch_version}` would exceed K, in
+    completion order: those at the top of the reference-version heap."""
+    heap, cfg = self._by_reference, self._cfg
+    stale = []  # (arrival number, group id)
+    while heap and batch_version - heap[0][0] > cfg.max_off_policy_steps:
+      _, arrival, gid = heapq.heappop(heap)
+      group = self._finished.get(gid)
+      if group is not None and staleness.is_stale(batch_version, group,
+                                                  cfg.max_off_policy_steps,
+                                                  cfg.staleness_reference):
+        stale.append((arrival, gid))
+    return [self._pop_locked(gid) for _, gid in sorted(stale)]
 
   def _pop_locked(self, group_id: int) -> rollout_lib.Group:
     group = self._finished.pop(group_id)
     self._dispatch_queue.pop(group_id, None)
-    self._completion_order.remove(group_id)
     waited = self._clock() - self._arrival_time.pop(group_id)
     for r in group.rollouts:
       r.timings["in_buffer"] = waited
@@ -164,13 +181,14 @@ class RolloutBuffer:
       return None
     policy = self._cfg.assembly
     if policy == "first_done":
-      return list(self._completion_order)[:num_groups]
+      return list(itertools.islice(self._finished, num_groups))
     if policy == "fifo":
-      head = list(self._dispatch_queue)[:num_groups]
+      head = list(itertools.islice(self._dispatch_queue, num_groups))
       return head if all(gid in self._finished for gid in head) else None
     # windowed_fifo: repeatedly take the oldest finished group within the first
-    # `window` entries of the (shrinking) dispatch queue.
-    queue = list(self._dispatch_queue)
+    # `window` entries of the (shrinking) dispatch queue; no pick reaches past
+    # the first `window + num_groups` entries.
+    queue = list(itertools.islice(self._dispatch_queue, self._cfg.window_groups + num_groups))
     chosen = []
     while len(chosen) < num_groups:
       window = queue[:self._cfg.window_groups]

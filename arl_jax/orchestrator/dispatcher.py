@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import heapq
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -103,6 +104,11 @@ class Dispatcher:
     self._in_system: dict[int, GroupRequest] = {}  # started, not yet retired
     self._generating: set[int] = set()  # in flight: sampler or environment
     self._oldest_sampled: dict[int, int] = {}  # group_id -> first sampled version
+    # (in-flight reference version, group id) of generating groups, as soon as
+    # the reference is known: `on_publish` pops the ones that can no longer
+    # ship instead of checking every group in flight. Entries of groups that
+    # finished, or whose reference changed, stay until they surface (skipped).
+    self._by_reference: list[tuple[int, int]] = []
     # Prompts dispatched before new ones: (prompt, ids or None to encode, attempt).
     # Dropped groups' prompts, and after a resume the unfinished ones.
     self._requeued: collections.deque[tuple[object, tuple[int, ...] | None, int]] = (
@@ -163,7 +169,7 @@ class Dispatcher:
             dispatch_time=self._clock(), attempt=attempt, max_new_tokens=budget)
         self._next_group_id += 1
         self._in_system[request.group_id] = request
-        self._generating.add(request.group_id)
+        self._start_generating(request.group_id)
         self._buffer.register_dispatch(request.group_id, live_version)
         self.work.open(request)
         self.num_started += 1
@@ -181,8 +187,23 @@ class Dispatcher:
     """The sampler sampled a token of `group_id` with params of `version`."""
     with self._cond:
       if group_id in self._generating:
-        old = self._oldest_sampled.get(group_id, version)
-        self._oldest_sampled[group_id] = min(old, version)
+        old = self._oldest_sampled.get(group_id)
+        if old is None or version < old:
+          self._oldest_sampled[group_id] = version
+          if self._cfg.staleness_reference == "oldest_token":  # (else fixed at dispatch)
+            self._index_reference(group_id)
+
+  def _start_generating(self, group_id: int) -> None:
+    self._generating.add(group_id)
+    self._index_reference(group_id)
+
+  def _index_reference(self, group_id: int) -> None:
+    """Files a generating group under its in-flight reference, once known."""
+    reference = staleness.in_flight_reference(self._in_system[group_id].dispatch_version,
+                                              self._oldest_sampled.get(group_id),
+                                              self._cfg.staleness_reference)
+    if reference is not None:
+      heapq.heappush(self._by_reference, (reference, group_id))
 
   def finished_generating(self, group_id: int) -> None:
     with self._cond:
@@ -222,17 +243,21 @@ class Dispatcher:
   def on_publish(self, live_version: int) -> list[GroupRequest]:
     """Announces a newly published version; cancels, retires and returns the
     in-flight groups that can no longer ship."""
-    cfg = self._cfg
+    cfg, heap = self._cfg, self._by_reference
     with self._cond:
       self._live_version = live_version
-      doomed = []
-      for gid in self._generating:
+      doomed = {}
+      while heap and not staleness.can_still_ship(heap[0][0], live_version,
+                                                   cfg.max_off_policy_steps):
+        _, gid = heapq.heappop(heap)
+        if gid not in self._generating:
+          continue
         request = self._in_system[gid]
         reference = staleness.in_flight_reference(
             request.dispatch_version, self._oldest_sampled.get(gid), cfg.staleness_reference)
         if not staleness.can_still_ship(reference, live_version, cfg.max_off_policy_steps):
-          doomed.append(request)
-      doomed.sort(key=lambda r: r.group_id)
+          doomed[gid] = request
+      doomed = [doomed[gid] for gid in sorted(doomed)]
     for request in doomed:
       self._buffer.forget(request.group_id)
     self.retire([r.group_id for r in doomed], dropped=True)
@@ -287,9 +312,9 @@ class Dispatcher:
         self._in_system[request.group_id] = request
         self._buffer.register_dispatch(request.group_id, request.dispatch_version)
         if group.complete is None:
-          self._generating.add(request.group_id)
           if group.oldest_sampled is not None:
             self._oldest_sampled[request.group_id] = group.oldest_sampled
+          self._start_generating(request.group_id)
         restored.append(group)
       self._requeued.extend((prompt_codec.from_json(p), None, int(attempt))
                             for p, attempt in work["requeued"])
