@@ -1,6 +1,6 @@
 r"""What it costs to move finished rollouts from sampler processes to the learner:
 the binary wire format (`arl_jax/distributed/wire.py`) against the JSON text
-it replaced, kept here as the comparison row (`json_group_to_json`, ...).
+it replaced, kept as the comparison row (`benchmarks/json_wire.py`).
 
 Parts:
 
@@ -19,6 +19,11 @@ Parts:
   sweep + cut, publish) in steady state with 1k-16k groups in flight
   (`bench_orchestrator`): microseconds per group, flat in the number in
   flight when no step scans everything in the system.
+- `lockstep`: N processes (`jax.distributed`, gloo on loopback, one CPU
+  device each) share one step's batch as the learner does before every
+  update (`lockstep.share`); the bytes each process's TCP sockets receive
+  meanwhile (the kernel's count), against issue 23's target of at most 1.2x
+  the batch / N.
 - `assemble`: process 0 building the global `TrainBatch` (packed rows) from
   finished groups, as it does before every step today: seconds, bytes per
   token of the batch every process then receives (`lockstep.share`).
@@ -35,6 +40,7 @@ import gc
 import itertools
 import json
 import os
+import socket
 import statistics
 import struct
 import subprocess
@@ -56,45 +62,18 @@ from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import json_wire  # noqa: E402  (the JSON codec the wire format replaced)
 import report  # noqa: E402  (benchmarks/report.py, run as a script)
 
 
-# -- the JSON codec the binary format replaced (arl_jax before issue 23) ------------------
-
-def json_group_to_json(group: rollout_lib.Group) -> dict:
-  return {
-      "group_id": group.group_id, "prompt_id": group.prompt_id,
-      "dispatch_version": group.dispatch_version,
-      "rollouts": [{
-          "sample_index": r.sample_index, "prompt_ids": r.prompt_ids.tolist(),
-          "completion_ids": r.completion_ids.tolist(), "loss_mask": r.loss_mask.tolist(),
-          "logprobs": r.behaviour_logprobs.tolist(), "versions": r.token_versions.tolist(),
-          "finish_reason": r.finish_reason, "reward": r.reward, "env_name": r.env_name,
-          "timings": r.timings} for r in group.rollouts],
-  }
-
-
-def json_group_from_json(record: dict) -> rollout_lib.Group:
-  group_id, dispatch_version = int(record["group_id"]), int(record["dispatch_version"])
-  rollouts = [rollout_lib.Rollout(
-      group_id=group_id, sample_index=int(r["sample_index"]),
-      prompt_ids=np.asarray(r["prompt_ids"], np.int32),
-      completion_ids=np.asarray(r["completion_ids"], np.int32),
-      loss_mask=np.asarray(r["loss_mask"], np.float32),
-      behaviour_logprobs=np.asarray(r["logprobs"], np.float32),
-      token_versions=np.asarray(r["versions"], np.int32), dispatch_version=dispatch_version,
-      finish_reason=r["finish_reason"], reward=r["reward"], env_name=r["env_name"],
-      timings={k: float(v) for k, v in r["timings"].items()}) for r in record["rollouts"]]
-  return rollout_lib.Group(group_id=group_id, prompt_id=int(record["prompt_id"]),
-                           dispatch_version=dispatch_version, rollouts=rollouts)
-
-
 CODECS = {
-    "json": (lambda g: [json.dumps({"type": "group", "group": json_group_to_json(g)},
+    "json": (lambda g: [json.dumps({"type": "group", "group": json_wire.group_to_json(g)},
                                    separators=(",", ":")).encode()],
-             lambda frames: json_group_from_json(json.loads(frames[0])["group"])),
+             lambda frames: json_wire.group_from_json(json.loads(frames[0])["group"])),
     "binary": (lambda g: wire.encode({"type": "group", "group": wire.group_to_wire(g)}),
-               lambda frames: wire.group_from_wire(fleet_lib._parse(frames)["group"])),  # noqa: SLF001
+               # The fleet's own parser (`_parse`: decode + the message's keys).
+               lambda frames: wire.group_from_wire(
+                   fleet_lib._parse(frames)["group"])),  # noqa: SLF001
 }
 
 
@@ -315,13 +294,92 @@ def bench_assemble(num_groups: int, shape: tuple, pack_len: int, repeats: int) -
           "tokens/s": round(tokens / median)}
 
 
+def _tcp_bytes_received() -> int:
+  """Bytes received so far on this process's open TCP sockets (gloo's
+  included): the kernel's `tcpi_bytes_received` of each (Linux `tcp_info`,
+  offset 128)."""
+  total = 0
+  for fd in os.listdir("/proc/self/fd"):
+    try:
+      if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+        continue
+      sock = socket.socket(fileno=os.dup(int(fd)))
+    except OSError:
+      continue
+    with sock:
+      if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
+        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+        total += struct.unpack_from("<Q", info, 128)[0]
+  return total
+
+
+def lockstep_worker(process_id: int, num_processes: int, port: int, rows: int,
+                    columns: int) -> None:
+  """One process of `bench_lockstep`: joins the run, then shares a step's
+  batch the way the learner does before every update (`lockstep.share`, a
+  sum over the learner devices through gloo) and prints what it received."""
+  import jax  # noqa: PLC0415
+  from arl_jax.distributed import lockstep  # noqa: PLC0415
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                             num_processes=num_processes, process_id=process_id)
+  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
+  step = None
+  if process_id == 0:
+    rng = np.random.default_rng(0)
+    batch = train_batch_lib.TrainBatch(**{
+        name: rng.integers(0, 100, (rows, columns)).astype(dtype)
+        for name, (dtype, _) in train_batch_lib.FIELDS.items()})
+    step = lockstep.Step(kind=lockstep.BATCH, batch=batch)
+  lockstep.share(step, mesh)  # compiles the sums
+  before, start = _tcp_bytes_received(), time.perf_counter()
+  got = lockstep.share(step, mesh)
+  seconds, received = time.perf_counter() - start, _tcp_bytes_received() - before
+  print(json.dumps({"process": process_id, "received": received, "seconds": seconds,
+                    "batch_bytes": sum(getattr(got.batch, name).nbytes
+                                       for name in train_batch_lib.FIELDS)}), flush=True)
+  jax.distributed.shutdown()
+
+
+def bench_lockstep(num_processes: int, rows: int, columns: int) -> dict:
+  """Bytes each process receives while the step's batch is shared, today's
+  way (process 0 holds the whole batch; every process receives it)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  # One CPU device per process (the last device-count flag wins), other flags kept.
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
+  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
+  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--lockstep_worker",
+                             f"{i},{num_processes},{port},{rows},{columns}"], env=env,
+                            stdout=subprocess.PIPE, text=True) for i in range(num_processes)]
+  results = []
+  for p in procs:
+    out, _ = p.communicate(timeout=600)
+    if p.returncode:
+      raise RuntimeError(f"lockstep worker failed ({p.returncode})")
+    results.append(json.loads(out.strip().splitlines()[-1]))
+  batch = results[0]["batch_bytes"]
+  worst = max(r["received"] for r in results)
+  return {"benchmark": "data_plane", "part": "lockstep", "processes": num_processes,
+          "batch MB": round(batch / 1e6, 1),
+          "received MB per process (max)": round(worst / 1e6, 1),
+          "received / batch": round(worst / batch, 2),
+          "target (1.2 x batch / N)": round(1.2 / num_processes, 2),
+          "seconds": round(max(r["seconds"] for r in results), 3)}
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small groups, few messages")
-  parser.add_argument("--parts", default="codec,ingest,orchestrator,assemble",
+  parser.add_argument("--parts", default="codec,ingest,orchestrator,assemble,lockstep",
                       help="comma-separated parts to run")
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
+  parser.add_argument("--lockstep_worker", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
+  if args.lockstep_worker:
+    lockstep_worker(*(int(x) for x in args.lockstep_worker.split(",")))
+    return
   parts = set(args.parts.split(","))
   # A group of 16 samples of a 512-token prompt and 8k-token completions.
   shape = (4, 64, 512) if args.quick else (16, 512, 8192)
@@ -343,6 +401,11 @@ def main() -> None:
     rows = [bench_assemble(n, shape, 2 * (shape[1] + shape[2]), repeats=2 if args.quick else 3)
             for n in ((2,) if args.quick else (4, 16))]
     report.print_table(rows, title="process 0 assembling the global batch (packed rows)")
+    report.append_jsonl(rows, args.out)
+  if "lockstep" in parts:
+    batch_shape = (16, 512) if args.quick else (256, 4096)
+    rows = [bench_lockstep(n, *batch_shape) for n in ((2,) if args.quick else (1, 2, 4))]
+    report.print_table(rows, title="the step's batch shared with every process (lockstep)")
     report.append_jsonl(rows, args.out)
   if "ingest" in parts:
     count = 4 if args.quick else 16

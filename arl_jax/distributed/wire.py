@@ -16,7 +16,8 @@ ValueError naming it; the fleet then drops that peer, not the run.
 A finished group is one message: the header holds each rollout's scalars,
 and its five per-token arrays (ids, mask, log-probs, versions) are frames,
 sent from the rollout's memory and received as read-only views of the frames
-(`group_to_wire`, `group_from_wire`): the only copies are the socket's. Before this format the same records went as JSON text
+(`group_to_wire`, `group_from_wire`): the only copies are the socket's.
+Before this format the same records went as JSON text
 (`benchmarks/data_plane.py` keeps that codec as its comparison row).
 """
 
