@@ -87,7 +87,8 @@ def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
     learner["kl_reference_params"] = params
   cfg, engine = spec.model, spec.engine
   learner["activations_rough"] = learner_activations(
-      spec.model, spec.loss, *learner_rows(spec, lm.get("fsdp", 1)))
+      spec.model, spec.loss, *learner_rows(spec, lm.get("fsdp", 1)),
+      param_shards=lm.get("fsdp", 1) * lm.get("tp", 1))
 
   # Sampler: params in its dtype (replicated over `data`); while a swap is in
   # progress the old and new versions coexist, and `pinned` holds up to K + 1.
@@ -127,7 +128,7 @@ def learner_rows(spec: config_lib.RunSpec, fsdp: int) -> tuple[int, int]:
   return max(1, math.ceil(rows * longest / width)), width
 
 
-def learner_activations(cfg, loss, rows: int, width: int) -> int:
+def learner_activations(cfg, loss, rows: int, width: int, param_shards: int = 1) -> int:
   """Rough bytes of the activations of `rows x width` tokens of a decoder
   (`ModelConfig`) under `loss` (`LossSettings`) on one device.
 
@@ -139,8 +140,9 @@ def learner_activations(cfg, loss, rows: int, width: int) -> int:
   gradient, or a few `learner.logprob_chunk`s of them. One block's scratch
   counts once: a scan over the layers (`learner.scan_layers`) makes it so,
   for the price of a stacked copy of the blocks' parameters and its
-  gradient; unrolled, XLA:CPU plans each layer's apart (`benchmarks/learner.py`
-  part `long_row` measures both).
+  gradient (sharded as the parameters are: over `param_shards` devices);
+  unrolled, XLA:CPU plans each layer's apart (`benchmarks/learner.py` part
+  `long_row` measures both).
   """
   tokens = rows * width
   itemsize = np.dtype(cfg.param_dtype).itemsize
@@ -154,7 +156,7 @@ def learner_activations(cfg, loss, rows: int, width: int) -> int:
   else:
     total += cfg.num_layers * scores * width
   if loss.scan_layers:
-    total += 2 * cfg.num_layers * cfg.block_params * itemsize
+    total += 2 * cfg.num_layers * cfg.block_params * itemsize // param_shards
   logit_tokens = min(loss.logprob_chunk, tokens) if loss.logprob_chunk else tokens
   return total + 3 * logit_tokens * cfg.vocab_size * 4
 

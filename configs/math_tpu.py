@@ -22,10 +22,11 @@ weights, published device to device after every update).
 
 What was checked (on a CPU machine, with a stand-in folder holding
 Qwen2.5-0.5B-Instruct's config.json and a tokenizer of its vocabulary size):
-`--dry_run --dry_run_devices=8` validates the config and plans about 8 GiB per
-learner chip (params 0.46, Adam moments 0.92, gradients 0.46, activations ~6.2
-rough: 2 rows x 768 tokens per microbatch per chip, the float32 logits over
-151,936 tokens alone ~0.9) and 2.4 GiB per sampler chip (two bfloat16 weight
+`--dry_run --dry_run_devices=8` validates the config and plans about 4.6 GiB
+per learner chip (params 0.46, Adam moments 0.92, gradients 0.46, activations
+~2.8 rough: one packed row of 2,048 tokens per microbatch per chip, logits in
+chunks of 1,024 tokens, attention in blocks of 512 queries, blocks
+rematerialised and scanned) and 2.4 GiB per sampler chip (two bfloat16 weight
 versions 1.84, KV cache 0.57): inside 16 GiB. The batch of 256 rollouts (32
 prompts x 8) trains in 32 microbatches for that reason. Import and logit parity
 with `transformers` are tested on small random models of each family

@@ -49,23 +49,43 @@ from arl_jax.sampler import engine_stats
 
 _ANY_INTERFACE = ("0.0.0.0", "*")
 
-# What each message from a sampler must hold.
-_MESSAGE_KEYS = {"hello": ("name", "devices"), "take": ("n", "version"), "group": ("group",),
-                 "heartbeat": ("stats", "env"), "bye": ("stats", "env")}
+# What each message from a sampler must hold, and of which type.
+_MESSAGE_KEYS = {"hello": {"name": str, "devices": int}, "take": {"n": int, "version": int},
+                 "group": {"group": dict}, "heartbeat": {"stats": dict, "env": dict},
+                 "bye": {"stats": dict, "env": dict}}
+# A report's environment counters (`sampler_worker`'s `env`).
+_ENV_KEYS = {"errors": dict, "timeouts": dict, "turns": int}
 
 
 def _parse(frames: list) -> dict | str:
-  """A sampler's message, or what is wrong with it."""
+  """A sampler's message, or what is wrong with it: everything the server
+  thread reads of it is checked here (a group's contents by `wire`), so a
+  malformed message drops its sampler, never the run."""
   try:
     message = wire.decode(frames)
+    kind = message["type"]
+    keys = _MESSAGE_KEYS.get(kind) if isinstance(kind, str) else None
+    if keys is None:
+      return f"unknown message type {kind!r}"
+    missing = [k for k in keys if k not in message]
+    if missing:
+      return f"{kind!r} without {missing}"
+    wire.check_fields(message, kind, keys)
+    if kind == "group":
+      wire.check_fields(message["group"], "group", {"group_id": int})
+    if "env" in keys:
+      wire.check_fields(message["env"], "env", _ENV_KEYS)
+      wire.stats_from_wire(message["stats"])
+      if not all(type(v) is int for key in ("errors", "timeouts")
+                 for v in message["env"][key].values()):
+        return f"{kind!r} with environment counters that are not integers"
+    notes = message.get("notes", [])
+    if not isinstance(notes, list) or not all(
+        isinstance(n, list) and len(n) == 2 and all(type(x) is int for x in n) for n in notes):
+      return f"{kind!r} with notes that are not [group id, version] pairs"
   except ValueError as e:
     return str(e)
-  kind = message["type"]
-  keys = _MESSAGE_KEYS.get(kind) if isinstance(kind, str) else None
-  if keys is None:
-    return f"unknown message type {kind!r}"
-  missing = [k for k in keys if k not in message]
-  return f"{message['type']!r} without {missing}" if missing else message
+  return message
 
 
 def _this_host() -> str:
@@ -350,7 +370,7 @@ class SamplerFleet:
                     "name": sampler.name})
 
   def _receive_group(self, sampler: _Sampler, record: dict) -> None:
-    gid = int(record["group_id"])
+    gid = record["group_id"]  # an int (`_parse`)
     with self._lock:
       owned = self._owner.get(gid) is sampler
       if not owned:

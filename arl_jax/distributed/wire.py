@@ -77,7 +77,7 @@ def decode(frames: list) -> dict:
     raise ValueError("an empty message")
   try:
     header = json.loads(bytes(frames[0]))
-  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+  except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
     raise ValueError(f"not a fleet message header ({e}): {bytes(frames[0])[:200]!r}") from e
   if not isinstance(header, dict) or "type" not in header:
     raise ValueError(f"not a fleet message: {bytes(frames[0])[:200]!r}")
@@ -105,9 +105,10 @@ def decode(frames: list) -> dict:
 
 def _array(ref: dict, buffers: list, used: set) -> np.ndarray:
   index, dtype, shape = ref.get(_REF), ref.get("dtype"), ref.get("shape")
-  if not isinstance(index, int) or not 0 <= index < len(buffers) or index in used:
+  if (not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < len(buffers)
+      or index in used):
     raise ValueError(f"array reference {index!r} with {len(buffers)} array frames")
-  if dtype not in _DTYPES:
+  if not isinstance(dtype, str) or dtype not in _DTYPES:
     raise ValueError(f"array dtype {dtype!r} not sendable")
   if not isinstance(shape, list) or not all(isinstance(n, int) and n >= 0 for n in shape):
     raise ValueError(f"array shape {shape!r}")
@@ -166,9 +167,14 @@ def group_from_wire(record: dict) -> rollout_lib.Group:
   """Raises ValueError (from `Rollout`'s own checks, or arrays of the wrong
   type) on an inconsistent record. The rollouts' arrays are views of the
   frames, no copy: read-only, as a sampled rollout is."""
-  group_id, dispatch_version = int(record["group_id"]), int(record["dispatch_version"])
+  check_fields(record, "group", {"group_id": int, "prompt_id": int, "dispatch_version": int,
+                                   "rollouts": list})
+  group_id, dispatch_version = record["group_id"], record["dispatch_version"]
   rollouts = []
   for r in record["rollouts"]:
+    check_fields(r, "rollout", {"sample_index": int, "finish_reason": str,
+                                 "reward": (int, float, type(None)), "env_name": str,
+                                 "timings": dict})
     for name, _, dtype in _TOKEN_ARRAYS:
       array = r[name]
       if (not isinstance(array, np.ndarray) or array.ndim != 1
@@ -181,8 +187,8 @@ def group_from_wire(record: dict) -> rollout_lib.Group:
         behaviour_logprobs=r["logprobs"], token_versions=r["versions"],
         dispatch_version=dispatch_version, finish_reason=r["finish_reason"],
         reward=r["reward"], env_name=r["env_name"],
-        timings={k: float(v) for k, v in r["timings"].items()}))
-  return rollout_lib.Group(group_id=group_id, prompt_id=int(record["prompt_id"]),
+        timings={k: _number(v, "timings") for k, v in r["timings"].items()}))
+  return rollout_lib.Group(group_id=group_id, prompt_id=record["prompt_id"],
                            dispatch_version=dispatch_version, rollouts=rollouts)
 
 
@@ -191,5 +197,28 @@ def stats_to_wire(stats: engine_stats.EngineStats) -> dict:
 
 
 def stats_from_wire(record: dict) -> engine_stats.EngineStats:
+  """ValueError unless `record` is a dict of numbers (unknown keys ignored)."""
+  if not isinstance(record, dict):
+    raise ValueError(f"engine stats must be an object, got {type(record).__name__}")
   fields = {f.name for f in dataclasses.fields(engine_stats.EngineStats)}
-  return engine_stats.EngineStats(**{k: v for k, v in record.items() if k in fields})
+  return engine_stats.EngineStats(**{k: _number(v, f"stats.{k}") for k, v in record.items()
+                                     if k in fields})
+
+
+def _number(value, what: str):
+  if isinstance(value, bool) or not isinstance(value, (int, float)):
+    raise ValueError(f"{what} must be a number, got {value!r:.80}")
+  return value
+
+
+def check_fields(record, what: str, types: dict) -> None:
+  """ValueError unless `record` is a dict holding `types`' keys with values of
+  those types (what a peer sends is checked before anything uses it)."""
+  if not isinstance(record, dict):
+    raise ValueError(f"{what} must be an object, got {type(record).__name__}")
+  for key, kind in types.items():
+    if key not in record:
+      raise ValueError(f"{what} without {key!r}")
+    value = record[key]
+    if isinstance(value, bool) or not isinstance(value, kind):
+      raise ValueError(f"{what}.{key} has the wrong type ({type(value).__name__})")

@@ -255,3 +255,38 @@ def test_counters_add_what_each_sampler_reports_since_its_last_report(fleet):
 def test_fleet_config_checks():
   with pytest.raises(ValueError, match="timeout_s=1.0 must be >= 4 x heartbeat_s=0.5"):
     config_sections.FleetConfig(heartbeat_s=0.5, timeout_s=1.0)
+
+
+@pytest.mark.parametrize("message", [
+    {"type": "take", "n": [1, 2], "version": 0},
+    {"type": "take", "n": 1, "version": 0, "notes": [[1]]},
+    {"type": "group", "group": np.arange(4, dtype=np.int32)},
+    {"type": "group", "group": {"group_id": "7"}},
+    {"type": "heartbeat", "stats": {"steps": "x"}, "env": {"errors": {}, "timeouts": {},
+                                                          "turns": 0}},
+    {"type": "heartbeat", "stats": {}, "env": {"errors": {"x": 1.5}, "timeouts": {},
+                                                "turns": 0}},
+    {"type": "take", "n": {"__frame__": 0, "dtype": [1], "shape": [1]}, "version": 0},
+])
+def test_a_message_of_the_wrong_shape_drops_that_sampler_not_the_run(fleet, message):
+  bad = _FakeSampler(fleet.address)
+  frames = [bytes(f) for f in wire.encode(message)]
+  if "__frame__" in str(message):  # a hand-made array reference, and its frame
+    frames.append(b"\0" * 4)
+  bad.socket.send_multipart(frames)
+  reply = bad.receive()
+  assert reply["type"] == "rejected" and "malformed message" in reply["reason"], reply
+  assert not fleet.failed
+  bad.close()
+
+
+def test_a_group_whose_rollouts_are_not_records_is_generated_again(fleet):
+  sampler = _FakeSampler(fleet.address)
+  (request,) = sampler.take(1)
+  message = _group_message(request)
+  message["group"]["rollouts"] = np.arange(2, dtype=np.int32)  # an array where a list belongs
+  sampler.send(message)
+  _wait(lambda: fleet.bad_groups == 1)
+  assert [r.group_id for r in sampler.take(1)] == [request.group_id]
+  assert not fleet.failed
+  sampler.close()

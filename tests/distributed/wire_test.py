@@ -88,6 +88,9 @@ def _with_header(**changes):
     (_with_header(ref={"dtype": "|O"}), "array dtype '|O' not sendable"),
     (_with_header(ref={"shape": [-4]}), r"array shape \[-4\]"),
     (_with_header(ref={"__frame__": "0"}), "array reference '0'"),
+    (_with_header(ref={"__frame__": True}), "array reference True"),
+    (_with_header(ref={"dtype": [1]}), r"array dtype \[1\] not sendable"),
+    ([b"[" * 100_000 + b"]" * 100_000], "not a fleet message header"),
 ])
 def test_every_damage_is_a_named_value_error(frames, error):
   with pytest.raises(ValueError, match=error):
@@ -102,4 +105,20 @@ def test_a_group_with_inconsistent_arrays_is_refused():
     wire.group_from_wire(record)
   record["rollouts"][0]["logprobs"] = record["rollouts"][0]["loss_mask"].astype(np.float64)
   with pytest.raises(ValueError, match="rollout 0: logprobs must be a 1-D float32 array"):
+    wire.group_from_wire(record)
+
+
+@pytest.mark.parametrize("field, value, error", [
+    ("timings", [1.0], "rollout.timings has the wrong type"),
+    ("reward", [1.0], "rollout.reward has the wrong type"),
+    ("sample_index", None, "rollout.sample_index has the wrong type"),
+])
+def test_a_rollout_record_of_the_wrong_types_is_refused(field, value, error):
+  record = _round_trip({"type": "group", "group": wire.group_to_wire(
+      _group(np.random.default_rng(2)))})["group"]
+  record["rollouts"][1][field] = value
+  with pytest.raises(ValueError, match=error):
+    wire.group_from_wire(record)
+  record["rollouts"] = np.arange(3, dtype=np.int32)
+  with pytest.raises(ValueError, match="group.rollouts has the wrong type"):
     wire.group_from_wire(record)
