@@ -187,7 +187,7 @@ def group_from_wire(record: dict) -> rollout_lib.Group:
         behaviour_logprobs=r["logprobs"], token_versions=r["versions"],
         dispatch_version=dispatch_version, finish_reason=r["finish_reason"],
         reward=r["reward"], env_name=r["env_name"],
-        timings={k: _number(v, "timings") for k, v in r["timings"].items()}))
+        timings={k: float(_number(v, "timings")) for k, v in r["timings"].items()}))
   return rollout_lib.Group(group_id=group_id, prompt_id=record["prompt_id"],
                            dispatch_version=dispatch_version, rollouts=rollouts)
 
