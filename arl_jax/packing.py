@@ -69,16 +69,53 @@ class Layout:
   start: np.ndarray  # [N] int
 
 
-def padded(prompt_lengths, prompt_len: int, width: int) -> Layout:
+def padded(prompt_lengths, prompt_len: int, width: int, *, blocks=None, num_blocks: int = 1,
+           num_slices: int = 1) -> Layout:
   """One sequence per row, its prompt ending at column `prompt_len` (its
-  completion then fits in `width - prompt_len` columns)."""
+  completion then fits in `width - prompt_len` columns). Sequence i lies in
+  row i; with `blocks` (sequence i in block `blocks[i]` of `num_blocks`
+  equal blocks of consecutive rows: a learner process's shard), in the
+  next row of its block that belongs to its minibatch (row r is in slice
+  `r % num_slices`, as sequence i is in slice `i % num_slices`): each block
+  must be given exactly its rows' count of each slice (`padded_capacity`)."""
   prompt_lengths = np.asarray(prompt_lengths, np.int64)
   n = len(prompt_lengths)
-  return Layout(rows=n, width=width, row=np.arange(n), start=prompt_len - prompt_lengths)
+  start = prompt_len - prompt_lengths
+  if blocks is None:
+    return Layout(rows=n, width=width, row=np.arange(n), start=start)
+  blocks = np.asarray(blocks, np.int64)
+  if np.any(np.bincount(blocks, minlength=num_blocks) * num_blocks != n):
+    raise ValueError(f"{n} padded rows in {num_blocks} blocks: got "
+                     f"{np.bincount(blocks, minlength=num_blocks).tolist()} sequences per block")
+  per_block = n // num_blocks
+  row = np.zeros(n, np.int64)
+  for b in range(num_blocks):
+    rows = np.arange(b * per_block, (b + 1) * per_block)
+    for j in range(num_slices):
+      ids = np.flatnonzero((blocks == b) & (np.arange(n) % num_slices == j))
+      free = rows[rows % num_slices == j]
+      if len(ids) != len(free):
+        raise ValueError(f"block {b} has {len(free)} rows of minibatch {j}, given {len(ids)} "
+                         "sequences (padded_capacity)")
+      row[ids] = free
+  return Layout(rows=n, width=width, row=row, start=start)
 
 
-def packed(lengths, packing: Packing) -> Layout:
-  """Sequences of `lengths` tokens packed into rows (module docstring)."""
+def padded_capacity(rows: int, num_blocks: int, num_slices: int) -> np.ndarray:
+  """`[num_blocks, num_slices]`: how many of `padded`'s rows block b holds
+  of minibatch j (`rows` divides into the blocks)."""
+  per_block = rows // num_blocks
+  index = np.arange(rows)
+  return np.array([[np.sum((index // per_block == b) & (index % num_slices == j))
+                    for j in range(num_slices)] for b in range(num_blocks)], np.int64)
+
+
+def packed(lengths, packing: Packing, *, blocks=None, num_blocks: int = 1) -> Layout:
+  """Sequences of `lengths` tokens packed into rows (module docstring). With
+  `blocks`, sequence i goes into block `blocks[i]` of `num_blocks` equal
+  blocks of consecutive rows (a learner process's shard): each block's
+  minibatches are packed on their own, into as many rows as the fullest
+  needs."""
   lengths = np.asarray(lengths, np.int64)
   if not len(lengths) or lengths.min() < 1:
     raise ValueError(f"packing needs one or more non-empty sequences, got lengths {lengths}")
@@ -86,7 +123,8 @@ def packed(lengths, packing: Packing) -> Layout:
     quadratic = layout.width / packing.attention_width if packing.attention_width else 0.0
     return layout.rows * layout.width * (1.0 + quadratic)
 
-  layouts = [_packed_at(lengths, width, packing)
+  blocks = np.zeros(len(lengths), np.int64) if blocks is None else np.asarray(blocks, np.int64)
+  layouts = [_packed_at(lengths, width, packing, blocks, num_blocks)
              for width in candidate_widths(int(lengths.max()), packing.pack_len)]
   return min(layouts, key=cost)  # the widest of equal costs: fewer rows
 
@@ -144,14 +182,23 @@ def utilisation(lengths, layout: Layout) -> float:
   return float(np.sum(lengths)) / max(layout.rows * layout.width, 1)
 
 
-def _packed_at(lengths, width: int, packing: Packing) -> Layout:
+def _packed_at(lengths, width: int, packing: Packing, blocks, num_blocks: int) -> Layout:
   n = packing.num_slices
-  slices = [np.arange(j, len(lengths), n) for j in range(n)]
-  placed = [first_fit_decreasing(lengths[ids], width) for ids in slices]
-  per_slice = row_bucket(max(1, max(used for _, _, used in placed)), packing.row_multiple)
+  sliced = np.arange(len(lengths)) % n
+  cells = [(b, j, np.flatnonzero((blocks == b) & (sliced == j)))
+           for b in range(num_blocks) for j in range(n)]
+  placed = [first_fit_decreasing(lengths[ids], width) if len(ids) else (ids, ids, 0)
+            for _, _, ids in cells]
+  # Each block's share of a slice's rows splits evenly over its devices and
+  # the microbatches when the blocks split `row_multiple`.
+  multiple = packing.row_multiple
+  if multiple % num_blocks == 0:
+    multiple //= num_blocks
+  per_cell = row_bucket(max(1, max(used for _, _, used in placed)), multiple)
   row = np.zeros(len(lengths), np.int64)
   start = np.zeros(len(lengths), np.int64)
-  for j, (ids, (r, s, _)) in enumerate(zip(slices, placed)):
-    row[ids] = r * n + j  # slice j's rows are j, j + n, ... (`update._split`)
+  for (b, j, ids), (r, s, _) in zip(cells, placed):
+    # Slice j's rows are j, j + n, ... (`update._split`), in each block.
+    row[ids] = b * per_cell * n + r * n + j
     start[ids] = s
-  return Layout(rows=per_slice * n, width=width, row=row, start=start)
+  return Layout(rows=per_cell * n * num_blocks, width=width, row=row, start=start)

@@ -69,11 +69,75 @@ class Rollout:
       return (self.dispatch_version, self.dispatch_version)
     return (int(sampled.min()), int(sampled.max()))
 
+  @property
+  def prompt_length(self) -> int:
+    return len(self.prompt_ids)
+
+  @property
+  def completion_length(self) -> int:
+    return len(self.completion_ids)
+
+  holder = None  # where the per-token arrays are: here (`HeldRollout.holder`)
+
   def is_masked(self, mask_truncated_completions: bool) -> bool:
     """Whether the learner keeps this rollout out of the loss and of its group's
     baseline: environment faults always, truncated completions on request."""
-    return self.finish_reason == "error" or (
-        mask_truncated_completions and self.finish_reason == "length")
+    return _is_masked(self.finish_reason, mask_truncated_completions)
+
+
+@dataclasses.dataclass(kw_only=True)
+class HeldRollout:
+  """What the orchestrator knows of a rollout whose per-token arrays stay in
+  the process that sampled it (`holder`, a multi-controller process): its
+  metadata, exactly what staleness, assembly policies, the drop ledger and
+  the batch plan read (`distributed/shard_plan.py`). The arrays reach the
+  learner shard that trains it only when it is trained.
+
+  Attributes (as `Rollout`'s, plus):
+    prompt_length, completion_length: token counts of the arrays.
+    span: `version_span` of the sampled tokens.
+    holder: the process index that holds the arrays.
+  """
+
+  group_id: int
+  sample_index: int
+  prompt_length: int
+  completion_length: int
+  span: tuple[int, int]
+  dispatch_version: int
+  finish_reason: str
+  holder: int
+  reward: float | None = None
+  env_name: str = ""
+  timings: dict[str, float] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if self.finish_reason not in FINISH_REASONS:
+      raise ValueError(f"finish_reason must be one of {FINISH_REASONS}, got {self.finish_reason!r}")
+    if self.prompt_length < 0 or self.completion_length < 0 or self.span[0] > self.span[1]:
+      raise ValueError(f"HeldRollout of group {self.group_id}: lengths {self.prompt_length}, "
+                       f"{self.completion_length} and version span {self.span} are inconsistent")
+
+  @property
+  def version_span(self) -> tuple[int, int]:
+    return self.span
+
+  def is_masked(self, mask_truncated_completions: bool) -> bool:
+    return _is_masked(self.finish_reason, mask_truncated_completions)
+
+
+def held(rollout: Rollout, holder: int) -> HeldRollout:
+  """`rollout`'s metadata, its arrays held by process `holder`."""
+  return HeldRollout(
+      group_id=rollout.group_id, sample_index=rollout.sample_index,
+      prompt_length=rollout.prompt_length, completion_length=rollout.completion_length,
+      span=rollout.version_span, dispatch_version=rollout.dispatch_version,
+      finish_reason=rollout.finish_reason, holder=holder, reward=rollout.reward,
+      env_name=rollout.env_name, timings=dict(rollout.timings))
+
+
+def _is_masked(finish_reason: str, mask_truncated_completions: bool) -> bool:
+  return finish_reason == "error" or (mask_truncated_completions and finish_reason == "length")
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -93,8 +157,13 @@ class Group:
   group_id: int
   prompt_id: int
   dispatch_version: int
-  rollouts: list[Rollout]
+  rollouts: list[Rollout] | list[HeldRollout]
   arrival_version: int | None = None
+
+  @property
+  def holder(self) -> int | None:
+    """The process that holds the rollouts' arrays (None: this one)."""
+    return self.rollouts[0].holder if self.rollouts else None
 
   @property
   def oldest_version(self) -> int:

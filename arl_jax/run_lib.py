@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from arl_jax import config_lib, evaluation
-from arl_jax.distributed import follower, lockstep
+from arl_jax.distributed import follower, lockstep, shard_batch
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib
 from arl_jax.learner import train_state as train_state_lib
@@ -166,7 +166,8 @@ def _train(spec, config_dict, meshes, *, workdir, inputs, beginning, optimizer, 
     version = follower.follow(spec, meshes=meshes, graphdef=beginning.graphdef, state=state,
                               update_fn=update_fn, publisher=publisher,
                               checkpointer=checkpoints.saver, reference=reference,
-                              eval_log=eval_log, version=beginning.version)
+                              eval_log=eval_log, version=beginning.version,
+                              pad_id=inputs.tokenizer.pad_id)
     print_fn(f"done: {version} updates (following process 0)")
     return learner_loop.LoopResult(version=version, groups_trained=0, batches=[])
   return _lead(spec, config_dict, meshes, workdir=workdir, graphdef=beginning.graphdef,
@@ -215,10 +216,12 @@ def _lead(spec, config_dict, meshes, *, workdir, graphdef, inputs, state, update
                             inputs=inputs, orchestrator=orchestrator, publisher=publisher,
                             workdir=workdir, writer=writer, print_fn=print_fn,
                             multi_controller=multi)
-  broadcast_fn = None
+  broadcast_fn = shards = None
   if multi:
     lockstep.share_text(sampling.fleet.address, meshes.learner)
     broadcast_fn = lockstep.leader_broadcast_fn(sampling.fleet, meshes.learner)
+    shards = shard_batch.LeaderShards(spec, mesh=meshes.learner, fleet=sampling.fleet,
+                                      pad_id=inputs.tokenizer.pad_id)
   groups_trained = 0
   if restored is not None:
     audit.write({"event": "resumed", "version": version})
@@ -240,8 +243,8 @@ def _lead(spec, config_dict, meshes, *, workdir, graphdef, inputs, state, update
       rollouts=sampling, checkpointer=checkpoints.saver, reference=reference,
       eval_log=eval_log, writer=writer, audit=audit, stop=stop,
       pad_id=inputs.tokenizer.pad_id, config=config_dict, version=version,
-      groups_trained=groups_trained, broadcast_fn=broadcast_fn, print_fn=print_fn,
-      keep_batches=keep_batches)
+      groups_trained=groups_trained, broadcast_fn=broadcast_fn, shards=shards,
+      print_fn=print_fn, keep_batches=keep_batches)
   result = loop.run()
   sampling.raise_if_failed()
   _write_task_drops(workdir, orchestrator.ledger)

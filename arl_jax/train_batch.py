@@ -15,6 +15,8 @@ which rollouts it holds.
 
 from __future__ import annotations
 
+import dataclasses
+
 import flax.struct
 import jax
 import numpy as np
@@ -73,9 +75,95 @@ def completion_width(groups: list[rollout_lib.Group], max_new_tokens: int,
   `max_new_tokens`. A batch of short completions then costs the learner a
   fraction of a full-width one, at the price of one compile per width (a
   handful: powers of two)."""
-  longest = max(len(r.completion_ids) for g in groups for r in g.rollouts)
+  longest = max(r.completion_length for g in groups for r in g.rollouts)
   width = max(floor, 1 << max(longest - 1, 0).bit_length())
   return min(width, max_new_tokens)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """A batch's layout and what lies on each rollout's tokens besides its own
+  arrays, decided from the rollouts' metadata alone (lengths, rewards,
+  finish reasons), so that the process holding a rollout's arrays can fill
+  its rows without the others (`distributed/shard_plan.py`). Rollout i is
+  the i-th of the batch's groups' rollouts in order.
+
+  Attributes:
+    layout: where rollout i lies (`packing.Layout`).
+    advantages: `[N]` float32, rollout i's advantage.
+    segments: `[N]` int32, rollout i's segment id in its row (1 = the first).
+    masked: `[N]` bool, rollout i is kept out of the loss (`Rollout.is_masked`).
+  """
+
+  layout: packing_lib.Layout
+  advantages: np.ndarray
+  segments: np.ndarray
+  masked: np.ndarray
+
+
+def plan(groups: list[rollout_lib.Group], *, prompt_len: int, max_new_tokens: int,
+         advantage_estimator: str, mask_truncated_completions: bool = False,
+         packing: packing_lib.Packing | None = None, blocks=None, num_blocks: int = 1,
+         num_slices: int = 1) -> Plan:
+  """The `Plan` of a batch of whole groups (`assemble`'s arguments; `blocks`
+  and `num_blocks` as `packing.packed` / `packing.padded` take them: the
+  learner process each rollout is trained on; `num_slices`: the update's
+  minibatches, for padded rows in blocks)."""
+  rewards = np.stack([g.rewards for g in groups])  # [num_groups, G]
+  masked = np.array([r.is_masked(mask_truncated_completions) for g in groups
+                     for r in g.rollouts])
+  advantages = advantages_lib.group_advantages(rewards, advantage_estimator,
+                                               valid=~masked.reshape(rewards.shape)).reshape(-1)
+  rollouts = [r for g in groups for r in g.rollouts]
+  for g in groups:
+    for r in g.rollouts:
+      p, c = r.prompt_length, r.completion_length
+      if p > prompt_len or c > max_new_tokens or p < 1:
+        raise ValueError(f"rollout of group {g.group_id} has prompt {p} / completion {c} tokens; "
+                         f"the batch holds 1..{prompt_len} / {max_new_tokens}")
+  prompt_lengths = np.array([r.prompt_length for r in rollouts])
+  lengths = prompt_lengths + np.array([r.completion_length for r in rollouts])
+  if packing is None:
+    layout = packing_lib.padded(prompt_lengths, prompt_len, prompt_len + max_new_tokens,
+                                blocks=blocks, num_blocks=num_blocks,
+                                num_slices=num_slices)
+  else:
+    layout = packing_lib.packed(lengths, packing, blocks=blocks, num_blocks=num_blocks)
+  # Segment ids count a row's rollouts from its first column.
+  order = np.lexsort((layout.start, layout.row))
+  segments = np.zeros(len(rollouts), np.int32)
+  for k, i in enumerate(order):
+    first_in_row = k == 0 or layout.row[order[k - 1]] != layout.row[i]
+    segments[i] = 1 if first_in_row else segments[order[k - 1]] + 1
+  return Plan(layout=layout, advantages=advantages.astype(np.float32), segments=segments,
+              masked=masked)
+
+
+def empty_rows(rows: int, columns: int, pad_id: int) -> dict[str, np.ndarray]:
+  """`FIELDS` as `[rows, columns]` arrays holding their padding values."""
+  return {name: np.full((rows, columns), pad_id if fill is None else fill, dtype)
+          for name, (dtype, fill) in FIELDS.items()}
+
+
+def fill(arrays: dict[str, np.ndarray], batch_plan: Plan, rollouts: dict[int, rollout_lib.Rollout],
+         first_row: int = 0) -> None:
+  """Writes rollouts `{i: rollout i}` where `batch_plan` places them into
+  `arrays` (`empty_rows`), which hold the batch's rows from `first_row`."""
+  layout = batch_plan.layout
+  for i, r in rollouts.items():
+    p = r.prompt_length
+    n = p + r.completion_length
+    loss = np.zeros(n - p) if batch_plan.masked[i] else r.loss_mask
+    # Prompt tokens carry no loss, no behaviour log-prob and no version.
+    values = {"tokens": (r.prompt_ids, r.completion_ids), "token_mask": (True,),
+              "loss_mask": (np.zeros(p), loss), "behaviour_logprobs": (np.zeros(p),
+                                                                       r.behaviour_logprobs),
+              "token_versions": (np.full(p, rollout_lib.NO_VERSION), r.token_versions),
+              "segment_ids": (batch_plan.segments[i],), "positions": (np.arange(n),),
+              "advantages": (batch_plan.advantages[i],), "rewards": (r.reward,)}
+    row, cols = layout.row[i] - first_row, slice(layout.start[i], layout.start[i] + n)
+    for name, parts in values.items():
+      arrays[name][row, cols] = np.concatenate(parts) if len(parts) > 1 else parts[0]
 
 
 def assemble(groups: list[rollout_lib.Group], *, prompt_len: int, max_new_tokens: int,
@@ -89,46 +177,12 @@ def assemble(groups: list[rollout_lib.Group], *, prompt_len: int, max_new_tokens
   `mask_truncated_completions`) keep their tokens for the record but get loss
   mask 0 and do not shift their group's baseline: they carry no signal.
   """
-  rewards = np.stack([g.rewards for g in groups])  # [num_groups, G]
-  valid = np.array([[not r.is_masked(mask_truncated_completions) for r in g.rollouts]
-                    for g in groups])
-  advantages = advantages_lib.group_advantages(rewards, advantage_estimator,
-                                               valid=valid).reshape(-1)
-  rollouts = [r for g in groups for r in g.rollouts]
-  for g in groups:
-    for r in g.rollouts:
-      p, c = len(r.prompt_ids), len(r.completion_ids)
-      if p > prompt_len or c > max_new_tokens or p < 1:
-        raise ValueError(f"rollout of group {g.group_id} has prompt {p} / completion {c} tokens; "
-                         f"the batch holds 1..{prompt_len} / {max_new_tokens}")
-  prompt_lengths = np.array([len(r.prompt_ids) for r in rollouts])
-  lengths = prompt_lengths + np.array([len(r.completion_ids) for r in rollouts])
-  if packing is None:
-    layout = packing_lib.padded(prompt_lengths, prompt_len, prompt_len + max_new_tokens)
-  else:
-    layout = packing_lib.packed(lengths, packing)
-  batch = {name: np.full((layout.rows, layout.width), pad_id if fill is None else fill, dtype)
-           for name, (dtype, fill) in FIELDS.items()}
-  # Segment ids count a row's rollouts from its first column.
-  order = np.lexsort((layout.start, layout.row))
-  segment = np.zeros(len(rollouts), np.int32)
-  for k, i in enumerate(order):
-    first_in_row = k == 0 or layout.row[order[k - 1]] != layout.row[i]
-    segment[i] = 1 if first_in_row else segment[order[k - 1]] + 1
-  for i, r in enumerate(rollouts):
-    p, n = prompt_lengths[i], lengths[i]
-    loss = np.zeros(n - p) if r.is_masked(mask_truncated_completions) else r.loss_mask
-    # Prompt tokens carry no loss, no behaviour log-prob and no version.
-    values = {"tokens": (r.prompt_ids, r.completion_ids), "token_mask": (True,),
-              "loss_mask": (np.zeros(p), loss), "behaviour_logprobs": (np.zeros(p),
-                                                                       r.behaviour_logprobs),
-              "token_versions": (np.full(p, rollout_lib.NO_VERSION), r.token_versions),
-              "segment_ids": (segment[i],), "positions": (np.arange(n),),
-              "advantages": (advantages[i],), "rewards": (r.reward,)}
-    cols = slice(layout.start[i], layout.start[i] + n)
-    for name, parts in values.items():
-      batch[name][layout.row[i], cols] = np.concatenate(parts) if len(parts) > 1 else parts[0]
-  return TrainBatch(**batch)
+  batch_plan = plan(groups, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
+                    advantage_estimator=advantage_estimator,
+                    mask_truncated_completions=mask_truncated_completions, packing=packing)
+  arrays = empty_rows(batch_plan.layout.rows, batch_plan.layout.width, pad_id)
+  fill(arrays, batch_plan, dict(enumerate(r for g in groups for r in g.rollouts)))
+  return TrainBatch(**arrays)
 
 
 def from_rows(tokens, token_mask, loss_mask, behaviour_logprobs, token_versions, advantages,

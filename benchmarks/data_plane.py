@@ -13,22 +13,33 @@ Parts:
 - `ingest`: M sampler processes (plain Python + ZeroMQ) send pre-encoded
   groups over loopback TCP to one ZeroMQ ROUTER socket in this process, which
   parses each message the way the fleet's server thread does
-  (`fleet._parse`, then `group_from_wire` / the JSON codec): tokens per second
-  this one thread absorbs, from the first message to the last.
+  (`wire.parse_sampler_message`, then `group_from_wire` / the JSON codec): tokens per second
+  this one thread absorbs, from the first message to the last; `held`: the
+  metadata-only message of a group a multi-controller process keeps
+  (tokens/s counts the tokens it stands for).
 - `orchestrator`: the orchestrator's own cost per group (dispatch, arrival,
   sweep + cut, publish) in steady state with 1k-16k groups in flight
   (`bench_orchestrator`): microseconds per group, flat in the number in
   flight when no step scans everything in the system.
 - `lockstep`: N processes (`jax.distributed`, gloo on loopback, one CPU
-  device each) share one step's batch as the learner does before every
-  update (`lockstep.share`); the bytes each process's TCP sockets receive
-  meanwhile (the kernel's count), against issue 23's target of at most 1.2x
-  the batch / N.
-- `assemble`: process 0 building the global `TrainBatch` (packed rows) from
-  finished groups, as it does before every step today: seconds, bytes per
-  token of the batch every process then receives (`lockstep.share`).
+  device each) get one step's batch onto the learner devices
+  (`arl_jax.testing.lockstep_worker`): today (`plan`) process 0 shares the
+  step's plan and each process fills its own rows from the groups it holds
+  (`local`: every process holds its share; `spread`: random lengths, so
+  balance moves a few rollouts; `process0`: every group on process 0, as
+  when sampler processes outside the job make them all); before (`broadcast`, the comparison row)
+  process 0 assembled the batch and every process received all of it. The
+  bytes each process's TCP sockets receive meanwhile (the kernel's count),
+  against issue 23's target of at most 1.2x the batch / N.
+- `plan`: process 0 planning a step's batch from metadata
+  (`shard_plan.make`: which process trains each rollout, the layout, the
+  advantages), 1,024 groups x 16 held by 8 or 64 processes: microseconds
+  per rollout, and the plan's bytes (what every process receives).
+- `assemble`: building a `TrainBatch` (packed rows) from finished groups in
+  one process (process 0's whole batch before issue 23; each process's
+  block today): seconds, bytes per token.
 
-  python benchmarks/data_plane.py --out=/tmp/data_plane.jsonl   # ~1 min
+  python benchmarks/data_plane.py --out=/tmp/data_plane.jsonl   # ~2 min
   python benchmarks/data_plane.py --quick                      # seconds
 """
 
@@ -40,7 +51,6 @@ import gc
 import itertools
 import json
 import os
-import socket
 import statistics
 import struct
 import subprocess
@@ -54,26 +64,30 @@ import zmq
 from arl_jax import packing as packing_lib
 from arl_jax import rollout as rollout_lib
 from arl_jax import train_batch as train_batch_lib
-from arl_jax.distributed import fleet as fleet_lib
-from arl_jax.distributed import wire
+from arl_jax.distributed import shard_plan, wire
 from arl_jax.envs import env_api
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
+from arl_jax.testing import lockstep_worker
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import json_wire  # noqa: E402  (the JSON codec the wire format replaced)
 import report  # noqa: E402  (benchmarks/report.py, run as a script)
-
 
 CODECS = {
     "json": (lambda g: [json.dumps({"type": "group", "group": json_wire.group_to_json(g)},
                                    separators=(",", ":")).encode()],
              lambda frames: json_wire.group_from_json(json.loads(frames[0])["group"])),
     "binary": (lambda g: wire.encode({"type": "group", "group": wire.group_to_wire(g)}),
-               # The fleet's own parser (`_parse`: decode + the message's keys).
+               # The fleet's own parser (decode + the message's keys).
                lambda frames: wire.group_from_wire(
-                   fleet_lib._parse(frames)["group"])),  # noqa: SLF001
+                   wire.parse_sampler_message(frames)["group"])),
+    # A multi-controller process's finished group: metadata only, the arrays
+    # stay with it (`held_groups.py`); what process 0 ingests today.
+    "held": (lambda g: wire.encode({"type": "group", "group": wire.group_to_wire(g, held_by=1)}),
+             lambda frames: wire.group_from_wire(
+                 wire.parse_sampler_message(frames)["group"])),
 }
 
 
@@ -100,7 +114,8 @@ def array_bytes(group: rollout_lib.Group) -> int:
 
 def bench_codec(group, repeats: int) -> list[dict]:
   rows = []
-  for name, (encode, decode) in CODECS.items():
+  for name in ("json", "binary"):
+    encode, decode = CODECS[name]
     encode_s, decode_s = [], []
     for _ in range(repeats):
       start = time.perf_counter()
@@ -177,7 +192,7 @@ def bench_ingest(codec: str, senders: int, shape: tuple, count: int, tmp: str) -
   while received < senders * count:
     _, *frames = router.recv_multipart()
     group = decode(frames)
-    tokens += sum(len(r.prompt_ids) + len(r.completion_ids) for r in group.rollouts)
+    tokens += sum(r.prompt_length + r.completion_length for r in group.rollouts)
     received += 1
   seconds = time.perf_counter() - start
   for identity in identities:
@@ -269,9 +284,53 @@ def bench_orchestrator(in_flight: int, groups_per_batch: int, assembly: str, ref
           "us/group": round(sum(us.values()), 2)}
 
 
+def bench_plan(num_groups: int, group_size: int, processes: int, pack_len: int,
+               repeats: int) -> dict:
+  """Process 0 planning a batch from metadata (`shard_plan.make`, what it
+  does before every step of a multi-controller run): `HeldRollout`s spread
+  over `processes` holders, lognormal lengths (median ~1.5k tokens, capped
+  at `pack_len`), packed rows; the plan's broadcast bytes."""
+  rng = np.random.default_rng(0)
+  groups = []
+  for i in range(num_groups):
+    lengths = np.minimum(rng.lognormal(np.log(1500), 0.8, group_size).astype(int) + 1,
+                         pack_len - 512)
+    groups.append(rollout_lib.Group(group_id=i, prompt_id=i, dispatch_version=3, rollouts=[
+        rollout_lib.HeldRollout(
+            group_id=i, sample_index=s, prompt_length=512, completion_length=int(c),
+            span=(3, 3), dispatch_version=3, finish_reason="stop", holder=i % processes,
+            reward=float(rng.random())) for s, c in enumerate(lengths)]))
+  packing = packing_lib.Packing(pack_len=pack_len, row_multiple=processes)
+  seconds = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    plan = shard_plan.make(groups, blocks_of_process=list(range(processes)), prompt_len=512,
+                           max_new_tokens=pack_len - 512, advantage_estimator="grpo",
+                           mask_truncated_completions=False, packing=packing, num_slices=1)
+    seconds.append(time.perf_counter() - start)
+  rollouts = num_groups * group_size
+  median = statistics.median(seconds)
+  tokens = int(np.sum(plan.prompt_length + plan.completion_length))
+  # What `shard_batch.local_batch`'s all-gather then delivers to each
+  # process: every other process's outgoing bytes, padded to the largest.
+  moved = plan.moved(list(range(processes)))
+  outgoing = np.bincount(plan.holder, weights=moved * (4 * plan.prompt_length
+                                                      + 16 * plan.completion_length),
+                         minlength=processes)
+  return {"benchmark": "data_plane", "part": "plan", "groups": num_groups,
+          "rollouts": rollouts, "processes": processes, "tokens": tokens,
+          "rows x width": f"{plan.rows} x {plan.width}",
+          "fill": round(tokens / (plan.rows * plan.width), 3),
+          "rollouts moved": int(moved.sum()),
+          "plan KB": round(sum(a.nbytes for a in plan.to_arrays().values()) / 1e3, 1),
+          "moved MB in per process": round((processes - 1) * outgoing.max() / 1e6, 2),
+          "seconds": round(median, 3), "us/rollout": round(1e6 * median / rollouts, 1)}
+
+
 def bench_assemble(num_groups: int, shape: tuple, pack_len: int, repeats: int) -> dict:
-  """Process 0 building one global `TrainBatch` from finished groups (what
-  it does before every step today): packed rows of `pack_len`."""
+  """Building one `TrainBatch` from finished groups in one process (process
+  0's whole batch before issue 23; a process's own block today): packed
+  rows of `pack_len`."""
   groups = [make_group(*shape, seed=i) for i in range(num_groups)]
   group_size, prompt_len, completion_len = shape
   packing = packing_lib.Packing(pack_len=pack_len)
@@ -294,92 +353,34 @@ def bench_assemble(num_groups: int, shape: tuple, pack_len: int, repeats: int) -
           "tokens/s": round(tokens / median)}
 
 
-def _tcp_bytes_received() -> int:
-  """Bytes received so far on this process's open TCP sockets (gloo's
-  included): the kernel's `tcpi_bytes_received` of each (Linux `tcp_info`,
-  offset 128)."""
-  total = 0
-  for fd in os.listdir("/proc/self/fd"):
-    try:
-      if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
-        continue
-      sock = socket.socket(fileno=os.dup(int(fd)))
-    except OSError:
-      continue
-    with sock:
-      if sock.family in (socket.AF_INET, socket.AF_INET6) and sock.type == socket.SOCK_STREAM:
-        info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-        total += struct.unpack_from("<Q", info, 128)[0]
-  return total
-
-
-def lockstep_worker(process_id: int, num_processes: int, port: int, rows: int,
-                    columns: int) -> None:
-  """One process of `bench_lockstep`: joins the run, then shares a step's
-  batch the way the learner does before every update (`lockstep.share`, a
-  sum over the learner devices through gloo) and prints what it received."""
-  import jax  # noqa: PLC0415
-  from arl_jax.distributed import lockstep  # noqa: PLC0415
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
-                             num_processes=num_processes, process_id=process_id)
-  mesh = jax.sharding.Mesh(np.array(jax.devices()), ("fsdp",))
-  step = None
-  if process_id == 0:
-    rng = np.random.default_rng(0)
-    batch = train_batch_lib.TrainBatch(**{
-        name: rng.integers(0, 100, (rows, columns)).astype(dtype)
-        for name, (dtype, _) in train_batch_lib.FIELDS.items()})
-    step = lockstep.Step(kind=lockstep.BATCH, batch=batch)
-  lockstep.share(step, mesh)  # compiles the sums
-  before, start = _tcp_bytes_received(), time.perf_counter()
-  got = lockstep.share(step, mesh)
-  seconds, received = time.perf_counter() - start, _tcp_bytes_received() - before
-  print(json.dumps({"process": process_id, "received": received, "seconds": seconds,
-                    "batch_bytes": sum(getattr(got.batch, name).nbytes
-                                       for name in train_batch_lib.FIELDS)}), flush=True)
-  jax.distributed.shutdown()
-
-
-def bench_lockstep(num_processes: int, rows: int, columns: int) -> dict:
-  """Bytes each process receives while the step's batch is shared, today's
-  way (process 0 holds the whole batch; every process receives it)."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  # One CPU device per process (the last device-count flag wins), other flags kept.
-  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=1"
-  env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
-  procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--lockstep_worker",
-                             f"{i},{num_processes},{port},{rows},{columns}"], env=env,
-                            stdout=subprocess.PIPE, text=True) for i in range(num_processes)]
-  results = []
-  for p in procs:
-    out, _ = p.communicate(timeout=600)
-    if p.returncode:
-      raise RuntimeError(f"lockstep worker failed ({p.returncode})")
-    results.append(json.loads(out.strip().splitlines()[-1]))
-  batch = results[0]["batch_bytes"]
-  worst = max(r["received"] for r in results)
+def bench_lockstep(num_processes: int, mode: str, placement: str, **sizes) -> dict:
+  """Bytes each process receives while a step's batch reaches the learner
+  devices (`arl_jax.testing.lockstep_worker`): `plan` (process-local
+  shards: the plan, plus the rollouts balance moves) or `broadcast` (the
+  replaced design: process 0 assembles it, every process receives it)."""
+  reports = lockstep_worker.run(num_processes, mode=mode, placement=placement, **sizes)
+  batch = reports[0]["batch_bytes"]
+  worst = max(r["received"] for r in reports)
+  if mode == "plan":
+    assert all(r["block_equal"] for r in reports), reports
   return {"benchmark": "data_plane", "part": "lockstep", "processes": num_processes,
+          "mode": mode, "placement": placement if mode == "plan" else "-",
           "batch MB": round(batch / 1e6, 1),
-          "received MB per process (max)": round(worst / 1e6, 1),
-          "received / batch": round(worst / batch, 2),
+          "received MB per process (max)": round(worst / 1e6, 3),
+          "received / batch": round(worst / batch, 3),
           "target (1.2 x batch / N)": round(1.2 / num_processes, 2),
-          "seconds": round(max(r["seconds"] for r in results), 3)}
+          "rollouts moved": reports[0].get("moved_rollouts", "-"),
+          "token MB moved in (max)": round(max(r["token_bytes_moved"] for r in reports) / 1e6, 3),
+          "seconds": round(max(r["seconds"] for r in reports), 3)}
 
 
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="small groups, few messages")
-  parser.add_argument("--parts", default="codec,ingest,orchestrator,assemble,lockstep",
+  parser.add_argument("--parts", default="codec,ingest,orchestrator,assemble,plan,lockstep",
                       help="comma-separated parts to run")
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
-  parser.add_argument("--lockstep_worker", default=None, help=argparse.SUPPRESS)
   args = parser.parse_args()
-  if args.lockstep_worker:
-    lockstep_worker(*(int(x) for x in args.lockstep_worker.split(",")))
-    return
   parts = set(args.parts.split(","))
   # A group of 16 samples of a 512-token prompt and 8k-token completions.
   shape = (4, 64, 512) if args.quick else (16, 512, 8192)
@@ -400,19 +401,31 @@ def main() -> None:
   if "assemble" in parts:
     rows = [bench_assemble(n, shape, 2 * (shape[1] + shape[2]), repeats=2 if args.quick else 3)
             for n in ((2,) if args.quick else (4, 16))]
-    report.print_table(rows, title="process 0 assembling the global batch (packed rows)")
+    report.print_table(rows, title="assembling a batch in one process (packed rows)")
+    report.append_jsonl(rows, args.out)
+  if "plan" in parts:
+    rows = [bench_plan(*((64, 4, 4) if args.quick else (1024, 16, processes)), pack_len=8192,
+                       repeats=1 if args.quick else 3)
+            for processes in ((4,) if args.quick else (8, 64))]
+    report.print_table(rows, title="process 0 planning a batch from metadata (packed rows)")
     report.append_jsonl(rows, args.out)
   if "lockstep" in parts:
-    batch_shape = (16, 512) if args.quick else (256, 4096)
-    rows = [bench_lockstep(n, *batch_shape) for n in ((2,) if args.quick else (1, 2, 4))]
-    report.print_table(rows, title="the step's batch shared with every process (lockstep)")
+    sizes = ({} if args.quick else
+             dict(groups=64, group_size=8, prompt_len=256, completion_len=4096, pack_len=4096))
+    cases = ([("broadcast", "local"), ("plan", "local")] if args.quick else
+             [("broadcast", "local"), ("plan", "local"), ("plan", "spread"),
+              ("plan", "process0")])
+    rows = [bench_lockstep(n, mode, placement, **sizes)
+            for n in ((2,) if args.quick else (1, 2, 4)) for mode, placement in cases]
+    report.print_table(rows, title="a step's batch reaching the learner devices of N processes")
     report.append_jsonl(rows, args.out)
   if "ingest" in parts:
     count = 4 if args.quick else 16
     with tempfile.TemporaryDirectory() as tmp:
-      rows = [bench_ingest(codec, senders, shape, count, tmp)
+      # (Metadata messages are small: more of them, to time.)
+      rows = [bench_ingest(codec, senders, shape, count * (16 if codec == "held" else 1), tmp)
               for senders in ((1,) if args.quick else (1, 4)) for codec in CODECS]
-    for binary in (r for r in rows if r["codec"] == "binary"):
+    for binary in (r for r in rows if r["codec"] != "json"):
       text = next(r for r in rows if r["codec"] == "json" and r["samplers"] == binary["samplers"])
       binary["vs json"] = round(binary["tokens/s"] / text["tokens/s"], 1)
     report.print_table(rows, title="ingest on one thread, samplers over loopback TCP")

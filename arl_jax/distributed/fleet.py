@@ -49,45 +49,6 @@ from arl_jax.sampler import engine_stats
 
 _ANY_INTERFACE = ("0.0.0.0", "*")
 
-# What each message from a sampler must hold, and of which type.
-_MESSAGE_KEYS = {"hello": {"name": str, "devices": int}, "take": {"n": int, "version": int},
-                 "group": {"group": dict}, "heartbeat": {"stats": dict, "env": dict},
-                 "bye": {"stats": dict, "env": dict}}
-# A report's environment counters (`sampler_worker`'s `env`).
-_ENV_KEYS = {"errors": dict, "timeouts": dict, "turns": int}
-
-
-def _parse(frames: list) -> dict | str:
-  """A sampler's message, or what is wrong with it: everything the server
-  thread reads of it is checked here (a group's contents by `wire`), so a
-  malformed message drops its sampler, never the run."""
-  try:
-    message = wire.decode(frames)
-    kind = message["type"]
-    keys = _MESSAGE_KEYS.get(kind) if isinstance(kind, str) else None
-    if keys is None:
-      return f"unknown message type {kind!r}"
-    missing = [k for k in keys if k not in message]
-    if missing:
-      return f"{kind!r} without {missing}"
-    wire.check_fields(message, kind, keys)
-    if kind == "group":
-      wire.check_fields(message["group"], "group", {"group_id": int})
-    if "env" in keys:
-      wire.check_fields(message["env"], "env", _ENV_KEYS)
-      wire.stats_from_wire(message["stats"])
-      if not all(type(v) is int for key in ("errors", "timeouts")
-                 for v in message["env"][key].values()):
-        return f"{kind!r} with environment counters that are not integers"
-    notes = message.get("notes", [])
-    if not isinstance(notes, list) or not all(
-        isinstance(n, list) and len(n) == 2 and all(type(x) is int for x in n) for n in notes):
-      return f"{kind!r} with notes that are not [group id, version] pairs"
-  except ValueError as e:
-    return str(e)
-  return message
-
-
 def _this_host() -> str:
   """An address of this machine that other hosts can reach (its name's)."""
   try:
@@ -120,7 +81,7 @@ class SamplerFleet:
 
   def __init__(self, cfg: config_sections.FleetConfig, *, orchestrator, publisher, spec: dict,
                sampler_mesh_shape, workdir: str | None = None, print_fn=print,
-               event_fn=lambda event: None):
+               event_fn=lambda event: None, num_processes: int = 1):
     """Args:
       cfg: fleet settings.
       orchestrator: the run's orchestrator (dispatcher, buffer).
@@ -132,6 +93,8 @@ class SamplerFleet:
       workdir: where `fleet.json` (the addresses) is written; None: nowhere.
       print_fn: progress lines (joins, losses).
       event_fn: receives one dict per fleet event (for metrics.jsonl).
+      num_processes: processes of a multi-controller run: processes 1.. send
+        finished groups as metadata, keeping the arrays (`held_groups.py`).
     """
     self._cfg = cfg
     self._orchestrator = orchestrator
@@ -158,6 +121,8 @@ class SamplerFleet:
     self._samplers: dict[bytes, _Sampler] = {}
     self._owner: dict[int, _Sampler] = {}  # group id -> the sampler generating it
     self._outbox: queue.Queue = queue.Queue()  # (kind, payload) from the learner thread
+    self._num_processes = num_processes
+    self._forgotten: list[int] = []  # held groups never to be trained (`take_forgotten`)
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
@@ -198,6 +163,13 @@ class SamplerFleet:
     whichever sampler asks first (the sampled tokens of a remote group live in
     its sampler process, which the learner's checkpoint does not hold)."""
     self._dispatcher.reassign(group_ids)
+
+  def take_forgotten(self) -> list[int]:
+    """Held groups (`held_groups.py`) that came late or malformed since the
+    last call: their holders may drop them (`ShardPlan.forget`)."""
+    with self._lock:
+      forgotten, self._forgotten = self._forgotten, []
+    return forgotten
 
   @property
   def failed(self) -> bool:
@@ -266,7 +238,7 @@ class SamplerFleet:
         if poller.poll(10):
           while self._socket.poll(0):
             identity, *frames = self._socket.recv_multipart()
-            message = _parse(frames)
+            message = wire.parse_sampler_message(frames)
             if isinstance(message, str):  # a sampler's fault, not the run's
               self._refuse(identity, f"sent a malformed message ({message})")
             else:
@@ -370,11 +342,14 @@ class SamplerFleet:
                     "name": sampler.name})
 
   def _receive_group(self, sampler: _Sampler, record: dict) -> None:
-    gid = record["group_id"]  # an int (`_parse`)
+    gid = record["group_id"]  # an int (`wire.parse_sampler_message`)
+    held = "held_by" in record  # (its holder keeps the arrays until told)
     with self._lock:
       owned = self._owner.get(gid) is sampler
       if not owned:
         self.late_groups += 1
+        if held:
+          self._forgotten.append(gid)
         return
       del self._owner[gid]
       sampler.owned.discard(gid)
@@ -382,18 +357,24 @@ class SamplerFleet:
       group = wire.group_from_wire(record)
       if len(group.rollouts) != self._orchestrator.dispatch_cfg.group_size:
         raise ValueError(f"{len(group.rollouts)} rollouts")
+      if held and not 0 < record["held_by"] < self._num_processes:
+        raise ValueError(f"held by process {record['held_by']} of {self._num_processes}")
     except (ValueError, KeyError, TypeError) as e:
       with self._lock:
         self.bad_groups += 1
+        if held:
+          self._forgotten.append(gid)
       self._print(f"fleet: sampler {sampler.sampler_id} sent a malformed group {gid} ({e}); "
                   "it is generated again")
       self._dispatcher.reassign([gid])
       return
     for rollout in group.rollouts:  # its restart points, should a checkpoint come
       self._orchestrator.rollout_scored(rollout)
-    self._orchestrator.group_finished(group)
+    kept = self._orchestrator.group_finished(group)
     with self._lock:
       sampler.groups_delivered += 1
+      if held and not kept:  # cancelled meanwhile: its holder may drop it
+        self._forgotten.append(gid)
 
   def _account(self, sampler: _Sampler, message: dict) -> None:
     """Adds what a sampler's reported totals grew by since its last report."""

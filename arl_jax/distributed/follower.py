@@ -7,6 +7,9 @@ last evaluation and save). It decides nothing itself: a second copy of the
 schedule could disagree with process 0's, and the collectives would deadlock.
 Meanwhile it samples on its own devices for process 0's orchestrator, as a
 member of its sampler fleet, with weights from its own share of each publish.
+Its finished groups stay here (`held_groups.py`): process 0 hears their
+metadata, and each step's plan says which rows this process fills with them
+(`shard_batch.py`).
 """
 
 from __future__ import annotations
@@ -15,23 +18,37 @@ import itertools
 
 import jax
 
-from arl_jax.distributed import learner_link, lockstep, sampler_worker
+from arl_jax.distributed import (
+  held_groups,
+  learner_link,
+  lockstep,
+  sampler_worker,
+  shard_batch,
+  shard_plan,
+)
 
 
 def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer, reference,
-           eval_log, version: int) -> int:
+           eval_log, version: int, pad_id: int) -> int:
   """Runs a follower until process 0 stops the run; returns the final version.
 
   Args (`run_lib.run`'s): the run spec, role meshes, decoder graphdef, the
   TrainState and update function, the weight publisher, the checkpointer (or
-  None) and KL reference params, the run's `EvalLog`, and the version the
-  run starts at.
+  None) and KL reference params, the run's `EvalLog`, the version the run
+  starts at, and the tokenizer's padding id.
   """
   link = learner_link.LearnerLink(lockstep.share_text(None, meshes.learner),
                                     name=f"process {jax.process_index()}",
                                     num_devices=meshes.sampler.devices.size)
+  held = held_groups.HeldGroups()
   sampling = sampler_worker.LocalSampling(spec, mesh=meshes.sampler, graphdef=graphdef,
-                                          weights=publisher, link=link)
+                                          weights=publisher, link=link, held=held,
+                                          process_index=jax.process_index())
+  blocks_of_process = shard_plan.row_blocks(meshes.learner)
+
+  def here(group_id, sample_index):
+    return held.rollout(int(group_id), int(sample_index))
+
   publisher.publish(state.params, version)
   sampling.start()
   try:
@@ -42,14 +59,20 @@ def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer,
       link.wait_for_lockstep(min(index, spec.num_steps))
       step = lockstep.share(None, meshes.learner)
       if step.kind == lockstep.BATCH:
-        state, _ = update_fn(state, step.batch)
+        plan = step.plan
+        batch, _ = shard_batch.local_batch(plan, here, meshes.learner, pad_id=pad_id,
+                                           blocks_of_process=blocks_of_process)
+        held.release([*plan.group_ids, *plan.forget])  # trained here or elsewhere, or never
+        state, _ = update_fn(state, batch)
         version += 1
         publisher.publish(state.params, version)
       if step.evaluate:  # (the current params: the old ones were donated)
         eval_log(state.params, version, "rl")
       if step.save:
-        # Every process writes its shards; orbax writes the run record from
+        # Process 0's open work gets the arrays of the groups held here;
+        # every process writes its shards; orbax writes the run record from
         # process 0 only (this one's is a placeholder).
+        shard_batch.collect_held(None, here, meshes.learner)
         checkpointer.save(version, state, {"version": version}, reference)
       if step.kind != lockstep.BATCH:
         break

@@ -157,8 +157,9 @@ class LearnerLink:
     with self._lock:
       self._notes.append([group_id, version])
 
-  def send_group(self, group) -> None:
-    self._outbox.put({"type": "group", "group": wire.group_to_wire(group)})
+  def send_group(self, group, held_by: int | None = None) -> None:
+    """`held_by`: this process keeps the arrays, only the metadata goes."""
+    self._outbox.put({"type": "group", "group": wire.group_to_wire(group, held_by)})
 
   def close(self, say_bye: bool) -> None:
     if say_bye and self._thread is not None and not self.ended.is_set():

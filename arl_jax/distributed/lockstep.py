@@ -5,7 +5,9 @@ the same order with the same shapes (docs/design.md section 8). The decisions th
 change them (which rollouts train, the batch's width, when the run stops,
 whether a final checkpoint is saved) are made once, by process 0's
 orchestrator, and broadcast before each step: a small header first, then the
-batch arrays in the shape it names.
+step's `ShardPlan` (kilobytes: which rollouts train where, `shard_plan.py`).
+The batch itself never passes through here: each process fills its own
+rows from the groups it sampled (`shard_batch.py`).
 
 The broadcast is a sum over the learner devices only (gloo on CPU), not over
 every device as `multihost_utils.broadcast_one_to_all` is: a collective
@@ -24,20 +26,20 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from arl_jax import train_batch as train_batch_lib
+from arl_jax.distributed import shard_plan as shard_plan_lib
 
 BATCH, STOP = 0, 1
-_HEADER = ("kind", "rows", "columns", "evaluate", "save")
+_HEADER = ("kind", "evaluate", "save", "rollouts", "forget")
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-  """What every process does next: train on `batch` (`BATCH`), or stop
-  (`STOP`); then evaluate and save a checkpoint when the flags say so.
-  Process 0 decides; the others only execute (`follower.py`)."""
+  """What every process does next: train on the batch `plan` lays out
+  (`BATCH`), or stop (`STOP`); then evaluate and save a checkpoint when the
+  flags say so. Process 0 decides; the others only execute (`follower.py`)."""
 
   kind: int
-  batch: train_batch_lib.TrainBatch | None = None
+  plan: shard_plan_lib.ShardPlan | None = None
   evaluate: bool = False
   save: bool = False
 
@@ -50,17 +52,23 @@ def is_leader() -> bool:
   return jax.process_index() == 0
 
 
+def process_rows(mesh: Mesh) -> Mesh:
+  """`mesh`'s devices as a `(processes, local)` mesh (every process the same
+  number of devices, in process order)."""
+  count = jax.process_count()
+  by_process = np.array(mesh.devices.flatten()).reshape(count, -1)
+  if any(d.process_index != p for p, row in enumerate(by_process) for d in row):
+    raise ValueError("the mesh must hold the same number of devices of every process, in "
+                     "process order")
+  return Mesh(by_process, ("processes", "local"))
+
+
 def broadcast(tree, mesh: Mesh):
   """Process 0's numpy arrays `tree` on every process (the others pass arrays
   of the same shapes and dtypes), through a collective over `mesh`'s devices
   (the learner mesh: one or more devices of every process)."""
-  devices = mesh.devices.flatten()
+  rows = process_rows(mesh)
   count = jax.process_count()
-  by_process = np.array(devices).reshape(count, -1)
-  if any(d.process_index != p for p, row in enumerate(by_process) for d in row):
-    raise ValueError("the mesh must hold the same number of devices of every process, in "
-                     "process order")
-  rows = Mesh(by_process, ("processes", "local"))
   leader = is_leader()
 
   def one(x):
@@ -71,6 +79,23 @@ def broadcast(tree, mesh: Mesh):
 
   summed = _sum_rows(rows)(jax.tree.map(one, tree))
   return jax.tree.map(lambda x: np.asarray(x.addressable_data(0)), summed)
+
+
+def all_gather(data: bytes, size: int, mesh: Mesh) -> np.ndarray:
+  """`[processes, size]` uint8: row p holds process p's `data` (at most
+  `size` bytes, zero-padded), on every process; each receives the others'
+  rows only (an all-gather over `mesh`'s devices)."""
+  rows = process_rows(mesh)
+  local = np.zeros((1, size), np.uint8)
+  local[0, :len(data)] = np.frombuffer(data, np.uint8)
+  gathered = _replicate(rows)(jax.make_array_from_process_local_data(
+      NamedSharding(rows, P("processes")), local, (jax.process_count(), size)))
+  return np.asarray(gathered.addressable_data(0))
+
+
+@functools.cache
+def _replicate(mesh: Mesh):
+  return jax.jit(lambda x: x, out_shardings=NamedSharding(mesh, P()))
 
 
 @functools.cache
@@ -96,28 +121,22 @@ def share(step: Step | None, mesh: Mesh) -> Step:
   """Process 0 passes its `Step`, the others None; every process gets it.
   `mesh`: the learner mesh (see `broadcast`)."""
   leader = step is not None
+  header = np.zeros(len(_HEADER), np.int32)
   if leader:
-    rows, columns = (step.batch.tokens.shape if step.batch is not None else (0, 0))
-    header = np.array([step.kind, rows, columns, step.evaluate, step.save], np.int32)
-  else:
-    header = np.zeros(len(_HEADER), np.int32)
+    plan = step.plan
+    header[:] = [step.kind, step.evaluate, step.save,
+                 0 if plan is None else len(plan.group_ids),
+                 0 if plan is None else len(plan.forget)]
   header = dict(zip(_HEADER, (int(x) for x in broadcast(header, mesh))))
+  flags = {"evaluate": bool(header["evaluate"]), "save": bool(header["save"])}
   if header["kind"] != BATCH:
-    return Step(kind=header["kind"], evaluate=bool(header["evaluate"]), save=bool(header["save"]))
-  # The same shapes and dtypes on every process (the leader's cast to them).
-  template = train_batch_lib.zeros(header["rows"], header["columns"])
-  arrays = {name: getattr(template, name) for name in train_batch_lib.FIELDS}
-  dtypes = {name: a.dtype for name, a in arrays.items()}
+    return Step(kind=header["kind"], **flags)
   if leader:
-    arrays = {name: np.asarray(getattr(step.batch, name)).astype(dtypes[name])
-              for name in train_batch_lib.FIELDS}
-  # (Booleans travel as bytes: the broadcast is a sum over devices.)
-  sent = {name: a.astype(np.uint8) if a.dtype == bool else a for name, a in arrays.items()}
-  received = broadcast(sent, mesh)
-  batch = train_batch_lib.TrainBatch(**{
-      name: np.asarray(received[name]).astype(dtypes[name]) for name in train_batch_lib.FIELDS})
-  return Step(kind=BATCH, batch=batch, evaluate=bool(header["evaluate"]),
-              save=bool(header["save"]))
+    arrays = step.plan.to_arrays()
+  else:  # the same shapes and dtypes as the leader's
+    arrays = shard_plan_lib.ShardPlan.empty_arrays(header["rollouts"], header["forget"])
+  plan = shard_plan_lib.ShardPlan.from_arrays(broadcast(arrays, mesh))
+  return Step(kind=BATCH, plan=plan, **flags)
 
 
 def share_text(text: str | None, mesh: Mesh, size: int = 512) -> str:

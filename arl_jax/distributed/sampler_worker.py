@@ -53,13 +53,18 @@ class LocalSampling:
   """The engine and env workers of one sampler process (or of one process of a
   multi-controller run), working for the learner at the other end of `link`."""
 
-  def __init__(self, spec, *, mesh, graphdef, weights, link: learner_link.LearnerLink):
+  def __init__(self, spec, *, mesh, graphdef, weights, link: learner_link.LearnerLink,
+               held=None, process_index: int = 0):
     """Args:
       spec: the run's `config_lib.RunSpec`.
       mesh: this process's sampler mesh.
       graphdef: the decoder's graph definition.
       weights: source of `(version, params)` (`latest()`).
       link: the connection to the learner (joined, not started).
+      held: a multi-controller follower's `held_groups.HeldGroups`: finished
+        groups stay there, the learner gets their metadata (None: whole
+        groups go to the learner).
+      process_index: this process's index (with `held`).
     """
     from arl_jax.envs import env_api, registry  # noqa: PLC0415 - JAX after flags
     from arl_jax.envs import tokenizer as tokenizer_lib  # noqa: PLC0415
@@ -69,8 +74,16 @@ class LocalSampling:
     tokenizer = tokenizer_lib.make_tokenizer(spec.tokenizer)
     env = registry.ENVS[spec.env_name].make_env_fn(spec.env, tokenizer)
     self.link = link
+
+    def finished(group) -> None:
+      if held is None:
+        link.send_group(group)
+      else:  # kept first: process 0 may plan it as soon as it hears
+        held.hold(group)
+        link.send_group(group, held_by=process_index)
+
     self.env_runner = env_runner_lib.EnvRunner(
-        env, on_group_fn=link.send_group, max_new_tokens=spec.engine.max_new_tokens,
+        env, on_group_fn=finished, max_new_tokens=spec.engine.max_new_tokens,
         num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s,
         vocab_size=spec.model.vocab_size)
     self.engine = engine_lib.SamplerEngine(

@@ -149,32 +149,61 @@ _TOKEN_ARRAYS = (("prompt_ids", "prompt_ids", np.int32),
                  ("versions", "token_versions", np.int32))
 
 
-def group_to_wire(group: rollout_lib.Group) -> dict:
+def group_to_wire(group: rollout_lib.Group, held_by: int | None = None) -> dict:
   """The group as a message body; each rollout's arrays become frames of
-  their own, sent from the arrays' memory (no concatenation)."""
-  return {
+  their own, sent from the arrays' memory (no concatenation). With
+  `held_by` (a multi-controller process that keeps the arrays until they
+  are trained), only the metadata: lengths and version spans instead of
+  the arrays (`rollout.HeldRollout`)."""
+  def arrays(r) -> dict:
+    if held_by is None:
+      return {name: np.asarray(getattr(r, field), dtype) for name, field, dtype in _TOKEN_ARRAYS}
+    return {"prompt_length": r.prompt_length, "completion_length": r.completion_length,
+            "span": list(r.version_span)}
+
+  record = {
       "group_id": group.group_id, "prompt_id": group.prompt_id,
       "dispatch_version": group.dispatch_version,
       "rollouts": [{
           "sample_index": r.sample_index, "finish_reason": r.finish_reason,
-          "reward": r.reward, "env_name": r.env_name, "timings": r.timings,
-          **{name: np.asarray(getattr(r, field), dtype) for name, field, dtype in _TOKEN_ARRAYS}}
+          "reward": r.reward, "env_name": r.env_name, "timings": r.timings, **arrays(r)}
           for r in group.rollouts],
   }
+  if held_by is not None:
+    record["held_by"] = held_by
+  return record
 
 
 def group_from_wire(record: dict) -> rollout_lib.Group:
   """Raises ValueError (from `Rollout`'s own checks, or arrays of the wrong
   type) on an inconsistent record. The rollouts' arrays are views of the
-  frames, no copy: read-only, as a sampled rollout is."""
+  frames, no copy: read-only, as a sampled rollout is. A record with
+  `held_by` gives `HeldRollout`s."""
   check_fields(record, "group", {"group_id": int, "prompt_id": int, "dispatch_version": int,
                                    "rollouts": list})
   group_id, dispatch_version = record["group_id"], record["dispatch_version"]
+  held_by = record.get("held_by")
+  if held_by is not None:
+    check_fields(record, "group", {"held_by": int})
   rollouts = []
   for r in record["rollouts"]:
     check_fields(r, "rollout", {"sample_index": int, "finish_reason": str,
                                  "reward": (int, float, type(None)), "env_name": str,
                                  "timings": dict})
+    common = dict(group_id=group_id, sample_index=int(r["sample_index"]),
+                  dispatch_version=dispatch_version, finish_reason=r["finish_reason"],
+                  reward=r["reward"], env_name=r["env_name"],
+                  timings={k: float(_number(v, "timings")) for k, v in r["timings"].items()})
+    if held_by is not None:
+      check_fields(r, "rollout", {"prompt_length": int, "completion_length": int, "span": list})
+      span = r["span"]
+      if len(span) != 2 or not all(type(v) is int for v in span):
+        raise ValueError(f"rollout {r['sample_index']}: span must be two versions, "
+                         f"got {span!r:.80}")
+      rollouts.append(rollout_lib.HeldRollout(
+          prompt_length=r["prompt_length"], completion_length=r["completion_length"],
+          span=(span[0], span[1]), holder=held_by, **common))
+      continue
     for name, _, dtype in _TOKEN_ARRAYS:
       array = r[name]
       if (not isinstance(array, np.ndarray) or array.ndim != 1
@@ -182,12 +211,8 @@ def group_from_wire(record: dict) -> rollout_lib.Group:
         raise ValueError(f"rollout {r.get('sample_index')!r}: {name} must be a 1-D "
                          f"{np.dtype(dtype)} array")
     rollouts.append(rollout_lib.Rollout(
-        group_id=group_id, sample_index=int(r["sample_index"]), prompt_ids=r["prompt_ids"],
-        completion_ids=r["completion_ids"], loss_mask=r["loss_mask"],
-        behaviour_logprobs=r["logprobs"], token_versions=r["versions"],
-        dispatch_version=dispatch_version, finish_reason=r["finish_reason"],
-        reward=r["reward"], env_name=r["env_name"],
-        timings={k: float(_number(v, "timings")) for k, v in r["timings"].items()}))
+        prompt_ids=r["prompt_ids"], completion_ids=r["completion_ids"], loss_mask=r["loss_mask"],
+        behaviour_logprobs=r["logprobs"], token_versions=r["versions"], **common))
   return rollout_lib.Group(group_id=group_id, prompt_id=record["prompt_id"],
                            dispatch_version=dispatch_version, rollouts=rollouts)
 
@@ -222,3 +247,42 @@ def check_fields(record, what: str, types: dict) -> None:
     value = record[key]
     if isinstance(value, bool) or not isinstance(value, kind):
       raise ValueError(f"{what}.{key} has the wrong type ({type(value).__name__})")
+
+
+# What each message from a sampler must hold, and of which type.
+_MESSAGE_KEYS = {"hello": {"name": str, "devices": int}, "take": {"n": int, "version": int},
+                 "group": {"group": dict}, "heartbeat": {"stats": dict, "env": dict},
+                 "bye": {"stats": dict, "env": dict}}
+# A report's environment counters (`sampler_worker`'s `env`).
+_ENV_KEYS = {"errors": dict, "timeouts": dict, "turns": int}
+
+
+def parse_sampler_message(frames: list) -> dict | str:
+  """A sampler's message, or what is wrong with it: everything the server
+  thread reads of it is checked here (a group's contents by `wire`), so a
+  malformed message drops its sampler, never the run."""
+  try:
+    message = decode(frames)
+    kind = message["type"]
+    keys = _MESSAGE_KEYS.get(kind) if isinstance(kind, str) else None
+    if keys is None:
+      return f"unknown message type {kind!r}"
+    missing = [k for k in keys if k not in message]
+    if missing:
+      return f"{kind!r} without {missing}"
+    check_fields(message, kind, keys)
+    if kind == "group":
+      check_fields(message["group"], "group", {"group_id": int})
+    if "env" in keys:
+      check_fields(message["env"], "env", _ENV_KEYS)
+      stats_from_wire(message["stats"])
+      if not all(type(v) is int for key in ("errors", "timeouts")
+                 for v in message["env"][key].values()):
+        return f"{kind!r} with environment counters that are not integers"
+    notes = message.get("notes", [])
+    if not isinstance(notes, list) or not all(
+        isinstance(n, list) and len(n) == 2 and all(type(x) is int for x in n) for n in notes):
+      return f"{kind!r} with notes that are not [group id, version] pairs"
+  except ValueError as e:
+    return str(e)
+  return message

@@ -117,7 +117,7 @@ class DropLedger:
       task.groups_dropped += 1
     dropped = collections.Counter()
     for r in group.rollouts:
-      bucket = self.length_bucket(len(r.completion_ids))
+      bucket = self.length_bucket(r.completion_length)
       self._retired_by_length[bucket] += 1
       if not trained:
         reason = "stale"

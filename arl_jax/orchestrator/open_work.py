@@ -164,6 +164,15 @@ class OpenWork:
     request = group.request
     episodes = []
     for index, point in enumerate(group.points):
+      if point.stage == "done" and point.rollout.holder is not None:
+        # Arrays in another process: `shard_batch.collect_held` fills them in
+        # before the save.
+        r = point.rollout
+        episodes.append({"stage": "done", "held_by": r.holder,
+                         "completion_length": r.completion_length,
+                         "finish_reason": r.finish_reason, "reward": r.reward,
+                         "env_name": r.env_name})
+        continue
       if point.stage == "done":
         r = point.rollout
         episodes.append({
@@ -204,6 +213,9 @@ class OpenWork:
     for index, item in enumerate(saved):
       if item["stage"] not in STAGES:
         raise ValueError(f"group {request.group_id}: unknown restart point {item['stage']!r}")
+      if "held_by" in item:
+        raise ValueError(f"group {request.group_id}: rollout {index} was saved without its "
+                         f"arrays (held by process {item['held_by']})")
       loss_mask = np.asarray(item["loss_mask"], np.float32)
       versions = np.asarray(item["versions"], np.int32)
       sampled_versions += versions[loss_mask > 0].tolist()

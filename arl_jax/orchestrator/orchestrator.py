@@ -116,16 +116,19 @@ class Orchestrator:
     with self._lock:
       return self._live_version
 
-  def group_finished(self, group: rollout_lib.Group) -> None:
-    """A group's last rollout was scored (env worker threads)."""
+  def group_finished(self, group: rollout_lib.Group) -> bool:
+    """A group's last rollout was scored (env worker threads). False: it was
+    cancelled meanwhile, and nothing keeps it."""
     # The sampler may hold a version before `publish` announces it here; the
     # group cannot have arrived before the newest version that sampled it.
     newest = max(r.version_span[1] for r in group.rollouts)
     # Into the buffer before it stops counting as in flight, so that a learner
     # that sees the dispatcher drained has seen every group (see `cut`).
-    if self.buffer.put(group, max(self.live_version, newest)):
+    kept = self.buffer.put(group, max(self.live_version, newest))
+    if kept:
       self.work.arrived(group.group_id, group.arrival_version)
     self.dispatcher.finished_generating(group.group_id)
+    return kept
 
   def restore_work(self, work: dict) -> list[open_work.RestoredGroup]:
     """Takes back the open work of a checkpoint (`Dispatcher.snapshot_work`),

@@ -4,8 +4,9 @@ One update (`_update`) runs as a unit that a signal never splits (signals
 only set a flag, `stop.py`):
 
 1. cut `B_u` (the buffer sweeps stale groups first) and assemble it;
-2. in a multi-controller run, tell the other processes what to do with it
-   (train; evaluate after; save after);
+2. in a multi-controller run, plan which process trains each rollout and
+   tell the other processes (train this plan; evaluate after; save after);
+   each process then fills its own rows (`distributed/shard_batch.py`);
 3. the jitted update, then publish version `u + 1` to the sampler;
 4. with the sampler held still: the orchestrator cancels the groups that can
    no longer ship and retires the trained ones (`groups.jsonl` events), and
@@ -27,6 +28,7 @@ import dataclasses
 import time
 
 import jax
+import numpy as np
 
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.distributed import lockstep
@@ -57,7 +59,7 @@ class LearnerLoop:
   def __init__(self, spec, *, state, update_fn, publisher, orchestrator, rollouts,
                checkpointer, reference, eval_log, writer, audit, stop, pad_id: int,
                config: dict, version: int, groups_trained: int, broadcast_fn=None,
-               print_fn=writer_lib.print_line, keep_batches: bool = False):
+               shards=None, print_fn=writer_lib.print_line, keep_batches: bool = False):
     """Args:
       spec: the run's `config_lib.RunSpec`.
       state: the TrainState (donated to each update).
@@ -77,6 +79,8 @@ class LearnerLoop:
       groups_trained: groups trained before (a resumed run's count).
       broadcast_fn: `(step_index, lockstep.Step)` -> None, tells the other
         processes of a multi-controller run what to do next (None: alone).
+      shards: a multi-controller run's `shard_batch.LeaderShards` (plans
+        each batch, builds this process's rows; None: alone).
       print_fn: progress lines.
       keep_batches: keep a summary of every trained batch (tests).
     """
@@ -95,6 +99,7 @@ class LearnerLoop:
     self._pad_id = pad_id
     self._config = config
     self._broadcast_fn = broadcast_fn
+    self._shards = shards
     self._print = print_fn
     self._keep_batches = keep_batches
     self.version = version
@@ -153,21 +158,29 @@ class LearnerLoop:
   def _update(self, step: int, batch: orchestrator_lib.Batch) -> None:
     spec = self._spec
     self._stop_request.phase = f"update {step}"
-    host_batch = train_batch_lib.assemble(
-        batch.groups, prompt_len=spec.engine.prompt_len,
-        # Padded columns follow the batch's longest completion, not the budget.
-        max_new_tokens=(spec.engine.max_new_tokens if spec.packing else
-                        train_batch_lib.completion_width(batch.groups,
-                                                         spec.engine.max_new_tokens)),
-        pad_id=self._pad_id, advantage_estimator=spec.advantage_estimator,
-        mask_truncated_completions=spec.mask_truncated_completions, packing=spec.packing)
     version = self.version + 1
     evaluate = self._eval_due(version)
     save = self._checkpointer is not None and self._checkpointer.should_save(version)
-    if self._broadcast_fn is not None:
-      self._broadcast_fn(step, lockstep.Step(lockstep.BATCH, host_batch, evaluate=evaluate,
+    host_batch = None
+    if self._shards is None:
+      host_batch = train_batch_lib.assemble(
+          batch.groups, prompt_len=spec.engine.prompt_len,
+          # Padded columns follow the batch's longest completion, not the budget.
+          max_new_tokens=(spec.engine.max_new_tokens if spec.packing else
+                          train_batch_lib.completion_width(batch.groups,
+                                                           spec.engine.max_new_tokens)),
+          pad_id=self._pad_id, advantage_estimator=spec.advantage_estimator,
+          mask_truncated_completions=spec.mask_truncated_completions, packing=spec.packing)
+      train_on, shape = host_batch, host_batch.tokens.shape
+      filled = float(np.mean(host_batch.token_mask))
+    else:  # each process fills its rows of the plan
+      plan = self._shards.plan(batch)
+      self._broadcast_fn(step, lockstep.Step(lockstep.BATCH, plan=plan, evaluate=evaluate,
                                              save=save))
-    self._state, update_metrics = self._update_fn(self._state, host_batch)
+      train_on, shape = self._shards.local_batch(plan, batch), (plan.rows, plan.width)
+      filled = float(np.sum(plan.prompt_length + plan.completion_length)) / (
+          plan.rows * plan.width)
+    self._state, update_metrics = self._update_fn(self._state, train_on)
     self.version = version
     self._publisher.publish(self._state.params, version)
     self.groups_trained += len(batch.groups)
@@ -179,10 +192,12 @@ class LearnerLoop:
     update_metrics = jax.device_get(update_metrics)
     now = time.monotonic()
     record = step_record_lib.step_record(
-        step=step, version=version, host_batch=host_batch, batch=batch,
+        step=step, version=version, batch_shape=shape, batch_fill=filled, batch=batch,
         update_metrics=update_metrics,
         components={**self._orchestrator.metrics(), **self._rollouts.metrics(),
-                    "checkpoint_blocking_s_total": self._blocking_s},
+                    "checkpoint_blocking_s_total": self._blocking_s,
+                    **({} if self._shards is None else
+                       {"shard_token_bytes_received_total": self._shards.bytes_received})},
         step_seconds=now - self._last_time, rl_seconds=now - self._rl_start,
         learner_wait=self._learner_wait)
     self._last_time = now
@@ -196,12 +211,13 @@ class LearnerLoop:
       record.update(
           checkpoint_snapshot_s=time.monotonic() - snapshot_start,
           checkpoint_open_groups=len(groups),
-          checkpoint_open_tokens=sum(len(e["completion_ids"]) + len(e.get("open", {}).get(
-              "tokens", ())) for g in groups for e in g["episodes"]))
+          checkpoint_open_tokens=sum(
+              (e["completion_length"] if "held_by" in e else len(e["completion_ids"]))
+              + len(e.get("open", {}).get("tokens", ())) for g in groups for e in g["episodes"]))
     if evaluate:
       record["eval_reward"] = self._eval_log(self.params, version, "rl")
     self._writer.write({"phase": "rl", **record})
-    if self._keep_batches:
+    if self._keep_batches and host_batch is not None:
       self._batches.append(step_record_lib.batch_summary(batch, host_batch))
     is_last = step == spec.num_steps - 1
     if spec.log_every and (step % spec.log_every == 0 or is_last or "eval_reward" in record):
@@ -228,6 +244,8 @@ class LearnerLoop:
     run_record["records"] = {"metrics.jsonl": self._writer.lines,
                              "groups.jsonl": self._audit.lines}
     start = time.monotonic()
+    if self._shards is not None:  # the held groups' arrays, from their processes
+      self._shards.collect(run_record)
     self._checkpointer.save(self.version, self._state, run_record, self._reference)
     self._blocking_s += time.monotonic() - start
     self._saved_version = self.version

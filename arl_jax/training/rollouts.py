@@ -17,6 +17,8 @@ import contextlib
 import functools
 from typing import Protocol
 
+import jax
+
 from arl_jax import spec_codec
 from arl_jax.distributed import fleet as fleet_lib
 from arl_jax.envs import env_api
@@ -203,7 +205,8 @@ def build(spec, *, meshes, graphdef, inputs, orchestrator, publisher,
         spec.fleet, orchestrator=orchestrator, publisher=publisher,
         spec=spec_codec.to_json(spec),
         sampler_mesh_shape=meshes.sampler.shape.items(), workdir=workdir, print_fn=print_fn,
-        event_fn=lambda event: writer.write({"phase": "fleet", **event}))
+        event_fn=lambda event: writer.write({"phase": "fleet", **event}),
+        num_processes=jax.process_count())
     fleet.start()  # (before the first publish: other processes join it first)
   if spec.fleet.remote:
     return RemoteRollouts(fleet)

@@ -8,7 +8,8 @@ import collections
 import numpy as np
 
 
-def step_record(*, step: int, version: int, host_batch, batch, update_metrics: dict,
+def step_record(*, step: int, version: int, batch_shape, batch_fill: float, batch,
+                update_metrics: dict,
                 components: dict, step_seconds: float, rl_seconds: float,
                 learner_wait: float) -> dict:
   """The row of update `step` (which produced `version`).
@@ -16,7 +17,8 @@ def step_record(*, step: int, version: int, host_batch, batch, update_metrics: d
   Args:
     step: the update's index (it trained `B_step`).
     version: the version it produced.
-    host_batch: the TrainBatch it trained (host arrays).
+    batch_shape: `(rows, columns)` of the TrainBatch it trained.
+    batch_fill: the share of its columns that hold a token.
     batch: the orchestrator's `Batch` (groups, stale sweep, masked rows).
     update_metrics: the update step's metrics (host scalars).
     components: the components' own numbers (orchestrator, rollouts), merged.
@@ -48,9 +50,9 @@ def step_record(*, step: int, version: int, host_batch, batch, update_metrics: d
       "multi_version_fraction": float(np.mean([_version_spread(r) > 0 for r in rollouts])),
       # The trained rows: padded (one rollout each) or packed; the share of
       # their columns that hold a token.
-      "batch_rows": int(host_batch.tokens.shape[0]),
-      "batch_columns": int(host_batch.tokens.shape[1]),
-      "batch_fill": float(np.mean(host_batch.token_mask)),
+      "batch_rows": int(batch_shape[0]),
+      "batch_columns": int(batch_shape[1]),
+      "batch_fill": float(batch_fill),
       **components,
       # Shares of the RL wall time so far: the learner not waiting for a
       # batch, the sampler thread decoding, prefilling or swapping.
@@ -85,5 +87,5 @@ def _reward_by_env(groups) -> dict[str, float]:
 
 def _version_spread(rollout) -> int:
   """Newest minus oldest version among a rollout's trained tokens (0 if none)."""
-  versions = np.asarray(rollout.token_versions)[np.asarray(rollout.loss_mask) > 0]
-  return int(versions.max() - versions.min()) if len(versions) else 0
+  oldest, newest = rollout.version_span  # (the dispatch version twice when none)
+  return newest - oldest

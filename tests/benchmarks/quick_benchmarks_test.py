@@ -24,7 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("benchmarks/checkpoint.py", None),
     ("benchmarks/hf_import.py", None),
     ("benchmarks/fleet.py", None),
-    ("benchmarks/data_plane.py", {"codec", "ingest", "orchestrator", "assemble",
+    ("benchmarks/data_plane.py", {"codec", "ingest", "orchestrator", "assemble", "plan",
                                   "lockstep"}),
     ("benchmarks/soak.py", {"window", "summary"}),
     ("benchmarks/long_context.py", {"decode_step", "long_tail", "long_tail_ratio",

@@ -290,3 +290,31 @@ def test_a_group_whose_rollouts_are_not_records_is_generated_again(fleet):
   assert [r.group_id for r in sampler.take(1)] == [request.group_id]
   assert not fleet.failed
   sampler.close()
+
+
+def test_a_held_group_arrives_as_metadata_and_a_late_one_is_forgotten(fleet):
+  """A multi-controller process sends only a group's metadata; one that came
+  after its cancellation, or held by a process the run does not have, is
+  passed on to be forgotten by its holder (`ShardPlan.forget`)."""
+  fleet._num_processes = 2  # noqa: SLF001 - as in a 2-process run
+  sampler = _FakeSampler(fleet.address)
+  requests = sampler.take(3)
+
+  def held(request, holder=1):
+    message = _group_message(request)
+    group = wire.group_from_wire(message["group"])
+    return {"type": "group", "group": wire.group_to_wire(group, held_by=holder)}
+
+  fleet.cancel([requests[1].group_id])
+  assert sampler.receive()["type"] == "cancel"
+  sampler.send(held(requests[1]))  # late
+  sampler.send(held(requests[2], holder=5))  # no such process
+  sampler.send(held(requests[0]))
+  _wait(lambda: fleet.metrics()["fleet_groups_by_sampler"] == {"0": 1} and fleet.bad_groups)
+  assert sorted(fleet.take_forgotten()) == [1, 2] and fleet.take_forgotten() == []
+  # In the open work (a checkpoint's): metadata, the arrays to be collected.
+  (saved,) = [g for g in fleet.orchestrator.work.snapshot({}) if g["group_id"] == 0]
+  assert [e["stage"] for e in saved["episodes"]] == ["done"] * _G
+  assert all(e["held_by"] == 1 and e["completion_length"] == 2 and "completion_ids" not in e
+             for e in saved["episodes"])
+  sampler.close()

@@ -25,7 +25,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 _OVERRIDES = {"orchestrator.max_async_level": 0, "orchestrator.max_off_policy_steps": 0,
               "sampler.weight_update": "drain", "eval_every": 2, "eval_size": 8,
               "checkpoint.save_final": True,
-              "warmup.steps": 20, "warmup.lr": 0.01}
+              "warmup.steps": 20, "warmup.lr": 0.01,
+              # Few slots: process 1 samples groups too (held there, `held_groups.py`).
+              "sampler.num_slots": 8}
 
 
 def _config():

@@ -122,3 +122,24 @@ def test_a_rollout_record_of_the_wrong_types_is_refused(field, value, error):
   record["rollouts"] = np.arange(3, dtype=np.int32)
   with pytest.raises(ValueError, match="group.rollouts has the wrong type"):
     wire.group_from_wire(record)
+
+
+def test_a_held_group_carries_its_metadata_only():
+  group = _group(np.random.default_rng(0))
+  record = wire.group_to_wire(group, held_by=3)
+  message = _round_trip({"type": "group", "group": record})
+  assert len(wire.encode({"type": "group", "group": record})) == 1  # no array frames
+  got = wire.group_from_wire(message["group"])
+  assert got.holder == 3 and got.oldest_version == group.oldest_version
+  for want, have in zip(group.rollouts, got.rollouts, strict=True):
+    assert isinstance(have, rollout_lib.HeldRollout)
+    assert (have.prompt_length, have.completion_length) == (want.prompt_length,
+                                                           want.completion_length)
+    assert have.version_span == want.version_span and have.reward == want.reward
+  bad = json.loads(json.dumps(record))
+  bad["rollouts"][0]["span"] = [5, 1]
+  with pytest.raises(ValueError, match="inconsistent"):
+    wire.group_from_wire(bad)
+  bad["rollouts"][0]["span"] = ["a", 1]
+  with pytest.raises(ValueError, match="span must be two versions"):
+    wire.group_from_wire(bad)

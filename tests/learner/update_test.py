@@ -350,7 +350,7 @@ def test_trimming_padding_columns_changes_nothing():
 def test_completion_width_is_a_power_of_two_within_the_budget():
   class _Rollout:
     def __init__(self, n):
-      self.completion_ids = np.zeros(n, np.int32)
+      self.completion_length = n
 
   class _Group:
     def __init__(self, *lengths):
