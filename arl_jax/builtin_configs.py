@@ -33,8 +33,23 @@ def path(name: str) -> str:
 
 
 def load(name: str, arg: str | None = None) -> ml_collections.ConfigDict:
-  """An unlocked copy of `configs/<name>.py`'s `get_config(arg)`."""
-  spec = importlib.util.spec_from_file_location(f"arl_jax_configs_{name}", path(name))
+  """An unlocked copy of `get_config(arg)` of built-in config `name`
+  (`configs/<name>.py`), or of the config file at path `name` (ending in
+  `.py`: relative to the working directory).
+
+  Raises:
+    FileNotFoundError: naming the path, or the built-in configs.
+  """
+  if name.endswith(".py"):
+    if not os.path.isfile(name):
+      raise FileNotFoundError(f"no config file {name!r} (from {os.getcwd()}); built-in "
+                              f"configs by name: {names()}")
+    return _load_file(name, os.path.splitext(os.path.basename(name))[0], arg)
+  return _load_file(path(name), name, arg)
+
+
+def _load_file(file: str, name: str, arg: str | None) -> ml_collections.ConfigDict:
+  spec = importlib.util.spec_from_file_location(f"arl_jax_configs_{name}", file)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return ml_collections.ConfigDict(module.get_config(arg).to_dict())

@@ -49,7 +49,9 @@ class RunSection:
   Attributes:
     seed: seeds the init, the prompt stream and the sampler's draws.
     num_steps: learner updates to run.
-    log_every: a progress line every N updates (0: none).
+    log_every: a progress line every N updates, on the last and with each
+      evaluation (0: none); in a terminal a live bar also shows every update
+      (`metrics/progress.py`).
     eval_every: a held-out evaluation every N updates (0: none).
     eval_size: held-out prompts per evaluation.
     writers: metric sinks besides the progress line, comma-separated

@@ -97,6 +97,8 @@ class HeldRollout:
     prompt_length, completion_length: token counts of the arrays.
     span: `version_span` of the sampled tokens.
     holder: the process index that holds the arrays.
+    copy: the holder's number for this copy of the group
+      (`held_groups.HeldGroups.hold`).
   """
 
   group_id: int
@@ -107,6 +109,7 @@ class HeldRollout:
   dispatch_version: int
   finish_reason: str
   holder: int
+  copy: int = 0
   reward: float | None = None
   env_name: str = ""
   timings: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -126,13 +129,13 @@ class HeldRollout:
     return _is_masked(self.finish_reason, mask_truncated_completions)
 
 
-def held(rollout: Rollout, holder: int) -> HeldRollout:
-  """`rollout`'s metadata, its arrays held by process `holder`."""
+def held(rollout: Rollout, holder: int, copy: int = 0) -> HeldRollout:
+  """`rollout`'s metadata, its arrays held by process `holder` (as `copy`)."""
   return HeldRollout(
       group_id=rollout.group_id, sample_index=rollout.sample_index,
       prompt_length=rollout.prompt_length, completion_length=rollout.completion_length,
       span=rollout.version_span, dispatch_version=rollout.dispatch_version,
-      finish_reason=rollout.finish_reason, holder=holder, reward=rollout.reward,
+      finish_reason=rollout.finish_reason, holder=holder, copy=copy, reward=rollout.reward,
       env_name=rollout.env_name, timings=dict(rollout.timings))
 
 

@@ -221,6 +221,7 @@ def _lead(spec, config_dict, meshes, *, workdir, graphdef, inputs, state, update
     lockstep.share_text(sampling.fleet.address, meshes.learner)
     broadcast_fn = lockstep.leader_broadcast_fn(sampling.fleet, meshes.learner)
     shards = shard_batch.LeaderShards(spec, mesh=meshes.learner, fleet=sampling.fleet,
+                                      is_open=orchestrator.work.is_open,
                                       pad_id=inputs.tokenizer.pad_id)
   groups_trained = 0
   if restored is not None:

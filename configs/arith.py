@@ -35,7 +35,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.num_steps = 3000
-  config.log_every = 1
+  config.log_every = 100
   config.eval_every = 250
   config.eval_size = 300
   # Metric sinks: JSON lines always; "jsonl,tensorboard" adds TensorBoard event files.

@@ -35,7 +35,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = ml_collections.ConfigDict()
   config.seed = 0
   config.num_steps = 500
-  config.log_every = 10
+  config.log_every = 25
   config.eval_every = 100
   config.eval_size = 40
   # Metric sinks: JSON lines always; "jsonl,tensorboard" adds TensorBoard event files.

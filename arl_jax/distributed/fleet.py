@@ -66,6 +66,7 @@ class _Sampler:
   identity: bytes
   last_seen: float
   alive: bool = True
+  process: int | None = None  # a multi-controller process (holds its groups)
   owned: set[int] = dataclasses.field(default_factory=set)  # group ids it generates
   groups_delivered: int = 0
   stats: engine_stats.EngineStats = dataclasses.field(default_factory=engine_stats.EngineStats)
@@ -122,7 +123,10 @@ class SamplerFleet:
     self._owner: dict[int, _Sampler] = {}  # group id -> the sampler generating it
     self._outbox: queue.Queue = queue.Queue()  # (kind, payload) from the learner thread
     self._num_processes = num_processes
-    self._forgotten: list[int] = []  # held groups never to be trained (`take_forgotten`)
+    # Held groups (`held_groups.py`): (group id, copy) never to be trained,
+    # and those in the buffer: group id -> copy (`take_forgotten`).
+    self._forgotten: list[tuple[int, int]] = []
+    self._held: dict[int, int] = {}
     self._stop = threading.Event()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
@@ -164,11 +168,16 @@ class SamplerFleet:
     its sampler process, which the learner's checkpoint does not hold)."""
     self._dispatcher.reassign(group_ids)
 
-  def take_forgotten(self) -> list[int]:
-    """Held groups (`held_groups.py`) that came late or malformed since the
-    last call: their holders may drop them (`ShardPlan.forget`)."""
+  def take_forgotten(self, is_open) -> list[tuple[int, int]]:
+    """`(group id, copy)` of held groups (`held_groups.py`) that will never
+    train: those that came late or malformed, and those that left the run's
+    open work (`is_open(group_id)` False: swept as stale, cancelled, or
+    trained, whose holders let them go already) since the last call. Their
+    holders may drop them (`ShardPlan.forget`)."""
     with self._lock:
-      forgotten, self._forgotten = self._forgotten, []
+      gone = [gid for gid in self._held if not is_open(gid)]
+      forgotten = self._forgotten + [(gid, self._held.pop(gid)) for gid in gone]
+      self._forgotten = []
     return forgotten
 
   @property
@@ -330,8 +339,10 @@ class SamplerFleet:
           f"process has {message['devices']}")})
       return
     with self._lock:
+      process = message.get("process")
       sampler = _Sampler(sampler_id=len(self._samplers), name=str(message["name"]),
-                         identity=identity, last_seen=now)
+                         identity=identity, last_seen=now,
+                         process=process if type(process) is int else None)
       self._samplers[identity] = sampler
     self._send(identity, {"type": "welcome", "sampler_id": sampler.sampler_id,
                           "spec": self._spec, "sampler_mesh": self._mesh_shape,
@@ -344,26 +355,33 @@ class SamplerFleet:
   def _receive_group(self, sampler: _Sampler, record: dict) -> None:
     gid = record["group_id"]  # an int (`wire.parse_sampler_message`)
     held = "held_by" in record  # (its holder keeps the arrays until told)
+    copy = record.get("held_copy")
+    held = held and type(record["held_by"]) is int and type(copy) is int
     with self._lock:
       owned = self._owner.get(gid) is sampler
       if not owned:
         self.late_groups += 1
-        if held:
-          self._forgotten.append(gid)
+        if held and record["held_by"] == sampler.process:
+          self._forgotten.append((gid, copy))
         return
       del self._owner[gid]
       sampler.owned.discard(gid)
     try:
       group = wire.group_from_wire(record)
-      if len(group.rollouts) != self._orchestrator.dispatch_cfg.group_size:
-        raise ValueError(f"{len(group.rollouts)} rollouts")
-      if held and not 0 < record["held_by"] < self._num_processes:
-        raise ValueError(f"held by process {record['held_by']} of {self._num_processes}")
+      size = self._orchestrator.dispatch_cfg.group_size
+      if [r.sample_index for r in group.rollouts] != list(range(size)):
+        raise ValueError(f"sample indices {[r.sample_index for r in group.rollouts]} for a "
+                         f"group of {size}")
+      if "held_by" in record and not (
+          sampler.process is not None and record["held_by"] == sampler.process
+          and 0 < sampler.process < self._num_processes):
+        raise ValueError(f"held by process {record['held_by']!r}, sent by "
+                         f"{'a sampler process' if sampler.process is None else sampler.process}")
     except (ValueError, KeyError, TypeError) as e:
       with self._lock:
         self.bad_groups += 1
-        if held:
-          self._forgotten.append(gid)
+        if held and record["held_by"] == sampler.process:
+          self._forgotten.append((gid, copy))
       self._print(f"fleet: sampler {sampler.sampler_id} sent a malformed group {gid} ({e}); "
                   "it is generated again")
       self._dispatcher.reassign([gid])
@@ -373,8 +391,10 @@ class SamplerFleet:
     kept = self._orchestrator.group_finished(group)
     with self._lock:
       sampler.groups_delivered += 1
-      if held and not kept:  # cancelled meanwhile: its holder may drop it
-        self._forgotten.append(gid)
+      if held and kept:
+        self._held[gid] = copy
+      elif held:  # cancelled meanwhile: its holder may drop it
+        self._forgotten.append((gid, copy))
 
   def _account(self, sampler: _Sampler, message: dict) -> None:
     """Adds what a sampler's reported totals grew by since its last report."""

@@ -39,6 +39,7 @@ def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer,
   """
   link = learner_link.LearnerLink(lockstep.share_text(None, meshes.learner),
                                     name=f"process {jax.process_index()}",
+                                    process=jax.process_index(),
                                     num_devices=meshes.sampler.devices.size)
   held = held_groups.HeldGroups()
   sampling = sampler_worker.LocalSampling(spec, mesh=meshes.sampler, graphdef=graphdef,
@@ -62,7 +63,8 @@ def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer,
         plan = step.plan
         batch, _ = shard_batch.local_batch(plan, here, meshes.learner, pad_id=pad_id,
                                            blocks_of_process=blocks_of_process)
-        held.release([*plan.group_ids, *plan.forget])  # trained here or elsewhere, or never
+        held.release(plan.group_ids)  # trained, here or elsewhere
+        held.forget(plan.forget)  # never to train
         state, _ = update_fn(state, batch)
         version += 1
         publisher.publish(state.params, version)

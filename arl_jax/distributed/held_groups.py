@@ -25,33 +25,53 @@ from arl_jax import rollout as rollout_lib
 
 class HeldGroups:
   """Thread-safe `group id -> Group` of this process's finished groups
-  (env worker threads put, the learner thread takes)."""
+  (env worker threads put, the learner thread takes). Each copy held gets a
+  number (`hold`): a group generated again under the same id (its first copy
+  was malformed, or its sampler lost) is a new copy, and forgetting an old
+  copy (`forget`) leaves the new one alone."""
 
   def __init__(self):
     self._lock = threading.Lock()
-    self._groups: dict[int, rollout_lib.Group] = {}
+    self._groups: dict[int, tuple[int, rollout_lib.Group]] = {}
+    self._copies = 0
 
   def __len__(self) -> int:
     with self._lock:
       return len(self._groups)
 
-  def hold(self, group: rollout_lib.Group) -> None:
+  def hold(self, group: rollout_lib.Group) -> int:
+    """Keeps `group`; returns its copy number (sent with its metadata)."""
     with self._lock:
-      self._groups[group.group_id] = group
+      self._copies += 1
+      self._groups[group.group_id] = (self._copies, group)
+      return self._copies
+
+  def has(self, group_id: int) -> bool:
+    with self._lock:
+      return int(group_id) in self._groups
 
   def rollout(self, group_id: int, sample_index: int) -> rollout_lib.Rollout:
     """Raises KeyError naming the group when it is not (or no longer) held."""
     with self._lock:
-      group = self._groups.get(group_id)
-    if group is None:
+      held = self._groups.get(int(group_id))
+    if held is None:
       raise KeyError(f"group {group_id} is not held by this process (process 0's plan refers "
                      "to a group this process never finished, or already released)")
-    return group.rollouts[sample_index]
+    return held[1].rollouts[int(sample_index)]
 
   def release(self, group_ids) -> None:
+    """The groups were trained (whichever copy)."""
     with self._lock:
       for gid in group_ids:
         self._groups.pop(int(gid), None)
+
+  def forget(self, pairs) -> None:
+    """`(group id, copy)` pairs that will never train: drops those copies."""
+    with self._lock:
+      for gid, copy in pairs:
+        held = self._groups.get(int(gid))
+        if held is not None and held[0] == int(copy):
+          del self._groups[int(gid)]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -60,7 +60,8 @@ class LearnerLink:
   """This process's connection to the learner's `SamplerFleet`."""
 
   def __init__(self, address: str, *, name: str, num_devices: int,
-               connect_timeout_s: float = 120.0, print_fn=None, notice_every_s: float = 5.0):
+               connect_timeout_s: float = 120.0, print_fn=None, notice_every_s: float = 5.0,
+               process: int | None = None):
     """Joins the learner: says hello and waits for its welcome.
 
     Args:
@@ -71,6 +72,8 @@ class LearnerLink:
       print_fn: where to say, every `notice_every_s` seconds, that no learner
         has answered yet (None: nowhere).
       notice_every_s: see `print_fn`.
+      process: this process's index in a multi-controller job (it holds the
+        groups it samples, `held_groups.py`); None: a sampler process.
 
     Raises:
       LearnerUnreachable: no answer within `connect_timeout_s`.
@@ -87,8 +90,10 @@ class LearnerLink:
     # ZeroMQ keeps reconnecting in the background and sends the hello once
     # a connection is up, so waiting is retrying; the notices tell the user
     # early that nothing answers (a wrong address, or no learner yet).
-    self._socket.send_multipart(wire.encode({"type": "hello", "name": name,
-                                             "devices": num_devices}))
+    hello = {"type": "hello", "name": name, "devices": num_devices}
+    if process is not None:
+      hello["process"] = process
+    self._socket.send_multipart(wire.encode(hello))
     start = time.monotonic()
     while True:
       left = start + connect_timeout_s - time.monotonic()
@@ -157,9 +162,9 @@ class LearnerLink:
     with self._lock:
       self._notes.append([group_id, version])
 
-  def send_group(self, group, held_by: int | None = None) -> None:
-    """`held_by`: this process keeps the arrays, only the metadata goes."""
-    self._outbox.put({"type": "group", "group": wire.group_to_wire(group, held_by)})
+  def send_group(self, group, held_by: int | None = None, copy: int = 0) -> None:
+    """`held_by`: this process keeps the arrays (as `copy`), only the metadata goes."""
+    self._outbox.put({"type": "group", "group": wire.group_to_wire(group, held_by, copy)})
 
   def close(self, say_bye: bool) -> None:
     if say_bye and self._thread is not None and not self.ended.is_set():

@@ -79,8 +79,7 @@ class LocalSampling:
       if held is None:
         link.send_group(group)
       else:  # kept first: process 0 may plan it as soon as it hears
-        held.hold(group)
-        link.send_group(group, held_by=process_index)
+        link.send_group(group, held_by=process_index, copy=held.hold(group))
 
     self.env_runner = env_runner_lib.EnvRunner(
         env, on_group_fn=finished, max_new_tokens=spec.engine.max_new_tokens,

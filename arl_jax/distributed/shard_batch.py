@@ -41,24 +41,30 @@ def local_batch(plan: shard_plan_lib.ShardPlan, here, mesh, *, pad_id: int,
   Args:
     plan: the step's plan.
     here: `(group_id, sample_index) -> rollout` for rollouts this process
-      holds (`plan.holder` == this process).
+      holds (`plan.holder` == this process); KeyError when it holds none.
     mesh: the learner mesh.
     pad_id: the tokenizer's padding id.
     blocks_of_process: `shard_plan.row_blocks(mesh)`.
+
+  Raises:
+    RuntimeError: on every process together, when a process does not hold a
+      rollout the plan says it holds (none waits in a collective for it).
   """
   me = jax.process_index()
   my_block = blocks_of_process[me]
   moved = plan.moved(blocks_of_process)
+  mine_here = np.flatnonzero((plan.holder == me) & (moved | (plan.block == my_block)))
+  held = _fetch(here, [(plan.group_ids[i], plan.sample_index[i]) for i in mine_here], mesh)
+  held = dict(zip(mine_here.tolist(), held))
   sizes = np.array([held_groups.num_bytes(p, c) for p, c in
                     zip(plan.prompt_length, plan.completion_length)], np.int64) * moved
   mine = {}
   received = 0
   if sizes.any():
-    outgoing = np.flatnonzero(moved & (plan.holder == me))
-    data = b"".join(held_groups.to_bytes(here(plan.group_ids[i], plan.sample_index[i]))
-                    for i in outgoing)
+    data = b"".join(held_groups.to_bytes(held[i])
+                    for i in np.flatnonzero(moved & (plan.holder == me)))
     per_process = np.bincount(plan.holder, weights=sizes, minlength=jax.process_count())
-    gathered = lockstep.all_gather(data, int(per_process.max()), mesh)
+    gathered = lockstep.all_gather(data, _bucket(int(per_process.max())), mesh)
     received = gathered.nbytes - gathered.shape[1]  # (the others' rows)
     offsets = np.zeros(len(plan.holder), np.int64)
     for process in range(jax.process_count()):  # each sender's rollouts, in plan order
@@ -69,7 +75,7 @@ def local_batch(plan: shard_plan_lib.ShardPlan, here, mesh, *, pad_id: int,
           gathered[plan.holder[i]], int(offsets[i]), int(plan.prompt_length[i]),
           int(plan.completion_length[i]), float(plan.rewards[i]))
   for i in np.flatnonzero((plan.block == my_block) & (plan.holder == me)):
-    mine[int(i)] = here(int(plan.group_ids[i]), int(plan.sample_index[i]))
+    mine[int(i)] = held[int(i)]
   rows = plan.rows_per_block
   arrays = train_batch_lib.empty_rows(rows, plan.width, pad_id)
   train_batch_lib.fill(arrays, plan.batch_plan(), mine, first_row=my_block * rows)
@@ -79,6 +85,36 @@ def local_batch(plan: shard_plan_lib.ShardPlan, here, mesh, *, pad_id: int,
                                                    (plan.rows, plan.width))
       for name in train_batch_lib.FIELDS})
   return batch, int(received)
+
+
+def _fetch(here, keys, mesh) -> list:
+  """`here(group_id, sample_index)` of every key; then every process learns
+  whether every process had all of its own (a small all-gather), and all
+  raise together if one did not."""
+  found, missing = [], []
+  for gid, s in keys:
+    try:
+      found.append(here(int(gid), int(s)))
+    except KeyError:
+      missing.append(int(gid))
+  counts = np.frombuffer(lockstep.all_gather(np.int32(len(missing)).tobytes(), 4, mesh)
+                         .tobytes(), "<i4")
+  if counts.any():
+    lacking = {p: int(n) for p, n in enumerate(counts) if n}
+    raise RuntimeError(
+        f"processes {lacking} (process: rollouts) do not hold rollouts process 0's plan says "
+        f"they hold (this process lacks groups {sorted(set(missing))[:8]}); the step cannot "
+        "be trained")
+  return found
+
+
+def _bucket(size: int) -> int:
+  """A gathered size rounded up to the next of 8 steps per power of two (at
+  least 1 KiB; at most 1/8 padding): a few compiled shapes, not one per step."""
+  if size <= 1024:
+    return 1024
+  step = 1 << ((size - 1).bit_length() - 3)
+  return -(-size // step) * step
 
 
 def collect_held(run_record: dict | None, here, mesh) -> None:
@@ -97,14 +133,17 @@ def collect_held(run_record: dict | None, here, mesh) -> None:
   count = int(lockstep.broadcast(np.array([len(entries)], np.int32), mesh)[0])
   if not count:
     return
-  table = np.array([e[:4] for e in entries], np.int32).reshape(-1, 4)
-  table = lockstep.broadcast(table if leader else np.zeros((count, 4), np.int32), mesh)
+  # (Rows padded with holder -1 to a power of two: a handful of shapes.)
+  table = np.full((shard_plan_lib.forget_rows(count), 4), -1, np.int32)
+  if leader:
+    table[:count] = [e[:4] for e in entries]
+  table = lockstep.broadcast(table, mesh)[:count]
   sizes = np.array([held_groups.num_bytes(0, c, prompt=False) for c in table[:, 3]], np.int64)
   me = jax.process_index()
-  data = b"".join(held_groups.to_bytes(here(int(g), int(s)), prompt=False)
-                  for g, s, holder, _ in table if holder == me)
+  rollouts = _fetch(here, [(g, s) for g, s, holder, _ in table if holder == me], mesh)
+  data = b"".join(held_groups.to_bytes(r, prompt=False) for r in rollouts)
   per_process = np.bincount(table[:, 2], weights=sizes, minlength=jax.process_count())
-  gathered = lockstep.all_gather(data, int(per_process.max()), mesh)
+  gathered = lockstep.all_gather(data, _bucket(int(per_process.max())), mesh)
   if not leader:
     return
   offsets = np.zeros(jax.process_count(), np.int64)
@@ -123,22 +162,24 @@ class LeaderShards:
   """Process 0's side of the process-local batch: plans each cut batch and
   builds its own block."""
 
-  def __init__(self, spec, *, mesh, fleet, pad_id: int):
-    """Args: the run spec, the learner mesh, the fleet (groups it told the
-    holders to forget), the tokenizer's padding id."""
+  def __init__(self, spec, *, mesh, fleet, is_open, pad_id: int):
+    """Args: the run spec, the learner mesh, the fleet (the held groups that
+    will never train), `is_open(group_id)` (still in the run's open work:
+    `OpenWork.is_open`), the tokenizer's padding id."""
     self._spec = spec
     self._mesh = mesh
     self._fleet = fleet
+    self._is_open = is_open
     self._pad_id = pad_id
     self.blocks_of_process = shard_plan_lib.row_blocks(mesh)
     self.bytes_received = 0  # token bytes that reached this process (moved rollouts)
 
   def plan(self, batch) -> shard_plan_lib.ShardPlan:
-    """The `ShardPlan` of a cut `orchestrator.Batch`; the stale groups swept
-    before it are forgotten by their holders."""
+    """The `ShardPlan` of a cut `orchestrator.Batch`; the held groups that
+    left the run since the last plan (swept, cancelled, late) are forgotten
+    by their holders."""
     spec = self._spec
-    forget = [g.group_id for g in batch.stale if g.holder is not None]
-    forget += self._fleet.take_forgotten()
+    forget = self._fleet.take_forgotten(self._is_open)
     return shard_plan_lib.make(
         batch.groups, blocks_of_process=self.blocks_of_process, prompt_len=spec.engine.prompt_len,
         max_new_tokens=spec.engine.max_new_tokens, advantage_estimator=spec.advantage_estimator,

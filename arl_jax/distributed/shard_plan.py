@@ -14,19 +14,21 @@ holds only the metadata of the groups the other processes sampled
   row, `pack_len` tokens). Only the rollouts that move cross processes.
 - the layout (`train_batch.plan` with the blocks): every process fills its
   own block's rows, and the global batch is made of the blocks
-  (`lockstep.local_batch`);
+  (`shard_batch.local_batch`);
 - advantages, segment ids and loss masks, computed from the whole batch's
   metadata (a group's baseline needs all its rewards);
-- `forget`: groups the holders may drop, never to be trained (swept as
-  stale, or arrived after their cancellation).
+- `forget`: the held groups (id, copy) their holders may drop, never to be
+  trained (swept as stale, cancelled, arrived late or malformed).
 
-The plan travels to every process as a few small arrays (`to_arrays`): about
-44 bytes per rollout, kilobytes per step, instead of the batch.
+The plan travels to every process as a few small arrays (`to_arrays`): 48
+bytes per rollout, kilobytes per step, instead of the batch.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import heapq
 
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
@@ -77,7 +79,8 @@ class ShardPlan:
     row, start, prompt_length, completion_length, segments, masked,
       advantages: its place and what lies on its tokens (`train_batch.Plan`).
     rewards: its reward.
-    forget: group ids whose holders may drop them (never trained).
+    forget: `[M, 2]` (group id, copy) that their holders may drop (never
+      trained; `held_groups.HeldGroups.forget`).
   """
 
   rows: int
@@ -118,10 +121,14 @@ class ShardPlan:
     return others.any(axis=1)
 
   def to_arrays(self) -> dict[str, np.ndarray]:
-    """The plan as three arrays (`from_arrays`), for the lockstep broadcast."""
+    """The plan as four arrays (`from_arrays`), for the lockstep broadcast;
+    `forget` padded with (-1, -1) to `forget_rows` (a handful of shapes, so
+    the broadcast compiles a handful of times)."""
+    forget = np.full((forget_rows(len(self.forget)), 2), -1, np.int32)
+    forget[:len(self.forget)] = np.asarray(self.forget, np.int32).reshape(-1, 2)
     return {"ints": np.stack([np.asarray(getattr(self, n), np.int32) for n in _INT_ROWS]),
             "floats": np.stack([np.asarray(getattr(self, n), np.float32) for n in _FLOAT_ROWS]),
-            "forget": np.asarray(self.forget, np.int32),
+            "forget": forget,
             "shape": np.array([self.rows, self.width, self.num_blocks], np.int32)}
 
   @staticmethod
@@ -129,7 +136,8 @@ class ShardPlan:
     """Zeros shaped as `to_arrays` of a plan of these sizes."""
     return {"ints": np.zeros((len(_INT_ROWS), rollouts), np.int32),
             "floats": np.zeros((len(_FLOAT_ROWS), rollouts), np.float32),
-            "forget": np.zeros(forget, np.int32), "shape": np.zeros(3, np.int32)}
+            "forget": np.zeros((forget_rows(forget), 2), np.int32),
+            "shape": np.zeros(3, np.int32)}
 
   @classmethod
   def from_arrays(cls, arrays: dict) -> ShardPlan:
@@ -137,8 +145,14 @@ class ShardPlan:
     fields = {n: np.asarray(arrays["ints"][k], np.int64) for k, n in enumerate(_INT_ROWS)}
     fields.update({n: np.asarray(arrays["floats"][k], np.float32)
                    for k, n in enumerate(_FLOAT_ROWS)})
+    forget = np.asarray(arrays["forget"], np.int64).reshape(-1, 2)
     return cls(rows=rows, width=width, num_blocks=num_blocks,
-               forget=np.asarray(arrays["forget"], np.int64), **fields)
+               forget=forget[forget[:, 0] >= 0], **fields)
+
+
+def forget_rows(count: int) -> int:
+  """`count` rounded up to a power of two (at least 8)."""
+  return max(8, 1 << max(count - 1, 0).bit_length())
 
 
 def assign(lengths, holder_blocks, *, num_blocks: int, num_slices: int,
@@ -187,25 +201,37 @@ def _fill_capacity(blocks, ids, capacity) -> None:
 
 
 def _balance_tokens(blocks, ids, lengths, num_blocks: int, tolerance: int) -> None:
-  """Moves sequences from the fullest block to the emptiest while they
-  differ by more than `tolerance` tokens, each time the one whose length is
-  nearest half the difference (every move shrinks the spread; at most one
-  move per sequence)."""
+  """Moves sequences out of the blocks holding more than the mean load plus
+  half the `tolerance`, each time the longest that neither overshoots the
+  mean by more than half the tolerance nor fills the emptiest block past
+  it, into the emptiest block; blocks then end within `tolerance` tokens of
+  each other unless single sequences are too long for that. Sorted lengths
+  and a heap: O(n log n + moves x n), moves few."""
   load = np.bincount(blocks[ids], weights=lengths[ids], minlength=num_blocks)
-  moved = set()
-  while True:
-    full, empty = int(np.argmax(load)), int(np.argmin(load))
-    gap = load[full] - load[empty]
-    if gap <= tolerance:
-      return
-    candidates = [i for i in ids if blocks[i] == full and i not in moved and lengths[i] < gap]
-    if not candidates:
-      return
-    i = min(candidates, key=lambda k: abs(2 * lengths[k] - gap))
-    blocks[i] = empty
-    moved.add(i)
-    load[full] -= lengths[i]
-    load[empty] += lengths[i]
+  target, slack = load.sum() / num_blocks, tolerance / 2
+  receivers = [(load[b], b) for b in range(num_blocks) if load[b] < target + slack]
+  heapq.heapify(receivers)
+  for donor in np.argsort(-load, kind="stable"):
+    if load[donor] <= target + slack:
+      break
+    mine = sorted(ids[blocks[ids] == donor], key=lambda i: lengths[i])
+    sizes = [int(lengths[i]) for i in mine]
+    while load[donor] > target + slack and receivers:
+      room, receiver = heapq.heappop(receivers)
+      if receiver == donor or room != load[receiver]:
+        continue  # (a stale heap entry)
+      limit = min(load[donor] - target, target - load[receiver]) + slack
+      k = bisect.bisect_right(sizes, limit) - 1
+      if k < 0:
+        heapq.heappush(receivers, (load[receiver], receiver))
+        break
+      i = mine.pop(k)
+      size = sizes.pop(k)
+      blocks[i] = receiver
+      load[donor] -= size
+      load[receiver] += size
+      if load[receiver] < target + slack:
+        heapq.heappush(receivers, (load[receiver], receiver))
 
 
 def make(groups, *, blocks_of_process: list[int], prompt_len: int, max_new_tokens: int,
@@ -213,7 +239,7 @@ def make(groups, *, blocks_of_process: list[int], prompt_len: int, max_new_token
          packing: packing_lib.Packing | None, num_slices: int, forget=()) -> ShardPlan:
   """The `ShardPlan` of a cut batch's `groups` (full groups are held by this
   process, process 0; `HeldRollout`s by their `holder`), with `forget` (group
-  ids) passed on to the holders."""
+  id, copy) passed on to the holders."""
   rollouts = [r for g in groups for r in g.rollouts]
   holder = np.array([0 if r.holder is None else r.holder for r in rollouts], np.int64)
   num_blocks = max(blocks_of_process) + 1
@@ -246,4 +272,4 @@ def make(groups, *, blocks_of_process: list[int], prompt_len: int, max_new_token
       completion_length=np.array([r.completion_length for r in rollouts], np.int64),
       segments=batch_plan.segments, masked=batch_plan.masked, advantages=batch_plan.advantages,
       rewards=np.array([r.reward for r in rollouts], np.float32),
-      forget=np.asarray(sorted(forget), np.int64))
+      forget=np.asarray(sorted(forget), np.int64).reshape(-1, 2))

@@ -149,12 +149,12 @@ _TOKEN_ARRAYS = (("prompt_ids", "prompt_ids", np.int32),
                  ("versions", "token_versions", np.int32))
 
 
-def group_to_wire(group: rollout_lib.Group, held_by: int | None = None) -> dict:
+def group_to_wire(group: rollout_lib.Group, held_by: int | None = None, copy: int = 0) -> dict:
   """The group as a message body; each rollout's arrays become frames of
   their own, sent from the arrays' memory (no concatenation). With
   `held_by` (a multi-controller process that keeps the arrays until they
   are trained), only the metadata: lengths and version spans instead of
-  the arrays (`rollout.HeldRollout`)."""
+  the arrays (`rollout.HeldRollout`), and the holder's `copy` number."""
   def arrays(r) -> dict:
     if held_by is None:
       return {name: np.asarray(getattr(r, field), dtype) for name, field, dtype in _TOKEN_ARRAYS}
@@ -170,7 +170,7 @@ def group_to_wire(group: rollout_lib.Group, held_by: int | None = None) -> dict:
           for r in group.rollouts],
   }
   if held_by is not None:
-    record["held_by"] = held_by
+    record.update(held_by=held_by, held_copy=copy)
   return record
 
 
@@ -184,7 +184,7 @@ def group_from_wire(record: dict) -> rollout_lib.Group:
   group_id, dispatch_version = record["group_id"], record["dispatch_version"]
   held_by = record.get("held_by")
   if held_by is not None:
-    check_fields(record, "group", {"held_by": int})
+    check_fields(record, "group", {"held_by": int, "held_copy": int})
   rollouts = []
   for r in record["rollouts"]:
     check_fields(r, "rollout", {"sample_index": int, "finish_reason": str,
@@ -202,7 +202,7 @@ def group_from_wire(record: dict) -> rollout_lib.Group:
                          f"got {span!r:.80}")
       rollouts.append(rollout_lib.HeldRollout(
           prompt_length=r["prompt_length"], completion_length=r["completion_length"],
-          span=(span[0], span[1]), holder=held_by, **common))
+          span=(span[0], span[1]), holder=held_by, copy=record["held_copy"], **common))
       continue
     for name, _, dtype in _TOKEN_ARRAYS:
       array = r[name]

@@ -192,5 +192,17 @@ def progress_line(record: Mapping) -> str:
   return " | ".join(parts)
 
 
+_active_bar = None  # a live progress bar (`progress.Progress`) lines print above
+
+
+def set_active_bar(bar) -> None:
+  global _active_bar
+  _active_bar = bar
+
+
 def print_line(line: str) -> None:
-  print(line, file=sys.stdout, flush=True)
+  """The run's lines on stdout (above the progress bar, when one is open)."""
+  if _active_bar is not None:
+    _active_bar.write(line, file=sys.stdout)
+  else:
+    print(line, file=sys.stdout, flush=True)

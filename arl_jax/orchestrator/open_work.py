@@ -98,6 +98,10 @@ class OpenWork:
     with self._lock:
       return len(self._groups)
 
+  def is_open(self, group_id: int) -> bool:
+    with self._lock:
+      return group_id in self._groups
+
   def open(self, request) -> None:
     """A group was dispatched: G fresh episodes."""
     with self._lock:

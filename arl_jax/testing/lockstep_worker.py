@@ -12,6 +12,8 @@ devices, twice (the first compiles), the second measured:
 - `mode=broadcast` (before issue 23): process 0 assembles the whole batch
   and every process receives all of it (`lockstep.broadcast`, a sum).
 
+With `--lose=GROUP`, that group's holder acts as if it had lost it: every
+process must raise (`shard_batch._fetch`) rather than wait in a collective.
 With `--collect`, process 0 then collects the completions of the groups
 held elsewhere as a checkpoint does (`shard_batch.collect_held`) and checks
 them. Prints one JSON line: the bytes this process's TCP sockets received
@@ -114,6 +116,29 @@ def run(num_processes: int, timeout_s: float = 600, **flags) -> list[dict]:
   return reports
 
 
+def _collect(groups, holders, here, mesh) -> bool:
+  """Collects the groups held outside process 0 as a checkpoint does
+  (`shard_batch.collect_held`); process 0 returns whether every completion
+  arrived bit for bit."""
+  import jax  # noqa: PLC0415
+
+  from arl_jax.distributed import shard_batch  # noqa: PLC0415
+
+  elsewhere = [g for g in groups if holders[g.group_id] != 0]
+  record = {"work": {"groups": [{"group_id": g.group_id, "episodes": [
+      {"stage": "done", "held_by": holders[g.group_id],
+       "completion_length": r.completion_length, "reward": r.reward}
+      for r in g.rollouts]} for g in elsewhere]}}
+  leader = jax.process_index() == 0
+  shard_batch.collect_held(record if leader else None, here, mesh)
+  return leader and all(
+      e["completion_ids"] == r.completion_ids.tolist()
+      and e["logprobs"] == r.behaviour_logprobs.tolist()
+      and e["versions"] == r.token_versions.tolist() and "held_by" not in e
+      for g, saved in zip(elsewhere, record["work"]["groups"])
+      for r, e in zip(g.rollouts, saved["episodes"]))
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--process_id", type=int, required=True)
@@ -127,6 +152,8 @@ def main() -> None:
   parser.add_argument("--completion_len", type=int, default=448)
   parser.add_argument("--pack_len", type=int, default=512)
   parser.add_argument("--collect", action="store_true")
+  parser.add_argument("--lose", type=int, default=-1,
+                      help="the holder of this group id behaves as if it had lost it")
   args = parser.parse_args()
 
   import jax  # noqa: PLC0415
@@ -148,7 +175,7 @@ def main() -> None:
   by_id = {g.group_id: g for g in groups}
 
   def here(gid, s):
-    if holders[int(gid)] != me:
+    if holders[int(gid)] != me or int(gid) == args.lose:
       raise KeyError(f"group {gid} is held by process {holders[int(gid)]}, not {me}")
     return by_id[int(gid)].rollouts[int(s)]
 
@@ -176,6 +203,13 @@ def main() -> None:
     jax.block_until_ready(batch)
     return (shared, batch), moved
 
+  if args.lose >= 0:  # every process must fail, together, without hanging
+    try:
+      step()
+    except RuntimeError as e:
+      print(json.dumps({"process": me, "error": str(e)}), flush=True)
+    jax.distributed.shutdown()
+    return
   step()  # compiles
   before, start = tcp_bytes_received(), time.perf_counter()
   result, moved = step()
@@ -196,19 +230,9 @@ def main() -> None:
   else:
     report["batch_bytes"] = sum(a.nbytes for a in result.values())
   if args.collect:
-    record = {"work": {"groups": [{"group_id": g.group_id, "episodes": [
-        {"stage": "done", "held_by": holders[g.group_id],
-         "completion_length": r.completion_length, "reward": r.reward}
-        for r in g.rollouts]} for g in groups if holders[g.group_id] != 0]}}
-    shard_batch.collect_held(record if leader else None, here, mesh)
+    collected = _collect(groups, holders, here, mesh)
     if leader:
-      report["collect_equal"] = all(
-          e["completion_ids"] == r.completion_ids.tolist()
-          and e["logprobs"] == r.behaviour_logprobs.tolist()
-          and e["versions"] == r.token_versions.tolist() and "held_by" not in e
-          for g, saved in zip([g for g in groups if holders[g.group_id] != 0],
-                              record["work"]["groups"])
-          for r, e in zip(g.rollouts, saved["episodes"]))
+      report["collect_equal"] = collected
   print(json.dumps(report), flush=True)
   jax.distributed.shutdown()
 

@@ -32,6 +32,7 @@ import numpy as np
 
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.distributed import lockstep
+from arl_jax.metrics import progress as progress_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
 from arl_jax.training import step_record as step_record_lib
@@ -118,6 +119,9 @@ class LearnerLoop:
 
   def run(self) -> LoopResult:
     failed = True
+    self._progress = progress_lib.Progress(
+        total=self._spec.num_steps, initial=self.version, log_every=self._spec.log_every,
+        print_fn=self._print, bar=progress_lib.wants_bar(self._print))
     try:
       self._rl_start = self._last_time = time.monotonic()
       self._eval_log.rl_start = self._rl_start
@@ -219,9 +223,7 @@ class LearnerLoop:
     self._writer.write({"phase": "rl", **record})
     if self._keep_batches and host_batch is not None:
       self._batches.append(step_record_lib.batch_summary(batch, host_batch))
-    is_last = step == spec.num_steps - 1
-    if spec.log_every and (step % spec.log_every == 0 or is_last or "eval_reward" in record):
-      self._print(writer_lib.progress_line(record))
+    self._progress.update(record)
     if run_record is not None:
       self._save(run_record)
 
@@ -255,6 +257,7 @@ class LearnerLoop:
   def _stop(self, failed: bool) -> None:
     """Runs whatever ended the loop (see the module docstring)."""
     self._stop_request.phase = "stopping"
+    self._progress.close()  # (what follows prints plain lines)
     spec = self._spec
     try:
       self._orchestrator.dispatcher.close()  # nothing new starts; what runs, runs on

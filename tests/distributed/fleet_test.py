@@ -41,11 +41,14 @@ def _orchestrator(groups_per_batch=2):
 class _FakeSampler:
   """A DEALER socket speaking the sampler side of the protocol by hand."""
 
-  def __init__(self, address, devices=4):
+  def __init__(self, address, devices=4, process=None):
     self.socket = zmq.Context.instance().socket(zmq.DEALER)
     self.socket.linger = 0
     self.socket.connect(address)
-    self.welcome = self.ask({"type": "hello", "name": "fake", "devices": devices})
+    hello = {"type": "hello", "name": "fake", "devices": devices}
+    if process is not None:  # a multi-controller process's sampler
+      hello["process"] = process
+    self.welcome = self.ask(hello)
 
   def send(self, message):
     self.socket.send_multipart(wire.encode(message))
@@ -294,27 +297,45 @@ def test_a_group_whose_rollouts_are_not_records_is_generated_again(fleet):
 
 def test_a_held_group_arrives_as_metadata_and_a_late_one_is_forgotten(fleet):
   """A multi-controller process sends only a group's metadata; one that came
-  after its cancellation, or held by a process the run does not have, is
-  passed on to be forgotten by its holder (`ShardPlan.forget`)."""
-  fleet._num_processes = 2  # noqa: SLF001 - as in a 2-process run
-  sampler = _FakeSampler(fleet.address)
-  requests = sampler.take(3)
+  after its cancellation, or that claims a holder other than its sender, is
+  passed on to be forgotten by its holder (`ShardPlan.forget`), by copy; and
+  so is an accepted one once it leaves the run's open work."""
+  fleet._num_processes = 3  # noqa: SLF001 - as in a 3-process run
+  sampler = _FakeSampler(fleet.address, process=1)
+  requests = sampler.take(4)
 
-  def held(request, holder=1):
-    message = _group_message(request)
-    group = wire.group_from_wire(message["group"])
-    return {"type": "group", "group": wire.group_to_wire(group, held_by=holder)}
+  def held(request, holder=1, copy=7, **changes):
+    group = wire.group_from_wire(_group_message(request)["group"])
+    record = wire.group_to_wire(group, held_by=holder, copy=copy)
+    for r in record["rollouts"]:
+      r.update(changes)
+    return {"type": "group", "group": record}
 
   fleet.cancel([requests[1].group_id])
   assert sampler.receive()["type"] == "cancel"
-  sampler.send(held(requests[1]))  # late
-  sampler.send(held(requests[2], holder=5))  # no such process
-  sampler.send(held(requests[0]))
-  _wait(lambda: fleet.metrics()["fleet_groups_by_sampler"] == {"0": 1} and fleet.bad_groups)
-  assert sorted(fleet.take_forgotten()) == [1, 2] and fleet.take_forgotten() == []
+  sampler.send(held(requests[1], copy=8))  # late
+  sampler.send(held(requests[2], holder=2))  # another process's, sent by process 1
+  sampler.send(held(requests[3], sample_index=0))  # two rollouts of index 0
+  sampler.send(held(requests[0], copy=9))
+  _wait(lambda: fleet.metrics()["fleet_groups_by_sampler"] == {"0": 1}
+        and fleet.bad_groups == 2)
+  assert sorted(fleet.take_forgotten(lambda gid: True)) == [(1, 8), (3, 7)]
   # In the open work (a checkpoint's): metadata, the arrays to be collected.
   (saved,) = [g for g in fleet.orchestrator.work.snapshot({}) if g["group_id"] == 0]
   assert [e["stage"] for e in saved["episodes"]] == ["done"] * _G
   assert all(e["held_by"] == 1 and e["completion_length"] == 2 and "completion_ids" not in e
              for e in saved["episodes"])
+  assert fleet.take_forgotten(lambda gid: True) == []
+  assert fleet.take_forgotten(lambda gid: gid != 0) == [(0, 9)]  # it left the open work
+  assert fleet.take_forgotten(lambda gid: False) == []
+  sampler.close()
+
+
+def test_a_sampler_process_cannot_send_held_groups(fleet):
+  sampler = _FakeSampler(fleet.address)  # not a multi-controller process
+  (request,) = sampler.take(1)
+  group = wire.group_from_wire(_group_message(request)["group"])
+  sampler.send({"type": "group", "group": wire.group_to_wire(group, held_by=1)})
+  _wait(lambda: fleet.bad_groups == 1)
+  assert fleet.take_forgotten(lambda gid: True) == []
   sampler.close()

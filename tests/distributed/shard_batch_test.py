@@ -26,3 +26,10 @@ def test_rollouts_move_only_to_balance_and_arrive_intact():
     # The moved rollouts' arrays (16 bytes per completion token), not the batch.
     assert report["received"] < 0.3 * report["batch_bytes"], report
   assert reports[0]["collect_equal"]
+
+
+def test_a_process_missing_a_planned_group_fails_every_process_not_a_hang():
+  reports = lockstep_worker.run(2, placement="local", lose=1, timeout_s=120)
+  for report in reports:  # group 1 is process 1's
+    assert "do not hold rollouts process 0's plan says they hold" in report["error"], report
+    assert "{1: 4}" in report["error"], report

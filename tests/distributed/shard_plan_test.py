@@ -95,7 +95,7 @@ def test_padded_blocks_take_exactly_their_rows_of_each_minibatch():
 def test_the_plan_survives_its_broadcast_form():
   groups, holders = lockstep_worker.synthetic_groups(4, 4, 2, "spread", 64, 448)
   plan = shard_plan.make(_as_seen_by_process0(groups, holders), blocks_of_process=[0, 1],
-                         packing=None, num_slices=1, forget=[40, 41], **_SETTINGS)
+                         packing=None, num_slices=1, forget=[(41, 2), (40, 1)], **_SETTINGS)
   arrays = plan.to_arrays()
   empty = shard_plan.ShardPlan.empty_arrays(len(plan.group_ids), len(plan.forget))
   assert {k: (a.shape, a.dtype) for k, a in arrays.items()} == {
@@ -106,7 +106,8 @@ def test_the_plan_survives_its_broadcast_form():
   for name in ("group_ids", "holder", "block", "row", "start", "segments", "advantages",
                "rewards", "forget", "masked"):
     np.testing.assert_array_equal(getattr(back, name), getattr(plan, name), name)
-  assert sum(a.nbytes for a in arrays.values()) < 50 * len(plan.group_ids) + 64
+  np.testing.assert_array_equal(back.forget, [[40, 1], [41, 2]])
+  assert sum(a.nbytes for a in arrays.values()) == 48 * len(plan.group_ids) + 8 * 8 + 12
 
 
 def test_padded_rows_must_split_over_the_processes():

@@ -126,11 +126,12 @@ def test_a_rollout_record_of_the_wrong_types_is_refused(field, value, error):
 
 def test_a_held_group_carries_its_metadata_only():
   group = _group(np.random.default_rng(0))
-  record = wire.group_to_wire(group, held_by=3)
+  record = wire.group_to_wire(group, held_by=3, copy=5)
   message = _round_trip({"type": "group", "group": record})
   assert len(wire.encode({"type": "group", "group": record})) == 1  # no array frames
   got = wire.group_from_wire(message["group"])
   assert got.holder == 3 and got.oldest_version == group.oldest_version
+  assert {r.copy for r in got.rollouts} == {5}
   for want, have in zip(group.rollouts, got.rollouts, strict=True):
     assert isinstance(have, rollout_lib.HeldRollout)
     assert (have.prompt_length, have.completion_length) == (want.prompt_length,

@@ -1,0 +1,104 @@
+"""What a person watching a run sees: a live bar in a terminal (with the
+progress line's fields), full lines every `log_every` updates, and plain
+lines only when the output is not a terminal."""
+
+import fcntl
+import io
+import os
+import pty
+import re
+import select
+import struct
+import subprocess
+import sys
+import termios
+
+from arl_jax.metrics import progress as progress_lib
+from arl_jax.metrics import writer as writer_lib
+from arl_jax.testing import xla_env
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _record(step, **extra):
+  return {"step": step, "version": step + 1, "reward_mean": 0.25, "lag_mean": 0.5, "lag_max": 1,
+          "lag_in_queue_mean": 0.1, "tokens_per_s": 1234.0, "drop_rate": 0.02,
+          "dropped_stale": 1, "dropped_cancelled": 0, "dropped_env_error": 0,
+          "dropped_truncated": 0, "loss": 0.1, "ratio_max": 1.2, "eta_s": 30.0, **extra}
+
+
+class _Terminal(io.StringIO):
+  def isatty(self):
+    return True
+
+
+def test_off_a_terminal_lines_come_every_log_every_updates_the_last_and_evaluations():
+  lines = []
+  assert not progress_lib.wants_bar(lines.append, _Terminal())  # not the default printer
+  assert not progress_lib.wants_bar(writer_lib.print_line, io.StringIO())  # not a TTY
+  progress = progress_lib.Progress(total=30, initial=0, log_every=10, print_fn=lines.append,
+                                   bar=False)
+  for step in range(30):
+    progress.update(_record(step, **({"eval_reward": 0.5} if step == 15 else {})))
+  progress.close()
+  assert [int(re.match(r"step +(\d+)", line).group(1)) for line in lines] == [0, 10, 15, 20, 29]
+  assert "eval 0.500" in lines[2] and "eta 0m30s" in lines[0]
+  silent = progress_lib.Progress(total=3, initial=0, log_every=0, print_fn=lines.append,
+                                 bar=False)
+  for step in range(3):
+    silent.update(_record(step))
+  assert len(lines) == 5  # log_every 0: no lines
+
+
+def test_in_a_terminal_a_bar_counts_updates_and_lines_print_above_it(capsys):
+  terminal = _Terminal()
+  assert progress_lib.wants_bar(writer_lib.print_line, terminal)
+  progress = progress_lib.Progress(total=20, initial=5, log_every=100,
+                                   print_fn=writer_lib.print_line, bar=True, stream=terminal)
+  for step in range(5, 8):
+    progress.update(_record(step, **({"eval_reward": 0.75} if step == 6 else {})))
+    writer_lib.print_line(f"a line at {step}")  # e.g. an evaluation's, above the bar
+  shown = terminal.getvalue()
+  assert "8/20" in shown and "reward 0.250" in shown and "1234 tok/s" in shown
+  assert "eval 0.750" in shown and "drops 2.0%" in shown
+  progress.close()
+  out = capsys.readouterr().out
+  assert "a line at 7" in out and "step    6" in out  # the evaluation's full line
+  writer_lib.print_line("after")  # the bar is closed: a plain print
+  assert capsys.readouterr().out == "after\n"
+
+
+def test_a_run_in_a_pseudo_terminal_shows_the_bar(tmp_path):
+  """`python -m arl_jax.launch` with stdout a terminal draws the bar; the
+  same run into a pipe prints lines only."""
+  main, child = pty.openpty()
+  fcntl.ioctl(child, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # rows, columns
+  proc = subprocess.Popen(
+      [sys.executable, "-m", "arl_jax.launch", "--config=configs/arith.py:tiny",
+       f"--workdir={tmp_path / 'tty'}"], cwd=REPO, env=xla_env.subprocess_env(1),
+      stdout=child, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+  os.close(child)
+  output = b""
+  while True:
+    ready, _, _ = select.select([main], [], [], 300)
+    if not ready:
+      proc.kill()
+      raise AssertionError(output[-3000:])
+    try:
+      chunk = os.read(main, 65536)
+    except OSError:  # the child closed the terminal
+      break
+    if not chunk:
+      break
+    output += chunk
+  assert proc.wait(timeout=60) == 0, output[-3000:]
+  text = output.decode(errors="replace")
+  assert re.search(r"4/4 \[.*update", text), text[-3000:]  # tqdm's count and rate
+  assert "reward " in text and "done: 4 updates" in text
+  piped = subprocess.run(
+      [sys.executable, "-m", "arl_jax.launch", "--config=configs/arith.py:tiny",
+       f"--workdir={tmp_path / 'pipe'}"], cwd=REPO, env=xla_env.subprocess_env(1),
+      capture_output=True, text=True, timeout=300)
+  assert piped.returncode == 0, piped.stdout[-3000:] + piped.stderr[-3000:]
+  assert "update/s" not in piped.stdout + piped.stderr and "4/4" not in piped.stdout
+  assert re.search(r"step +3 \| v4", piped.stdout), piped.stdout[-3000:]  # the last update's line
