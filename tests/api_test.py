@@ -89,7 +89,7 @@ def test_a_registered_environment_trains_through_the_api(tmp_path):
   config = arl_jax.load_config("arith", "tiny")
   config.env = {"name": "letter", "letter": "b", "num_workers": 1, "timeout_s": 10.0}
   config.warmup.steps = 0  # (no demonstrations)
-  config.num_steps = 2
+  config.num_steps, config.eval_every = 2, 0
   result = arl_jax.run(config, str(tmp_path / "run"), print_fn=lambda line: None)
   assert result.final_version == 2 and len(result.history) == 2
   run = arl_jax.load_run(str(tmp_path / "run"))

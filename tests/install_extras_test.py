@@ -8,9 +8,10 @@ import os
 import re
 import subprocess
 import sys
-import tomllib
 
 import pytest
+
+tomllib = pytest.importorskip("tomllib")  # (Python >= 3.11)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
