@@ -292,10 +292,13 @@ def main() -> None:
   sizes = ["tiny"] if args.quick else ["3M", "50M"]
   slot_counts = {"tiny": [4], "3M": [8, 32], "50M": [8, 32]}
   flops_peak, bytes_peak = machine_peaks(512 if args.quick else 2048, 16 if args.quick else 256)
+  # The longest completion (and the slot buffers past the prompt): short in
+  # --quick, where compiling every width is most of the time.
+  max_len = 64 if args.quick else 256
   emit({"benchmark": "sampler", "part": "machine", "matmul_gflops": round(flops_peak / 1e9, 1),
         "read_gbps": round(bytes_peak / 1e9, 2)})
   for name in sizes:
-    cfg, meshes, graphdef, params = _model(name, prompt_len + 256)
+    cfg, meshes, graphdef, params = _model(name, prompt_len + max_len)
     for b in slot_counts[name] if "kv_vs_no_cache" in parts else ():
       fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
                                         settings=SETTINGS, num_slots=b,
@@ -322,9 +325,10 @@ def main() -> None:
     b = slot_counts[name][-1]
     rng = np.random.default_rng(1)
     n = 4 * b if args.quick else 8 * b
-    lengths = np.clip(rng.lognormal(np.log(16), 1.0, n), 2, 256).astype(np.int32)
+    lengths = np.clip(rng.lognormal(np.log(16), 1.0, n), 2, max_len).astype(np.int32)
     fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
-                                      settings=SETTINGS, num_slots=b, length=prompt_len + 256)
+                                      settings=SETTINGS, num_slots=b,
+                                      length=prompt_len + max_len)
     prompts = _prompts(n, prompt_len, seed=2)
     if name != "50M" and "continuous_vs_static" in parts:
       batching(fns, params, prompts, lengths, b, continuous=True)  # compile all inserts
@@ -347,10 +351,10 @@ def main() -> None:
   # The engine's own tokens/s with decode bursts (3.2M: the host's share of a
   # small model's step is largest).
   name = "tiny" if args.quick else "3M"
-  cfg, meshes, graphdef, params = _model(name, prompt_len + 256)
+  cfg, meshes, graphdef, params = _model(name, prompt_len + max_len)
   rng = np.random.default_rng(5)
   n, slots = (16, 4) if args.quick else (256, 32)
-  budgets = np.clip(rng.lognormal(np.log(64), 0.7, n), 8, 256).astype(np.int32)
+  budgets = np.clip(rng.lognormal(np.log(64), 0.7, n), 8, max_len).astype(np.int32)
   first = None
   bursts = ((1, 4) if args.quick else (1, 4, 8)) if "engine_burst" in parts else ()
   for row in engine_bursts(cfg, meshes, graphdef, params, slots, budgets, bursts, prompt_len):
