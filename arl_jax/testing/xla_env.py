@@ -27,7 +27,16 @@ def xla_flags(device_count: int | None = None) -> str:
   return " ".join(flags)
 
 
-def subprocess_env(device_count: int | None = None) -> dict[str, str]:
+def subprocess_env(device_count: int | None = None,
+                   compilation_cache: str | None = None) -> dict[str, str]:
   """This process's environment with `XLA_FLAGS` for a child of
-  `device_count` fake CPU devices."""
-  return dict(os.environ, XLA_FLAGS=xla_flags(device_count))
+  `device_count` fake CPU devices; with `compilation_cache`, JAX's
+  persistent cache in that folder for every program (children that run the
+  same programs one after another compile them once; for runs that end
+  cleanly: a killed child may leave an entry half written)."""
+  env = dict(os.environ, XLA_FLAGS=xla_flags(device_count))
+  if compilation_cache is not None:
+    env.update(JAX_COMPILATION_CACHE_DIR=compilation_cache,
+               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  return env

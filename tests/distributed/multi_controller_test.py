@@ -47,9 +47,10 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _run_two_processes(workdir, num_steps: int) -> list[str]:
+def _run_two_processes(workdir, num_steps: int, cache: str | None = None) -> list[str]:
   port = _free_port()
-  env = xla_env.subprocess_env(4)
+  # (The resumed run compiles what the first one did: the cache keeps it.)
+  env = xla_env.subprocess_env(4, compilation_cache=cache)
   flags = [f"--config.{k}={v}" for k, v in _OVERRIDES.items()]
   flags.append(f"--config.num_steps={num_steps}")
   procs = [subprocess.Popen(
@@ -91,10 +92,11 @@ def test_two_processes_train_like_one(tmp_path):
   single, multi = tmp_path / "single", tmp_path / "multi"
   config = _config()
   result = run_lib.run(config, str(single), print_fn=lambda line: None)
-  logs = _run_two_processes(multi, num_steps=2)
+  cache = str(tmp_path / "compilation_cache")
+  logs = _run_two_processes(multi, num_steps=2, cache=cache)
   assert "[process 1] done: 2 updates (following process 0)" in logs[1], logs[1][-3000:]
   assert "fleet: sampler 0 joined (process 1)" in logs[0], logs[0][-3000:]
-  logs = _run_two_processes(multi, num_steps=4)  # resumes from the checkpoint at 2
+  logs = _run_two_processes(multi, num_steps=4, cache=cache)  # resumes from the checkpoint at 2
   for log in logs:
     assert "resumed from" in log and "at version 2" in log, log[-3000:]
   assert "[process 1] done: 4 updates (following process 0)" in logs[1], logs[1][-3000:]
