@@ -129,14 +129,17 @@ class HeldRollout:
     return _is_masked(self.finish_reason, mask_truncated_completions)
 
 
-def held(rollout: Rollout, holder: int, copy: int = 0) -> HeldRollout:
-  """`rollout`'s metadata, its arrays held by process `holder` (as `copy`)."""
-  return HeldRollout(
-      group_id=rollout.group_id, sample_index=rollout.sample_index,
-      prompt_length=rollout.prompt_length, completion_length=rollout.completion_length,
-      span=rollout.version_span, dispatch_version=rollout.dispatch_version,
-      finish_reason=rollout.finish_reason, holder=holder, copy=copy, reward=rollout.reward,
-      env_name=rollout.env_name, timings=dict(rollout.timings))
+def held_group(group: Group, holder: int, copy: int = 0) -> Group:
+  """`group` as process 0 sees it when process `holder` keeps its arrays (as
+  `copy`): the same group of `HeldRollout`s."""
+  return Group(group_id=group.group_id, prompt_id=group.prompt_id,
+               dispatch_version=group.dispatch_version, arrival_version=group.arrival_version,
+               rollouts=[HeldRollout(
+                   group_id=r.group_id, sample_index=r.sample_index,
+                   prompt_length=r.prompt_length, completion_length=r.completion_length,
+                   span=r.version_span, dispatch_version=r.dispatch_version,
+                   finish_reason=r.finish_reason, holder=holder, copy=copy, reward=r.reward,
+                   env_name=r.env_name, timings=dict(r.timings)) for r in group.rollouts])
 
 
 def _is_masked(finish_reason: str, mask_truncated_completions: bool) -> bool:

@@ -101,6 +101,14 @@ class Plan:
   masked: np.ndarray
 
 
+def completion_budget(groups: list[rollout_lib.Group], max_new_tokens: int,
+                      packing: packing_lib.Packing | None) -> int:
+  """The completion columns `assemble` / `plan` get for a batch: the budget
+  when rows are packed (packing chooses their width), the batch's
+  `completion_width` when they are padded."""
+  return max_new_tokens if packing is not None else completion_width(groups, max_new_tokens)
+
+
 def plan(groups: list[rollout_lib.Group], *, prompt_len: int, max_new_tokens: int,
          advantage_estimator: str, mask_truncated_completions: bool = False,
          packing: packing_lib.Packing | None = None, blocks=None, num_blocks: int = 1,

@@ -46,9 +46,7 @@ def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer,
                                           weights=publisher, link=link, held=held,
                                           process_index=jax.process_index())
   blocks_of_process = shard_plan.row_blocks(meshes.learner)
-
-  def here(group_id, sample_index):
-    return held.rollout(int(group_id), int(sample_index))
+  here = held.rollout  # (group id, sample index) -> a rollout held here
 
   publisher.publish(state.params, version)
   sampling.start()

@@ -35,20 +35,12 @@ class HeldGroups:
     self._groups: dict[int, tuple[int, rollout_lib.Group]] = {}
     self._copies = 0
 
-  def __len__(self) -> int:
-    with self._lock:
-      return len(self._groups)
-
   def hold(self, group: rollout_lib.Group) -> int:
     """Keeps `group`; returns its copy number (sent with its metadata)."""
     with self._lock:
       self._copies += 1
       self._groups[group.group_id] = (self._copies, group)
       return self._copies
-
-  def has(self, group_id: int) -> bool:
-    with self._lock:
-      return int(group_id) in self._groups
 
   def rollout(self, group_id: int, sample_index: int) -> rollout_lib.Rollout:
     """Raises KeyError naming the group when it is not (or no longer) held."""

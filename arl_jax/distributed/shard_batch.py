@@ -63,13 +63,8 @@ def local_batch(plan: shard_plan_lib.ShardPlan, here, mesh, *, pad_id: int,
   if sizes.any():
     data = b"".join(held_groups.to_bytes(held[i])
                     for i in np.flatnonzero(moved & (plan.holder == me)))
-    per_process = np.bincount(plan.holder, weights=sizes, minlength=jax.process_count())
-    gathered = lockstep.all_gather(data, _bucket(int(per_process.max())), mesh)
+    gathered, offsets = _exchange(data, plan.holder, sizes, mesh)
     received = gathered.nbytes - gathered.shape[1]  # (the others' rows)
-    offsets = np.zeros(len(plan.holder), np.int64)
-    for process in range(jax.process_count()):  # each sender's rollouts, in plan order
-      ids = np.flatnonzero(moved & (plan.holder == process))
-      offsets[ids] = np.cumsum(sizes[ids]) - sizes[ids]
     for i in np.flatnonzero(moved & (plan.block == my_block) & (plan.holder != me)):
       mine[int(i)] = held_groups.from_bytes(
           gathered[plan.holder[i]], int(offsets[i]), int(plan.prompt_length[i]),
@@ -108,6 +103,20 @@ def _fetch(here, keys, mesh) -> list:
   return found
 
 
+def _exchange(data: bytes, senders, sizes, mesh) -> tuple[np.ndarray, np.ndarray]:
+  """Every process's `data` (the `to_bytes` of its items, in order) on every
+  process: `(gathered [processes, S], offsets [N])`, item i at `offsets[i]`
+  of its sender's row `gathered[senders[i]]` (`sizes[i]` bytes, 0 for an
+  item not sent)."""
+  per_process = np.bincount(senders, weights=sizes, minlength=jax.process_count())
+  gathered = lockstep.all_gather(data, _bucket(int(per_process.max())), mesh)
+  offsets = np.zeros(len(senders), np.int64)
+  for process in range(jax.process_count()):  # each sender's items, in order
+    ids = np.flatnonzero(senders == process)
+    offsets[ids] = np.cumsum(sizes[ids]) - sizes[ids]
+  return gathered, offsets
+
+
 def _bucket(size: int) -> int:
   """A gathered size rounded up to the next of 8 steps per power of two (at
   least 1 KiB; at most 1/8 padding): a few compiled shapes, not one per step."""
@@ -134,7 +143,7 @@ def collect_held(run_record: dict | None, here, mesh) -> None:
   if not count:
     return
   # (Rows padded with holder -1 to a power of two: a handful of shapes.)
-  table = np.full((shard_plan_lib.forget_rows(count), 4), -1, np.int32)
+  table = np.full((shard_plan_lib.padded_count(count), 4), -1, np.int32)
   if leader:
     table[:count] = [e[:4] for e in entries]
   table = lockstep.broadcast(table, mesh)[:count]
@@ -142,15 +151,12 @@ def collect_held(run_record: dict | None, here, mesh) -> None:
   me = jax.process_index()
   rollouts = _fetch(here, [(g, s) for g, s, holder, _ in table if holder == me], mesh)
   data = b"".join(held_groups.to_bytes(r, prompt=False) for r in rollouts)
-  per_process = np.bincount(table[:, 2], weights=sizes, minlength=jax.process_count())
-  gathered = lockstep.all_gather(data, _bucket(int(per_process.max())), mesh)
+  gathered, offsets = _exchange(data, table[:, 2], sizes, mesh)
   if not leader:
     return
-  offsets = np.zeros(jax.process_count(), np.int64)
-  for (_, _, holder, length, episode), size in zip(entries, sizes):
-    arrays = held_groups.from_bytes(gathered[holder], int(offsets[holder]), 0, length,
+  for (_, _, holder, length, episode), offset in zip(entries, offsets):
+    arrays = held_groups.from_bytes(gathered[holder], int(offset), 0, length,
                                     episode["reward"], prompt=False)
-    offsets[holder] += size
     del episode["held_by"], episode["completion_length"]
     episode.update(completion_ids=arrays.completion_ids.tolist(),
                    loss_mask=arrays.loss_mask.tolist(),

@@ -122,9 +122,9 @@ class ShardPlan:
 
   def to_arrays(self) -> dict[str, np.ndarray]:
     """The plan as four arrays (`from_arrays`), for the lockstep broadcast;
-    `forget` padded with (-1, -1) to `forget_rows` (a handful of shapes, so
+    `forget` padded with (-1, -1) to `padded_count` (a handful of shapes, so
     the broadcast compiles a handful of times)."""
-    forget = np.full((forget_rows(len(self.forget)), 2), -1, np.int32)
+    forget = np.full((padded_count(len(self.forget)), 2), -1, np.int32)
     forget[:len(self.forget)] = np.asarray(self.forget, np.int32).reshape(-1, 2)
     return {"ints": np.stack([np.asarray(getattr(self, n), np.int32) for n in _INT_ROWS]),
             "floats": np.stack([np.asarray(getattr(self, n), np.float32) for n in _FLOAT_ROWS]),
@@ -136,7 +136,7 @@ class ShardPlan:
     """Zeros shaped as `to_arrays` of a plan of these sizes."""
     return {"ints": np.zeros((len(_INT_ROWS), rollouts), np.int32),
             "floats": np.zeros((len(_FLOAT_ROWS), rollouts), np.float32),
-            "forget": np.zeros((forget_rows(forget), 2), np.int32),
+            "forget": np.zeros((padded_count(forget), 2), np.int32),
             "shape": np.zeros(3, np.int32)}
 
   @classmethod
@@ -150,8 +150,10 @@ class ShardPlan:
                forget=forget[forget[:, 0] >= 0], **fields)
 
 
-def forget_rows(count: int) -> int:
-  """`count` rounded up to a power of two (at least 8)."""
+def padded_count(count: int) -> int:
+  """`count` rounded up to a power of two (at least 8): the rows of a table
+  whose length changes every step (`forget`, `shard_batch.collect_held`'s),
+  so that its broadcast compiles for a handful of shapes."""
   return max(8, 1 << max(count - 1, 0).bit_length())
 
 
@@ -255,10 +257,9 @@ def make(groups, *, blocks_of_process: list[int], prompt_len: int, max_new_token
   else:
     blocks = assign(lengths, holder_blocks, num_blocks=num_blocks,
                     num_slices=packing.num_slices, tolerance=packing.pack_len)
-  width = (None if packing is not None else
-           train_batch_lib.completion_width(groups, max_new_tokens))
   batch_plan = train_batch_lib.plan(
-      groups, prompt_len=prompt_len, max_new_tokens=max_new_tokens if width is None else width,
+      groups, prompt_len=prompt_len,
+      max_new_tokens=train_batch_lib.completion_budget(groups, max_new_tokens, packing),
       advantage_estimator=advantage_estimator,
       mask_truncated_completions=mask_truncated_completions, packing=packing, blocks=blocks,
       num_blocks=num_blocks, num_slices=num_slices)

@@ -189,9 +189,7 @@ def main() -> None:
       return lockstep.broadcast(arrays, mesh), 0
     plan = None
     if leader:  # process 0 sees the others' groups as metadata only
-      seen = [g if holders[g.group_id] == 0 else rollout_lib.Group(
-          group_id=g.group_id, prompt_id=g.prompt_id, dispatch_version=g.dispatch_version,
-          rollouts=[rollout_lib.held(r, holders[g.group_id]) for r in g.rollouts])
+      seen = [g if holders[g.group_id] == 0 else rollout_lib.held_group(g, holders[g.group_id])
               for g in groups]
       plan = shard_plan.make(seen, blocks_of_process=shard_plan.row_blocks(mesh),
                              mask_truncated_completions=False, packing=packing, num_slices=1,

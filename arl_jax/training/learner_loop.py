@@ -170,9 +170,8 @@ class LearnerLoop:
       host_batch = train_batch_lib.assemble(
           batch.groups, prompt_len=spec.engine.prompt_len,
           # Padded columns follow the batch's longest completion, not the budget.
-          max_new_tokens=(spec.engine.max_new_tokens if spec.packing else
-                          train_batch_lib.completion_width(batch.groups,
-                                                           spec.engine.max_new_tokens)),
+          max_new_tokens=train_batch_lib.completion_budget(
+              batch.groups, spec.engine.max_new_tokens, spec.packing),
           pad_id=self._pad_id, advantage_estimator=spec.advantage_estimator,
           mask_truncated_completions=spec.mask_truncated_completions, packing=spec.packing)
       train_on, shape = host_batch, host_batch.tokens.shape

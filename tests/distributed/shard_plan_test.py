@@ -16,9 +16,8 @@ _SETTINGS = dict(prompt_len=64, max_new_tokens=448, advantage_estimator="grpo",
 
 
 def _as_seen_by_process0(groups, holders):
-  return [g if holders[g.group_id] == 0 else rollout_lib.Group(
-      group_id=g.group_id, prompt_id=g.prompt_id, dispatch_version=g.dispatch_version,
-      rollouts=[rollout_lib.held(r, holders[g.group_id]) for r in g.rollouts]) for g in groups]
+  return [g if holders[g.group_id] == 0 else rollout_lib.held_group(g, holders[g.group_id])
+          for g in groups]
 
 
 @pytest.mark.parametrize("packed", [True, False])
