@@ -111,6 +111,10 @@ def _launch(stop) -> None:
   if not _DRY_RUN.value:
     if _WORKDIR.value is None:
       raise _BadInput("--workdir is required (except with --dry_run)")
+    if "://" in _WORKDIR.value:  # (abspath would make it a local folder named "gs:")
+      raise _BadInput(f"--workdir={_WORKDIR.value}: a run writes its workdir through the file "
+                      "system; mount the bucket and give its folder (a Vertex AI job sees "
+                      "gs://B at /gcs/B)")
     workdir = os.path.abspath(os.path.expanduser(_WORKDIR.value))
     _check_workdir(workdir)  # before JAX starts
   if _DISTRIBUTED.value or _COORDINATOR.value:

@@ -40,13 +40,15 @@ def test_a_training_run_with_a_missing_data_file_fails_cleanly_before_writing(tm
 @pytest.mark.parametrize("relative, problem", [
     ("a_file", "exists and is not a folder"),
     ("a_file/run", "a_file is a file, so the folder cannot be created"),
+    ("gs://bucket/run", "mount the bucket"),  # not a local folder named "gs:"
 ])
 def test_a_workdir_that_cannot_be_a_folder_is_named(tmp_path, relative, problem):
   (tmp_path / "a_file").write_text("not a folder")
-  workdir = tmp_path / relative
+  workdir = relative if "://" in relative else tmp_path / relative
   proc = _launch("--config=configs/arith.py:tiny", f"--workdir={workdir}")
   _assert_clean_error(proc, f"--workdir={workdir}")
   assert problem in proc.stderr
+  assert not os.path.exists(os.path.join(REPO, "gs:"))
 
 
 @pytest.mark.parametrize("override, message", [
