@@ -55,7 +55,8 @@ def test_chunked_scores_and_gradients_equal_the_whole_computation(chunk, value_h
   for a, b in zip(whole_out, part_out):
     np.testing.assert_allclose(b, a, atol=1e-5)
   np.testing.assert_allclose(part, whole, rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, atol=1e-5), whole_grads,
+  # Gradients sum over every token in another order: float32 rounding, relative.
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5), whole_grads,
                part_grads)
 
 

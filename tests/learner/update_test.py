@@ -343,8 +343,11 @@ def test_trimming_padding_columns_changes_nothing():
     results.append((jax.device_get(state.params), float(metrics["loss"])))
   (params_a, loss_a), (params_b, loss_b) = results
   assert loss_a == pytest.approx(loss_b, rel=1e-5, abs=1e-7)
+  # Adam's first step moves a parameter by up to lr (1e-3) whatever its gradient's
+  # size; padding that leaked into the loss would move them by that much. 1e-5 is
+  # float32 rounding of the gradients (summed in another order) through Adam.
   for a, b in zip(jax.tree.leaves(params_a), jax.tree.leaves(params_b)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
 
 
 def test_completion_width_is_a_power_of_two_within_the_budget():
