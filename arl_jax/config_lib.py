@@ -23,6 +23,7 @@ from arl_jax.learner import update as update_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import hf_config
 from arl_jax.models import model_config as model_config_lib
+from arl_jax.models import paged_attention as paged_attention_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import engine_config
@@ -189,10 +190,21 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
   _require(lc.attention != "pallas_gpu" or learner_platforms == ["gpu"], "learner.attention",
            f"'pallas_gpu' is the GPU kernel; the learner devices are {learner_platforms} (use "
            "'xla', or 'pallas_gpu_interpret' to run it slowly anywhere)")
+  # (devices being planned, `--dry_run_devices`, have no platform to check)
   platforms = sorted({getattr(d, "platform", "?") for d in sampler_devices})
-  _require(parts["sampler"].paged_attention != "pallas" or platforms == ["gpu"],
+  planned = platforms == ["?"]
+  kernel = parts["sampler"].paged_attention
+  _require(kernel != "ragged"
+           or spec.sampler_model.head_dim % paged_attention_lib.RAGGED_HEAD_DIM == 0,
+           "sampler.paged_attention", f"'ragged': TPU's kernel needs a head_dim that is a "
+           f"multiple of {paged_attention_lib.RAGGED_HEAD_DIM}; the model's is "
+           f"{spec.sampler_model.head_dim} (use 'xla')")
+  _require(kernel != "pallas" or platforms == ["gpu"] or planned,
            "sampler.paged_attention", f"'pallas' is the GPU kernel; the sampler devices are "
            f"{platforms} (use 'xla', or 'pallas_interpret' to run it slowly anywhere)")
+  _require(kernel != "ragged" or platforms == ["tpu"] or planned,
+           "sampler.paged_attention", f"'ragged' is the TPU kernel; the sampler devices are "
+           f"{platforms} (use 'xla'; JAX's TPU interpret mode cannot run this kernel)")
   if parts["sampler"].kv_memory_fraction:
     spec = _size_kv_pool(spec, parts["sampler"].kv_memory_fraction, sampler_shape.get("tp", 1),
                          device_memory or reported_memory(sampler_devices))

@@ -173,7 +173,8 @@ class SamplerSection:
   # iteration, between decode steps of the other slots (0: in one call).
   prefill_chunk: int = 0
   # Paged: decode attention through the decoder's XLA code ("xla") or JAX's
-  # Pallas paged attention kernel ("pallas": GPU sampler devices only).
+  # Pallas kernels: "pallas" (paged attention, GPU sampler devices only),
+  # "ragged" (ragged paged attention over an interleaved pool, TPU only).
   paged_attention: str = "xla"
 
   def __post_init__(self):

@@ -94,7 +94,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # Contexts longer than this are prefilled a chunk per engine iteration,
       # between decode steps of the other slots (0: in one call).
       prefill_chunk=0,
-      # Paged decode attention: "xla", or "pallas" (JAX's GPU paged attention kernel).
+      # Paged decode attention: "xla", "pallas" (JAX's GPU paged attention kernel) or
+      # "ragged" (JAX's TPU ragged paged attention kernel).
       paged_attention="xla"))
 
   config.orchestrator = ml_collections.ConfigDict(dict(

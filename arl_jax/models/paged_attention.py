@@ -1,26 +1,38 @@
-"""Decode attention over a paged KV pool with JAX's Pallas paged attention
-kernel (`jax.experimental.pallas.ops.gpu.paged_attention`).
+"""Decode attention over a paged KV pool with JAX's Pallas kernels.
 
-The kernel reads each row's pages from its page table itself and attends
-over the row's first `length` columns, so a decode step reads the pages a
-row holds and no gathered `[B, KVH, width, Dh]` copy is made. It is the GPU
-kernel (Triton through Pallas); in interpret mode (`"pallas_interpret"`) it
-runs anywhere, which is how its numerics are tested on CPU against the XLA
-path (`tests/models/paged_attention_test.py`). TPU's ragged paged attention
-kernel takes another pool layout (keys and values interleaved per head) and
-is not wired yet.
+Each kernel reads a row's pages from its page table itself and attends over
+the row's first `length` columns, so a decode step reads the pages a row
+holds and no gathered `[B, KVH, width, Dh]` copy is made.
 
-The kernel's pool layout is `[KVH, pages, page_size, Dh]` (ours,
-`paged_kv_cache.py`), its queries `[B, H, Dh]` grouped as the decoder groups
-them (head h reads KV head `h // (H / KVH)`); it does not scale the scores,
-so queries come scaled.
+- `"pallas"`: the GPU kernel (`jax.experimental.pallas.ops.gpu.
+  paged_attention`, Triton through Pallas), over the "split" pool layout
+  `[KVH, pages, page_size, Dh]` for keys and for values. In interpret mode
+  (`"pallas_interpret"`) it runs anywhere, which is how its numerics are
+  tested on CPU against the XLA path (`tests/models/paged_attention_test.py`).
+- `"ragged"`: TPU's ragged paged attention kernel
+  (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), over the
+  "interleaved" layout `[pages, page_size, 2 * KVH, Dh]` (key of KV head h at
+  `2h`, its value at `2h + 1`). A decode step is its ragged batch with one
+  query per row. JAX 0.10.2's TPU interpret mode cannot run it (the kernel
+  reshapes a VMEM ref, which interpret mode does not support), so on CPU its
+  arguments (`ragged_arguments`) are checked against the kernel's own
+  reference implementation and the shape checks it runs before compiling.
+
+Both take queries `[B, H, Dh]` grouped as the decoder groups them (head h
+reads KV head `h // (H / KVH)`), already scaled by `1 / sqrt(Dh)`.
 """
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
-ATTENTIONS = ("xla", "pallas", "pallas_interpret")
+ATTENTIONS = ("xla", "pallas", "pallas_interpret", "ragged")
+LAYOUTS = ("split", "interleaved")
+# The ragged kernel's softmax scratch is 128 lanes wide: head_dim must fill them
+# (a 64-wide head would need the pool padded, as vLLM's TPU backend does; not done).
+RAGGED_HEAD_DIM = 128
 
 # The kernel's query block: q heads per KV head are padded up to it.
 _BLOCK_H = 16
@@ -30,6 +42,19 @@ _MAX_PAGES_PER_BLOCK = 8
 def check_name(attention: str) -> None:
   if attention not in ATTENTIONS:
     raise ValueError(f"paged attention must be one of {ATTENTIONS}, got {attention!r}")
+
+
+def pool_layout(attention: str) -> str:
+  """The pool layout `attention` reads (the XLA path reads either)."""
+  return "interleaved" if attention == "ragged" else "split"
+
+
+def check_layout(attention: str, layout: str) -> None:
+  if layout not in LAYOUTS:
+    raise ValueError(f"a paged pool's layout must be one of {LAYOUTS}, got {layout!r}")
+  if attention != "xla" and layout != pool_layout(attention):
+    raise ValueError(f"paged attention {attention!r} reads the {pool_layout(attention)!r} "
+                     f"pool layout, not {layout!r}")
 
 
 def _largest_power_of_two_dividing(n: int, limit: int) -> int:
@@ -62,3 +87,35 @@ def decode_attention(q: jax.Array, keys: jax.Array, values: jax.Array, table: ja
   return kernel.paged_attention(q, keys, values, table, lengths.astype("int32"),
                                 block_h=_BLOCK_H, pages_per_compute_block=per_block,
                                 k_splits=splits, interpret=interpret)
+
+
+def ragged_arguments(q: jax.Array, kv_pages: jax.Array, table: jax.Array,
+                     lengths: jax.Array) -> tuple[tuple, dict]:
+  """The ragged kernel's arguments for one decode step: a ragged batch of B
+  sequences of one query each (`cu_q_lens` 0..B), row b's query attending
+  over its first `lengths[b]` columns, in the pages of `table` `[B, P]`.
+
+  Args:
+    q: `[B, H, Dh]` queries, scaled.
+    kv_pages: `[N, page_size, 2 * KVH, Dh]` the interleaved pool.
+    table: `[B, P]` int32 pages of each row's first `P * page_size` columns.
+    lengths: `[B]` columns each row attends over (`<= P * page_size`).
+
+  Returns:
+    `(args, kwargs)` for `ragged_paged_attention` and its reference.
+  """
+  b = q.shape[0]
+  cu_q_lens = jnp.arange(b + 1, dtype=jnp.int32)
+  num_seqs = jnp.asarray(np.array([b], np.int32))
+  return ((q, kv_pages, lengths.astype(jnp.int32), table.astype(jnp.int32), cu_q_lens,
+           num_seqs), {"sm_scale": 1.0})
+
+
+def ragged_decode_attention(q: jax.Array, kv_pages: jax.Array, table: jax.Array,
+                            lengths: jax.Array) -> jax.Array:
+  """One decode step through TPU's ragged paged attention kernel (arguments
+  as `ragged_arguments`). Returns `[B, H, Dh]` in `q`'s dtype."""
+  from jax.experimental.pallas.ops.tpu import ragged_paged_attention as kernel  # noqa: PLC0415
+
+  args, kwargs = ragged_arguments(q, kv_pages, table, lengths)
+  return kernel.ragged_paged_attention(*args, **kwargs).astype(q.dtype)

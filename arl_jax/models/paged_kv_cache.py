@@ -15,15 +15,19 @@ first `width / page_size` pages of its table row: a decode step costs what
 the batch's longest live context costs, not the slot length (the engine
 compiles a handful of widths, `engine_config.EngineConfig.decode_widths`).
 
-Layout per layer `[KVH, pages, page_size, Dh]` (the pools of JAX's Pallas
-paged attention kernels): a gathered row is `[KVH, width/page_size,
-page_size, Dh]`, reshaped to the decoder's `[KVH, width, Dh]`.
+Two pool layouts per layer, the two kernels' (`paged_attention.pool_layout`):
+- "split": keys and values apart, `[KVH, pages, page_size, Dh]` each (the
+  GPU kernel's); a gathered row is `[KVH, width/page_size, page_size, Dh]`,
+  reshaped to the decoder's `[KVH, width, Dh]`.
+- "interleaved": one pool `[pages, page_size, 2 * KVH, Dh]`, the key of KV
+  head h at `2h` and its value at `2h + 1` (TPU's ragged paged attention
+  kernel's); `values` is then empty.
 
 Decode attention reads the gathered columns through the decoder's XLA
-attention (`attention="xla"`), or through JAX's Pallas paged attention
-kernel (`"pallas"`: `models/paged_attention.py`), which reads each row's
-first `index + 1` columns from its pages itself; rows start at column 0
-(`sampler/sampling.py`), so those are exactly the row's tokens.
+attention (`attention="xla"`, either layout), or through a Pallas kernel
+(`"pallas"` on GPU, `"ragged"` on TPU: `models/paged_attention.py`), which
+reads each row's first `index + 1` columns from its pages itself; rows start
+at column 0 (`sampler/sampling.py`), so those are exactly the row's tokens.
 """
 
 from __future__ import annotations
@@ -42,11 +46,14 @@ class PagedKVCache:
   """Per-layer page pools, the slots' page tables and their valid columns.
 
   Attributes:
-    keys: one array per layer, `[KVH, N, page_size, Dh]` (N pages, page 0 the trash page).
-    values: likewise.
+    keys: one array per layer: "split" layout `[KVH, N, page_size, Dh]` (N
+      pages, page 0 the trash page); "interleaved" `[N, page_size, 2 * KVH,
+      Dh]`, keys and values.
+    values: "split": likewise; "interleaved": empty.
     valid: `[B, L]` bool, True where a real (non-pad) token has been written.
     page_table: `[B, L / page_size]` int32, the page of each slot's column block.
     attention: static, how decode steps attend (`paged_attention.ATTENTIONS`).
+    layout: static, "split" or "interleaved" (`paged_attention.LAYOUTS`).
   """
 
   keys: tuple[jax.Array, ...]
@@ -54,38 +61,48 @@ class PagedKVCache:
   valid: jax.Array
   page_table: jax.Array
   attention: str = flax.struct.field(pytree_node=False, default="xla")
+  layout: str = flax.struct.field(pytree_node=False, default="split")
 
   @classmethod
   def zeros(cls, *, batch: int, num_layers: int, num_kv_heads: int, length: int,
             head_dim: int, num_pages: int, page_size: int, dtype=jnp.float32,
-            attention: str = "xla") -> PagedKVCache:
+            attention: str = "xla", layout: str | None = None) -> PagedKVCache:
+    """`layout` None: the one `attention` reads (`paged_attention.pool_layout`)."""
     if length % page_size:
       raise ValueError(f"a paged cache's length ({length}) must be a multiple of its page "
                        f"size ({page_size})")
     paged_attention.check_name(attention)
-    shape = (num_kv_heads, num_pages, page_size, head_dim)
-    return cls(
-        keys=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-        values=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
-        valid=jnp.zeros((batch, length), jnp.bool_),
-        page_table=jnp.full((batch, length // page_size), TRASH_PAGE, jnp.int32),
-        attention=attention)
+    layout = paged_attention.pool_layout(attention) if layout is None else layout
+    paged_attention.check_layout(attention, layout)
+    if layout == "split":
+      shape = (num_kv_heads, num_pages, page_size, head_dim)
+      keys = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+      values = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
+    else:
+      shape = (num_pages, page_size, 2 * num_kv_heads, head_dim)
+      keys, values = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)), ()
+    return cls(keys=keys, values=values, valid=jnp.zeros((batch, length), jnp.bool_),
+               page_table=jnp.full((batch, length // page_size), TRASH_PAGE, jnp.int32),
+               attention=attention, layout=layout)
 
   @property
   def page_size(self) -> int:
-    return self.keys[0].shape[2]
+    return self.keys[0].shape[2 if self.layout == "split" else 1]
 
   @property
   def length(self) -> int:
     return self.valid.shape[1]
 
   def layer(self, i: int) -> PagedLayer:
-    return PagedLayer(keys=self.keys[i], values=self.values[i], page_table=self.page_table,
-                      attention=self.attention)
+    return PagedLayer(keys=self.keys[i],
+                      values=self.values[i] if self.layout == "split" else None,
+                      page_table=self.page_table, attention=self.attention,
+                      layout=self.layout)
 
   def with_layers(self, layers) -> PagedKVCache:
     return self.replace(keys=tuple(layer.keys for layer in layers),
-                        values=tuple(layer.values for layer in layers))
+                        values=tuple(layer.values for layer in layers)
+                        if self.layout == "split" else ())
 
   def write_prefill(self, slots: jax.Array, prefill) -> PagedKVCache:
     """Writes a prefill's dense cache (`[R, KVH, Pb, Dh]` per layer, every
@@ -93,6 +110,10 @@ class PagedKVCache:
     table = self.page_table[slots]
     r = slots.shape[0]
     index = jnp.zeros((r,), jnp.int32)
+    if self.layout == "interleaved":
+      return self.replace(keys=tuple(
+          _scatter_interleaved(pool, table, k, v, index, None)
+          for pool, k, v in zip(self.keys, prefill.keys, prefill.values)))
     keys = tuple(_scatter(pool, table, k, index, None) for pool, k in zip(self.keys,
                                                                            prefill.keys))
     values = tuple(_scatter(pool, table, v, index, None) for pool, v in zip(self.values,
@@ -109,10 +130,14 @@ class PagedKVCache:
     block = (shared - 1) // self.page_size
     src_pages = jnp.take_along_axis(self.page_table[src], block[:, None], axis=1)[:, 0]
     dst_pages = jnp.take_along_axis(self.page_table[dst], block[:, None], axis=1)[:, 0]
+    valid = self.valid.at[dst].set(self.valid[src] & (columns < shared[:, None]))
+    if self.layout == "interleaved":  # pages on the first axis
+      return self.replace(keys=tuple(kv.at[dst_pages].set(kv[src_pages]) for kv in self.keys),
+                          valid=valid)
     return self.replace(
         keys=tuple(k.at[:, dst_pages].set(k[:, src_pages]) for k in self.keys),
         values=tuple(v.at[:, dst_pages].set(v[:, src_pages]) for v in self.values),
-        valid=self.valid.at[dst].set(self.valid[src] & (columns < shared[:, None])))
+        valid=valid)
 
   def rows_view(self, rows: jax.Array, valid: jax.Array) -> PagedKVCache:
     """As `KVCache.rows_view`: the rows' page tables over the shared pool."""
@@ -127,11 +152,14 @@ class PagedKVCache:
     """Each array's logical axis names (`rules.SAMPLER_RULES`): the pool's
     heads like the attention weights; pages are shared by every slot, so the
     pool is not split over the slots' `data` axis."""
-    layer = ("kv_heads", "kv_pages", "page_rows", "head_dim")
+    if self.layout == "split":
+      layer = ("kv_heads", "kv_pages", "page_rows", "head_dim")
+    else:  # (a tp shard of the 2 * KVH interleaved heads holds its heads' keys and values)
+      layer = ("kv_pages", "page_rows", "kv_heads", "head_dim")
     return PagedKVCache(keys=tuple(layer for _ in self.keys),
                         values=tuple(layer for _ in self.values),
                         valid=("batch", "length"), page_table=("batch", "slot_pages"),
-                        attention=self.attention)
+                        attention=self.attention, layout=self.layout)
 
 
 def _scatter(pool: jax.Array, table: jax.Array, new: jax.Array, index: jax.Array,
@@ -146,6 +174,34 @@ def _scatter(pool: jax.Array, table: jax.Array, new: jax.Array, index: jax.Array
     pages = jnp.where(write_mask[:, None], pages, TRASH_PAGE)
   # Adjacent advanced indices on axes 1 and 2 stay in place: [KVH, B, T, Dh].
   return pool.at[:, pages, columns % page_size].set(new.transpose(1, 0, 2, 3))
+
+
+def _scatter_interleaved(pool: jax.Array, table: jax.Array, k: jax.Array, v: jax.Array,
+                         index: jax.Array, write_mask: jax.Array | None) -> jax.Array:
+  """`_scatter` into an interleaved pool `[N, page_size, 2 * KVH, Dh]`: the
+  keys `k` and values `v` `[B, KVH, T, Dh]` of head h at `2h` and `2h + 1`."""
+  b, kvh, t, dh = k.shape
+  page_size = pool.shape[1]
+  columns = index[:, None] + jnp.arange(t, dtype=index.dtype)[None, :]  # [B, T]
+  pages = jnp.take_along_axis(table, columns // page_size, axis=1)
+  if write_mask is not None:
+    pages = jnp.where(write_mask[:, None], pages, TRASH_PAGE)
+  kv = jnp.stack([k, v], axis=2).reshape(b, 2 * kvh, t, dh)  # k0, v0, k1, v1, ...
+  return pool.at[pages, columns % page_size].set(kv.transpose(0, 2, 1, 3))
+
+
+def gather_interleaved(pool: jax.Array, table: jax.Array,
+                       width: int) -> tuple[jax.Array, jax.Array]:
+  """`gather` from an interleaved pool: the keys and the values, `[B, KVH,
+  width, Dh]` each."""
+  page_size = pool.shape[1]
+  if width % page_size:
+    raise ValueError(f"a paged read's width ({width}) must be a multiple of the page size "
+                     f"({page_size})")
+  rows = pool[table[:, :width // page_size]]  # [B, W/ps, ps, 2*KVH, Dh]
+  b, n, ps, heads, dh = rows.shape
+  rows = rows.reshape(b, n * ps, heads // 2, 2, dh).transpose(3, 0, 2, 1, 4)
+  return rows[0], rows[1]
 
 
 def gather(pool: jax.Array, table: jax.Array, width: int) -> jax.Array:
@@ -165,14 +221,25 @@ class PagedLayer:
   """One layer of a `PagedKVCache`, with the slots' page table."""
 
   keys: jax.Array
-  values: jax.Array
+  values: jax.Array | None  # (None in the interleaved layout: `keys` holds both)
   page_table: jax.Array
   attention: str = flax.struct.field(pytree_node=False, default="xla")
+  layout: str = flax.struct.field(pytree_node=False, default="split")
 
   @property
   def attends(self) -> bool:
     """Whether decode attention runs in a kernel (`attend`), not in the decoder."""
     return self.attention != "xla"
+
+  def _write(self, k: jax.Array, v: jax.Array, index: jax.Array,
+             write_mask: jax.Array | None) -> PagedLayer:
+    if self.layout == "interleaved":
+      keys, values = _scatter_interleaved(self.keys, self.page_table, k, v, index,
+                                          write_mask), None
+    else:
+      keys = _scatter(self.keys, self.page_table, k, index, write_mask)
+      values = _scatter(self.values, self.page_table, v, index, write_mask)
+    return self.replace(keys=keys, values=values)
 
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
              write_mask: jax.Array | None, width: int):
@@ -180,21 +247,23 @@ class PagedLayer:
     writes `k`, `v` `[B, KVH, 1, Dh]` at columns `index` `[B]` and attends
     `q` `[B, H, Dh]` (already scaled) over each row's columns `[0, index]`
     among its first `width`. Returns `[B, H, Dh]` and the updated layer."""
-    keys = _scatter(self.keys, self.page_table, k, index, write_mask)
-    values = _scatter(self.values, self.page_table, v, index, write_mask)
-    out = paged_attention.decode_attention(
-        q, keys, values, self.page_table[:, :width // keys.shape[2]], index + 1,
-        interpret=self.attention == "pallas_interpret")
-    return out, PagedLayer(keys=keys, values=values, page_table=self.page_table,
-                           attention=self.attention)
+    new = self._write(k, v, index, write_mask)
+    if self.attention == "ragged":
+      out = paged_attention.ragged_decode_attention(
+          q, new.keys, self.page_table[:, :width // new.keys.shape[1]], index + 1)
+    else:
+      out = paged_attention.decode_attention(
+          q, new.keys, new.values, self.page_table[:, :width // new.keys.shape[2]], index + 1,
+          interpret=self.attention == "pallas_interpret")
+    return out, new
 
   def update(self, k: jax.Array, v: jax.Array, index: jax.Array,
              write_mask: jax.Array | None, width: int):
     """As `kv_cache.DenseLayer.update`: writes `k`, `v` `[B, KVH, T, Dh]` at
     per-row offsets `index` and returns the first `width` columns of every
     row (gathered from its pages) and the updated layer."""
-    keys = _scatter(self.keys, self.page_table, k, index, write_mask)
-    values = _scatter(self.values, self.page_table, v, index, write_mask)
-    return (gather(keys, self.page_table, width), gather(values, self.page_table, width),
-            PagedLayer(keys=keys, values=values, page_table=self.page_table,
-                       attention=self.attention))
+    new = self._write(k, v, index, write_mask)
+    if self.layout == "interleaved":
+      return (*gather_interleaved(new.keys, self.page_table, width), new)
+    return (gather(new.keys, self.page_table, width), gather(new.values, self.page_table, width),
+            new)

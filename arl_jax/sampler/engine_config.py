@@ -59,9 +59,11 @@ class EngineConfig:
       each of their steps by one chunk's cost, not by its whole
       (`prefilling.py`).
     paged_attention: how a paged engine's decode steps attend: "xla" (the
-      decoder's attention over the gathered pages) or "pallas" (JAX's
+      decoder's attention over the gathered pages), "pallas" (JAX's
       Pallas paged attention kernel, GPU; "pallas_interpret" runs it in
-      interpret mode on any backend: `models/paged_attention.py`).
+      interpret mode on any backend) or "ragged" (JAX's ragged paged
+      attention kernel, TPU, over an interleaved pool:
+      `models/paged_attention.py`).
   """
 
   num_slots: int

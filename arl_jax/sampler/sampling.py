@@ -114,17 +114,17 @@ class SlotState:
 
 
 def init_slots(cfg, *, num_slots: int, length: int, pad_id: int, num_stop_ids: int = 0,
-               num_pages: int = 0, page_size: int = 0, attention: str = "xla") -> SlotState:
+               num_pages: int = 0, page_size: int = 0, attention: str = "xla",
+               layout: str | None = None) -> SlotState:
   """All slots empty (done), with a zeroed cache of `length` columns: dense
   (`[num_slots, KVH, length, Dh]` per layer), or paged when `num_pages` > 0
-  (a pool of `num_pages` pages of `page_size` columns, page 0 the trash page,
-  every slot's page table pointing at it; decode `attention` as it says)."""
+  (`PagedKVCache.zeros`: `num_pages` pages of `page_size`, `attention`, `layout`)."""
   b = num_slots
   geometry = dict(batch=b, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                   length=length, head_dim=cfg.head_dim, dtype=jnp.dtype(cfg.param_dtype))
   if num_pages:
     cache = paged_kv_cache.PagedKVCache.zeros(num_pages=num_pages, page_size=page_size,
-                                              attention=attention, **geometry)
+                                              attention=attention, layout=layout, **geometry)
   else:
     cache = kv_cache_lib.KVCache.zeros(**geometry)
   zeros = jnp.zeros((b,), jnp.int32)

@@ -101,7 +101,8 @@ def _take_rows(state: sampling.SlotState, slots):
 
 def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.SamplingSettings,
                      num_slots: int, length: int, num_pages: int = 0,
-                     page_size: int = 0, paged_attention: str = "xla") -> SamplerFns:
+                     page_size: int = 0, paged_attention: str = "xla",
+                     paged_layout: str | None = None) -> SamplerFns:
   """Jits the slot functions with params as an argument and one pinned layout.
 
   Every function returns the SlotState in the same sharding (else the first
@@ -119,6 +120,9 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
     page_size: columns per page of a paged cache.
     paged_attention: how a paged cache's decode steps attend
       (`models/paged_attention.ATTENTIONS`).
+    paged_layout: the paged pool's layout (None: the one `paged_attention`
+      reads; the XLA path reads either, which is how tests run the TPU
+      kernel's layout on CPU).
   """
   counters = {name: trace_counter.TraceCounter()
               for name in ("init", "insert", "fork", "prefill", "decode", "recompute",
@@ -126,7 +130,7 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
   init = functools.partial(sampling.init_slots, model_cfg, num_slots=num_slots, length=length,
                            pad_id=settings.pad_id, num_stop_ids=len(settings.stop_ids),
                            num_pages=num_pages, page_size=page_size,
-                           attention=paged_attention)
+                           attention=paged_attention, layout=paged_layout)
   shardings = state_shardings(mesh, jax.eval_shape(init))
   insert = functools.partial(counters["insert"].wrap(sampling.insert), graphdef,
                              settings=settings)
