@@ -180,17 +180,20 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
         pack_len=lc.pack_len, num_slices=lc.num_minibatches,
         row_multiple=lc.num_microbatches * fsdp,
         attention_width=packing_lib.attention_width(spec.model)))
+  # (devices being planned, `--dry_run_devices` or a launcher's check, have no
+  # platform: the kernels' platform checks wait for the real ones)
   learner_platforms = sorted({getattr(d, "platform", "?") for d in learner_devices})
   if lc.attention == "auto":  # the platform's kernel (XLA where there is none)
     kernel = {("tpu",): "splash", ("gpu",): "pallas_gpu"}.get(tuple(learner_platforms), "xla")
     spec = dataclasses.replace(spec, loss=dataclasses.replace(spec.loss, attention=kernel))
-  _require(lc.attention != "splash" or learner_platforms == ["tpu"], "learner.attention",
-           f"'splash' is the TPU kernel; the learner devices are {learner_platforms} (use "
-           "'xla', or 'splash_interpret' to run it slowly anywhere)")
-  _require(lc.attention != "pallas_gpu" or learner_platforms == ["gpu"], "learner.attention",
-           f"'pallas_gpu' is the GPU kernel; the learner devices are {learner_platforms} (use "
-           "'xla', or 'pallas_gpu_interpret' to run it slowly anywhere)")
-  # (devices being planned, `--dry_run_devices`, have no platform to check)
+  learner_planned = learner_platforms == ["?"]
+  _require(lc.attention != "splash" or learner_platforms == ["tpu"] or learner_planned,
+           "learner.attention", f"'splash' is the TPU kernel; the learner devices are "
+           f"{learner_platforms} (use 'xla', or 'splash_interpret' to run it slowly anywhere)")
+  _require(lc.attention != "pallas_gpu" or learner_platforms == ["gpu"] or learner_planned,
+           "learner.attention", f"'pallas_gpu' is the GPU kernel; the learner devices are "
+           f"{learner_platforms} (use 'xla', or 'pallas_gpu_interpret' to run it slowly "
+           "anywhere)")
   platforms = sorted({getattr(d, "platform", "?") for d in sampler_devices})
   planned = platforms == ["?"]
   kernel = parts["sampler"].paged_attention
@@ -377,6 +380,22 @@ def _check_meshes(spec: RunSpec, parts: dict, devices: Sequence | None
            f"{spec.engine.num_slots} slots do not split over the sampler's data axis of "
            f"size {data}")
   return learner_devs, sampler_devs, sampler_shape, fsdp
+
+
+def unknown_key_message(argv: Sequence[str], error: Exception) -> str:
+  """One line for a `--config.<key>=...` override of a key the config lacks.
+
+  ml_collections raises an AttributeError around a KeyError whose text is the
+  bare key, quoted, and maybe a second line with a suggestion.
+  """
+  inner = error.args[0] if error.args and isinstance(error.args[0], BaseException) else error
+  text = str(inner.args[0]) if inner.args else str(inner)
+  lines = text.splitlines() or ["?"]
+  key, hint = lines[0].strip("'\""), " ".join(line.strip() for line in lines[1:])
+  overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
+  named = [o for o in overrides if o.split(".")[-1] == key] or overrides
+  return (f"{', '.join(named)}: the config has no key {key!r}" + (f" ({hint})" if hint else "")
+          + " (--dry_run lists its keys)")
 
 
 def reported_memory(devices: Sequence) -> int | None:

@@ -171,11 +171,9 @@ def _parse_flags(argv: list[str]) -> list[str]:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(EXIT_BAD_INPUT)
   except (AttributeError, KeyError) as e:
-    key = str(e).strip("'\"")
-    overrides = [a.split("=", 1)[0] for a in argv[1:] if a.startswith("--config.")]
-    named = [o for o in overrides if o.split(".")[-1] == key] or overrides
-    print(f"error: {', '.join(named)}: the config has no key {key!r} (--dry_run lists "
-          "its keys)", file=sys.stderr, flush=True)
+    from arl_jax import config_lib  # noqa: PLC0415 - only on this error
+
+    print(f"error: {config_lib.unknown_key_message(argv, e)}", file=sys.stderr, flush=True)
     sys.exit(EXIT_BAD_INPUT)
 
 

@@ -68,7 +68,13 @@ def config_points(config: str) -> list[Point]:
 
 
 def combine(first: list[Point], second: list[Point]) -> list[Point]:
-  """Every point of `first` with every point of `second`."""
+  """Every point of `first` with every point of `second` (which may not set a
+  key `first` sets: the runs named for both values would be the same run)."""
+  shared = sorted({k for p in first for k, _ in p.overrides}
+                  & {k for p in second for k, _ in p.overrides})
+  if shared:
+    raise ValueError(f"{', '.join(shared)}: set by both the config's sweep and --sweep; "
+                     "sweep each key in one place")
   return [Point(name=",".join(n for n in (a.name, b.name) if n != "default") or "default",
                 overrides=a.overrides + b.overrides) for a in first for b in second]
 

@@ -1,0 +1,39 @@
+"""Checks launcher jobs before they start: each job's `arl_jax.launch` config
+flags, parsed as `arl_jax.launch` parses them and built by `config_lib.build`
+for the devices the job will have, so a bad key or value is one line here
+instead of a failed job (`launch/xm_launch.py`)."""
+
+from __future__ import annotations
+
+
+def first_problem(jobs: list[tuple[str, dict[str, str]]], num_devices: int | None,
+                  device_gib: float | None) -> str | None:
+  """The first job's problem, as one line naming the job, or None.
+
+  Args:
+    jobs: `(name, args)` per job, args as `arl_jax.launch` flags without `--`.
+    num_devices: devices to plan meshes on (None: this process's own).
+    device_gib: memory of one device, for `sampler.kv_memory_fraction`.
+  """
+  from absl import flags  # noqa: PLC0415 - JAX only when checking
+  from ml_collections import config_flags  # noqa: PLC0415
+
+  from arl_jax import config_lib  # noqa: PLC0415
+
+  devices = None if num_devices is None else list(range(num_devices))
+  memory = None if device_gib is None else int(device_gib * 2**30)
+  for name, args in jobs:
+    argv = ["arl_jax.launch"] + [f"--{k}={v}" for k, v in args.items()
+                                 if k == "config" or k.startswith("config.")]
+    values = flags.FlagValues()
+    # (ml_collections finds the `--config.*` overrides in the argv it is given here)
+    config_flags.DEFINE_config_file("config", None, flag_values=values, sys_argv=argv)
+    try:
+      values(argv)
+      config_lib.build(values.config, devices, device_memory=memory)
+    except (AttributeError, KeyError) as e:  # (worded as arl_jax.launch words it)
+      return f"job {name!r}: {config_lib.unknown_key_message(argv, e)}"
+    except (flags.Error, OSError, config_lib.ConfigError) as e:
+      # (a config file's own error arrives with its traceback as text: its last line)
+      return f"job {name!r}: {str(e).strip().splitlines()[-1].strip()}"
+  return None
