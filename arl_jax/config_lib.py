@@ -197,17 +197,24 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
   platforms = sorted({getattr(d, "platform", "?") for d in sampler_devices})
   planned = platforms == ["?"]
   kernel = parts["sampler"].paged_attention
-  _require(kernel != "ragged"
-           or spec.sampler_model.head_dim % paged_attention_lib.RAGGED_HEAD_DIM == 0,
-           "sampler.paged_attention", f"'ragged': TPU's kernel needs a head_dim that is a "
-           f"multiple of {paged_attention_lib.RAGGED_HEAD_DIM}; the model's is "
-           f"{spec.sampler_model.head_dim} (use 'xla')")
   _require(kernel != "pallas" or platforms == ["gpu"] or planned,
            "sampler.paged_attention", f"'pallas' is the GPU kernel; the sampler devices are "
            f"{platforms} (use 'xla', or 'pallas_interpret' to run it slowly anywhere)")
   _require(kernel != "ragged" or platforms == ["tpu"] or planned,
            "sampler.paged_attention", f"'ragged' is the TPU kernel; the sampler devices are "
            f"{platforms} (use 'xla'; JAX's TPU interpret mode cannot run this kernel)")
+  if kernel == "ragged":
+    m = spec.sampler_model
+    problem = paged_attention_lib.ragged_geometry_problem(
+        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        dtype=m.param_dtype)
+    _require(problem is None, "sampler.paged_attention", f"'ragged': {problem} (use 'xla')")
+    # A Mosaic kernel inside a jit over several devices must sit in a
+    # shard_map, and each data shard would write only its rows of a pool that
+    # is whole on every shard: not built.
+    _require(len(sampler_devices) == 1, "sampler.paged_attention",
+             f"'ragged' runs on one sampler device for now; the sampler mesh has "
+             f"{len(sampler_devices)} (use 'xla')")
   if parts["sampler"].kv_memory_fraction:
     spec = _size_kv_pool(spec, parts["sampler"].kv_memory_fraction, sampler_shape.get("tp", 1),
                          device_memory or reported_memory(sampler_devices))

@@ -119,3 +119,21 @@ def ragged_decode_attention(q: jax.Array, kv_pages: jax.Array, table: jax.Array,
 
   args, kwargs = ragged_arguments(q, kv_pages, table, lengths)
   return kernel.ragged_paged_attention(*args, **kwargs).astype(q.dtype)
+
+
+def ragged_geometry_problem(*, num_heads: int, num_kv_heads: int, head_dim: int,
+                            dtype: str) -> str | None:
+  """Why TPU's ragged kernel cannot run a model of these heads (None: it can):
+  128-wide heads, and `2 * KVH` interleaved heads that its blocks tile (its own
+  `get_min_heads_per_blk`: e.g. 3, 6 or, in bfloat16, 12 KV heads do not)."""
+  from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel  # noqa: PLC0415
+
+  if head_dim % RAGGED_HEAD_DIM:
+    return (f"TPU's kernel needs a head_dim that is a multiple of {RAGGED_HEAD_DIM}; the "
+            f"model's is {head_dim}")
+  try:
+    kernel.get_min_heads_per_blk(num_heads, 2 * num_kv_heads, jnp.dtype(dtype),
+                                 jnp.dtype(dtype))
+  except (ValueError, AssertionError) as e:
+    return f"TPU's kernel cannot tile {num_kv_heads} KV heads in {dtype} ({e})"
+  return None

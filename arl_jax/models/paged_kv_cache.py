@@ -162,18 +162,24 @@ class PagedKVCache:
                         attention=self.attention, layout=self.layout)
 
 
-def _scatter(pool: jax.Array, table: jax.Array, new: jax.Array, index: jax.Array,
-             write_mask: jax.Array | None) -> jax.Array:
-  """Writes `new` `[B, KVH, T, Dh]` at columns `index[b] + t` of the rows
-  whose page tables are `table` `[B, P]`; masked rows write the trash page."""
-  b, _, t, _ = new.shape
-  page_size = pool.shape[2]
+def _write_places(table: jax.Array, index: jax.Array, t: int, page_size: int,
+                  write_mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """The page and the row in it of columns `index[b] + t` of the rows whose
+  page tables are `table` `[B, P]`, `[B, T]` each; masked rows: the trash page."""
   columns = index[:, None] + jnp.arange(t, dtype=index.dtype)[None, :]  # [B, T]
   pages = jnp.take_along_axis(table, columns // page_size, axis=1)
   if write_mask is not None:
     pages = jnp.where(write_mask[:, None], pages, TRASH_PAGE)
+  return pages, columns % page_size
+
+
+def _scatter(pool: jax.Array, table: jax.Array, new: jax.Array, index: jax.Array,
+             write_mask: jax.Array | None) -> jax.Array:
+  """Writes `new` `[B, KVH, T, Dh]` at columns `index[b] + t` of the rows
+  whose page tables are `table` `[B, P]`; masked rows write the trash page."""
+  pages, rows = _write_places(table, index, new.shape[2], pool.shape[2], write_mask)
   # Adjacent advanced indices on axes 1 and 2 stay in place: [KVH, B, T, Dh].
-  return pool.at[:, pages, columns % page_size].set(new.transpose(1, 0, 2, 3))
+  return pool.at[:, pages, rows].set(new.transpose(1, 0, 2, 3))
 
 
 def _scatter_interleaved(pool: jax.Array, table: jax.Array, k: jax.Array, v: jax.Array,
@@ -181,13 +187,9 @@ def _scatter_interleaved(pool: jax.Array, table: jax.Array, k: jax.Array, v: jax
   """`_scatter` into an interleaved pool `[N, page_size, 2 * KVH, Dh]`: the
   keys `k` and values `v` `[B, KVH, T, Dh]` of head h at `2h` and `2h + 1`."""
   b, kvh, t, dh = k.shape
-  page_size = pool.shape[1]
-  columns = index[:, None] + jnp.arange(t, dtype=index.dtype)[None, :]  # [B, T]
-  pages = jnp.take_along_axis(table, columns // page_size, axis=1)
-  if write_mask is not None:
-    pages = jnp.where(write_mask[:, None], pages, TRASH_PAGE)
+  pages, rows = _write_places(table, index, t, pool.shape[1], write_mask)
   kv = jnp.stack([k, v], axis=2).reshape(b, 2 * kvh, t, dh)  # k0, v0, k1, v1, ...
-  return pool.at[pages, columns % page_size].set(kv.transpose(0, 2, 1, 3))
+  return pool.at[pages, rows].set(kv.transpose(0, 2, 1, 3))
 
 
 def gather_interleaved(pool: jax.Array, table: jax.Array,

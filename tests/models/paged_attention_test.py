@@ -118,12 +118,22 @@ def test_the_kernels_are_refused_without_their_devices():
   with pytest.raises(config_lib.ConfigError, match="sampler.paged_attention.*GPU kernel"):
     config_lib.resolve(config)
   config.sampler.paged_attention = "ragged"
-  with pytest.raises(config_lib.ConfigError, match="needs a head_dim that is a multiple of 128"):
-    config_lib.resolve(config)
-  config.model.head_dim = 128
   with pytest.raises(config_lib.ConfigError, match="sampler.paged_attention.*TPU kernel"):
     config_lib.resolve(config)
-  config_lib.resolve(config, devices=list(range(8)))  # planned devices: no platform to check
+  # Planned devices have no platform to check; the model and the mesh are.
+  with pytest.raises(config_lib.ConfigError, match="needs a head_dim that is a multiple of 128"):
+    config_lib.resolve(config, devices=list(range(1)))
+  config.model.head_dim = 128
+  config_lib.resolve(config, devices=list(range(1)))
+  with pytest.raises(config_lib.ConfigError, match="'ragged' runs on one sampler device for "
+                     "now; the sampler mesh has 4"):
+    config_lib.resolve(config, devices=list(range(8)))
+  assert "cannot tile 3 KV heads" in paged_attention.ragged_geometry_problem(
+      num_heads=6, num_kv_heads=3, head_dim=128, dtype="float32")
+  assert "cannot tile 12 KV heads" in paged_attention.ragged_geometry_problem(
+      num_heads=24, num_kv_heads=12, head_dim=128, dtype="bfloat16")
+  assert paged_attention.ragged_geometry_problem(
+      num_heads=16, num_kv_heads=2, head_dim=128, dtype="bfloat16") is None
   with pytest.raises(ValueError, match="'ragged' reads the 'interleaved' pool layout"):
     paged_kv_cache.PagedKVCache.zeros(batch=1, num_layers=1, num_kv_heads=1, length=8,
                                       head_dim=8, num_pages=4, page_size=4,
