@@ -203,18 +203,12 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
   _require(kernel != "ragged" or platforms == ["tpu"] or planned,
            "sampler.paged_attention", f"'ragged' is the TPU kernel; the sampler devices are "
            f"{platforms} (use 'xla'; JAX's TPU interpret mode cannot run this kernel)")
-  if kernel == "ragged":
-    m = spec.sampler_model
+  if kernel == "ragged":  # (per device: the heads of one `tp` shard)
+    m, tp = spec.sampler_model, sampler_shape.get("tp", 1)
     problem = paged_attention_lib.ragged_geometry_problem(
-        num_heads=m.num_heads, num_kv_heads=m.num_kv_heads, head_dim=m.head_dim,
+        num_heads=m.num_heads // tp, num_kv_heads=m.num_kv_heads // tp, head_dim=m.head_dim,
         dtype=m.param_dtype)
     _require(problem is None, "sampler.paged_attention", f"'ragged': {problem} (use 'xla')")
-    # A Mosaic kernel inside a jit over several devices must sit in a
-    # shard_map, and each data shard would write only its rows of a pool that
-    # is whole on every shard: not built.
-    _require(len(sampler_devices) == 1, "sampler.paged_attention",
-             f"'ragged' runs on one sampler device for now; the sampler mesh has "
-             f"{len(sampler_devices)} (use 'xla')")
   if parts["sampler"].kv_memory_fraction:
     spec = _size_kv_pool(spec, parts["sampler"].kv_memory_fraction, sampler_shape.get("tp", 1),
                          device_memory or reported_memory(sampler_devices))

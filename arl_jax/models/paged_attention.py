@@ -123,9 +123,10 @@ def ragged_decode_attention(q: jax.Array, kv_pages: jax.Array, table: jax.Array,
 
 def ragged_geometry_problem(*, num_heads: int, num_kv_heads: int, head_dim: int,
                             dtype: str) -> str | None:
-  """Why TPU's ragged kernel cannot run a model of these heads (None: it can):
-  128-wide heads, and `2 * KVH` interleaved heads that its blocks tile (its own
-  `get_min_heads_per_blk`: e.g. 3, 6 or, in bfloat16, 12 KV heads do not)."""
+  """Why TPU's ragged kernel cannot run on a device holding these heads (None:
+  it can): 128-wide heads, and `2 * KVH` interleaved heads that its blocks tile
+  (its own `get_min_heads_per_blk`: e.g. 3, 6 or, in bfloat16, 12 KV heads do
+  not). Per device: a `tp` shard's heads."""
   from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel  # noqa: PLC0415
 
   if head_dim % RAGGED_HEAD_DIM:

@@ -32,9 +32,13 @@ at column 0 (`sampler/sampling.py`), so those are exactly the row's tokens.
 
 from __future__ import annotations
 
+import functools
+
 import flax.struct
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
 from arl_jax.models import paged_attention
 
@@ -54,6 +58,8 @@ class PagedKVCache:
     page_table: `[B, L / page_size]` int32, the page of each slot's column block.
     attention: static, how decode steps attend (`paged_attention.ATTENTIONS`).
     layout: static, "split" or "interleaved" (`paged_attention.LAYOUTS`).
+    mesh: static, the sampler mesh a kernel XLA cannot partition runs on per
+      device ("ragged"; None: one device, or not needed).
   """
 
   keys: tuple[jax.Array, ...]
@@ -62,11 +68,13 @@ class PagedKVCache:
   page_table: jax.Array
   attention: str = flax.struct.field(pytree_node=False, default="xla")
   layout: str = flax.struct.field(pytree_node=False, default="split")
+  mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
 
   @classmethod
   def zeros(cls, *, batch: int, num_layers: int, num_kv_heads: int, length: int,
             head_dim: int, num_pages: int, page_size: int, dtype=jnp.float32,
-            attention: str = "xla", layout: str | None = None) -> PagedKVCache:
+            attention: str = "xla", layout: str | None = None,
+            mesh: Mesh | None = None) -> PagedKVCache:
     """`layout` None: the one `attention` reads (`paged_attention.pool_layout`)."""
     if length % page_size:
       raise ValueError(f"a paged cache's length ({length}) must be a multiple of its page "
@@ -83,7 +91,7 @@ class PagedKVCache:
       keys, values = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)), ()
     return cls(keys=keys, values=values, valid=jnp.zeros((batch, length), jnp.bool_),
                page_table=jnp.full((batch, length // page_size), TRASH_PAGE, jnp.int32),
-               attention=attention, layout=layout)
+               attention=attention, layout=layout, mesh=mesh)
 
   @property
   def page_size(self) -> int:
@@ -97,7 +105,7 @@ class PagedKVCache:
     return PagedLayer(keys=self.keys[i],
                       values=self.values[i] if self.layout == "split" else None,
                       page_table=self.page_table, attention=self.attention,
-                      layout=self.layout)
+                      layout=self.layout, mesh=self.mesh)
 
   def with_layers(self, layers) -> PagedKVCache:
     return self.replace(keys=tuple(layer.keys for layer in layers),
@@ -159,7 +167,7 @@ class PagedKVCache:
     return PagedKVCache(keys=tuple(layer for _ in self.keys),
                         values=tuple(layer for _ in self.values),
                         valid=("batch", "length"), page_table=("batch", "slot_pages"),
-                        attention=self.attention, layout=self.layout)
+                        attention=self.attention, layout=self.layout, mesh=self.mesh)
 
 
 def _write_places(table: jax.Array, index: jax.Array, t: int, page_size: int,
@@ -227,6 +235,7 @@ class PagedLayer:
   page_table: jax.Array
   attention: str = flax.struct.field(pytree_node=False, default="xla")
   layout: str = flax.struct.field(pytree_node=False, default="split")
+  mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
 
   @property
   def attends(self) -> bool:
@@ -249,14 +258,14 @@ class PagedLayer:
     writes `k`, `v` `[B, KVH, 1, Dh]` at columns `index` `[B]` and attends
     `q` `[B, H, Dh]` (already scaled) over each row's columns `[0, index]`
     among its first `width`. Returns `[B, H, Dh]` and the updated layer."""
-    new = self._write(k, v, index, write_mask)
     if self.attention == "ragged":
-      out = paged_attention.ragged_decode_attention(
-          q, new.keys, self.page_table[:, :width // new.keys.shape[1]], index + 1)
-    else:
-      out = paged_attention.decode_attention(
-          q, new.keys, new.values, self.page_table[:, :width // new.keys.shape[2]], index + 1,
-          interpret=self.attention == "pallas_interpret")
+      out, keys = _ragged_attend(self.keys, self.page_table, q, k, v, index, write_mask, width,
+                                 self.mesh)
+      return out, self.replace(keys=keys)
+    new = self._write(k, v, index, write_mask)
+    out = paged_attention.decode_attention(
+        q, new.keys, new.values, self.page_table[:, :width // new.keys.shape[2]], index + 1,
+        interpret=self.attention == "pallas_interpret")
     return out, new
 
   def update(self, k: jax.Array, v: jax.Array, index: jax.Array,
@@ -269,3 +278,43 @@ class PagedLayer:
       return (*gather_interleaved(new.keys, self.page_table, width), new)
     return (gather(new.keys, self.page_table, width), gather(new.values, self.page_table, width),
             new)
+
+
+def _ragged_attend(pool: jax.Array, table: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                   index: jax.Array, write_mask: jax.Array | None, width: int,
+                   mesh: Mesh | None) -> tuple[jax.Array, jax.Array]:
+  """`PagedLayer.attend` through TPU's ragged kernel: writes `k`, `v` into the
+  interleaved `pool` and attends `q` over each row's columns `[0, index]`.
+
+  XLA cannot partition a Mosaic kernel, so on a sampler mesh of several
+  devices it runs per device in a `shard_map`: rows over `data`, heads over
+  `tp` (the interleaved pool's `2 * KVH` axis splits into whole key/value
+  pairs). The pool is whole on every `data` shard, so each shard first writes
+  every shard's new keys and values (all-gathered over `data`), which is what
+  the XLA path's partitioned scatter does, then attends its own rows. An
+  axis that does not divide its dimension stays whole (its shards compute the
+  same values).
+  """
+  pages = width // pool.shape[1]
+  mask = jnp.ones(index.shape, jnp.bool_) if write_mask is None else write_mask
+
+  def local(pool, table, q, k, v, index, mask, rows_axis=None):
+    written = (table, k, v, index, mask)
+    if rows_axis is not None:
+      written = tuple(jax.lax.all_gather(x, rows_axis, tiled=True) for x in written)
+    pool = _scatter_interleaved(pool, *written)
+    return paged_attention.ragged_decode_attention(q, pool, table[:, :pages], index + 1), pool
+
+  if mesh is None or mesh.size == 1:
+    return local(pool, table, q, k, v, index, mask)
+
+  def axis(name, size):
+    n = dict(mesh.shape).get(name, 1)
+    return name if n > 1 and size % n == 0 else None
+
+  rows_axis, heads_axis = axis("data", q.shape[0]), axis("tp", k.shape[1])
+  rows, heads, pool_spec = P(rows_axis), P(rows_axis, heads_axis), P(None, None, heads_axis)
+  return jax.shard_map(
+      functools.partial(local, rows_axis=rows_axis), mesh=mesh,
+      in_specs=(pool_spec, rows, heads, heads, heads, rows, rows),
+      out_specs=(heads, pool_spec), check_vma=False)(pool, table, q, k, v, index, mask)

@@ -115,16 +115,16 @@ class SlotState:
 
 def init_slots(cfg, *, num_slots: int, length: int, pad_id: int, num_stop_ids: int = 0,
                num_pages: int = 0, page_size: int = 0, attention: str = "xla",
-               layout: str | None = None) -> SlotState:
+               layout: str | None = None, mesh=None) -> SlotState:
   """All slots empty (done), with a zeroed cache of `length` columns: dense
-  (`[num_slots, KVH, length, Dh]` per layer), or paged when `num_pages` > 0
-  (`PagedKVCache.zeros`: `num_pages` pages of `page_size`, `attention`, `layout`)."""
+  (`[num_slots, KVH, length, Dh]` per layer), or paged (`PagedKVCache.zeros`) if `num_pages`."""
   b = num_slots
   geometry = dict(batch=b, num_layers=cfg.num_layers, num_kv_heads=cfg.num_kv_heads,
                   length=length, head_dim=cfg.head_dim, dtype=jnp.dtype(cfg.param_dtype))
   if num_pages:
-    cache = paged_kv_cache.PagedKVCache.zeros(num_pages=num_pages, page_size=page_size,
-                                              attention=attention, layout=layout, **geometry)
+    cache = paged_kv_cache.PagedKVCache.zeros(
+        num_pages=num_pages, page_size=page_size, attention=attention, layout=layout, mesh=mesh,
+        **geometry)
   else:
     cache = kv_cache_lib.KVCache.zeros(**geometry)
   zeros = jnp.zeros((b,), jnp.int32)

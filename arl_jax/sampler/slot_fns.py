@@ -130,7 +130,9 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
   init = functools.partial(sampling.init_slots, model_cfg, num_slots=num_slots, length=length,
                            pad_id=settings.pad_id, num_stop_ids=len(settings.stop_ids),
                            num_pages=num_pages, page_size=page_size,
-                           attention=paged_attention, layout=paged_layout)
+                           attention=paged_attention, layout=paged_layout,
+                           # (a kernel XLA cannot partition runs per device on it)
+                           mesh=mesh if paged_attention == "ragged" else None)
   shardings = state_shardings(mesh, jax.eval_shape(init))
   insert = functools.partial(counters["insert"].wrap(sampling.insert), graphdef,
                              settings=settings)

@@ -15,6 +15,7 @@ from arl_jax import config_lib
 from arl_jax import rows as rows_lib
 from arl_jax.models import paged_attention, paged_kv_cache
 from arl_jax.sampler import sampling, slot_fns, token_draw
+from arl_jax.sharding import mesh_lib
 from arl_jax.testing import tiny
 
 
@@ -74,41 +75,91 @@ def test_the_ragged_kernels_arguments_attend_as_the_xla_path(heads, kv_heads, pa
   np.testing.assert_allclose(out, _xla_attention(q, keys, values, table, lengths), atol=1e-5)
 
 
-def test_decode_steps_through_the_kernel_sample_what_the_xla_path_samples():
-  """Slot functions of a paged cache decoding 4 rows (contexts of 3-9 tokens
-  from column 0) for 12 steps: the kernel's tokens and log-probs are the
-  XLA path's (the kernel reads the first `index + 1` columns of each row)."""
-  cfg = tiny.tiny_model_config()
-  meshes = tiny.single_device_meshes()
-  graphdef, params, _ = tiny.learner_and_sampler_params(cfg, meshes)
+def _decode(meshes, attention, layout=None, orders=((0, 1, 2, 3),), steps=12, vocab_size=259,
+            budgets=(16, 16, 16, 16)):
+  """Slot functions of a paged cache decoding 4 rows (contexts of 3-12 tokens
+  from column 0) for `steps` steps, the rows handed to each call in the next
+  of `orders` (a row lands on another `data` shard when its place changes)."""
+  cfg = tiny.tiny_model_config(vocab_size=vocab_size)
+  graphdef, params, sampler_shardings = tiny.learner_and_sampler_params(cfg, meshes)
+  params = jax.device_put(params, sampler_shardings)
   slots, length, page_size, bucket = 4, 32, 4, 12
   settings = sampling.SamplingSettings(eos_id=10 ** 6, pad_id=256)
   rng = np.random.default_rng(1)
   prompts = [rng.integers(0, 256, n).tolist() for n in (3, 9, 5, 12)]
   tokens, mask = rows_lib.left_pad(prompts, bucket, 256)
-  states = {}
-  # (the XLA path over the TPU kernel's interleaved pool: the layout it reads)
-  for attention, layout in (("xla", None), ("pallas_interpret", None), ("xla", "interleaved")):
-    fns = slot_fns.make_sampler_fns(
-        graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler, settings=settings,
-        num_slots=slots, length=length, num_pages=slots * length // page_size + 1,
-        page_size=page_size, paged_attention=attention, paged_layout=layout)
-    state = fns.set_pages(fns.init(), np.arange(1, slots * length // page_size + 1,
-                                                dtype=np.int32).reshape(slots, -1))
-    rows = np.arange(slots, dtype=np.int32)
-    state = fns.insert_from_ids(
-        params, jnp.int32(0), state, np.asarray(jax.random.PRNGKey(0)), rows, tokens, mask,
-        token_draw.key_ids(rows, np.zeros(slots)), np.full(slots, 16, np.int32),
-        np.ones((slots, 0), bool), np.zeros(slots, np.int32),
-        np.zeros((slots, bucket), np.float32), np.full((slots, bucket), -1, np.int32))
-    for _ in range(12):
-      state = fns.decode_rows(params, jnp.int32(0), state, np.zeros(slots, bool), rows,
-                              width=length)
-    states[attention, layout] = state
-  reference = states["xla", None]
-  for other in (states["pallas_interpret", None], states["xla", "interleaved"]):
-    np.testing.assert_array_equal(other.tokens, reference.tokens)
-    np.testing.assert_allclose(other.logprobs, reference.logprobs, atol=1e-5)
+  fns = slot_fns.make_sampler_fns(
+      graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler, settings=settings,
+      num_slots=slots, length=length, num_pages=slots * length // page_size + 1,
+      page_size=page_size, paged_attention=attention, paged_layout=layout)
+  state = fns.set_pages(fns.init(), np.arange(1, slots * length // page_size + 1,
+                                              dtype=np.int32).reshape(slots, -1))
+  rows = np.arange(slots, dtype=np.int32)
+  state = fns.insert_from_ids(
+      params, jnp.int32(0), state, np.asarray(jax.random.PRNGKey(0)), rows, tokens, mask,
+      token_draw.key_ids(rows, np.zeros(slots)), np.asarray(budgets, np.int32),
+      np.ones((slots, 0), bool), np.zeros(slots, np.int32),
+      np.zeros((slots, bucket), np.float32), np.full((slots, bucket), -1, np.int32))
+  for step in range(steps):
+    order = np.asarray(orders[step % len(orders)], np.int32)
+    state = fns.decode_rows(params, jnp.int32(0), state, np.zeros(slots, bool), order,
+                            width=length)
+  return state
+
+
+def _assert_same_samples(state, reference):
+  np.testing.assert_array_equal(state.tokens, reference.tokens)
+  np.testing.assert_allclose(state.logprobs, reference.logprobs, atol=1e-5)
+
+
+def test_decode_steps_through_the_kernel_sample_what_the_xla_path_samples():
+  """The GPU kernel's tokens and log-probs are the XLA path's (it reads the
+  first `index + 1` columns of each row), and so are the XLA path's over the
+  TPU kernel's interleaved pool."""
+  meshes = tiny.single_device_meshes()
+  reference = _decode(meshes, "xla")
+  _assert_same_samples(_decode(meshes, "pallas_interpret"), reference)
+  _assert_same_samples(_decode(meshes, "xla", "interleaved"), reference)
+
+
+_STAND_IN_SHAPES = []
+
+
+def _ragged_stand_in(q, kv_pages, table, lengths):
+  """What TPU's ragged kernel computes for a decode step (its reference,
+  `ref_ragged_paged_attention`, loops in Python and cannot run under jit)."""
+  _STAND_IN_SHAPES.append((q.shape, kv_pages.shape))
+  width = table.shape[1] * kv_pages.shape[1]
+  k, v = paged_kv_cache.gather_interleaved(kv_pages, table, width)
+  b, h, dh = q.shape
+  qg = q.reshape(b, k.shape[1], h // k.shape[1], dh)
+  scores = jnp.einsum("bkgd,bksd->bkgs", qg, k)
+  scores = jnp.where(jnp.arange(width)[None, None, None, :] < lengths[:, None, None, None],
+                     scores, -1e30)
+  return jnp.einsum("bkgs,bksd->bkgd", jax.nn.softmax(scores, axis=-1), v).reshape(b, h, dh)
+
+
+def test_the_ragged_path_per_device_on_a_sampler_mesh(monkeypatch):
+  """`"ragged"` on a sampler mesh of 2 data x 2 tp devices runs the kernel per
+  device in a shard_map; with a stand-in for the kernel (it cannot run off a
+  TPU), the samples are the XLA path's on one device, also when the rows
+  change shards between calls (each shard writes every shard's new keys and
+  values into its whole copy of the pool), a row is handed twice and a row
+  has ended (its writes masked to the trash page)."""
+  monkeypatch.setattr(paged_attention, "ragged_decode_attention", _ragged_stand_in)
+  orders = ((0, 1, 2, 3), (2, 3, 0, 1), (3, 1, 0, 0))
+  # (a vocabulary that tp = 2 divides; row 2 ends after 4 tokens)
+  run = dict(orders=orders, vocab_size=260, budgets=(16, 16, 4, 16))
+  reference = _decode(tiny.single_device_meshes(), "xla", **run)
+  meshes = mesh_lib.make_role_meshes(mesh_lib.MeshConfig(
+      placement="disaggregated", sampler=(("data", 2), ("tp", 2))))
+  assert dict(meshes.sampler.shape) == {"data": 2, "tp": 2}
+  _STAND_IN_SHAPES.clear()
+  state = _decode(meshes, "ragged", **run)
+  _assert_same_samples(state, reference)
+  assert bool(state.done[2]) and not bool(state.done[0])  # (row 2 did end, early)
+  # Per device: 2 of the 4 rows, 2 of the 4 query heads, 1 of the 2 KV heads' pairs.
+  assert _STAND_IN_SHAPES and all(q == (2, 2, 8) and kv[2] == 2 for q, kv in _STAND_IN_SHAPES)
 
 
 def test_the_kernels_are_refused_without_their_devices():
@@ -124,9 +175,12 @@ def test_the_kernels_are_refused_without_their_devices():
   with pytest.raises(config_lib.ConfigError, match="needs a head_dim that is a multiple of 128"):
     config_lib.resolve(config, devices=list(range(1)))
   config.model.head_dim = 128
-  config_lib.resolve(config, devices=list(range(1)))
-  with pytest.raises(config_lib.ConfigError, match="'ragged' runs on one sampler device for "
-                     "now; the sampler mesh has 4"):
+  config_lib.resolve(config, devices=list(range(8)))  # (per device on a sampler mesh)
+  # The kernel tiles each device's heads: 12 KV heads do, a tp = 2 shard's 6 do not.
+  config.model.update(num_heads=24, num_kv_heads=12)
+  config_lib.resolve(config, devices=list(range(8)))
+  config.mesh.sampler = (("data", -1), ("tp", 2))
+  with pytest.raises(config_lib.ConfigError, match="cannot tile 6 KV heads in float32"):
     config_lib.resolve(config, devices=list(range(8)))
   assert "cannot tile 3 KV heads" in paged_attention.ragged_geometry_problem(
       num_heads=6, num_kv_heads=3, head_dim=128, dtype="float32")
