@@ -37,14 +37,36 @@ class Point:
 
 
 def parse_sweep(specs: list[str]) -> list[tuple[str, list[str]]]:
-  """`["a.b=1,2", "c=x"]` -> `[("a.b", ["1", "2"]), ("c", ["x"])]`."""
+  """`["a.b=1,2", "c=x", "d=(4,8),(8,16)"]` -> `[("a.b", ["1", "2"]), ("c", ["x"]),
+  ("d", ["(4,8)", "(8,16)"])]`: values are split at commas outside brackets,
+  so a tuple or list is one value."""
   axes = []
   for spec in specs:
     key, sep, values = spec.partition("=")
     if not sep or not key or not values:
       raise ValueError(f"--sweep={spec!r}: expected KEY=V1,V2,...")
-    axes.append((key.strip(), [v.strip() for v in values.split(",")]))
+    axes.append((key.strip(), _split_values(values, spec)))
   return axes
+
+
+def _split_values(values: str, spec: str) -> list[str]:
+  closing = {"(": ")", "[": "]", "{": "}"}
+  parts, start, open_brackets = [], 0, []
+  for i, char in enumerate(values):
+    if char in closing:
+      open_brackets.append(closing[char])
+    elif char in closing.values():
+      if not open_brackets or open_brackets.pop() != char:
+        raise ValueError(f"--sweep={spec!r}: unbalanced {char!r} at value character {i}")
+    elif char == "," and not open_brackets:
+      parts.append(values[start:i])
+      start = i + 1
+  if open_brackets:
+    raise ValueError(f"--sweep={spec!r}: {open_brackets[-1]!r} missing")
+  parts.append(values[start:])
+  if not all(p.strip() for p in parts):
+    raise ValueError(f"--sweep={spec!r}: an empty value (expected KEY=V1,V2,...)")
+  return [p.strip() for p in parts]
 
 
 def expand(axes: list[tuple[str, list[str]]]) -> list[Point]:

@@ -32,7 +32,9 @@ the file system); its config a file of this repository (the container's copy).
 `--base_image` (default a slim Python), the repository copied in and
 installed with the extra of the accelerator (`[tpu]` for TPUs, `[cuda12]`
 for GPUs, `[cpu]` otherwise), `python -m arl_jax.launch` as the entrypoint.
-The build context is the whole repository folder, untracked files included.
+XManager copies the folder it is given whole into the build context, so it is
+given a copy holding the files git would commit (tracked, or untracked and not
+ignored): not workdirs, checkpoints, virtual environments or `.git`.
 `--executor=local` runs each job as a process on this machine, with this
 Python (`xm.binary` and `xm_local.Local`), all at once; `launch.local_sweep`
 bounds how many run together and tabulates their results.
@@ -41,12 +43,16 @@ bounds how many run together and tabulates their results.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import json
 import logging
 import multiprocessing
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 
 from absl import app, flags
 
@@ -167,8 +173,39 @@ def parse_accelerator(spec: str) -> Accelerator | None:
   return Accelerator(resource.name, int(count), "tpu" if resource in xm.TpuType else "cuda12")
 
 
-def packageable(executor: str, accelerator: Accelerator | None, base_image: str):
-  """What XManager packages: this Python for local jobs, a container for Vertex."""
+def source_files(repo: str) -> list[str]:
+  """The repository's files a container is built from, relative to `repo`:
+  what git would commit (tracked, or untracked and not ignored), so runs'
+  workdirs, checkpoints, virtual environments and `.git` stay out of the
+  image. Raises ValueError where git cannot list them."""
+  command = ["git", "-C", repo, "ls-files", "-z", "--cached", "--others", "--exclude-standard"]
+  try:
+    listed = subprocess.run(command, capture_output=True, check=True).stdout
+  except (OSError, subprocess.CalledProcessError) as e:
+    detail = getattr(e, "stderr", b"").decode(errors="replace").strip() or e
+    raise ValueError(f"{repo}: the container is built from the files git lists, and git "
+                     f"cannot list them ({detail})") from e
+  # (A tracked file deleted from the working tree is still listed.)
+  return sorted(name for name in set(listed.decode().split("\0"))
+                if name and os.path.isfile(os.path.join(repo, name)))
+
+
+@contextlib.contextmanager
+def staged_source(repo: str, files: list[str]):
+  """A temporary copy of `files` of `repo`, in a folder of the repository's
+  name (the Dockerfile copies it by that name); removed on exit."""
+  with tempfile.TemporaryDirectory(prefix="arl_jax_image_") as staging:
+    source = os.path.join(staging, os.path.basename(repo))
+    for name in files:
+      os.makedirs(os.path.dirname(os.path.join(source, name)), exist_ok=True)
+      shutil.copy2(os.path.join(repo, name), os.path.join(source, name))
+    yield source
+
+
+def packageable(executor: str, accelerator: Accelerator | None, base_image: str,
+                source: str = REPO):
+  """What XManager packages: this Python for local jobs, a container of
+  `source` (a `staged_source` of the repository) for Vertex."""
   if executor == "local":
     return xm.binary(path=sys.executable, args=["-m", "arl_jax.launch"],
                      executor_spec=xm_local.Local.Spec())
@@ -179,13 +216,13 @@ def packageable(executor: str, accelerator: Accelerator | None, base_image: str)
   # for a legacy Cloud TPU with netcat, which slim images lack.
   extra = accelerator.extra if accelerator else "cpu"
   return xm.python_container(
-      executor_spec=xm_local.Vertex.Spec(), path=REPO, base_image=base_image,
+      executor_spec=xm_local.Vertex.Spec(), path=source, base_image=base_image,
       entrypoint=xm.ModuleName("arl_jax.launch"),
       docker_instructions=[
           "ENV LANG=C.UTF-8 PYTHONUNBUFFERED=1",
           "RUN apt-get update && apt-get install -y --no-install-recommends netcat-openbsd "
           "&& rm -rf /var/lib/apt/lists/*",
-          f"COPY --chown=1000:root {json.dumps([os.path.basename(REPO) + '/', '/arl_jax'])}",
+          f"COPY --chown=1000:root {json.dumps([os.path.basename(source) + '/', '/arl_jax'])}",
           "WORKDIR /arl_jax",
           f"RUN python -m pip install --no-cache-dir '.[{extra}]'",
       ])
@@ -199,9 +236,10 @@ def make_executor(executor: str, accelerator: Accelerator | None):
 
 
 def add_jobs(experiment, jobs: list[JobSpec], executor: str, accelerator: Accelerator | None,
-             base_image: str) -> None:
-  """Packages once and adds one work unit per job to an XManager experiment."""
-  [executable] = experiment.package([packageable(executor, accelerator, base_image)])
+             base_image: str, source: str = REPO) -> None:
+  """Packages once (a Vertex container of `source`) and adds one work unit
+  per job to an XManager experiment."""
+  [executable] = experiment.package([packageable(executor, accelerator, base_image, source)])
   for job in jobs:
     experiment.add(xm.Job(executable=executable, executor=make_executor(executor, accelerator),
                           args=job.args))
@@ -245,9 +283,12 @@ def check_requirements(accelerator: Accelerator | None, executor: str) -> None:
 
 
 def launch(jobs: list[JobSpec], title: str, executor: str, accelerator: Accelerator | None,
-           base_image: str) -> None:
-  with xm_local.create_experiment(experiment_title=title) as experiment:
-    add_jobs(experiment, jobs, executor, accelerator, base_image)
+           base_image: str, files: list[str] | None) -> None:
+  """`files`: what a Vertex container holds of the repository (`source_files`)."""
+  with contextlib.ExitStack() as stack:
+    source = REPO if files is None else stack.enter_context(staged_source(REPO, files))
+    with xm_local.create_experiment(experiment_title=title) as experiment:
+      add_jobs(experiment, jobs, executor, accelerator, base_image, source)
 
 
 def main(argv) -> None:
@@ -268,10 +309,11 @@ def main(argv) -> None:
     check_requirements(accelerator, _EXECUTOR.value)
     if _CHECK.value:
       check_jobs(jobs, accelerator, _DEVICE_GIB.value, _EXECUTOR.value)
+    files = source_files(REPO) if _EXECUTOR.value == "vertex" else None
   except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
-  launch(jobs, _TITLE.value, _EXECUTOR.value, accelerator, _BASE_IMAGE.value)
+  launch(jobs, _TITLE.value, _EXECUTOR.value, accelerator, _BASE_IMAGE.value, files)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """The local sweep runner: grid expansion, subprocess runs, summary tables."""
 
 import os
+import re
 
 import pytest
 
@@ -16,6 +17,15 @@ def test_expand_is_the_cartesian_product_with_readable_names():
                                  ("learner.lr", "1e-4"))
   with pytest.raises(ValueError, match="expected KEY=V1,V2"):
     local_sweep.parse_sweep(["learner.lr"])
+
+
+def test_tuple_values_are_one_value_each():
+  [(key, values)] = local_sweep.parse_sweep(["sampler.prompt_buckets=(4,8), (8, [16,2]),()"])
+  assert key == "sampler.prompt_buckets" and values == ["(4,8)", "(8, [16,2])", "()"]
+  for bad, message in [("k=(4,8", "')' missing"), ("k=4,8)", "unbalanced ')'"),
+                       ("k=(4,8]", "unbalanced ']'"), ("k=1,,2", "an empty value")]:
+    with pytest.raises(ValueError, match=re.escape(message)):
+      local_sweep.parse_sweep([bad])
 
 
 def test_sweep_runs_points_and_reports_failures(tmp_path):

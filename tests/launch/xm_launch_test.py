@@ -75,22 +75,63 @@ def test_the_vertex_container_installs_this_repository_with_the_accelerators_ext
   pyproject.toml with the accelerator's JAX extra."""
   from xmanager.cloud import build_image  # noqa: PLC0415
 
-  spec = xm_launch.packageable("vertex", xm_launch.parse_accelerator(accelerator),
-                               "python:3.11-slim").executable_spec
-  assert isinstance(spec, xm.PythonContainer) and spec.path == REPO
-  assert spec.entrypoint == xm.ModuleName("arl_jax.launch")
-  with open(build_image._create_dockerfile(spec, xm.SequentialArgs(), {})) as f:
-    dockerfile = f.read()
+  with xm_launch.staged_source(REPO, xm_launch.source_files(REPO)) as staged:
+    spec = xm_launch.packageable("vertex", xm_launch.parse_accelerator(accelerator),
+                                 "python:3.11-slim", staged).executable_spec
+    assert isinstance(spec, xm.PythonContainer) and spec.path == staged
+    assert spec.entrypoint == xm.ModuleName("arl_jax.launch")
+    with open(build_image._create_dockerfile(spec, xm.SequentialArgs(), {})) as f:
+      dockerfile = f.read()
+    # The build context holds the staged copy under the repository's folder name.
+    prefix = "COPY --chown=1000:root "
+    [copy] = [line for line in dockerfile.splitlines() if line.startswith(prefix + "[")]
+    source, destination = json.loads(copy[len(prefix):])
+    assert source == os.path.basename(REPO) + "/"
+    assert os.path.isfile(os.path.join(os.path.dirname(staged), source, "pyproject.toml"))
   assert dockerfile.lstrip().startswith("FROM python:3.11-slim")
-  # The build context holds the repository under its folder name.
-  prefix = "COPY --chown=1000:root "
-  [copy] = [line for line in dockerfile.splitlines() if line.startswith(prefix + "[")]
-  source, destination = json.loads(copy[len(prefix):])
-  assert os.path.isfile(os.path.join(os.path.dirname(REPO), source, "pyproject.toml"))
   assert "WORKDIR /arl_jax" in dockerfile and destination == "/arl_jax"
   assert f"RUN python -m pip install --no-cache-dir '.[{extra}]'" in dockerfile
   assert "netcat" in dockerfile  # (XManager's entrypoint waits for a legacy TPU with nc)
   assert "requirements.txt" not in dockerfile
+
+
+def test_the_container_holds_what_git_would_commit_and_nothing_else(tmp_path):
+  """XManager copies the folder it packages whole into the build context: it
+  gets a copy without workdirs, checkpoints or .git (what XManager's own
+  staging step, docker_lib.prepare_directory, then copies)."""
+  from xmanager.cloud import docker_lib  # noqa: PLC0415
+
+  repo = tmp_path / "arl_jax_checkout"
+  for name, text in {"pyproject.toml": "[project]\n", "arl_jax/core.py": "x = 1\n",
+                     ".gitignore": "/workdir*/\n*.jsonl\n", "configs/new.py": "# untracked\n",
+                     "workdir_run/checkpoints/1/params": "weights", "metrics.jsonl": "{}\n",
+                     "arl_jax/gone.py": "deleted after it was committed\n"}.items():
+    (repo / name).parent.mkdir(parents=True, exist_ok=True)
+    (repo / name).write_text(text)
+  git = lambda *args: subprocess.run(["git", "-C", str(repo), *args], check=True,
+                                     capture_output=True)
+  git("init", "-q")
+  git("add", "pyproject.toml", "arl_jax", ".gitignore")
+  git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+  (repo / "arl_jax/gone.py").unlink()
+  files = xm_launch.source_files(str(repo))
+  assert files == [".gitignore", "arl_jax/core.py", "configs/new.py", "pyproject.toml"]
+  with xm_launch.staged_source(str(repo), files) as staged:
+    assert os.path.basename(staged) == "arl_jax_checkout"
+    context = tmp_path / "context"
+    context.mkdir()
+    entrypoint, dockerfile = tmp_path / "entrypoint.sh", tmp_path / "Dockerfile"
+    entrypoint.write_text(""), dockerfile.write_text("FROM scratch\n")
+    docker_lib.prepare_directory(str(context), staged, "arl_jax_checkout", str(entrypoint),
+                                 str(dockerfile))
+  copied = sorted(str(p.relative_to(context / "arl_jax_checkout"))
+                  for p in (context / "arl_jax_checkout").rglob("*") if p.is_file())
+  assert copied == files
+  assert (context / "arl_jax_checkout/arl_jax/core.py").read_text() == "x = 1\n"
+  assert not os.path.exists(staged)  # (the copy is gone after the build)
+
+  with pytest.raises(ValueError, match="git cannot list them"):
+    xm_launch.source_files(str(tmp_path / "context"))  # (not a checkout)
 
 
 def test_local_jobs_run_through_xmanager_with_the_printed_arguments(tmp_path):
