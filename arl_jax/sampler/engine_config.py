@@ -53,11 +53,11 @@ class EngineConfig:
       publish, a cancellation, new work or a checkpoint pause waits for the
       burst to end; a slot that finishes inside one idles until then.
     prefill_chunk: columns a context is prefilled in per engine iteration
-      when it is longer (0: every context in one call). The chunks
-      of a long prompt, multi-turn, preempted or restored context go
-      between decode steps of the other slots, so a long prefill delays
-      each of their steps by one chunk's cost, not by its whole
-      (`prefilling.py`).
+      when it is longer (0: every context in one call, but see
+      `chunk_columns`). The chunks of a long prompt, multi-turn, preempted
+      or restored context go between decode steps of the other slots, so a
+      long prefill delays each of their steps by one chunk's cost, not by
+      its whole (`prefilling.py`).
     paged_attention: how a paged engine's decode steps attend: "xla" (the
       decoder's attention over the gathered pages), "pallas" (JAX's
       Pallas paged attention kernel, GPU; "pallas_interpret" runs it in
@@ -182,9 +182,29 @@ class EngineConfig:
     """The smallest of `decode_widths` that holds column `last_column`."""
     return next(w for w in self.decode_widths if w is None or w > last_column)
 
+  @property
+  def can_preempt(self) -> bool:
+    """Whether slots can need more pages than the pool has (`kv_slots.py`)."""
+    return self.paged and self.pool_pages - 1 < self.num_slots * self.pages_per_slot
+
+  @property
+  def chunk_columns(self) -> int:
+    """Columns per chunk of a chunked prefill (0: none is chunked):
+    `prefill_chunk`; without it, the longest prompt bucket in an engine
+    that can preempt. A preempted row comes back with its prompt and what
+    it sampled, a context of any length: inserted whole, each new length
+    (continuation bucket) and row count would compile its own insert
+    program in the middle of the run (36 compiles, 40 s of a 99 s busy
+    time in `benchmarks/long_context.py`'s long tail; minutes on a TPU),
+    where chunk programs exist per row count and width only. Contexts
+    that fit a prompt bucket are still inserted whole."""
+    if self.prefill_chunk:
+      return self.prefill_chunk
+    return self.prompt_len if self.can_preempt else 0
+
   def chunked(self, context_len: int) -> bool:
     """Whether a context of `context_len` tokens is prefilled in chunks."""
-    return 0 < self.prefill_chunk < context_len
+    return 0 < self.chunk_columns < context_len
 
   def chunks_all(self, bucket: int) -> bool:
     """Whether every context padded to `bucket` (one of
@@ -199,7 +219,7 @@ class EngineConfig:
     when no context is chunked."""
     if not self.chunked(self.continuation_buckets[-1]):
       return ()
-    smallest = self.width_for(self.prefill_chunk - 1)
+    smallest = self.width_for(self.chunk_columns - 1)
     return tuple(w for w in self.decode_widths if w is None or w >= smallest)
 
   @property

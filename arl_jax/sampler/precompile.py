@@ -19,12 +19,12 @@ episodes a checkpoint left come back in any number, with contexts in any
 continuation bucket; a harvest reads any number of slots. A paged engine
 decodes any row bucket of slots (`decode_rows`) and recomputes at every
 width of `EngineConfig.decode_widths`, and sends page tables (`set_pages`). Rows a
-paged engine preempts come back with longer contexts, in continuation
-buckets that are compiled when first used (a pool sized to need no
-preemption never uses them), unless their contexts are chunked: a chunked
-prefill (`prefill_chunk`) has programs for row counts and widths only
-(`begin_prefill`, `prefill_chunk`), whatever the context's length, and a
-bucket whose contexts are all chunked needs no insert program at all.
+paged engine preempts come back in any number, with their prompts and what
+they sampled: contexts that fit a prompt bucket are inserted, longer ones
+prefilled in chunks (`EngineConfig.chunk_columns`). A chunked prefill has
+programs for row counts and widths only (`begin_prefill`, `prefill_chunk`),
+whatever the context's length, and a bucket whose contexts are all chunked
+needs no insert program at all.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class Shapes:
     steps: the step counts of decode calls (1, and `decode_burst`).
     begin: the row buckets of `begin_prefill` (chunked prefill; empty when off).
     prefill: `(rows, width)` of each `prefill_chunk` program.
-    chunk: columns per chunk (`prefill_chunk`).
+    chunk: columns per chunk (`EngineConfig.chunk_columns`).
   """
 
   insert: tuple[tuple[int, int], ...]
@@ -105,9 +105,9 @@ def engine_shapes(cfg: engine_config.EngineConfig,
     # Episodes come back from their environments one by one, with contexts
     # of any length: any number of rows in any continuation bucket.
     rows, buckets = slot_fns.row_buckets(cfg.num_slots), cfg.continuation_buckets
-  elif restored:
-    # Restored episodes (open segments included) come in any number, before
-    # and next to whole groups.
+  elif restored or cfg.can_preempt:
+    # Restored or preempted episodes (open segments included) come in any
+    # number, before and next to whole groups.
     rows = slot_fns.row_buckets(cfg.num_slots)
     buckets = tuple(sorted(set(cfg.prompt_buckets) | set(restored)))
   elif cfg.share_prompts:
@@ -131,7 +131,7 @@ def engine_shapes(cfg: engine_config.EngineConfig,
       fork=slot_fns.row_buckets(cfg.num_slots) if cfg.share_prompts else (),
       steps=tuple(sorted({1, cfg.decode_burst})), begin=chunk_rows,
       prefill=tuple((r, w) for w in cfg.prefill_widths for r in chunk_rows),
-      chunk=cfg.prefill_chunk)
+      chunk=cfg.chunk_columns)
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:

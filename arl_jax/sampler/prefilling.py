@@ -1,5 +1,5 @@
 """`ChunkedPrefills`: the engine's slots whose contexts are being prefilled
-a chunk at a time (`EngineConfig.prefill_chunk`, `prefill_chunks.py`), and
+a chunk at a time (`EngineConfig.chunk_columns`, `prefill_chunks.py`), and
 the forks waiting for them.
 
 A context longer than a chunk is put in its slot (`begin`)
@@ -64,7 +64,8 @@ class ChunkedPrefills:
   def begin(self, fns: slot_fns.SamplerFns, state, base_key, items, *, pad_id: int,
             stop_mask_fn: Callable) -> object:
     """Puts `(slot, row)` in their slots for chunked prefill; returns the state."""
-    plans = [prefill_chunks.chunk_starts(len(row.episode.context_ids()), self._cfg.prefill_chunk)
+    chunk = self._cfg.chunk_columns
+    plans = [prefill_chunks.chunk_starts(len(row.episode.context_ids()), chunk)
              for _, row in items]
     batch = insert_batch.pack_begin(
         [(slot, starts[0], row.episode) for (slot, row), starts in zip(items, plans)],
@@ -96,10 +97,10 @@ class ChunkedPrefills:
     for version, slots in sorted(by_version.items()):
       starts = [self._prefills[s].starts.pop(0) for s in slots]
       final = [not self._prefills[s].starts for s in slots]
-      width = self._cfg.width_for(max(starts) + self._cfg.prefill_chunk - 1)
+      width = self._cfg.width_for(max(starts) + self._cfg.chunk_columns - 1)
       params, version_scalar = params_of(version)
       state = fns.prefill_chunk(params, version_scalar, state, *self._padded(slots, starts, final),
-                                chunk=self._cfg.prefill_chunk, width=width)
+                                chunk=self._cfg.chunk_columns, width=width)
       self.calls += 1
       for slot in (s for s, last in zip(slots, final) if last):
         plan = self._prefills.pop(slot)

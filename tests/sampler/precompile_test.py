@@ -38,6 +38,24 @@ def test_shared_prompts_insert_a_row_per_group_and_fork_any_number():
   assert shapes.num_programs == 10 + 6 + 6 + 1
 
 
+def test_a_pool_that_can_preempt_prefills_longer_contexts_in_precompiled_chunks():
+  """Preempted rows come back in any number with contexts of any length:
+  those of a prompt bucket are inserted (every row count), longer ones are
+  chunked (programs per row count and width), so no length compiles mid-run."""
+  full = engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6, 16),
+                                    max_new_tokens=40, kv_cache="paged", page_size=8)
+  assert not full.can_preempt and full.chunk_columns == 0  # (every slot at full length)
+  small = engine_config.EngineConfig(**{**full.__dict__, "num_pages": 12})
+  assert small.can_preempt and small.chunk_columns == 16
+  assert not small.chunked(16) and small.chunked(17) and small.chunked(55)
+  shapes = precompile.engine_shapes(small)
+  assert shapes.insert == tuple((r, b) for b in (6, 16) for r in (1, 2, 4, 8))
+  assert shapes.chunk == 16 and shapes.begin == (1, 2, 4, 8)
+  assert {w for _, w in shapes.prefill} == {w for w in small.decode_widths if w >= 16}
+  chunked = engine_config.EngineConfig(**{**small.__dict__, "prefill_chunk": 4})
+  assert chunked.chunk_columns == 4  # (the configured chunk wins)
+
+
 def test_restored_episodes_and_multi_turn_need_every_row_count_and_their_buckets():
   cfg = engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
                                    max_new_tokens=12, context_bucket=4, kv_policy="recompute")
