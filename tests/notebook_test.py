@@ -49,14 +49,40 @@ _EXECUTE = textwrap.dedent("""
 """)
 
 
+def _site_dirs() -> list[str]:
+  """The folders this interpreter imports installed packages from: a virtual
+  environment's own (and its base's, with system site packages), a conda
+  prefix's, or the system interpreter's."""
+  return [p for p in sys.path if os.path.basename(p) in ("site-packages", "dist-packages")]
+
+
+def _venv_seeing_this_environment(venv) -> str:
+  """A new virtual environment whose Python also imports what this one has
+  installed; its interpreter.
+
+  (`venv --system-site-packages` is no substitute: run from inside a virtual
+  environment it gives the *base* interpreter's packages, not the running
+  environment's, and the notebook kernel then lacks nbclient.) Each folder is
+  added with `site.addsitedir`, after the new environment's own, so its
+  `.pth` files work as they do here and the new environment's arl_jax wins.
+  """
+  subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+  python = str(venv / "bin" / "python")
+  own = subprocess.run([python, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                       check=True, capture_output=True, text=True).stdout.strip()
+  lines = [f"import site; site.addsitedir({d!r})\n" for d in _site_dirs()]
+  with open(os.path.join(own, "_arl_jax_test_parent_env.pth"), "w", encoding="utf-8") as f:
+    f.writelines(lines)
+  return python
+
+
 def test_quickstart_notebook_executes_from_a_wheel_install(tmp_path):
   """`pip install <repo>` (a built wheel, not editable) into a new virtual
   environment, then the notebook from an empty directory: the configs come
-  from the installed package. (The venv sees this interpreter's packages for
+  from the installed package. (The venv sees this environment's packages for
   the dependencies, so nothing is downloaded; arl_jax itself is its own.)"""
   venv = tmp_path / "venv"
-  subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
-  python = str(venv / "bin" / "python")
+  python = _venv_seeing_this_environment(venv)
   subprocess.run([python, "-m", "pip", "install", "-q", "--no-deps", REPO], check=True,
                  capture_output=True, timeout=600)
   elsewhere = tmp_path / "elsewhere"
