@@ -26,7 +26,7 @@ from arl_jax.models import model_config as model_config_lib
 from arl_jax.models import paged_attention as paged_attention_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
-from arl_jax.sampler import engine_config
+from arl_jax.sampler import auto_settings, engine_config
 from arl_jax.sampler import sampling as sampling_lib
 from arl_jax.sharding import mesh_lib
 from arl_jax.training import inputs as inputs_lib
@@ -66,6 +66,9 @@ class RunSpec:
   advantage_estimator: str
   optim: optim_lib.OptimConfig
   warmup: sections.WarmupSection
+  # Settings the config left to `auto`, as chosen (`sampler/auto_settings.py`):
+  # the run's header prints them.
+  choices: tuple[str, ...] = ()
 
 
 class ConfigError(ValueError):
@@ -209,6 +212,13 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
         num_heads=m.num_heads // tp, num_kv_heads=m.num_kv_heads // tp, head_dim=m.head_dim,
         dtype=m.param_dtype)
     _require(problem is None, "sampler.paged_attention", f"'ragged': {problem} (use 'xla')")
+  burst = auto_settings.decode_burst(
+      parts["sampler"].decode_burst, num_params=spec.sampler_model.num_params,
+      num_slots=spec.engine.num_slots, platform=None if planned else platforms[0])
+  if burst.reason:
+    spec = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine,
+                                                                decode_burst=burst.value),
+                               choices=(*spec.choices, burst.reason))
   if parts["sampler"].kv_memory_fraction:
     spec = _size_kv_pool(spec, parts["sampler"].kv_memory_fraction, sampler_shape.get("tp", 1),
                          device_memory or reported_memory(sampler_devices))
@@ -299,6 +309,9 @@ def _spec(run: sections.RunSection, parts: dict, *, env, model, data, inputs) ->
            f"orchestrator.batch_size={o.batch_size} rows do not split into num_minibatches x "
            f"num_microbatches = {slices} equal slices")
   tokenizer, eval_env = inputs.tokenizer, inputs.eval_env
+  kv = auto_settings.kv_cache(s.kv_cache, length=s.buckets[-1] + s.max_new_tokens,
+                              kv_pages=s.kv_pages, kv_memory_fraction=s.kv_memory_fraction,
+                              paged_attention=s.paged_attention)
   return RunSpec(
       seed=run.seed, num_steps=run.num_steps, log_every=run.log_every,
       eval_every=run.eval_every, eval_size=run.eval_size, writers=run.writer_names,
@@ -310,8 +323,9 @@ def _spec(run: sections.RunSection, parts: dict, *, env, model, data, inputs) ->
                    prompt_buckets=s.buckets, max_new_tokens=s.max_new_tokens,
                    weight_update=s.weight_update, kv_policy=s.kv_policy, seed=run.seed,
                    multi_turn=eval_env.multi_turn, precompile=s.precompile,
-                   kv_cache=s.kv_cache, page_size=s.page_size, num_pages=s.kv_pages,
-                   share_prompts=s.share_prompts, decode_burst=s.decode_burst,
+                   kv_cache=kv.value, page_size=s.page_size, num_pages=s.kv_pages,
+                   # (0, auto: chosen once the sampler's platform is known)
+                   share_prompts=s.share_prompts, decode_burst=s.decode_burst or 1,
                    prefill_chunk=s.prefill_chunk, paged_attention=s.paged_attention),
       sampler_model=dataclasses.replace(model, param_dtype=s.param_dtype),
       sampling=sampling_lib.SamplingSettings(
@@ -330,7 +344,7 @@ def _spec(run: sections.RunSection, parts: dict, *, env, model, data, inputs) ->
       loss=_loss(lc, s, model), packing=None, advantage_estimator=lc.advantage,
       optim=_wrap("learner", optim_lib.OptimConfig, lr=lc.lr, b1=lc.b1, b2=lc.b2,
                   weight_decay=lc.weight_decay, max_grad_norm=lc.max_grad_norm),
-      warmup=parts["warmup"])
+      warmup=parts["warmup"], choices=(kv.reason,) if kv.reason else ())
 
 
 def _loss(lc: sections.LearnerSection, s: sections.SamplerSection, model):

@@ -156,8 +156,9 @@ class SamplerSection:
   # prompt_len + max_new_tokens columns; a decode step attends over all of
   # them) or "paged" (slots take pages of `page_size` columns from a pool of
   # `kv_pages` as they grow, 0: enough for every slot at full length; a step
-  # attends over the longest live context; a full pool preempts the youngest slot).
-  kv_cache: str = "dense"
+  # attends over the longest live context; a full pool preempts the youngest
+  # slot); "auto": paged from 1,024 columns a slot (`sampler/auto_settings.py`).
+  kv_cache: str = "auto"
   page_size: int = 16
   kv_pages: int = 0
   # Paged: the pool takes this fraction of a sampler device's memory instead
@@ -167,8 +168,9 @@ class SamplerSection:
   # prefill (and, paged, share the prompt's pages): `sampler/engine.py`.
   share_prompts: bool = True
   # Decode steps per device call while nothing waits between steps (one host
-  # round trip per burst; a publish or new work waits for the burst's end).
-  decode_burst: int = 1
+  # round trip per burst; a publish or new work waits for the burst's end);
+  # 0: auto, 4 where a decode step is estimated under a host round trip.
+  decode_burst: int = 0
   # Contexts wider than this many columns are prefilled a chunk per engine
   # iteration, between decode steps of the other slots (0: in one call).
   prefill_chunk: int = 0
@@ -182,22 +184,23 @@ class SamplerSection:
     _check(isinstance(self.kv_memory_fraction, (int, float))
            and 0 <= self.kv_memory_fraction < 1, "sampler.kv_memory_fraction",
            f"must be in [0, 1) (0: off), got {self.kv_memory_fraction!r}")
-    _check(not self.kv_memory_fraction or self.kv_cache == "paged",
-           "sampler.kv_memory_fraction", "sizes a paged KV pool: it needs kv_cache='paged'")
+    _check(not self.kv_memory_fraction or self.kv_cache != "dense",
+           "sampler.kv_memory_fraction", "sizes a paged KV pool: it needs kv_cache='paged' "
+           "(or 'auto')")
     _check(not (self.kv_memory_fraction and self.kv_pages), "sampler.kv_memory_fraction",
            f"and sampler.kv_pages={self.kv_pages} both size the pool: set one of them")
-    _check(isinstance(self.decode_burst, int) and self.decode_burst >= 1,
-           "sampler.decode_burst", f"must be an int >= 1, got {self.decode_burst!r}")
+    _check(_is_int(self.decode_burst) and self.decode_burst >= 0,
+           "sampler.decode_burst", f"must be an int >= 1 (0: auto), got {self.decode_burst!r}")
     _check(_is_int(self.prefill_chunk) and self.prefill_chunk >= 0, "sampler.prefill_chunk",
            f"must be an int >= 0 (0: off), got {self.prefill_chunk!r}")
     _check(self.paged_attention in paged_attention_lib.ATTENTIONS, "sampler.paged_attention",
            f"must be one of {paged_attention_lib.ATTENTIONS}, got {self.paged_attention!r}")
-    _check(self.paged_attention == "xla" or self.kv_cache == "paged", "sampler.paged_attention",
-           f"={self.paged_attention!r} reads a paged pool: it needs kv_cache='paged'")
+    _check(self.paged_attention == "xla" or self.kv_cache != "dense", "sampler.paged_attention",
+           f"={self.paged_attention!r} reads a paged pool: it needs kv_cache='paged' (or 'auto')")
     _check(isinstance(self.share_prompts, bool), "sampler.share_prompts",
            f"must be True or False, got {self.share_prompts!r}")
-    _check(self.kv_cache in engine_config.KV_CACHES, "sampler.kv_cache",
-           f"must be one of {engine_config.KV_CACHES}, got {self.kv_cache!r}")
+    _check(self.kv_cache in (*engine_config.KV_CACHES, "auto"), "sampler.kv_cache",
+           f"must be one of {(*engine_config.KV_CACHES, 'auto')}, got {self.kv_cache!r}")
     _check(isinstance(self.page_size, int) and self.page_size >= 1, "sampler.page_size",
            f"must be an int >= 1, got {self.page_size!r}")
     _check(isinstance(self.kv_pages, int) and self.kv_pages >= 0, "sampler.kv_pages",

@@ -14,7 +14,16 @@ Bad input (a config error, a missing file, an unusable `--workdir`, a
 workdir another run holds) is printed as one `error: ...` line on stderr,
 without a traceback, and the process exits with status 2; anything else is a
 bug and keeps its traceback. Once the run has started, SIGINT (Ctrl-C) and
-SIGTERM ask it to stop cleanly (`arl_jax/training/stop.py`) and it exits 0.
+SIGTERM ask it to stop cleanly (`arl_jax/training/stop.py`).
+
+Exit status: 0 when the run is complete (every update of `num_steps` ran, or
+the data ran out); `EXIT_STOPPED` (75, sysexits' EX_TEMPFAIL: "try again
+later") when a signal stopped it first, after a last line that says whether
+and from which version the same command resumes; 2 for bad input; 1 for a
+bug. A preempted job (a TPU VM's or a Kubernetes/Vertex eviction's SIGTERM)
+thus reads as not finished, and a scheduler that restarts failed jobs
+(`launch/xm_launch.py`'s `--max_restarts`, Kubernetes `restartPolicy:
+OnFailure`, SLURM `--requeue`) reruns it, which resumes it.
 
 Multi-host: `--distributed` (implied by `--coordinator_address`) calls
 `jax.distributed.initialize()` first, with `--coordinator_address`,
@@ -26,9 +35,14 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 from absl import app, flags, logging
 from ml_collections import config_flags
+
+# When this process began its work: the first progress line's startup
+# phases count the imports (JAX's among them) from here.
+_STARTED_AT = time.monotonic()
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Experiment config file.",
                                           lock_config=True)
@@ -63,6 +77,10 @@ def _initialize_distributed() -> None:
 # Exit status for bad input: 2, the usual status of a usage error (flag
 # values too: `_parse_flags`).
 EXIT_BAD_INPUT = 2
+# Exit status of a run a signal stopped before `num_steps`: sysexits.h's
+# EX_TEMPFAIL (a temporary failure: the same command, rerun, goes on). Not 0,
+# or a scheduler records a preempted job as succeeded and never reruns it.
+EXIT_STOPPED = 75
 
 
 class _BadInput(Exception):
@@ -107,7 +125,8 @@ def dry_run(config, num_devices: int | None, print_fn=print,
   print_fn(dry_run.format_plan(dry_run.plan(spec, count), memory))
 
 
-def _launch(stop) -> None:
+def _launch(stop):
+  """Trains (or plans, with --dry_run); the run's `RunResult`, or None."""
   if not _DRY_RUN.value:
     if _WORKDIR.value is None:
       raise _BadInput("--workdir is required (except with --dry_run)")
@@ -121,11 +140,11 @@ def _launch(stop) -> None:
     _initialize_distributed()
   if _DRY_RUN.value:
     dry_run(_CONFIG.value, _DRY_RUN_DEVICES.value, device_gib=_DRY_RUN_DEVICE_GIB.value)
-    return
+    return None
   # Imported here so that `--help` and flag errors do not initialise JAX.
   from arl_jax import run_lib  # noqa: PLC0415
 
-  run_lib.run(_CONFIG.value, workdir, stop=stop)
+  return run_lib.run(_CONFIG.value, workdir, stop=stop, started_at=_STARTED_AT)
 
 
 def main(argv) -> None:
@@ -154,27 +173,50 @@ def _main(stop) -> None:
   bad_input = (_BadInput, config_lib.ConfigError, checkpointing.CheckpointFormatError,
                checkpointing.DamagedCheckpoint, FileNotFoundError, workdir_lock.WorkdirInUse)
   try:
-    _launch(stop)
+    result = _launch(stop)
   except bad_input as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(EXIT_BAD_INPUT)
+  if result is not None and not result.complete:
+    sys.exit(EXIT_STOPPED)  # (its last line said why and how it resumes)
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a flag value of the wrong type
-  (`--config.sampler.top_p=abc`) or an override of a key the config lacks
-  (`--config.sampler.typo=1`, a bare AttributeError from ml_collections)
-  reported as bad input: one line, no traceback."""
-  try:
-    return flags.FLAGS(argv)
-  except flags.IllegalFlagValueError as e:  # e.g. --config.sampler.top_p=abc
-    print(f"error: {e}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_BAD_INPUT)
-  except (AttributeError, KeyError) as e:
-    from arl_jax import config_lib  # noqa: PLC0415 - only on this error
+  """absl's flag parsing, with every problem of the command line reported as
+  bad input (one `error:` line, status 2, no traceback): a `--config` file
+  that does not exist (the built-in configs named), an exception of the
+  config file's own (`configs/arith.py:152: ValueError: ...`), a flag value
+  of the wrong type (`--config.sampler.top_p=abc`) or an override of a key
+  the config lacks (`--config.sampler.typo=1`, a bare AttributeError from
+  ml_collections). `--config=NAME[:ARG]` loads a built-in config by name."""
+  from arl_jax import config_argument  # noqa: PLC0415 - (no JAX)
 
-    print(f"error: {config_lib.unknown_key_message(argv, e)}", file=sys.stderr, flush=True)
-    sys.exit(EXIT_BAD_INPUT)
+  try:
+    argv = config_argument.resolve(argv)
+    rest = flags.FLAGS(argv)
+    # A config file whose get_config raised an OSError is a placeholder that
+    # raises on first access (ml_collections): access it here.
+    if flags.FLAGS["config"].value is not None:
+      _ = flags.FLAGS["config"].value.lock
+    return rest
+  except config_argument.MissingConfigFile as e:
+    _exit_bad_input(str(e))
+  except Exception as e:  # noqa: BLE001 - sorted below; anything else re-raised
+    message = config_argument.load_error(e, argv)
+    if message is not None:
+      _exit_bad_input(message)
+    if isinstance(e, flags.IllegalFlagValueError):  # e.g. --config.sampler.top_p=abc
+      _exit_bad_input(str(e))
+    if isinstance(e, (AttributeError, KeyError)):
+      from arl_jax import config_lib  # noqa: PLC0415 - only on this error
+
+      _exit_bad_input(config_lib.unknown_key_message(argv, e))
+    raise
+
+
+def _exit_bad_input(message: str) -> None:
+  print(f"error: {message}", file=sys.stderr, flush=True)
+  sys.exit(EXIT_BAD_INPUT)
 
 
 def cli() -> None:

@@ -30,6 +30,7 @@ from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import update as update_lib
+from arl_jax.metrics import startup as startup_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import init_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
@@ -53,6 +54,12 @@ class RunResult:
     final_version: the last version trained.
     trained_batches: batch summaries (with `keep_batches`).
     wall_seconds: wall time of `run`.
+    complete: every update ran (or the data ran out): a rerun would train no
+      more. False when a stop request (SIGTERM, Ctrl-C) ended the run early;
+      `arl_jax.launch` then exits with `EXIT_STOPPED`.
+    stop_reason: what stopped it early ("signal SIGTERM"), or "".
+    saved_version: the newest checkpoint of the workdir when the run ended
+      (what a rerun resumes from), or None.
   """
 
   history: list[dict]
@@ -61,10 +68,14 @@ class RunResult:
   final_version: int
   trained_batches: list[dict] = dataclasses.field(default_factory=list)
   wall_seconds: float = 0.0
+  complete: bool = True
+  stop_reason: str = ""
+  saved_version: int | None = None
 
 
 def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.print_line,
-        keep_batches: bool = False, stop: stop_lib.StopRequest | None = None) -> RunResult:
+        keep_batches: bool = False, stop: stop_lib.StopRequest | None = None,
+        started_at: float | None = None) -> RunResult:
   """Trains as configured; writes `metrics.jsonl` and `groups.jsonl` to `workdir`.
 
   Args:
@@ -76,12 +87,16 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     stop: the stop request the caller installed (`launch` does, before
       anything is imported, so that no signal falls between two handlers);
       None: the run installs its own for its duration.
+    started_at: `time.monotonic()` when the process began (the launcher's
+      first line), so the first progress line's startup phases include the
+      imports; None: they start here.
 
   Raises:
     config_lib.ConfigError: for a bad config, before anything runs.
     workdir_lock.WorkdirInUse: another run holds `workdir`.
   """
   start_time = time.monotonic()
+  clock = startup_lib.StartupClock(started_at)
   resolved = config_lib.resolve(config)
   spec, inputs = resolved.spec, resolved.inputs
   config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
@@ -115,23 +130,44 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
         eval_log = eval_log_lib.EvalLog(
             _evaluator(spec, meshes, inputs, beginning.graphdef), writer=writer,
             print_fn=print_fn, start_time=start_time)
+        clock.mark("build")
         result = _train(spec, config_dict, meshes, workdir=workdir, inputs=inputs,
                         beginning=beginning, optimizer=optimizer, checkpoints=checkpoints,
                         eval_log=eval_log, writer=writer, audit=audit, stop=stop,
-                        print_fn=print_fn, keep_batches=keep_batches)
+                        print_fn=print_fn, keep_batches=keep_batches, clock=clock)
       finally:
         writer.close()
         audit.close()
+      saved = (checkpoints.saver or checkpoints.resume)
+      saved_version = None if saved is None else saved.latest_step()
+      if not result.complete:
+        print_fn(_stopped_line(spec, result, workdir, saved_version))
     finally:
       checkpoints.close()
   return RunResult(history=records.step_rows(log_dir, first_step=beginning.version),
                    eval_history=eval_log.history,
                    groups_trained=result.groups_trained, final_version=result.version,
-                   trained_batches=result.batches, wall_seconds=time.monotonic() - start_time)
+                   trained_batches=result.batches, wall_seconds=time.monotonic() - start_time,
+                   complete=result.complete, stop_reason=result.stop_reason,
+                   saved_version=saved_version)
+
+
+def _stopped_line(spec, result: learner_loop.LoopResult, workdir: str,
+                  saved_version: int | None) -> str:
+  """The last line of a run a stop request ended early: where a rerun starts."""
+  head = (f"stopped at version {result.version} of {spec.num_steps} "
+          f"({result.stop_reason or 'stop requested'}): ")
+  if saved_version is None:
+    why = ("nothing was saved yet" if spec.checkpoint.enabled else
+           "checkpoint.save_final and checkpoint.every_steps are off")
+    return head + f"not resumable ({why}): the same command starts over"
+  return head + (f"resumable: the same command with --workdir={workdir} resumes from the "
+                 f"checkpoint of version {saved_version}")
 
 
 def _train(spec, config_dict, meshes, *, workdir, inputs, beginning, optimizer, checkpoints,
-           eval_log, writer, audit, stop, print_fn, keep_batches) -> learner_loop.LoopResult:
+           eval_log, writer, audit, stop, print_fn, keep_batches,
+           clock) -> learner_loop.LoopResult:
   """Warm-up (on a fresh start), the learner's state and update, then lead or follow."""
   params, restored = beginning.params, beginning.restored
   if restored is None:
@@ -141,8 +177,10 @@ def _train(spec, config_dict, meshes, *, workdir, inputs, beginning, optimizer, 
       params, finished = warmup_phase.warm_up(
           spec, params=params, graphdef=beginning.graphdef, mesh=meshes.learner,
           inputs=inputs, writer=writer, eval_log=eval_log, stop=stop, print_fn=print_fn)
+      clock.mark("warm-up")
       if not finished:
-        return learner_loop.LoopResult(version=0, groups_trained=0, batches=[])
+        return learner_loop.LoopResult(version=0, groups_trained=0, batches=[], complete=False,
+                                       stop_reason=stop.reason)
     state, state_shardings = train_state_lib.create(params, optimizer, meshes.learner)
   else:
     state, state_shardings = restored.state, beginning.state_shardings
@@ -155,27 +193,30 @@ def _train(spec, config_dict, meshes, *, workdir, inputs, beginning, optimizer, 
   update_fn = update_lib.make_update_fn(graphdef=beginning.graphdef, optimizer=optimizer,
                                         settings=spec.loss, state_shardings=state_shardings,
                                         mesh=meshes.learner, reference_params=reference)
+  clock.mark("build")
   if restored is None:  # (a resumed run's records hold this evaluation already)
     eval_log(state.params, 0, "rl")
+    clock.mark("eval")
   _, abstract_state = init_lib.abstract_model(spec.model)
   publisher = publish_lib.WeightPublisher(
       meshes.learner, rules_lib.state_shardings(abstract_state, meshes.sampler,
                                                 rules_lib.SAMPLER_RULES),
       dtype=spec.sampler_model.param_dtype)
   if not lockstep.is_leader():
-    version = follower.follow(spec, meshes=meshes, graphdef=beginning.graphdef, state=state,
-                              update_fn=update_fn, publisher=publisher,
-                              checkpointer=checkpoints.saver, reference=reference,
-                              eval_log=eval_log, version=beginning.version,
-                              pad_id=inputs.tokenizer.pad_id)
-    print_fn(f"done: {version} updates (following process 0)")
-    return learner_loop.LoopResult(version=version, groups_trained=0, batches=[])
+    version, complete = follower.follow(
+        spec, meshes=meshes, graphdef=beginning.graphdef, state=state, update_fn=update_fn,
+        publisher=publisher, checkpointer=checkpoints.saver, reference=reference,
+        eval_log=eval_log, version=beginning.version, pad_id=inputs.tokenizer.pad_id)
+    print_fn(f"{'done' if complete else 'stopped'}: {version} updates (following process 0)")
+    return learner_loop.LoopResult(version=version, groups_trained=0, batches=[],
+                                   complete=complete,
+                                   stop_reason="" if complete else "process 0 stopped the run")
   return _lead(spec, config_dict, meshes, workdir=workdir, graphdef=beginning.graphdef,
                inputs=inputs, state=state, update_fn=update_fn, publisher=publisher,
                checkpoints=checkpoints, reference=reference, eval_log=eval_log, writer=writer,
                audit=audit, stop=stop, print_fn=print_fn, keep_batches=keep_batches,
                version=beginning.version, restored=restored,
-               multi=lockstep.is_multi_controller())
+               multi=lockstep.is_multi_controller(), clock=clock)
 
 
 def _follow_records(log_dir: str, beginning: start.Beginning, print_fn) -> None:
@@ -201,7 +242,7 @@ def _evaluator(spec, meshes, inputs, graphdef):
 
 def _lead(spec, config_dict, meshes, *, workdir, graphdef, inputs, state, update_fn, publisher,
           checkpoints, reference, eval_log, writer, audit, stop, print_fn, keep_batches,
-          version, restored, multi) -> learner_loop.LoopResult:
+          version, restored, multi, clock) -> learner_loop.LoopResult:
   """Process 0: the orchestrator, the rollout side and the learner loop."""
   work = restored.run["work"] if restored is not None else None
   env = inputs.env
@@ -238,19 +279,22 @@ def _lead(spec, config_dict, meshes, *, workdir, graphdef, inputs, state, update
   sampling.cancel(cancelled)
   if restored is not None:
     sampling.restore([g for g in reopened if g.group_id not in cancelled])
-  sampling.start()
+  clock.mark("build")
+  sampling.start()  # (a local engine compiles its programs first: sampler.precompile)
+  clock.mark("compile")
   loop = learner_loop.LearnerLoop(
       spec, state=state, update_fn=update_fn, publisher=publisher, orchestrator=orchestrator,
       rollouts=sampling, checkpointer=checkpoints.saver, reference=reference,
       eval_log=eval_log, writer=writer, audit=audit, stop=stop,
       pad_id=inputs.tokenizer.pad_id, config=config_dict, version=version,
       groups_trained=groups_trained, broadcast_fn=broadcast_fn, shards=shards,
-      print_fn=print_fn, keep_batches=keep_batches)
+      print_fn=print_fn, keep_batches=keep_batches, startup=clock)
   result = loop.run()
   sampling.raise_if_failed()
   _write_task_drops(workdir, orchestrator.ledger)
   drops = orchestrator.ledger.metrics()
-  print_fn(f"done: {result.version} updates, final version {result.version}, "
+  print_fn(f"{'done' if result.complete else 'stopped'}: {result.version} updates, final "
+           f"version {result.version}, "
            f"{result.groups_trained} groups trained; dropped rollouts: {drops['dropped_stale']} "
            f"stale, {drops['dropped_cancelled']} cancelled in flight, "
            f"{drops['dropped_env_error']} env errors, {drops['dropped_truncated']} truncated; "
@@ -266,6 +310,11 @@ def _print_header(spec, meshes, inputs, print_fn) -> None:
            f"{placement} | K={spec.dispatch.max_off_policy_steps} max_async_level="
            f"{spec.dispatch.max_async_level} | {len(inputs.train.prompts)} train / "
            f"{len(inputs.eval_prompts)} eval prompts")
+  engine = spec.engine
+  print_fn(f"sampler: {engine.num_slots} slots of {engine.length} columns, kv_cache="
+           f"{engine.kv_cache}, decode_burst={engine.decode_burst}, precompile="
+           f"{engine.precompile}" + (f" | chosen: {'; '.join(spec.choices)}" if spec.choices
+                                     else ""))
   for line in inputs_lib.warnings(spec, inputs):
     print_fn(line)
 

@@ -22,6 +22,8 @@ import itertools
 import os
 from collections.abc import Sequence
 
+from arl_jax import builtin_configs
+
 Overrides = dict[str, object]
 
 
@@ -62,15 +64,18 @@ def name_of(overrides: Overrides) -> str:
 
 
 def from_config(config_spec: str) -> list[Overrides]:
-  """The sweep of `configs/NAME.py[:ARG]`: its `get_sweep(ARG)`.
+  """The sweep of `configs/NAME.py[:ARG]` (or of built-in `NAME[:ARG]`): its
+  `get_sweep(ARG)`.
 
   Raises:
     ValueError: the file has no `get_sweep`, or it returned something other
       than a non-empty list of dicts.
   """
   path, _, arg = config_spec.partition(":")
+  if not os.path.isfile(path) and path in builtin_configs.names():
+    path = builtin_configs.path(path)
   if not os.path.isfile(path):
-    raise ValueError(f"no config file {path!r}")
+    raise ValueError(f"no config file {path!r}; built-in configs: {builtin_configs.names()}")
   spec = importlib.util.spec_from_file_location(f"_sweep_{os.path.basename(path)[:-3]}", path)
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)

@@ -67,14 +67,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # Compile every program shape the engine can use when it starts, so that no
       # rare batch shape compiles late in a long run.
       precompile=True,
-      # KV cache: "dense" (slot x full length) or "paged" (pages of page_size
+      # KV cache: "dense" (slot x full length), "paged" (pages of page_size
       # columns from a pool of kv_pages, 0: every slot at full length; or of
-      # kv_memory_fraction of a sampler device's memory, 0: off).
-      kv_cache="dense", page_size=16, kv_pages=0, kv_memory_fraction=0.0,
+      # kv_memory_fraction of a sampler device's memory, 0: off) or "auto"
+      # (paged from 1,024 columns a slot; the header says what was chosen).
+      kv_cache="auto", page_size=16, kv_pages=0, kv_memory_fraction=0.0,
       # One prefill per group: its samples start from it (share the prompt pages).
       share_prompts=True,
-      # Decode steps per device call while nothing waits between them.
-      decode_burst=1,
+      # Decode steps per device call while nothing waits between them (0: auto,
+      # 4 where a decode step is estimated under a host round trip).
+      decode_burst=0,
       # Contexts longer than this are prefilled a chunk per engine iteration,
       # between decode steps of the other slots (0: in one call).
       prefill_chunk=0,
@@ -112,8 +114,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.data = ml_collections.ConfigDict(dict(train_path="", heldout_path="",
                                                on_malformed="error", num_epochs=0))
 
-  # Learner checkpoints in <workdir>/checkpoints (0: none); see README "Checkpoints".
-  config.checkpoint = ml_collections.ConfigDict(dict(every_steps=0, keep=3, save_final=False,
+  # Learner checkpoints in <workdir>/checkpoints: every N updates (0: none) and
+  # when the run ends or is stopped (SIGTERM, Ctrl-C), so the same command resumes
+  # it; see README "Checkpoints".
+  config.checkpoint = ml_collections.ConfigDict(dict(every_steps=500, keep=3, save_final=True,
                                                      resume_from="",
                                                      init_from=""))
   # Sampling in separate processes that join over the network (README "Sampler
@@ -130,6 +134,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.sampler.weight_update = "drain"
   elif arg == "tiny":
     config.sampler.precompile = False  # (a few updates: a late compile cannot stall them)
+    config.checkpoint.update(every_steps=0, save_final=False)  # (tests save when they test it)
+    # (Tests time their waits by decode steps; tests/sampler covers bursts.)
+    config.sampler.decode_burst = 1
     config.num_steps = 4
     config.eval_every = 2
     config.eval_size = 16

@@ -83,14 +83,16 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # Compile every program shape the engine can use when it starts, so that no
       # rare batch shape compiles late in a long run.
       precompile=True,
-      # KV cache: "dense" (slot x full length) or "paged" (pages of page_size
+      # KV cache: "dense" (slot x full length), "paged" (pages of page_size
       # columns from a pool of kv_pages, 0: every slot at full length; or of
-      # kv_memory_fraction of a sampler device's memory, 0: off).
-      kv_cache="dense", page_size=16, kv_pages=0, kv_memory_fraction=0.0,
+      # kv_memory_fraction of a sampler device's memory, 0: off) or "auto"
+      # (paged from 1,024 columns a slot; the header says what was chosen).
+      kv_cache="auto", page_size=16, kv_pages=0, kv_memory_fraction=0.0,
       # One prefill per group: its samples start from it (share the prompt pages).
       share_prompts=True,
-      # Decode steps per device call while nothing waits between them.
-      decode_burst=1,
+      # Decode steps per device call while nothing waits between them (0: auto,
+      # 4 where a decode step is estimated under a host round trip).
+      decode_burst=0,
       # Contexts longer than this are prefilled a chunk per engine iteration,
       # between decode steps of the other slots (0: in one call).
       prefill_chunk=0,

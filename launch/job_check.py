@@ -18,22 +18,30 @@ def first_problem(jobs: list[tuple[str, dict[str, str]]], num_devices: int | Non
   from absl import flags  # noqa: PLC0415 - JAX only when checking
   from ml_collections import config_flags  # noqa: PLC0415
 
-  from arl_jax import config_lib  # noqa: PLC0415
+  from arl_jax import config_argument, config_lib  # noqa: PLC0415
 
   devices = None if num_devices is None else list(range(num_devices))
   memory = None if device_gib is None else int(device_gib * 2**30)
   for name, args in jobs:
     argv = ["arl_jax.launch"] + [f"--{k}={v}" for k, v in args.items()
                                  if k == "config" or k.startswith("config.")]
+    try:
+      argv = config_argument.resolve(argv)  # (a built-in config by name, as launch takes it)
+    except config_argument.MissingConfigFile as e:
+      return f"job {name!r}: {e}"
     values = flags.FlagValues()
     # (ml_collections finds the `--config.*` overrides in the argv it is given here)
     config_flags.DEFINE_config_file("config", None, flag_values=values, sys_argv=argv)
     try:
       values(argv)
       config_lib.build(values.config, devices, device_memory=memory)
-    except (AttributeError, KeyError) as e:  # (worded as arl_jax.launch words it)
-      return f"job {name!r}: {config_lib.unknown_key_message(argv, e)}"
-    except (flags.Error, OSError, config_lib.ConfigError) as e:
-      # (a config file's own error arrives with its traceback as text: its last line)
-      return f"job {name!r}: {str(e).strip().splitlines()[-1].strip()}"
+    except Exception as e:  # noqa: BLE001 - worded as arl_jax.launch words it, else raised
+      message = config_argument.load_error(e, argv)  # the config file's own exception
+      if message is not None:
+        return f"job {name!r}: {message}"
+      if isinstance(e, (AttributeError, KeyError)):
+        return f"job {name!r}: {config_lib.unknown_key_message(argv, e)}"
+      if isinstance(e, (flags.Error, OSError, config_lib.ConfigError)):
+        return f"job {name!r}: {str(e).strip().splitlines()[-1].strip()}"
+      raise
   return None

@@ -38,6 +38,20 @@ ignored): not workdirs, checkpoints, virtual environments or `.git`.
 `--executor=local` runs each job as a process on this machine, with this
 Python (`xm.binary` and `xm_local.Local`), all at once; `launch.local_sweep`
 bounds how many run together and tabulates their results.
+
+Preemption. A job that gets SIGTERM (a maintenance event, a Spot VM taken
+back, an eviction) stops at its next safe point, saves (every built-in
+config's default variant saves on stop: `checkpoint.save_final`) and exits
+75, not 0 (`arl_jax/launch.py`), so the platform does not record a job cut
+short as succeeded; the same command on the same `gs://` workdir resumes it.
+Vertex AI restarts a job's containers on its own for internal errors (its
+`Scheduling.disable_retries`, off by default); XManager 0.8.5 submits custom
+jobs with no scheduling options, so this launcher adds Vertex's
+`restart_job_on_worker_restart` to its submit (`--vertex_restart`, on by
+default): when a worker is restarted the whole job restarts, and every job of
+a multi-controller run resumes from the same checkpoint. Neither was run on
+Vertex here (no cloud account); the tests check the submit XManager makes
+carries the option.
 """
 
 from __future__ import annotations
@@ -56,6 +70,7 @@ import tempfile
 
 from absl import app, flags
 
+from arl_jax import builtin_configs
 from launch import job_check, local_sweep
 
 # XManager's experiment database logs each of alembic's plugins at INFO.
@@ -89,6 +104,9 @@ _CHECK = flags.DEFINE_bool("check", True,
                            "Build every job's config here first (--nocheck: its files exist "
                            "only where the jobs run).")
 _TITLE = flags.DEFINE_string("title", "arl_jax", "Experiment title.")
+_VERTEX_RESTART = flags.DEFINE_bool(
+    "vertex_restart", True, "Vertex jobs: restart the whole job when a worker restarts "
+    "(Scheduling.restart_job_on_worker_restart); it resumes from its checkpoint.")
 _PRINT_JOBS = flags.DEFINE_bool("print_jobs", False, "Print the jobs; launch nothing.")
 
 @dataclasses.dataclass(frozen=True)
@@ -139,10 +157,11 @@ def job_root(workdir: str, executor: str) -> str:
 def job_config(config: str, executor: str) -> str:
   """`--config` as the jobs see it: a Vertex job runs in the container's copy
   of this repository, so its config must be a file inside it (given relative
-  to the working directory here; passed relative to the repository)."""
-  if executor != "vertex":
-    return config
+  to the working directory here; passed relative to the repository), or a
+  built-in config by name, which the container's install has too."""
   path, sep, arg = config.partition(":")
+  if executor != "vertex" or (path in builtin_configs.names() and not os.path.isfile(path)):
+    return config
   relative = os.path.relpath(os.path.abspath(path), REPO)
   if relative.startswith(os.pardir) or not os.path.isfile(os.path.join(REPO, relative)):
     raise ValueError(f"--config={config}: a Vertex job runs this repository's copy in its "
@@ -282,11 +301,33 @@ def check_requirements(accelerator: Accelerator | None, executor: str) -> None:
                      f"executor cannot place it ({e!r})") from e
 
 
+@contextlib.contextmanager
+def vertex_scheduling(restart_job_on_worker_restart: bool):
+  """Within: Vertex custom jobs are submitted with
+  `restart_job_on_worker_restart` (XManager 0.8.5's Vertex client calls
+  `CustomJob.submit` with no scheduling options of its own)."""
+  from google.cloud import aiplatform  # noqa: PLC0415 - the Google Cloud client, only here
+
+  submit = aiplatform.CustomJob.submit
+
+  def submit_with_scheduling(job, *args, **kwargs):
+    kwargs.setdefault("restart_job_on_worker_restart", restart_job_on_worker_restart)
+    return submit(job, *args, **kwargs)
+
+  aiplatform.CustomJob.submit = submit_with_scheduling
+  try:
+    yield
+  finally:
+    aiplatform.CustomJob.submit = submit
+
+
 def launch(jobs: list[JobSpec], title: str, executor: str, accelerator: Accelerator | None,
-           base_image: str, files: list[str] | None) -> None:
+           base_image: str, files: list[str] | None, vertex_restart: bool = True) -> None:
   """`files`: what a Vertex container holds of the repository (`source_files`)."""
   with contextlib.ExitStack() as stack:
     source = REPO if files is None else stack.enter_context(staged_source(REPO, files))
+    if executor == "vertex":
+      stack.enter_context(vertex_scheduling(vertex_restart))
     with xm_local.create_experiment(experiment_title=title) as experiment:
       add_jobs(experiment, jobs, executor, accelerator, base_image, source)
 
@@ -313,7 +354,8 @@ def main(argv) -> None:
   except (ValueError, OSError) as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
-  launch(jobs, _TITLE.value, _EXECUTOR.value, accelerator, _BASE_IMAGE.value, files)
+  launch(jobs, _TITLE.value, _EXECUTOR.value, accelerator, _BASE_IMAGE.value, files,
+         _VERTEX_RESTART.value)
 
 
 if __name__ == "__main__":

@@ -124,8 +124,19 @@ def test_sigterm_stops_after_the_update_and_saves_it(tmp_path):
     time.sleep(0.02)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=120)
-  assert proc.returncode == 0, out[-2000:]
+  # Not 0: a scheduler must not record a preempted job as succeeded.
+  assert proc.returncode == 75, out[-2000:]  # arl_jax.launch.EXIT_STOPPED
   assert "stopping after" in out and "signal SIGTERM" in out
   manager = ocp.CheckpointManager(os.path.join(workdir, "checkpoints"),
                                   item_names=("state", "run"))
   assert manager.latest_step() == _max_trained(workdir) >= 2
+  assert out.strip().splitlines()[-1] == (
+      f"stopped at version {manager.latest_step()} of 1000 (signal SIGTERM): resumable: the "
+      f"same command with --workdir={workdir} resumes from the checkpoint of version "
+      f"{manager.latest_step()}")
+  # The rerun resumes and, run to the end, exits 0.
+  proc = subprocess.run([*cmd[:-1], f"--config.num_steps={manager.latest_step() + 1}"],
+                        cwd=REPO, capture_output=True, text=True, env=xla_env.subprocess_env(),
+                        timeout=180)
+  assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert f"at version {manager.latest_step()}: " in proc.stdout, proc.stdout[-2000:]

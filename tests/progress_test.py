@@ -14,6 +14,7 @@ import sys
 import termios
 
 from arl_jax.metrics import progress as progress_lib
+from arl_jax.metrics import startup as startup_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.testing import xla_env
 
@@ -95,3 +96,55 @@ def test_a_run_in_a_pseudo_terminal_shows_the_bar(tmp_path):
   text = output.decode(errors="replace")
   assert re.search(r"4/4 \[.*update", text), text[-3000:]  # tqdm's count and rate
   assert "reward " in text and "done: 4 updates" in text
+
+
+def test_the_first_update_s_line_says_where_the_startup_went_whatever_log_every_says():
+  lines = []
+  progress = progress_lib.Progress(total=300, initial=21, log_every=100, print_fn=lines.append,
+                                   bar=False, first_line_suffix="startup 9.0 s: import 3.0")
+  for step in range(21, 24):  # (a resumed run: 21 is no multiple of log_every)
+    progress.update(_record(step))
+  assert len(lines) == 1 and lines[0].startswith("step   21 ")
+  assert lines[0].endswith(" | startup 9.0 s: import 3.0")
+
+
+def test_startup_phases_add_up_in_order():
+  now = [10.0]
+  clock = startup_lib.StartupClock(started_at=7.5, clock=lambda: now[0])
+  for phase, seconds in (("build", 1.0), ("warm-up", 20.0), ("build", 0.5), ("eval", 0.01),
+                         ("compile", 12.2)):
+    now[0] += seconds
+    clock.mark(phase)
+  assert clock.summary() == "startup 36.2 s: import 2.5, build 1.5, warm-up 20.0, compile 12.2"
+  record = clock.record()
+  assert record["startup_warmup_s"] == 20.0 and record["startup_eval_s"] == 0.01
+  assert record["startup_s"] == 36.21
+  assert startup_lib.StartupClock(clock=lambda: 1.0).summary() == "startup 0.0 s: "
+
+
+def test_sampler_compiles_show_lines_off_a_terminal_and_a_bar_in_one():
+  now = [0.0]
+  lines = []
+  compile_progress = progress_lib.CompileProgress(print_fn=lines.append, bar=False, every_s=10,
+                                                  clock=lambda: now[0])
+  compile_progress(0, 4, "decode steps=1")
+  for done, label in enumerate(("decode steps=1", "insert rows=4 context=8", "fork rows=4",
+                                "take_rows rows=4"), start=1):
+    now[0] += 6.0
+    compile_progress(done, 4, label)
+  assert lines == [
+      "compiling 4 sampler programs (first: decode steps=1)",
+      "compiling sampler programs: 2/4 done, 12.0 s (last: insert rows=4 context=8)",
+      "compiled 4 sampler programs in 24.0 s"]
+
+  terminal = _Terminal()
+  lines = []
+  compile_progress = progress_lib.CompileProgress(print_fn=lines.append, bar=True,
+                                                  stream=terminal)
+  compile_progress(0, 2, "decode steps=1")
+  compile_progress(1, 2, "decode steps=1")
+  assert "1/2" in terminal.getvalue() and "compiling" in terminal.getvalue()
+  compile_progress(2, 2, "take_rows rows=4")
+  assert lines[0] == "compiling 2 sampler programs (first: decode steps=1)"
+  assert lines[-1].startswith("compiled 2 sampler programs in ")
+  writer_lib.print_line("after")  # (the bar is closed: nothing left active)

@@ -57,9 +57,14 @@ def _started(workdir) -> bool:
   return os.path.exists(lock) and os.path.getsize(lock) > 0
 
 
+STOPPED = 75  # arl_jax.launch.EXIT_STOPPED (importing launch here would define its flags)
+
+
 def _round(workdir, trigger, signals, rng) -> str:
   """Starts the run, waits for `trigger()`, sends `signals` (a short random
-  pause between them) and returns the run's output; the run must end cleanly."""
+  pause between them) and returns the run's output; the run must end cleanly,
+  with status 0 only if it ran to the end (a stopped run exits STOPPED, its
+  last line saying where a rerun starts)."""
   proc = subprocess.Popen(_command(workdir), cwd=REPO, stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, env=xla_env.subprocess_env())
   deadline = time.monotonic() + 240
@@ -71,8 +76,16 @@ def _round(workdir, trigger, signals, rng) -> str:
       proc.send_signal(signum)
       time.sleep(rng.uniform(0.0, 0.3))
   out, _ = proc.communicate(timeout=240)
-  assert proc.returncode == 0, out[-3000:]
   assert "Traceback" not in out, out[-3000:]
+  last = out.strip().splitlines()[-1]
+  if f"done: {STEPS} updates" in out:
+    assert proc.returncode == 0, out[-3000:]
+  else:
+    assert proc.returncode == STOPPED, out[-3000:]
+    assert last.startswith("stopped at version ") and f" of {STEPS} (signal SIG" in last, last
+    saved = max(kill_resume_test._saved(workdir), default=None)
+    assert (f"resumes from the checkpoint of version {saved}" in last if saved is not None
+            else "the same command starts over" in last), last
   return out
 
 
@@ -98,6 +111,7 @@ def test_a_signal_storm_loses_nothing_and_repeats_nothing(tmp_path):
   # The last round runs to the end.
   outputs.append(_round(workdir, lambda: False, [], rng))
   assert "done: 12 updates" in outputs[-1]
+  assert sum(f"done: {STEPS} updates" not in out for out in outputs) == 4  # (each exited 75)
   assert sum("resumed from" in out for out in outputs) >= 2
 
   # metrics.jsonl: each update once, each evaluation once, the warm-up once.

@@ -29,14 +29,16 @@ from arl_jax.distributed import (
 
 
 def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer, reference,
-           eval_log, version: int, pad_id: int) -> int:
-  """Runs a follower until process 0 stops the run; returns the final version.
+           eval_log, version: int, pad_id: int) -> tuple[int, bool]:
+  """Runs a follower until process 0 stops the run; returns the final
+  version and whether process 0 found the run complete.
 
   Args (`run_lib.run`'s): the run spec, role meshes, decoder graphdef, the
   TrainState and update function, the weight publisher, the checkpointer (or
   None) and KL reference params, the run's `EvalLog`, the version the run
   starts at, and the tokenizer's padding id.
   """
+  complete = False
   link = learner_link.LearnerLink(lockstep.share_text(None, meshes.learner),
                                     name=f"process {jax.process_index()}",
                                     process=jax.process_index(),
@@ -75,6 +77,7 @@ def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer,
         shard_batch.collect_held(None, here, meshes.learner)
         checkpointer.save(version, state, {"version": version}, reference)
       if step.kind != lockstep.BATCH:
+        complete = step.complete
         break
       if sampling.failed:
         # Fail fast, as a multi-controller job does: this process's groups
@@ -85,4 +88,4 @@ def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer,
     if checkpointer is not None:
       checkpointer.close()
     sampling.stop(say_bye=False)
-  return version
+  return version, complete

@@ -29,19 +29,22 @@ from jax.sharding import PartitionSpec as P
 from arl_jax.distributed import shard_plan as shard_plan_lib
 
 BATCH, STOP = 0, 1
-_HEADER = ("kind", "evaluate", "save", "rollouts", "forget")
+_HEADER = ("kind", "evaluate", "save", "rollouts", "forget", "complete")
 
 
 @dataclasses.dataclass(frozen=True)
 class Step:
   """What every process does next: train on the batch `plan` lays out
   (`BATCH`), or stop (`STOP`); then evaluate and save a checkpoint when the
-  flags say so. Process 0 decides; the others only execute (`follower.py`)."""
+  flags say so. Process 0 decides; the others only execute (`follower.py`).
+  A `STOP` says whether the run is complete (every process exits with the
+  same status: `arl_jax/launch.py`)."""
 
   kind: int
   plan: shard_plan_lib.ShardPlan | None = None
   evaluate: bool = False
   save: bool = False
+  complete: bool = False
 
 
 def is_multi_controller() -> bool:
@@ -126,11 +129,11 @@ def share(step: Step | None, mesh: Mesh) -> Step:
     plan = step.plan
     header[:] = [step.kind, step.evaluate, step.save,
                  0 if plan is None else len(plan.group_ids),
-                 0 if plan is None else len(plan.forget)]
+                 0 if plan is None else len(plan.forget), step.complete]
   header = dict(zip(_HEADER, (int(x) for x in broadcast(header, mesh))))
   flags = {"evaluate": bool(header["evaluate"]), "save": bool(header["save"])}
   if header["kind"] != BATCH:
-    return Step(kind=header["kind"], **flags)
+    return Step(kind=header["kind"], complete=bool(header["complete"]), **flags)
   if leader:
     arrays = step.plan.to_arrays()
   else:  # the same shapes and dtypes as the leader's

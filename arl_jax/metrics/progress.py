@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 
 import tqdm
 
@@ -31,7 +32,7 @@ class Progress:
   """The RL phase's progress: `update(record)` per update, `close()` at the end."""
 
   def __init__(self, *, total: int, initial: int, log_every: int, print_fn, bar: bool,
-               stream=None):
+               stream=None, first_line_suffix: str | None = None):
     """Args:
       total: the run's updates (`num_steps`).
       initial: updates done before (a resumed run's version).
@@ -40,12 +41,15 @@ class Progress:
       print_fn: where lines go.
       bar: show the live bar (`wants_bar`).
       stream: the bar's stream (stdout).
+      first_line_suffix: appended to the first update's line, which is
+        printed whatever `log_every` says (the run's startup phases).
     """
     self._log_every = log_every
     self._total = total
     self._print = print_fn
     self._bar = None
     self._last_eval = None
+    self._first_suffix = first_line_suffix
     if bar:
       stream = sys.stdout if stream is None else stream
       # (A terminal that reports no width, e.g. a fresh pseudo-terminal,
@@ -62,7 +66,10 @@ class Progress:
     if "eval_reward" in record:
       self._last_eval = record["eval_reward"]
     is_last = step == self._total - 1
-    if self._log_every and (step % self._log_every == 0 or is_last or "eval_reward" in record):
+    if self._first_suffix is not None:
+      self._print(f"{writer_lib.progress_line(record)} | {self._first_suffix}")
+      self._first_suffix = None
+    elif self._log_every and (step % self._log_every == 0 or is_last or "eval_reward" in record):
       self._print(writer_lib.progress_line(record))
     if self._bar is not None:
       self._bar.set_postfix_str(self.postfix(record), refresh=False)
@@ -81,3 +88,46 @@ class Progress:
       writer_lib.set_active_bar(None)
       self._bar.close()
       self._bar = None
+
+
+class CompileProgress:
+  """How far along the sampler's ahead-of-time compile is (`precompile.py`),
+  as `progress_fn(done, total, label)` calls: a bar over the programs in a
+  terminal, lines elsewhere (the first, one every `every_s` seconds with
+  the program being compiled, and the last with the time spent)."""
+
+  def __init__(self, *, print_fn, bar: bool, what: str = "sampler programs",
+               every_s: float = 10.0, stream=None, clock=time.monotonic):
+    self._print = print_fn
+    self._want_bar = bar
+    self._what = what
+    self._every_s = every_s
+    self._stream = stream
+    self._clock = clock
+    self._bar = None
+    self._start = self._last_line = 0.0
+
+  def __call__(self, done: int, total: int, label: str) -> None:
+    now = self._clock()
+    if done == 0:
+      self._start = self._last_line = now
+      self._print(f"compiling {total} {self._what} (first: {label})")
+      if self._want_bar and total:
+        self._bar = tqdm.tqdm(total=total, unit="program", desc="compiling",
+                              file=sys.stdout if self._stream is None else self._stream,
+                              mininterval=0, leave=False)
+        writer_lib.set_active_bar(self._bar)
+      return
+    if self._bar is not None:
+      self._bar.set_postfix_str(label, refresh=False)
+      self._bar.update(1)
+    elif done < total and now - self._last_line >= self._every_s:
+      self._last_line = now
+      self._print(f"compiling {self._what}: {done}/{total} done, {now - self._start:.1f} s "
+                  f"(last: {label})")
+    if done == total:
+      if self._bar is not None:
+        writer_lib.set_active_bar(None)
+        self._bar.close()
+        self._bar = None
+      self._print(f"compiled {total} {self._what} in {now - self._start:.1f} s")

@@ -73,7 +73,8 @@ class SamplerEngine:
                graphdef, model_cfg, mesh: Mesh, publisher: sources.WeightSource,
                dispatcher: sources.RequestSource,
                on_segment_fn: Callable[[episode_lib.Episode], None],
-               stop_ids_fn: Callable[[object], tuple[int, ...]] | None = None):
+               stop_ids_fn: Callable[[object], tuple[int, ...]] | None = None,
+               compile_progress_fn: Callable[[int, int, str], None] | None = None):
     """Args:
       cfg: engine settings.
       settings: sampling settings (temperature, top-k/p, every stop token).
@@ -87,11 +88,14 @@ class SamplerEngine:
         belongs to the callee, which may hand it back with `resume`.
       stop_ids_fn: prompt record -> the stop tokens (of `settings.stop_ids`)
         that end its segments; None: all of them, for every prompt.
+      compile_progress_fn: `(done, total, label)` as `precompile` compiles
+        each program (`precompile.compile_all`).
     """
     self._cfg = cfg
     self._settings = settings
     self._weights = publisher
     self._on_segment_fn = on_segment_fn
+    self._compile_progress_fn = compile_progress_fn
     stop_mask_fn = functools.partial(insert_batch.request_stop_mask, settings, stop_ids_fn)
     self._fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
                                           settings=settings, num_slots=cfg.num_slots,
@@ -279,7 +283,7 @@ class SamplerEngine:
     shapes = precompile.engine_shapes(self._cfg, self._restored_lengths)
     self.stats.precompile_seconds = precompile.compile_all(
         self._fns, shapes, params=params, state=self._state, base_key=self._base_key,
-        num_stop_ids=len(self._settings.stop_ids))
+        num_stop_ids=len(self._settings.stop_ids), progress_fn=self._compile_progress_fn)
     self.stats.precompiled_programs = shapes.num_programs
 
   def _forget_unused_versions(self) -> None:

@@ -30,8 +30,9 @@ needs no insert program at all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import jax
 import jax.numpy as jnp
@@ -144,9 +145,10 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
 
 
 def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base_key,
-                num_stop_ids: int) -> float:
+                num_stop_ids: int,
+                progress_fn: Callable[[int, int, str], None] | None = None) -> float:
   """Compiles `decode` and every shape of `shapes` for arguments laid out
-  as the engine passes them.
+  as the engine passes them, one program at a time.
 
   Args:
     fns: the engine's slot functions.
@@ -156,6 +158,9 @@ def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base
     state: the engine's SlotState.
     base_key: the engine's `[2]` uint32 PRNG base key (a host array).
     num_stop_ids: S, stop ids of the sampling settings.
+    progress_fn: called `(done, total, label)` after each program (a
+      compile can take minutes on an accelerator: the run shows how far
+      along it is); `done == 0` before the first.
 
   Returns:
     Seconds spent.
@@ -167,34 +172,47 @@ def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base
   version = jax.ShapeDtypeStruct((), jnp.int32)
   rows = jax.ShapeDtypeStruct(state.done.shape, jnp.bool_, sharding=fns.row_sharding)
   key = jax.ShapeDtypeStruct(base_key.shape, base_key.dtype)
-  lowered = []
+  programs = []  # (label, a function that lowers it)
   for r, width, steps in shapes.decode:
     if r is None:
-      lowered.append(fns.decode.lower(params, version, state, rows, rows, steps=steps))
+      programs.append((f"decode steps={steps}", functools.partial(
+          fns.decode.lower, params, version, state, rows, rows, steps=steps)))
     else:  # the engine passes the slot indices as a host array
-      lowered.append(fns.decode_rows.lower(params, version, state, rows,
-                                           jax.ShapeDtypeStruct((r,), jnp.int32), width=width,
-                                           steps=steps))
+      programs.append((f"decode rows={r} width={width} steps={steps}", functools.partial(
+          fns.decode_rows.lower, params, version, state, rows,
+          jax.ShapeDtypeStruct((r,), jnp.int32), width=width, steps=steps)))
   for width in shapes.widths if shapes.recompute else ():
-    lowered.append(fns.recompute.lower(params, state, rows, width=width))
+    programs.append((f"recompute width={width}", functools.partial(
+        fns.recompute.lower, params, state, rows, width=width)))
   if shapes.paged:
     table = state.cache.page_table
-    lowered.append(fns.set_pages.lower(state, jax.ShapeDtypeStruct(table.shape, table.dtype)))
+    programs.append(("set_pages", functools.partial(
+        fns.set_pages.lower, state, jax.ShapeDtypeStruct(table.shape, table.dtype))))
   for r, bucket in shapes.insert:
     batch = insert_batch.abstract(r, bucket, num_stop_ids)
-    lowered.append(fns.insert_from_ids.lower(params, version, state, key, *batch.args()))
+    programs.append((f"insert rows={r} context={bucket}", functools.partial(
+        fns.insert_from_ids.lower, params, version, state, key, *batch.args())))
   for r in shapes.fork:
     batch = insert_batch.abstract_fork(r, num_stop_ids)
-    lowered.append(fns.fork.lower(state, key, *batch.args()))
+    programs.append((f"fork rows={r}", functools.partial(
+        fns.fork.lower, state, key, *batch.args())))
   for r in shapes.begin:
     batch = insert_batch.abstract_begin(r, state.tokens.shape[1], num_stop_ids)
-    lowered.append(fns.begin_prefill.lower(state, key, *batch.args()))
+    programs.append((f"begin_prefill rows={r}", functools.partial(
+        fns.begin_prefill.lower, state, key, *batch.args())))
   for r, width in shapes.prefill:  # (rows, start, final: host arrays)
-    rows, final = jax.ShapeDtypeStruct((r,), jnp.int32), jax.ShapeDtypeStruct((r,), jnp.bool_)
-    lowered.append(fns.prefill_chunk.lower(params, version, state, rows, rows, final,
-                                           chunk=shapes.chunk, width=width))
+    indices = jax.ShapeDtypeStruct((r,), jnp.int32)
+    final = jax.ShapeDtypeStruct((r,), jnp.bool_)
+    programs.append((f"prefill_chunk rows={r} width={width}", functools.partial(
+        fns.prefill_chunk.lower, params, version, state, indices, indices, final,
+        chunk=shapes.chunk, width=width)))
   for r in shapes.take_rows:
-    lowered.append(fns.take_rows.lower(state, jax.ShapeDtypeStruct((r,), jnp.int32)))
-  for program in lowered:
-    program.compile()
+    programs.append((f"take_rows rows={r}", functools.partial(
+        fns.take_rows.lower, state, jax.ShapeDtypeStruct((r,), jnp.int32))))
+  if progress_fn is not None:
+    progress_fn(0, len(programs), programs[0][0] if programs else "")
+  for done, (label, lower) in enumerate(programs, start=1):
+    lower().compile()
+    if progress_fn is not None:
+      progress_fn(done, len(programs), label)
   return time.monotonic() - start

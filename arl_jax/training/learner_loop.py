@@ -44,6 +44,9 @@ class LoopResult:
     version: the last version trained (the run's final version).
     groups_trained: groups trained since the run began (resumes included).
     batches: summaries of the trained batches (with `keep_batches`).
+    complete: the run reached `num_steps`, or its data ran out (a rerun
+      would train no more); False when a stop request ended it early.
+    stop_reason: what asked it to stop early (`StopRequest.reason`), or "".
 
   (The step records are in `metrics.jsonl` only: a long run does not also
   hold them in memory.)
@@ -52,6 +55,8 @@ class LoopResult:
   version: int
   groups_trained: int
   batches: list[dict]
+  complete: bool = True
+  stop_reason: str = ""
 
 
 class LearnerLoop:
@@ -60,7 +65,8 @@ class LearnerLoop:
   def __init__(self, spec, *, state, update_fn, publisher, orchestrator, rollouts,
                checkpointer, reference, eval_log, writer, audit, stop, pad_id: int,
                config: dict, version: int, groups_trained: int, broadcast_fn=None,
-               shards=None, print_fn=writer_lib.print_line, keep_batches: bool = False):
+               shards=None, print_fn=writer_lib.print_line, keep_batches: bool = False,
+               startup=None):
     """Args:
       spec: the run's `config_lib.RunSpec`.
       state: the TrainState (donated to each update).
@@ -84,6 +90,8 @@ class LearnerLoop:
         each batch, builds this process's rows; None: alone).
       print_fn: progress lines.
       keep_batches: keep a summary of every trained batch (tests).
+      startup: the run's `startup.StartupClock`: its phases go into the
+        first update's progress line and metrics row.
     """
     self._spec = spec
     self._state = state
@@ -103,6 +111,7 @@ class LearnerLoop:
     self._shards = shards
     self._print = print_fn
     self._keep_batches = keep_batches
+    self._startup = startup
     self.version = version
     self.groups_trained = groups_trained
     self._saved_version = version  # (a resumed version is saved; a fresh 0 needs no save)
@@ -121,7 +130,8 @@ class LearnerLoop:
     failed = True
     self._progress = progress_lib.Progress(
         total=self._spec.num_steps, initial=self.version, log_every=self._spec.log_every,
-        print_fn=self._print, bar=progress_lib.wants_bar(self._print))
+        print_fn=self._print, bar=progress_lib.wants_bar(self._print),
+        first_line_suffix=None if self._startup is None else self._startup.summary())
     try:
       self._rl_start = self._last_time = time.monotonic()
       self._eval_log.rl_start = self._rl_start
@@ -134,7 +144,13 @@ class LearnerLoop:
     finally:
       self._stop(failed)
     return LoopResult(version=self.version, groups_trained=self.groups_trained,
-                      batches=self._batches)
+                      batches=self._batches, complete=self._complete,
+                      stop_reason="" if self._complete else self._stop_request.reason)
+
+  @property
+  def _complete(self) -> bool:
+    """Nothing is left to train: every update ran, or the data ran out."""
+    return self.version >= self._spec.num_steps or self._data_exhausted
 
   # -- one update ---------------------------------------------------------------
 
@@ -219,6 +235,8 @@ class LearnerLoop:
               + len(e.get("open", {}).get("tokens", ())) for g in groups for e in g["episodes"]))
     if evaluate:
       record["eval_reward"] = self._eval_log(self.params, version, "rl")
+    if step == self._first_step and self._startup is not None:
+      record.update(self._startup.record())
     self._writer.write({"phase": "rl", **record})
     if self._keep_batches and host_batch is not None:
       self._batches.append(step_record_lib.batch_summary(batch, host_batch))
@@ -270,7 +288,8 @@ class LearnerLoop:
                     and not any(x.is_deleted() for x in jax.tree.leaves(self._state)))
       if self._broadcast_fn is not None:  # the other processes stop with us
         self._broadcast_fn(spec.num_steps, lockstep.Step(
-            lockstep.STOP, evaluate=bool(final_eval), save=bool(save_final)))
+            lockstep.STOP, evaluate=bool(final_eval), save=bool(save_final),
+            complete=self._complete))
       if self._checkpointer is not None:
         self._stop_request.phase = "finishing the checkpoint being written"
         self._checkpointer.wait()

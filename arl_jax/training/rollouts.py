@@ -22,6 +22,7 @@ import jax
 from arl_jax import spec_codec
 from arl_jax.distributed import fleet as fleet_lib
 from arl_jax.envs import env_api
+from arl_jax.metrics import progress as progress_lib
 from arl_jax.orchestrator import env_runner as env_runner_lib
 from arl_jax.orchestrator import open_work
 from arl_jax.sampler import engine as engine_lib
@@ -230,6 +231,8 @@ def build(spec, *, meshes, graphdef, inputs, orchestrator, publisher,
       cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, model_cfg=spec.sampler_model,
       mesh=meshes.sampler, publisher=publisher, dispatcher=orchestrator.dispatcher,
       on_segment_fn=on_segment,
-      stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env))
+      stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env),
+      compile_progress_fn=progress_lib.CompileProgress(
+          print_fn=print_fn, bar=progress_lib.wants_bar(print_fn)))
   env_runner.connect(on_resume)
   return LocalRollouts(engine, env_runner, fleet)

@@ -60,6 +60,55 @@ def test_an_override_the_config_cannot_take_is_one_line(override, message):
   _assert_clean_error(_launch("--config=configs/arith.py:tiny", "--dry_run", override), message)
 
 
+@pytest.mark.parametrize("config, message", [
+    ("configs/nope.py", "--config=configs/nope.py: no such file: configs/nope.py"),
+    ("nope:tiny", "--config=nope:tiny: no such file: nope"),
+    ("configs", "--config=configs: is a folder, not a config file"),
+])
+def test_a_config_file_that_does_not_exist_is_one_line_naming_the_built_in_configs(
+    config, message):
+  proc = _launch(f"--config={config}", "--workdir=/tmp/unused")
+  _assert_clean_error(proc, message)
+  assert "built-in configs, by name or as configs/NAME.py in a checkout: arith, " in proc.stderr
+
+
+@pytest.mark.parametrize("config, message", [
+    ("configs/arith.py:foo", "configs/arith.py:"),
+    ("configs/math_tpu.py", "configs/math_tpu.py:"),
+])
+def test_a_config_file_s_own_error_is_one_line_naming_the_file_and_line(config, message):
+  proc = _launch(f"--config={config}", "--dry_run")
+  _assert_clean_error(proc, message)
+  # The line the exception came from, and its message.
+  file = config.partition(":")[0]
+  lines = open(os.path.join(REPO, file), encoding="utf-8").read().splitlines()
+  line = int(proc.stderr.split(f"error: {file}:")[1].split(":")[0])
+  assert "raise ValueError" in lines[line - 1]
+  assert ("unknown variant 'foo'" if ":foo" in config else "needs a Hugging Face model folder"
+          ) in proc.stderr
+
+
+@pytest.mark.parametrize("body, message", [
+    ("def get_config(arg=None):\n  return {}['x']\n", "mine.py:2: KeyError: 'x'"),
+    ("def get_config(arg=None):\n  open('/nonexistent/data.json')\n",
+     "mine.py:2: FileNotFoundError: [Errno 2] No such file or directory: '/nonexistent/data."),
+    ("def get_config(arg=None)\n  return 1\n", "mine.py:1: SyntaxError: expected ':'"),
+])
+def test_any_exception_of_a_user_s_config_file_is_one_line(tmp_path, body, message):
+  (tmp_path / "mine.py").write_text(body)
+  proc = _launch(f"--config={tmp_path / 'mine.py'}", "--dry_run")
+  _assert_clean_error(proc, f"{tmp_path}/{message}")
+
+
+def test_a_built_in_config_loads_by_name_from_any_directory(tmp_path):
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  proc = subprocess.run([sys.executable, "-m", "arl_jax.launch", "--config=arith:tiny",
+                         "--dry_run"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                        timeout=120)
+  assert proc.returncode == 0, proc.stderr[-3000:]
+  assert "parameters:" in proc.stdout
+
+
 def test_dry_run_devices_must_be_positive():
   proc = _launch("--config=configs/arith.py:tiny", "--dry_run", "--dry_run_devices=-4")
   assert proc.returncode != 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]

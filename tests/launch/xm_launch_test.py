@@ -207,3 +207,41 @@ def test_configs_are_checked_for_the_jobs_devices():
   jobs = xm_launch.job_specs("configs/arith.py:tiny", "/gcs/b/k", xm_launch.points(
       "configs/arith.py", ["sampler.kv_cache=paged", "sampler.paged_attention=pallas"], False))
   xm_launch.check_jobs(jobs, xm_launch.parse_accelerator("H100=8"), None, "vertex")
+
+
+@pytest.mark.parametrize("restart", [True, False])
+def test_vertex_jobs_are_submitted_to_restart_when_a_worker_restarts(monkeypatch, restart):
+  """XManager's own Vertex client submits the custom job (its CustomJob, a
+  recording stand-in: there is no cloud account here) with Vertex's
+  `restart_job_on_worker_restart` as `--vertex_restart` says."""
+  from google.cloud import aiplatform
+  from xmanager.cloud import vertex
+  from xmanager.xm_local import executables
+
+  submitted = []
+
+  class RecordingCustomJob:
+    resource_name = "projects/p/locations/l/customJobs/1"
+
+    def __init__(self, **kwargs):
+      self.kwargs = kwargs
+
+    def submit(self, **kwargs):
+      submitted.append(kwargs)
+
+    def _dashboard_uri(self):
+      return "https://console.cloud.google.com/"
+
+  monkeypatch.setattr(aiplatform, "CustomJob", RecordingCustomJob)
+  monkeypatch.setattr(vertex.auth, "get_bucket", lambda: "bucket")
+  monkeypatch.setattr(vertex.auth, "get_service_account", lambda: "xmanager@p.iam")
+  client = vertex.Client.__new__(vertex.Client)  # (its __init__ logs into the project)
+  client.project, client.location = "p", "us-central1"
+  executable = executables.GoogleContainerRegistryImage(name="arl_jax",
+                                                        image_path="gcr.io/p/a")
+  job = xm.Job(executable=executable, executor=xm_launch.make_executor(
+      "vertex", xm_launch.parse_accelerator("a100=8")), args={"config": "arith"})
+  with xm_launch.vertex_scheduling(restart):
+    client.launch("arl_jax", [job])
+  assert submitted and submitted[0]["restart_job_on_worker_restart"] is restart
+  assert aiplatform.CustomJob.submit is RecordingCustomJob.submit  # (put back after)
