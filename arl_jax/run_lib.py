@@ -288,7 +288,8 @@ def _lead(spec, config_dict, meshes, *, workdir, graphdef, inputs, state, update
       eval_log=eval_log, writer=writer, audit=audit, stop=stop,
       pad_id=inputs.tokenizer.pad_id, config=config_dict, version=version,
       groups_trained=groups_trained, broadcast_fn=broadcast_fn, shards=shards,
-      print_fn=print_fn, keep_batches=keep_batches, startup=clock)
+      print_fn=print_fn, keep_batches=keep_batches, startup=clock,
+      start_saved=restored is not None or not spec.warmup.steps)
   result = loop.run()
   sampling.raise_if_failed()
   _write_task_drops(workdir, orchestrator.ledger)

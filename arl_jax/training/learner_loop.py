@@ -66,7 +66,7 @@ class LearnerLoop:
                checkpointer, reference, eval_log, writer, audit, stop, pad_id: int,
                config: dict, version: int, groups_trained: int, broadcast_fn=None,
                shards=None, print_fn=writer_lib.print_line, keep_batches: bool = False,
-               startup=None):
+               startup=None, start_saved: bool = True):
     """Args:
       spec: the run's `config_lib.RunSpec`.
       state: the TrainState (donated to each update).
@@ -92,6 +92,10 @@ class LearnerLoop:
       keep_batches: keep a summary of every trained batch (tests).
       startup: the run's `startup.StartupClock`: its phases go into the
         first update's progress line and metrics row.
+      start_saved: the starting version is saved already (a resumed one, or
+        a fresh start's initial params). False after a warm-up: a stop
+        before the first update then saves version 0, so that a rerun
+        resumes instead of warming up again.
     """
     self._spec = spec
     self._state = state
@@ -114,7 +118,7 @@ class LearnerLoop:
     self._startup = startup
     self.version = version
     self.groups_trained = groups_trained
-    self._saved_version = version  # (a resumed version is saved; a fresh 0 needs no save)
+    self._saved_version = version if start_saved else None
     self._batches: list[dict] = []
     self._learner_wait = 0.0  # seconds spent waiting for a batch
     self._blocking_s = 0.0  # seconds spent inside checkpoint save calls

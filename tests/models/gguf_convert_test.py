@@ -6,17 +6,21 @@ transformers gets from the same GGUF file, the tokenizer encodes as
 transformers' GGUF tokenizer does, and bad files are named."""
 
 import os
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from arl_jax import export_hf
 from arl_jax.envs import chat_template, hf_tokenizer
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import gguf_convert, hf_config, hf_params
+from arl_jax.sampler import sampling
 from arl_jax.sharding import rules as rules_lib
 from arl_jax.testing import gguf_files, tiny
+from arl_jax.testing import slots as slots_lib
 
 gguf = pytest.importorskip("gguf")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -154,3 +158,53 @@ def test_the_command_line_converts_and_reports_bad_files(tmp_path, capsys):
   (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
   assert gguf_convert.main([f"--gguf={tmp_path / 'junk.gguf'}", "--out=/tmp/unused"]) == 2
   assert "junk.gguf: not a readable GGUF file" in capsys.readouterr().err
+
+
+def test_a_trained_policy_exports_to_a_folder_transformers_loads_and_generates_from(
+    converted, tmp_path):
+  """The export round trip: params changed by 'training' (perturbed), written
+  as `export_hf` writes them (safetensors, config.json, the tokenizer files
+  and chat template copied along); transformers loads the folder, encodes the
+  chat prompt as arl_jax does, and greedy-generates what the sampler's slots
+  generate greedily."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  folder = str(converted / "hf")
+  meshes = tiny.single_device_meshes()
+  cfg = hf_config.model_config_from_hf(hf_config.read_config(folder))
+  graphdef, params = hf_params.load_params(folder, cfg, meshes.learner, rules_lib.LEARNER_RULES)
+  trained = tiny.perturb(params, 0.02, seed=1)
+  out = str(tmp_path / "export")
+  hf_params.save_params(trained, cfg, out, "llama", base_config=hf_config.read_config(folder))
+  for name in export_hf.TOKENIZER_FILES:
+    if os.path.isfile(os.path.join(folder, name)):
+      shutil.copy(os.path.join(folder, name), os.path.join(out, name))
+
+  ours_tok = hf_tokenizer.HfTokenizer(os.path.join(out, "tokenizer.json"), eos_token="auto",
+                                      bos_token="auto", pad_token="auto", chat_template="auto")
+  theirs_tok = transformers.AutoTokenizer.from_pretrained(out)
+  chat = theirs_tok.apply_chat_template([{"role": "user", "content": "the 12 cats"}],
+                                        tokenize=False, add_generation_prompt=True)
+  assert chat == ours_tok.template.format_chat([{"role": "user", "content": "the 12 cats"}])
+  prompt = ours_tok.encode(chat)
+  assert prompt == theirs_tok.encode(chat, add_special_tokens=False)
+
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  new = 16
+  with torch.no_grad():
+    want = model.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False,
+                          eos_token_id=ours_tok.eos_id,
+                          pad_token_id=ours_tok.pad_id)[0, len(prompt):].tolist()
+  _, sampler_params = hf_params.load_params(out, cfg, meshes.sampler, rules_lib.SAMPLER_RULES)
+  settings = sampling.SamplingSettings(greedy=True, eos_id=ours_tok.eos_id,
+                                       pad_id=ours_tok.pad_id)
+  driver = slots_lib.SlotDriver(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
+                                settings=settings, num_slots=1, bucket=len(prompt),
+                                max_new_tokens=new)
+  driver.insert(sampler_params, 0, [0], [prompt], group_ids=[0])
+  for _ in range(new - 1):
+    driver.decode(sampler_params, 0)
+  row = driver.row(0)
+  got = [int(t) for t, v in zip(row["tokens"], row["versions"]) if v >= 0]
+  assert got == want[:len(got)] and len(got) == len(want), (got, want)
+  assert len(set(got)) > 1

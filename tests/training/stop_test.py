@@ -42,3 +42,34 @@ def test_a_follower_ignores_signals(capfd):
     os.kill(os.getpid(), signal.SIGTERM)
     assert not stop
   assert "process 0 decides" in capfd.readouterr().err
+
+
+def test_a_run_stopped_after_its_warm_up_saves_version_0_and_resumes_without_warming_up(
+    tmp_path):
+  """The stop arrives once the warm-up is done but before the first update:
+  the run is incomplete (launch exits 75), version 0 (the warmed-up params)
+  is saved, and a rerun resumes from it instead of warming up again."""
+  from arl_jax import run_lib  # noqa: PLC0415
+  from arl_jax.testing import tiny  # noqa: PLC0415
+
+  config = tiny.load_config("arith", "tiny")
+  config.checkpoint.save_final = True
+  config.warmup.steps = 3
+  request = stop_lib.StopRequest()
+  lines = []
+
+  def print_fn(line):
+    lines.append(line)
+    if line.startswith("eval [rl step 0]"):  # (after the warm-up, before any update)
+      request.request("test stop")
+
+  result = run_lib.run(config, str(tmp_path), print_fn=print_fn, stop=request)
+  assert (result.complete, result.final_version, result.saved_version) == (False, 0, 0)
+  assert result.stop_reason == "test stop"
+  assert lines[-1] == (f"stopped at version 0 of 4 (test stop): resumable: the same command "
+                       f"with --workdir={tmp_path} resumes from the checkpoint of version 0")
+  lines.clear()
+  result = run_lib.run(config, str(tmp_path), print_fn=lines.append)
+  assert result.complete and result.final_version == 4
+  assert any(line.startswith("resumed from") for line in lines)
+  assert not any(line.startswith("warmup") for line in lines), lines
