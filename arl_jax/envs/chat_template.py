@@ -1,8 +1,13 @@
 """Chat templates: how a conversation becomes the text a chat model was trained on.
 
-Templates are named, not Jinja: `none` (plain text), `chatml` (Qwen and
-others: `<|im_start|>role\\ncontent<|im_end|>\\n`) and `llama3`
-(`<|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>`). Both
+Templates are named: `none` (plain text), `chatml` (Qwen and others:
+`<|im_start|>role\\ncontent<|im_end|>\\n`) and `llama3`
+(`<|start_header_id|>role<|end_header_id|>\\n\\ncontent<|eot_id|>`). A
+template read from a Hugging Face folder keeps the folder's Jinja source too
+(`from_jinja`), and prompts are rendered by it as transformers renders them
+(`jinja2`'s sandbox), so what a model's own template adds, such as the
+default system turn of SmolLM2 or Qwen2.5, is in every prompt; the named
+structure still serves observations and the stop token. Both
 tokenizers carry one (the byte tokenizer always `none`), so environments write
 prompts and observations the same way whatever the tokenizer:
 
@@ -16,6 +21,9 @@ prompts and observations the same way whatever the tokenizer:
 from __future__ import annotations
 
 import dataclasses
+import datetime
+import functools
+import json
 from collections.abc import Sequence
 
 
@@ -36,6 +44,10 @@ class ChatTemplate:
   turn_suffix: str
   end_of_turn: str | None
   specials: tuple[str, ...]
+  # The model's own Jinja template, and the special tokens it may refer to
+  # (`bos_token`, `eos_token`), when read from a folder (`from_jinja`).
+  jinja: str | None = None
+  jinja_tokens: tuple[tuple[str, str], ...] = ()
 
   @property
   def is_chat(self) -> bool:
@@ -47,7 +59,12 @@ class ChatTemplate:
 
   def format_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
     """`[{"role": ..., "content": ...}, ...]` as text, ending with the
-    assistant's turn prefix when `add_generation_prompt`."""
+    assistant's turn prefix when `add_generation_prompt` (rendered by the
+    model's Jinja template when there is one)."""
+    if self.jinja is not None:
+      return _compiled(self.jinja).render(messages=list(messages),
+                                          add_generation_prompt=add_generation_prompt,
+                                          **dict(self.jinja_tokens))
     text = "".join(self.turn_prefix.format(role=m["role"]) + m["content"] + self.turn_suffix
                    for m in messages)
     return text + self.assistant_prefix() if add_generation_prompt else text
@@ -76,6 +93,58 @@ CHAT_TEMPLATES = {
 
 # Markers that identify a tokenizer_config.json Jinja template as one of ours.
 _MARKERS = {"chatml": "<|im_start|>", "llama3": "<|start_header_id|>"}
+
+
+class _TemplateError(Exception):
+  """`raise_exception(...)` in a Jinja template."""
+
+
+def _raise(message: str) -> None:
+  raise _TemplateError(message)
+
+
+@functools.cache
+def _compiled(jinja: str):
+  """The template compiled as transformers compiles chat templates (sandboxed,
+  `trim_blocks`/`lstrip_blocks`, loop controls, `raise_exception`,
+  `strftime_now`, a `tojson` that keeps non-ASCII)."""
+  from jinja2 import sandbox  # noqa: PLC0415 - the [hf] extra
+
+  env = sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                              extensions=["jinja2.ext.loopcontrols"])
+  env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False,
+                                                            indent=indent)
+  env.globals["raise_exception"] = _raise
+  env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+  return env.from_string(jinja)
+
+
+def from_jinja(jinja: str | None, where: str = "tokenizer_config.json",
+               tokens: dict[str, str] | None = None) -> ChatTemplate:
+  """The named template `jinja` writes (`detect`), rendering prompts with
+  `jinja` itself; `tokens`: `bos_token`/`eos_token` values it may use.
+
+  Raises:
+    ValueError: naming `where`, for a template arl_jax does not implement or
+      one whose prompt does not end with the assistant's turn prefix (the
+      observations of multi-turn environments are written from the named
+      structure and must continue what the template wrote).
+  """
+  name = detect(jinja, where)
+  named = CHAT_TEMPLATES[name]
+  if name == "none":
+    return named
+  template = dataclasses.replace(named, jinja=jinja, jinja_tokens=tuple(
+      sorted((k, v) for k, v in (tokens or {}).items() if isinstance(v, str))))
+  try:
+    probe = template.format_chat([{"role": "user", "content": "PROBE"}])
+  except Exception as e:  # noqa: BLE001 - any error of the template's own, named
+    raise ValueError(f"{where}: its chat template does not render a user turn: "
+                     f"{type(e).__name__}: {e}") from e
+  if "PROBE" not in probe or not probe.endswith(named.assistant_prefix()):
+    raise ValueError(f"{where}: its chat template writes {probe!r} for a user turn, which does "
+                     f"not end with the assistant's turn prefix {named.assistant_prefix()!r}")
+  return template
 
 
 def detect(jinja: str | None, where: str = "tokenizer_config.json") -> str:

@@ -25,7 +25,8 @@ AUTO = "auto"
 
 def _from_tokenizer_config(folder: str, *settings):
   """Replaces each `auto` setting (eos, bos, pad token, chat template) with what
-  the folder's `tokenizer_config.json` says, as `transformers` would use it."""
+  the folder's `tokenizer_config.json` says, as `transformers` would use it;
+  also returns the folder's Jinja chat template (None unless `auto`)."""
   path = os.path.join(folder, "tokenizer_config.json")
   if not os.path.isfile(path):
     raise ValueError(f"{path}: no such file (needed by a tokenizer setting 'auto')")
@@ -48,6 +49,7 @@ def _from_tokenizer_config(folder: str, *settings):
       raise ValueError(f"{path}: no eos_token; set tokenizer.eos_token")
   bos = token("bos_token") if bos == AUTO else bos
   pad = token("pad_token") if pad == AUTO else pad
+  jinja = None
   if template == AUTO:
     jinja = config.get("chat_template")
     if jinja is None and os.path.isfile(os.path.join(folder, "chat_template.jinja")):
@@ -56,7 +58,7 @@ def _from_tokenizer_config(folder: str, *settings):
     if isinstance(jinja, list):  # named templates: the default one
       jinja = next((t["template"] for t in jinja if t.get("name") == "default"), None)
     template = chat_template_lib.detect(jinja, path)
-  return eos, bos, pad, template
+  return eos, bos, pad, template, jinja
 
 
 class HfTokenizer:
@@ -84,8 +86,9 @@ class HfTokenizer:
       path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
       raise ValueError(f"no tokenizer file {path!r}")
+    jinja = None
     if AUTO in (eos_token, bos_token, pad_token, chat_template):
-      eos_token, bos_token, pad_token, chat_template = _from_tokenizer_config(
+      eos_token, bos_token, pad_token, chat_template, jinja = _from_tokenizer_config(
           os.path.dirname(path), eos_token, bos_token, pad_token, chat_template)
     templates = chat_template_lib.CHAT_TEMPLATES
     if chat_template not in templates:
@@ -99,6 +102,10 @@ class HfTokenizer:
       raise ValueError(f"{path}: not a tokenizer.json the tokenizers library can load "
                        f"(corrupt or truncated?): {e}") from e
     self.template = templates[chat_template]
+    if jinja and chat_template != "none":  # (the model's own template renders prompts)
+      self.template = chat_template_lib.from_jinja(
+          jinja, os.path.join(os.path.dirname(path), "tokenizer_config.json"),
+          {"bos_token": bos_token, "eos_token": eos_token})
     self.eos_id = self._token_id(eos_token, "eos_token")
     self.bos_id = None if bos_token is None else self._token_id(bos_token, "bos_token")
     self.pad_id = self.eos_id if pad_token is None else self._token_id(pad_token, "pad_token")

@@ -110,7 +110,8 @@ def test_auto_settings_come_from_the_folder_s_tokenizer_config(tokenizer_path, t
   folder.mkdir()
   shutil.copy(tokenizer_path, folder / "tokenizer.json")
   qwen_jinja = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + "
-                "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}")
+                "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+                "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
   (folder / "tokenizer_config.json").write_text(json.dumps({
       "eos_token": "<|im_end|>", "pad_token": {"content": "<pad>"}, "bos_token": None,
       "chat_template": qwen_jinja}))
@@ -124,6 +125,49 @@ def test_auto_settings_come_from_the_folder_s_tokenizer_config(tokenizer_path, t
   with pytest.raises(ValueError, match="chat template is not one arl_jax implements"):
     hf_tokenizer.HfTokenizer(str(folder), eos_token="auto", chat_template="auto")
   assert hf_tokenizer.HfTokenizer(str(folder), eos_token="auto").eos_id == tok._token_id("</s>", "")
+
+
+# SmolLM2-135M-Instruct's template: ChatML with a default system turn.
+SMOLLM2_JINJA = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+    "Face<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
+    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
+
+def test_a_folder_s_own_jinja_template_renders_prompts_as_transformers_does(
+    tokenizer_path, tmp_path):
+  """What the model's template adds (SmolLM2's default system turn) is in the
+  prompt, exactly as transformers' apply_chat_template writes it; a template
+  that cannot end a prompt with the assistant's turn is refused by name."""
+  import json
+  import shutil
+
+  transformers = pytest.importorskip("transformers")
+  from arl_jax.envs import chat_template, hf_tokenizer
+
+  folder = tmp_path / "model"
+  folder.mkdir()
+  shutil.copy(tokenizer_path, folder / "tokenizer.json")
+  (folder / "tokenizer_config.json").write_text(json.dumps({
+      "eos_token": "<|im_end|>", "bos_token": "<|im_start|>", "chat_template": SMOLLM2_JINJA,
+      "tokenizer_class": "PreTrainedTokenizerFast"}))
+  ours = hf_tokenizer.HfTokenizer(str(folder), eos_token="auto", bos_token="auto",
+                                  pad_token="auto", chat_template="auto")
+  theirs = transformers.AutoTokenizer.from_pretrained(str(folder))
+  for messages in ([{"role": "user", "content": "Ann has 12 apples?"}],
+                   [{"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "How many?"}]):
+    want = theirs.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert ours.template.format_chat(messages) == want
+  assert "named SmolLM" in ours.template.format_chat([{"role": "user", "content": "x"}])
+  assert ours.template.end_of_turn == "<|im_end|>"  # (the named structure stays)
+  (folder / "tokenizer_config.json").write_text(json.dumps({
+      "eos_token": "<|im_end|>", "chat_template": SMOLLM2_JINJA.split("{% if add_gen")[0]}))
+  with pytest.raises(ValueError, match="does not end with the assistant's turn prefix"):
+    hf_tokenizer.HfTokenizer(str(folder), eos_token="auto", chat_template="auto")
+  assert chat_template.from_jinja(None).jinja is None
 
 
 def test_a_corrupt_tokenizer_file_is_named(tokenizer_path, tmp_path):

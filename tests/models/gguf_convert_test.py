@@ -100,7 +100,8 @@ def test_the_tokenizer_encodes_as_transformers_gguf_tokenizer_does(converted):
       assert ours.decode(ours.encode(text)) == text
   # The specials by name and the chat template, from the file's metadata.
   assert ours.eos_id == theirs.convert_tokens_to_ids("<|im_end|>")
-  assert ours.template is chat_template.CHAT_TEMPLATES["chatml"]
+  assert ours.template.jinja == gguf_files.CHATML  # (the file's own template renders prompts)
+  assert ours.template.end_of_turn == chat_template.CHAT_TEMPLATES["chatml"].end_of_turn
   assert ours.encode("<|im_start|>") == [theirs.convert_tokens_to_ids("<|im_start|>")]
 
 
