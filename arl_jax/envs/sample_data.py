@@ -9,6 +9,8 @@ files are exactly what this script writes).
 
 - `math_answer.jsonl`: short arithmetic word problems (add, take away,
   multiply, share) in GSM8K's format, with integer answers;
+- `larger.jsonl`: "which of two 2-digit numbers is larger" in the
+  `math_answer` schema, for a pretrained chat model (`configs/smollm2.py`);
 - `arith.jsonl`, `tool_agent.jsonl`: records in the JSONL schema for the
   procedurally generated environments, to show (and test) that their prompts
   can come from a file too (`data.train_path`).
@@ -51,6 +53,16 @@ def math_word_problems(num: int, seed: int = 0) -> list[dict]:
   return records
 
 
+def larger_records(num: int, seed: int = 0) -> list[dict]:
+  """Distinct ordered pairs of distinct 2-digit numbers; the answer is the larger."""
+  rng = np.random.default_rng(seed)
+  pairs = [(a, b) for a in range(10, 100) for b in range(10, 100) if a != b]
+  chosen = rng.choice(len(pairs), num, replace=False)
+  return [{"id": i, "prompt": f"Which number is larger, {pairs[k][0]} or {pairs[k][1]}? Reply "
+           "with only the larger number.", "answer": str(max(pairs[k])), "env": "math_answer"}
+          for i, k in enumerate(chosen)]
+
+
 def arith_records(num: int, seed: int = 0) -> list[dict]:
   prompts = arith.make_prompts(arith.ArithConfig(), "train")
   chosen = np.random.default_rng(seed).choice(len(prompts), num, replace=False)
@@ -67,7 +79,7 @@ def tool_agent_records() -> list[dict]:
 def files() -> dict[str, list[dict]]:
   """File name -> records, for every shipped sample."""
   return {"math_answer.jsonl": math_word_problems(400), "arith.jsonl": arith_records(200),
-          "tool_agent.jsonl": tool_agent_records()}
+          "tool_agent.jsonl": tool_agent_records(), "larger.jsonl": larger_records(2000)}
 
 
 def render(records: list[dict]) -> str:
