@@ -140,10 +140,13 @@ def from_jinja(jinja: str | None, where: str = "tokenizer_config.json",
     probe = template.format_chat([{"role": "user", "content": "PROBE"}])
   except Exception as e:  # noqa: BLE001 - any error of the template's own, named
     raise ValueError(f"{where}: its chat template does not render a user turn: "
-                     f"{type(e).__name__}: {e}") from e
+                     f"{type(e).__name__}: {e}; set tokenizer.chat_template={name!r} to write "
+                     "prompts from the named structure instead") from e
   if "PROBE" not in probe or not probe.endswith(named.assistant_prefix()):
     raise ValueError(f"{where}: its chat template writes {probe!r} for a user turn, which does "
-                     f"not end with the assistant's turn prefix {named.assistant_prefix()!r}")
+                     f"not end with the assistant's turn prefix {named.assistant_prefix()!r}; "
+                     f"set tokenizer.chat_template={name!r} to write prompts from the named "
+                     "structure instead")
   return template
 
 

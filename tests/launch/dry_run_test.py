@@ -98,7 +98,13 @@ def test_the_tpu_config_plans_inside_a_v5e_chip(tmp_path):
   (tmp_path / "config.json").write_text(json.dumps(QWEN25_05B))
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({
       "eos_token": "<|im_end|>", "pad_token": "<|endoftext|>", "bos_token": None,
-      "chat_template": "{% for m in messages %}<|im_start|>{{ m.role }}...{% endfor %}"}))
+      # Qwen2.5's template without its tool branches: ChatML, a default system turn.
+      "chat_template": (
+          "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+          "{{ '<|im_start|>system\\nYou are Qwen, created by Alibaba Cloud. You are a helpful "
+          "assistant.<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
+          "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|im_start|>assistant\\n' }}{% endif %}")}))
   spec = config_lib.build(tiny.load_config("math_tpu", str(tmp_path)))
   assert spec.model.vocab_size == 151_936 and spec.model.qkv_bias
   assert spec.model.num_params == 494_032_768  # the published parameter count
