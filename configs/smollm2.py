@@ -33,9 +33,10 @@ standard error 0.015) before RL, 0.170 after 10 updates, 0.220 after 20,
 standard errors. The same command with --config.seed=1 (same start, other
 samples): 0.360 / 0.555 / 0.355 / 0.465 at 10/20/30/40 updates, so the
 spread between seeds is large and the curve not monotonic. Before, the model
-explains instead of answering and runs out of its 48 tokens; after, greedy completions end with "The larger number
-is 50." Sampled (T=1) completions still run long: 872 of the 1,280 rollouts
-were truncated and not trained on, and the batch reward stayed at 0.1-0.2.
+explains instead of answering and runs out of its 48 tokens; after, greedy
+completions end with "The larger number is 50." Sampled (T=1) completions
+still run long: 872 of the 1,280 rollouts were truncated and not trained on,
+and the batch reward stayed at 0.1-0.2.
 Wall time 33:54 (start-up 79 s: import 1.9, build 3.2, the first evaluation
 42.5, compile 31.4; 41 s an update; five evaluations of ~40 s); peak host
 memory 17.0 GiB (`--dry_run` plans 7.1 GiB of device memory for the two roles
