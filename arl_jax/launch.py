@@ -22,8 +22,8 @@ later") when a signal stopped it first, after a last line that says whether
 and from which version the same command resumes; 2 for bad input; 1 for a
 bug. A preempted job (a TPU VM's or a Kubernetes/Vertex eviction's SIGTERM)
 thus reads as not finished, and a scheduler that restarts failed jobs
-(`launch/xm_launch.py`'s `--max_restarts`, Kubernetes `restartPolicy:
-OnFailure`, SLURM `--requeue`) reruns it, which resumes it.
+(Vertex AI with `launch/xm_launch.py`'s `--vertex_restart`, Kubernetes
+`restartPolicy: OnFailure`, SLURM `--requeue`) reruns it, which resumes it.
 
 Multi-host: `--distributed` (implied by `--coordinator_address`) calls
 `jax.distributed.initialize()` first, with `--coordinator_address`,
