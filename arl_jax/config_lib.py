@@ -42,6 +42,7 @@ class RunSpec:
   eval_every: int
   eval_size: int
   writers: tuple[str, ...]  # metric sinks besides the progress line (metrics/writer.py)
+  compilation_cache: str  # "auto", a folder, or "" (compile_cache.py)
   checkpoint: checkpointing.CheckpointConfig
   fleet: sections.FleetConfig  # where sampling runs: here, or in sampler processes
   model: model_config_lib.ModelConfig
@@ -315,7 +316,8 @@ def _spec(run: sections.RunSection, parts: dict, *, env, model, data, inputs) ->
   return RunSpec(
       seed=run.seed, num_steps=run.num_steps, log_every=run.log_every,
       eval_every=run.eval_every, eval_size=run.eval_size, writers=run.writer_names,
-      checkpoint=parts["checkpoint"], fleet=parts["fleet"], model=model,
+      compilation_cache=run.compilation_cache, checkpoint=parts["checkpoint"],
+      fleet=parts["fleet"], model=model,
       model_hf_path=parts["model"].hf_path, mesh=_mesh(parts["mesh"]), env_name=parts["env"].name,
       env=env, data=data, tokenizer=parts["tokenizer"], num_env_workers=parts["env"].num_workers,
       env_timeout_s=float(parts["env"].timeout_s),

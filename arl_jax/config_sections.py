@@ -56,6 +56,10 @@ class RunSection:
     eval_size: held-out prompts per evaluation.
     writers: metric sinks besides the progress line, comma-separated
       (`metrics/writer.py`; JSON lines always).
+    compilation_cache: JAX's persistent compilation cache: "auto" (the
+      folder JAX is told to use, else `~/.cache/arl_jax/jit`), a folder, or
+      "" (off); a second start of the same config reads its programs
+      instead of compiling them (`compile_cache.py`).
   """
 
   seed: int
@@ -64,8 +68,11 @@ class RunSection:
   eval_every: int
   eval_size: int
   writers: str = "jsonl"
+  compilation_cache: str = "auto"
 
   def __post_init__(self):
+    _check(isinstance(self.compilation_cache, str), "compilation_cache",
+           f"must be 'auto', a folder or '' (off), got {self.compilation_cache!r}")
     for key in ("num_steps", "log_every", "eval_every", "eval_size"):
       value = getattr(self, key)
       _check(_is_int(value) and value >= 0, key, f"must be an int >= 0, got {value!r}")

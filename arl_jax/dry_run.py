@@ -2,11 +2,14 @@
 
 The plan says, per role, the mesh, and the memory one device needs: exact for
 the arrays whose shapes and shardings are known before anything runs (params
-under each role's rule table, AdamW moments, gradients, the KL reference, the
-sampler's KV cache and slot state), and a labelled rough estimate for the
-learner's activations (which depend on what XLA keeps for the backward
-pass). It reads no device memory and compiles nothing, so it can plan a TPU
-config on a laptop: `num_devices` overrides the device count it plans for.
+under each role's rule table, AdamW moments, gradients and their
+microbatch accumulator, the KL reference, the sampler's KV cache and slot
+state), and a labelled rough estimate for the learner's activations (which
+depend on what XLA keeps for the backward pass). On a CPU backend the
+process's own memory (compiled programs, the runtime, Python, host copies)
+comes on top: `benchmarks/real_size.py` measures both against a run. It
+reads no device memory and compiles nothing, so it can plan a TPU config on a
+laptop: `num_devices` overrides the device count it plans for.
 """
 
 from __future__ import annotations
@@ -83,6 +86,9 @@ def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
   # Learner: params, AdamW's two moments and the gradients in the param dtype.
   params = _sharded_bytes(abstract_state, lm, rules_lib.LEARNER_RULES, spec.model.param_dtype)
   learner = {"params": params, "adam_moments": 2 * params, "gradients": params}
+  if spec.loss.num_microbatches > 1:
+    # The scan over microbatches carries the sum beside each one's gradients.
+    learner["gradient_accumulator"] = params
   if spec.loss.kl_coef > 0:
     learner["kl_reference_params"] = params
   cfg, engine = spec.model, spec.engine

@@ -24,12 +24,13 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 
-from arl_jax import config_lib, evaluation
+from arl_jax import compile_cache, config_lib, evaluation
 from arl_jax.distributed import follower, lockstep, shard_batch
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import update as update_lib
+from arl_jax.metrics import host_memory
 from arl_jax.metrics import startup as startup_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import init_lib
@@ -96,9 +97,11 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     workdir_lock.WorkdirInUse: another run holds `workdir`.
   """
   start_time = time.monotonic()
-  clock = startup_lib.StartupClock(started_at)
+  programs = compile_cache.ProgramCounter()  # (counting from the `with` below)
+  clock = startup_lib.StartupClock(started_at, programs=programs)
   resolved = config_lib.resolve(config)
   spec, inputs = resolved.spec, resolved.inputs
+  cache_folder = compile_cache.enable(spec.compilation_cache)
   config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   meshes = mesh_lib.make_role_meshes(spec.mesh)
   # Multi-controller (jax.distributed): process 0 leads (orchestrator, logs);
@@ -108,7 +111,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   if not leader:
     print_fn = functools.partial(_prefixed, print_fn, f"[process {jax.process_index()}] ")
   os.makedirs(log_dir, exist_ok=True)
-  with (workdir_lock.WorkdirLock(log_dir) as lock,
+  with (workdir_lock.WorkdirLock(log_dir) as lock, programs,
         contextlib.nullcontext(stop) if stop is not None else stop_lib.StopRequest() as stop):
     stop.decides = leader
     if lock.previous_holder:
@@ -116,6 +119,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       print_fn(f"note: the previous run in this workdir (process {holder.get('pid')} on "
                f"{holder.get('host')}, started {holder.get('started')}) did not stop cleanly")
     _print_header(spec, meshes, inputs, print_fn)
+    print_fn(compile_cache.describe(cache_folder))
     checkpoints = start.open_checkpoints(spec.checkpoint, workdir)
     try:
       optimizer = optim_lib.make_optimizer(spec.optim)
@@ -299,8 +303,15 @@ def _lead(spec, config_dict, meshes, *, workdir, graphdef, inputs, state, update
            f"{result.groups_trained} groups trained; dropped rollouts: {drops['dropped_stale']} "
            f"stale, {drops['dropped_cancelled']} cancelled in flight, "
            f"{drops['dropped_env_error']} env errors, {drops['dropped_truncated']} truncated; "
-           f"{drops['tasks_lost']} of {drops['tasks_seen']} tasks never trained")
+           f"{drops['tasks_lost']} of {drops['tasks_seen']} tasks never trained"
+           + _peak_note(clock.memory))
   return result
+
+
+def _peak_note(memory: host_memory.PeakWindows) -> str:
+  """`; host peak 11.0 GiB` (the whole run's resident peak), where measured."""
+  memory.take()  # (the last window: since the last update)
+  return "" if memory.overall is None else f"; host peak {memory.overall / 1024**3:.1f} GiB"
 
 
 def _print_header(spec, meshes, inputs, print_fn) -> None:

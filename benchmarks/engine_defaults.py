@@ -5,6 +5,7 @@ engine: `sampler.kv_cache` (dense or paged) by slot length, and
   python benchmarks/engine_defaults.py --out=/tmp/engine_defaults.jsonl   # ~9.5 min, 2 cores
   python benchmarks/engine_defaults.py --quick                            # ~45 s, tiny model
   python benchmarks/engine_defaults.py --parts=burst                      # one part (~70 s)
+  python benchmarks/engine_defaults.py --parts=cache                      # cold vs warm starts
 
 Every row runs a fresh engine (`sampler.precompile` on, one CPU device) on
 2 x num_slots one-rollout requests with 16-token prompts, every completion
@@ -18,6 +19,13 @@ one timed run per row):
   decode_burst 1.
 - `burst`: "tiny" and "3M", 32 slots, dense, max_new_tokens 128;
   decode_burst 1 against 4.
+- `cache`: start-up from an empty and from a warm persistent compilation
+  cache (`config.compilation_cache`, `compile_cache.py`): each start a
+  fresh process (in-memory jit caches empty) running the engine until its
+  first admission, dense and paged, "3M", 32 slots, 1,024 new tokens
+  (`--cache_budgets`); `programs` / `from_cache` count the executables
+  built (`compile_cache.ProgramCounter`), `precompile_s` the engine's own
+  ahead-of-time compile.
 - `round_trip` (from the `burst` rows): a decode call's seconds split into a
   fixed host cost per call and device work per step, from the engine's own
   decode time per call at burst 1 and per step at burst 4 (a negative
@@ -44,7 +52,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -115,6 +125,45 @@ def measure(name, model, ecfg, requests):
           "occupancy": round(stats.occupancy, 3)}
 
 
+def start_only(name, ecfg, cache_dir) -> dict:
+  """In this (fresh) process: JAX's persistent cache in `cache_dir`, an engine
+  started until its first admission; the start-up row."""
+  from arl_jax import compile_cache  # noqa: PLC0415
+
+  compile_cache.enable(cache_dir)
+  with compile_cache.ProgramCounter() as programs:
+    cfg, meshes, graphdef, params = sampler_bench._model(name, ecfg.length)  # noqa: SLF001
+    settings = sampling.SamplingSettings(eos_id=10 ** 6, pad_id=sampler_bench.PAD)
+    budgets = np.full((ecfg.num_slots,), ecfg.max_new_tokens, np.int32)
+    engine = engine_lib.SamplerEngine(
+        cfg=ecfg, settings=settings, graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
+        publisher=engine_harness.Params(params),
+        dispatcher=engine_harness.Requests(budgets, PROMPT), on_segment_fn=lambda _: None)
+    start = time.perf_counter()
+    engine.start()
+    while not engine.stats.inserts:
+      engine.raise_if_failed()
+      time.sleep(0.001)
+    startup = time.perf_counter() - start
+    engine.stop()
+  return {"model": name, "slots": ecfg.num_slots, "max_new_tokens": ecfg.max_new_tokens,
+          "slot_len": ecfg.length, "kv_cache": ecfg.kv_cache,
+          "startup_s": round(startup, 2),
+          "precompile_s": round(engine.stats.precompile_seconds, 2),
+          "programs": programs.programs, "from_cache": programs.from_cache}
+
+
+def start_in_child(name, kv_cache, slots, max_new_tokens, cache_dir) -> dict:
+  """`start_only` in a new Python process (so nothing is compiled yet)."""
+  env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+  args = json.dumps([name, kv_cache, slots, max_new_tokens, cache_dir])
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--child={args}"],
+                        env=env, capture_output=True, text=True, check=False)
+  if proc.returncode:
+    raise RuntimeError(f"the start-up child failed:\n{proc.stderr[-3000:]}")
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def vs(row, base, label):
   """`row`'s busy and end-to-end tokens/s over `base`'s."""
   return {f"busy_{label}": round(row["busy_tok_s"] / base["busy_tok_s"], 2),
@@ -141,8 +190,15 @@ def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--quick", action="store_true", help="tiny model, 4 slots, short budgets")
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
-  parser.add_argument("--parts", default="kv_cache,burst", help="comma-separated parts")
+  parser.add_argument("--parts", default="kv_cache,burst,cache", help="comma-separated parts")
+  parser.add_argument("--cache_budgets", default="1024",
+                      help="cache: comma-separated max_new_tokens (slot columns ~ 16 + this)")
+  parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # (start_in_child)
   args = parser.parse_args()
+  if args.child:
+    name, kv_cache, slots, max_new_tokens, cache_dir = json.loads(args.child)
+    print(json.dumps(start_only(name, _engine_cfg(slots, max_new_tokens, kv_cache), cache_dir)))
+    return
   parts = set(args.parts.split(","))
   rows = []
   emit = lambda row: (rows.append(row), print(json.dumps(row), flush=True))
@@ -167,6 +223,18 @@ def main() -> None:
       four = measure(name, model, _engine_cfg(slots, burst_budget, burst=4), 2 * slots)
       emit({**base, "part": "burst", **four, **vs(four, one, "vs_burst_1")})
       emit({**base, "part": "round_trip", **round_trip(one, four)})
+  if "cache" in parts:
+    name = "tiny" if args.quick else "3M"
+    budgets = (64,) if args.quick else tuple(int(b) for b in args.cache_budgets.split(","))
+    with tempfile.TemporaryDirectory(prefix="engine_cache_") as scratch:
+      for n in budgets:
+        for kv_cache in ("dense", "paged"):
+          folder = os.path.join(scratch, f"{kv_cache}_{n}")
+          cold = start_in_child(name, kv_cache, slots, n, folder)
+          emit({**base, "part": "cache", "start": "cold", **cold})
+          warm = start_in_child(name, kv_cache, slots, n, folder)
+          emit({**base, "part": "cache", "start": "warm", **warm,
+                "vs_cold": round(warm["startup_s"] / cold["startup_s"], 2)})
   print(f"\ntotal {time.perf_counter() - begin:.1f} s\n")
   for part in dict.fromkeys(r["part"] for r in rows):
     report.print_table([r for r in rows if r["part"] == part], title=part,

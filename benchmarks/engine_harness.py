@@ -14,12 +14,15 @@ from arl_jax.sampler import sampling
 
 
 class Requests:
-  """One-rollout groups with the given completion budgets and random prompts
-  of `prompt_len` tokens, as fast as the engine asks."""
+  """Groups with the given completion budgets, as fast as the engine asks: of
+  `group_size` rollouts (one by default), of the given prompts (token ids,
+  one a group) or random ones of `prompt_len` tokens."""
 
-  def __init__(self, budgets, prompt_len: int):
+  def __init__(self, budgets, prompt_len: int, *, group_size: int = 1, prompts=None):
     self._budgets = budgets
-    self._prompts = np.random.default_rng(3).integers(0, 256, (len(budgets), prompt_len))
+    self._group_size = group_size
+    self._prompts = (np.random.default_rng(3).integers(0, 256, (len(budgets), prompt_len))
+                     if prompts is None else prompts)
     self._next = 0
     self._lock = threading.Lock()
 
@@ -32,7 +35,8 @@ class Requests:
       time.sleep(timeout)
     return [dispatcher_lib.GroupRequest(
         group_id=i, prompt=i, prompt_ids=tuple(int(t) for t in self._prompts[i]),
-        dispatch_version=live_version, group_size=1, dispatch_time=time.monotonic(),
+        dispatch_version=live_version, group_size=self._group_size,
+        dispatch_time=time.monotonic(),
         max_new_tokens=int(self._budgets[i])) for i in ids]
 
   def note_sampling(self, group_id, version):

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -75,7 +76,10 @@ def run_mode(samplers: int, *, steps: int, skip: int, quick: bool, timeout_s: fl
     for proc in [learner, *procs]:
       if proc.poll() is None:
         proc.kill()
-  return _summarise(workdir, samplers, skip, quick)
+  try:
+    return _summarise(workdir, samplers, skip, quick)
+  finally:
+    shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _fleet_address(workdir: str, learner: subprocess.Popen, timeout_s: float) -> str:

@@ -45,6 +45,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval_size = 300
   # Metric sinks: JSON lines always; "jsonl,tensorboard" adds TensorBoard event files.
   config.writers = "jsonl"
+  # Compiled programs kept across runs ("auto": ~/.cache/arl_jax/jit; "": off):
+  # a second start of the same shapes reads them instead of compiling.
+  config.compilation_cache = "auto"
 
   config.model = ml_collections.ConfigDict(dict(
       d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384,

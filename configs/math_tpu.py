@@ -62,6 +62,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval_every = 100
   config.eval_size = 256
   config.writers = "jsonl,tensorboard"
+  config.compilation_cache = "auto"  # (~/.cache/arl_jax/jit; "": off)
 
   # Shapes (Qwen2.5-0.5B: d_model 896, 24 layers, 14 query / 2 KV heads of 64,
   # QKV biases, SwiGLU 4864, tied 151,936-row embedding, RoPE base 1e6: 494M

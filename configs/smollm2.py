@@ -20,11 +20,13 @@ of their id); `math_answer` checks the final answer (`answer is N`, else the
 last number in the completion) against the larger number. A completion cut
 off at `max_new_tokens` scores 0 and is not trained on.
 
-At this size on a CPU the learner paces the run (~25 s an update of 32
-rollouts packed into 512-token rows, logits scored 1,024 tokens at a time);
-the sampler's slots are ~120 columns, where `kv_cache="auto"` picks the dense
-cache (the paged one decoded 0.75x as fast at 96 columns here:
-`benchmarks/README.md`). Hardware: 2 CPU cores, ~4 GB of host memory.
+At this size on a CPU the learner paces the run (39 s an update of 32
+rollouts packed into 512-token rows, logits scored 1,024 tokens at a time,
+MFU 0.21; the sampler alone makes 275 tokens/s); the sampler's slots are
+~120 columns, where `kv_cache="auto"` picks the dense cache (the paged one
+decodes as fast here but compiles 2.5x longer). Hardware: 2 CPU cores and
+~13-17 GiB of host memory (below). `benchmarks/real_size.py` measures all of
+these (`benchmarks/README.md`).
 
 What to expect (measured with exactly this command, seed 0, 2026-12-03, this
 2-core machine): greedy accuracy on the 200 held-out pairs 0.050 (10/200,
@@ -39,8 +41,9 @@ still run long: 872 of the 1,280 rollouts were truncated and not trained on,
 and the batch reward stayed at 0.1-0.2.
 Wall time 33:54 (start-up 79 s: import 1.9, build 3.2, the first evaluation
 42.5, compile 31.4; 41 s an update; five evaluations of ~40 s); peak host
-memory 17.0 GiB (`--dry_run` plans 7.1 GiB of device memory for the two roles
-on this one device). Plots: `docs/images/smollm2_larger_reward.png`.
+memory 17.0 GiB (`--dry_run` now plans 7.6 GiB of device memory for the two
+roles on this one device; a 10-update run peaked at 12.6 GiB). Plots:
+`docs/images/smollm2_larger_reward.png`.
 """
 
 import os
@@ -62,6 +65,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval_every = 10
   config.eval_size = 200  # (every held-out pair)
   config.writers = "jsonl"
+  config.compilation_cache = "auto"  # (~/.cache/arl_jax/jit; "": off)
 
   # Shapes and starting weights from the folder's config.json and safetensors.
   config.model = ml_collections.ConfigDict(dict(

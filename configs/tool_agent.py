@@ -52,6 +52,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.eval_size = 64
   # Metric sinks: JSON lines always; "jsonl,tensorboard" adds TensorBoard event files.
   config.writers = "jsonl"
+  config.compilation_cache = "auto"  # (~/.cache/arl_jax/jit; "": off)
 
   config.model = ml_collections.ConfigDict(dict(
       d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32, mlp_dim=384,

@@ -27,6 +27,7 @@ def _check(text: str, has_image: bool) -> None:
 
 def test_quickstart_notebook_executes(monkeypatch, tmp_path):
   monkeypatch.setenv("ARL_JAX_NOTEBOOK_TINY", "1")
+  monkeypatch.setenv("TMPDIR", str(tmp_path))  # (the notebook's workdirs: removed with it)
   # One CPU device, as a Colab CPU runtime (and the tests' cheap compiles).
   monkeypatch.setenv("XLA_FLAGS", xla_env.xla_flags())
   nb = nbformat.read(NOTEBOOK, as_version=4)
@@ -88,6 +89,7 @@ def test_quickstart_notebook_executes_from_a_wheel_install(tmp_path):
   elsewhere = tmp_path / "elsewhere"
   elsewhere.mkdir()
   env = dict(os.environ, ARL_JAX_NOTEBOOK_TINY="1", XLA_FLAGS=xla_env.xla_flags(),
+             TMPDIR=str(tmp_path),  # (the notebook's workdirs: removed with it)
              PATH=f"{venv / 'bin'}:{os.environ['PATH']}", VIRTUAL_ENV=str(venv))
   env.pop("PYTHONPATH", None)
   result = subprocess.run([python, "-c", _EXECUTE, NOTEBOOK], cwd=elsewhere, env=env,

@@ -13,6 +13,10 @@ import subprocess
 import sys
 import termios
 
+import numpy as np
+import pytest
+
+from arl_jax.metrics import host_memory
 from arl_jax.metrics import progress as progress_lib
 from arl_jax.metrics import startup as startup_lib
 from arl_jax.metrics import writer as writer_lib
@@ -96,6 +100,12 @@ def test_a_run_in_a_pseudo_terminal_shows_the_bar(tmp_path):
   text = output.decode(errors="replace")
   assert re.search(r"4/4 \[.*update", text), text[-3000:]  # tqdm's count and rate
   assert "reward " in text and "done: 4 updates" in text
+  # Where the whole run's host memory peaked: the first line's start-up phases
+  # and the last line (Linux measures it).
+  if os.path.exists("/proc/self/clear_refs"):
+    assert re.search(r"startup [\d.]+ s: .*; \d+ programs \(\d+ from the cache\); "
+                     r"host peak [\d.]+ GiB \([\w-]+\)", text), text[-3000:]
+    assert re.search(r"tasks never trained; host peak [\d.]+ GiB", text), text[-3000:]
 
 
 def test_the_first_update_s_line_says_where_the_startup_went_whatever_log_every_says():
@@ -108,18 +118,52 @@ def test_the_first_update_s_line_says_where_the_startup_went_whatever_log_every_
   assert lines[0].endswith(" | startup 9.0 s: import 3.0")
 
 
-def test_startup_phases_add_up_in_order():
+class _ScriptedPeaks:
+  """Peak windows whose peaks (GiB) are given in order."""
+
+  def __init__(self, gib):
+    self._bytes = [None if g is None else int(g * 1024**3) for g in gib]
+
+  def take(self):
+    return self._bytes.pop(0)
+
+
+def test_startup_phases_add_up_in_order_with_each_phase_s_host_memory_peak():
   now = [10.0]
-  clock = startup_lib.StartupClock(started_at=7.5, clock=lambda: now[0])
+  clock = startup_lib.StartupClock(started_at=7.5, clock=lambda: now[0],
+                                   memory=_ScriptedPeaks([0.5, 1.0, 3.25, 1.5, 1.0, 2.0]))
   for phase, seconds in (("build", 1.0), ("warm-up", 20.0), ("build", 0.5), ("eval", 0.01),
                          ("compile", 12.2)):
     now[0] += seconds
     clock.mark(phase)
-  assert clock.summary() == "startup 36.2 s: import 2.5, build 1.5, warm-up 20.0, compile 12.2"
+  assert clock.summary() == ("startup 36.2 s: import 2.5, build 1.5, warm-up 20.0, "
+                             "compile 12.2; host peak 3.2 GiB (warm-up)")
   record = clock.record()
   assert record["startup_warmup_s"] == 20.0 and record["startup_eval_s"] == 0.01
   assert record["startup_s"] == 36.21
-  assert startup_lib.StartupClock(clock=lambda: 1.0).summary() == "startup 0.0 s: "
+  # A phase that ends twice keeps the larger of its windows' peaks.
+  assert record["startup_import_peak_gib"] == 0.5 and record["startup_build_peak_gib"] == 1.5
+  assert record["startup_warmup_peak_gib"] == 3.25
+  assert startup_lib.StartupClock(clock=lambda: 1.0,
+                                  memory=_ScriptedPeaks([])).summary() == "startup 0.0 s: "
+  # Where the platform measures no peak, the line and the row say nothing of it.
+  blind = startup_lib.StartupClock(started_at=0.0, clock=lambda: 1.0,
+                                   memory=_ScriptedPeaks([None, None]))
+  blind.mark("build")
+  assert blind.summary() == "startup 1.0 s: import 1.0" and "startup_build_peak_gib" not in (
+      blind.record())
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux peak windows")
+def test_a_peak_window_sees_memory_freed_before_it_ended_and_the_next_window_does_not():
+  windows = host_memory.PeakWindows()
+  assert windows.resettable
+  windows.take()
+  block = np.ones(300 * 2**20 // 8)  # 300 MiB, touched
+  del block
+  first, second = windows.take(), windows.take()
+  assert first - second >= 250 * 2**20, (first, second)
+  assert host_memory.resident_bytes() <= host_memory.peak_bytes()
 
 
 def test_sampler_compiles_show_lines_off_a_terminal_and_a_bar_in_one():

@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from arl_jax import spec_codec
+from arl_jax import compile_cache, spec_codec
 from arl_jax.distributed import learner_link, wire
 
 EXIT_STOPPED, EXIT_FAILED = learner_link.EXIT_STOPPED, learner_link.EXIT_FAILED
@@ -197,6 +197,7 @@ def _build(link: learner_link.LearnerLink):
 
   welcome = link.welcome
   spec = spec_codec.from_json(welcome["spec"])
+  compile_cache.enable(spec.compilation_cache)  # (this machine's folder, when "auto")
   axes = [(str(a), int(n)) for a, n in welcome["sampler_mesh"]]
   size = int(np.prod([n for _, n in axes]))
   # The layout each version arrives in: the learner's `mesh.sampler` as

@@ -32,7 +32,7 @@ class Progress:
   """The RL phase's progress: `update(record)` per update, `close()` at the end."""
 
   def __init__(self, *, total: int, initial: int, log_every: int, print_fn, bar: bool,
-               stream=None, first_line_suffix: str | None = None):
+               stream=None, first_line_suffix=None):
     """Args:
       total: the run's updates (`num_steps`).
       initial: updates done before (a resumed run's version).
@@ -42,7 +42,8 @@ class Progress:
       bar: show the live bar (`wants_bar`).
       stream: the bar's stream (stdout).
       first_line_suffix: appended to the first update's line, which is
-        printed whatever `log_every` says (the run's startup phases).
+        printed whatever `log_every` says (the run's startup phases); a
+        callable is called then for it.
     """
     self._log_every = log_every
     self._total = total
@@ -67,7 +68,8 @@ class Progress:
       self._last_eval = record["eval_reward"]
     is_last = step == self._total - 1
     if self._first_suffix is not None:
-      self._print(f"{writer_lib.progress_line(record)} | {self._first_suffix}")
+      suffix = self._first_suffix() if callable(self._first_suffix) else self._first_suffix
+      self._print(f"{writer_lib.progress_line(record)} | {suffix}")
       self._first_suffix = None
     elif self._log_every and (step % self._log_every == 0 or is_last or "eval_reward" in record):
       self._print(writer_lib.progress_line(record))

@@ -32,6 +32,7 @@ import numpy as np
 
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.distributed import lockstep
+from arl_jax.metrics import host_memory
 from arl_jax.metrics import progress as progress_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
@@ -91,7 +92,9 @@ class LearnerLoop:
       print_fn: progress lines.
       keep_batches: keep a summary of every trained batch (tests).
       startup: the run's `startup.StartupClock`: its phases go into the
-        first update's progress line and metrics row.
+        first update's progress line and metrics row; each update's row
+        then holds `host_peak_gib`, the process's resident peak since the
+        previous row (from the clock's peak windows).
       start_saved: the starting version is saved already (a resumed one, or
         a fresh start's initial params). False after a warm-up: a stop
         before the first update then saves version 0, so that a rerun
@@ -116,6 +119,7 @@ class LearnerLoop:
     self._print = print_fn
     self._keep_batches = keep_batches
     self._startup = startup
+    self._memory = startup.memory if startup is not None else host_memory.PeakWindows()
     self.version = version
     self.groups_trained = groups_trained
     self._saved_version = version if start_saved else None
@@ -135,7 +139,8 @@ class LearnerLoop:
     self._progress = progress_lib.Progress(
         total=self._spec.num_steps, initial=self.version, log_every=self._spec.log_every,
         print_fn=self._print, bar=progress_lib.wants_bar(self._print),
-        first_line_suffix=None if self._startup is None else self._startup.summary())
+        # (at the first update: the programs it compiled count)
+        first_line_suffix=None if self._startup is None else self._startup.summary)
     try:
       self._rl_start = self._last_time = time.monotonic()
       self._eval_log.rl_start = self._rl_start
@@ -241,6 +246,9 @@ class LearnerLoop:
       record["eval_reward"] = self._eval_log(self.params, version, "rl")
     if step == self._first_step and self._startup is not None:
       record.update(self._startup.record())
+    peak = self._memory.take()
+    if peak is not None:
+      record["host_peak_gib"] = host_memory.gib(peak)
     self._writer.write({"phase": "rl", **record})
     if self._keep_batches and host_batch is not None:
       self._batches.append(step_record_lib.batch_summary(batch, host_batch))

@@ -60,6 +60,12 @@ def test_planning_for_more_devices_shards_further():
   one = dry_run.plan(spec, 1)
   assert one.colocated and one.per_device_peak() == one.learner.total + one.sampler.total
   assert np.isclose(one.learner.memory["params"], spec.model.num_params * 4)
+  # Microbatches: the scan's gradient sum is one more copy of the gradients.
+  assert "gradient_accumulator" not in one.learner.memory
+  config = tiny.load_config("arith", None)
+  config.learner.num_microbatches = 2
+  two = dry_run.plan(config_lib.build(config), 1)
+  assert two.learner.memory["gradient_accumulator"] == two.learner.memory["gradients"]
 
 
 def test_the_cli_dry_run_prints_the_plan_and_rejects_bad_config():
