@@ -16,13 +16,15 @@ one timed run per row):
 - `kv_cache`: "tiny" and "3M" (`sampler.py`'s models), 32 slots,
   max_new_tokens 64, 256 and 1,024; dense against paged (pages of 16, the
   default pool: enough pages for every slot at full length, no preemption),
-  decode_burst 1.
+  decode attention read in blocks (`attention` "blocks", the default) and
+  gathered whole, a program per width ("widths", `attention_block=0`:
+  `engine_harness.ATTENTION`), decode_burst 1.
 - `burst`: "tiny" and "3M", 32 slots, dense, max_new_tokens 128;
   decode_burst 1 against 4.
 - `cache`: start-up from an empty and from a warm persistent compilation
   cache (`config.compilation_cache`, `compile_cache.py`): each start a
   fresh process (in-memory jit caches empty) running the engine until its
-  first admission, dense and paged, "3M", 32 slots, 1,024 new tokens
+  first admission, dense and paged (blocks and widths), "3M", 32 slots, 1,024 new tokens
   (`--cache_budgets`); `programs` / `from_cache` count the executables
   built (`compile_cache.ProgramCounter`), `precompile_s` the engine's own
   ahead-of-time compile.
@@ -70,10 +72,18 @@ import sampler as sampler_bench  # noqa: E402  (benchmarks/sampler.py: models)
 PROMPT = 16
 
 
-def _engine_cfg(slots, max_new_tokens, kv_cache="dense", burst=1):
+def _engine_cfg(slots, max_new_tokens, attention="dense", burst=1):
+  """`attention`: one of `engine_harness.ATTENTION` (dense, or paged reading
+  blocks or widths)."""
   return engine_config.EngineConfig(
       num_slots=slots, group_size=1, prompt_buckets=(PROMPT,), max_new_tokens=max_new_tokens,
-      precompile=True, kv_cache=kv_cache, page_size=16, num_pages=0, decode_burst=burst)
+      precompile=True, **engine_harness.ATTENTION[attention], page_size=16, num_pages=0,
+      decode_burst=burst)
+
+
+def _attention(ecfg) -> str:
+  """The name in `engine_harness.ATTENTION` of how `ecfg` attends."""
+  return "dense" if not ecfg.paged else "blocks" if ecfg.decode_block else "widths"
 
 
 def run(model, ecfg, requests):
@@ -110,7 +120,8 @@ def measure(name, model, ecfg, requests):
   assert stats.sampled_tokens == requests * ecfg.max_new_tokens, stats.sampled_tokens
   assert stats.precompiled_programs == precompile.engine_shapes(ecfg).num_programs
   return {"model": name, "slots": ecfg.num_slots, "max_new_tokens": ecfg.max_new_tokens,
-          "slot_len": ecfg.length, "kv_cache": ecfg.kv_cache, "decode_burst": ecfg.decode_burst,
+          "slot_len": ecfg.length, "kv_cache": ecfg.kv_cache, "attention": _attention(ecfg),
+          "decode_burst": ecfg.decode_burst,
           "programs": precompile.engine_shapes(ecfg).num_programs,
           "precompile_s": round(stats.precompile_seconds, 2), "startup_s": round(startup, 2),
           "tokens": stats.sampled_tokens, "busy_s": round(stats.busy_seconds, 2),
@@ -147,16 +158,16 @@ def start_only(name, ecfg, cache_dir) -> dict:
     startup = time.perf_counter() - start
     engine.stop()
   return {"model": name, "slots": ecfg.num_slots, "max_new_tokens": ecfg.max_new_tokens,
-          "slot_len": ecfg.length, "kv_cache": ecfg.kv_cache,
+          "slot_len": ecfg.length, "kv_cache": ecfg.kv_cache, "attention": _attention(ecfg),
           "startup_s": round(startup, 2),
           "precompile_s": round(engine.stats.precompile_seconds, 2),
           "programs": programs.programs, "from_cache": programs.from_cache}
 
 
-def start_in_child(name, kv_cache, slots, max_new_tokens, cache_dir) -> dict:
+def start_in_child(name, attention, slots, max_new_tokens, cache_dir) -> dict:
   """`start_only` in a new Python process (so nothing is compiled yet)."""
   env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-  args = json.dumps([name, kv_cache, slots, max_new_tokens, cache_dir])
+  args = json.dumps([name, attention, slots, max_new_tokens, cache_dir])
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), f"--child={args}"],
                         env=env, capture_output=True, text=True, check=False)
   if proc.returncode:
@@ -196,8 +207,8 @@ def main() -> None:
   parser.add_argument("--child", default=None, help=argparse.SUPPRESS)  # (start_in_child)
   args = parser.parse_args()
   if args.child:
-    name, kv_cache, slots, max_new_tokens, cache_dir = json.loads(args.child)
-    print(json.dumps(start_only(name, _engine_cfg(slots, max_new_tokens, kv_cache), cache_dir)))
+    name, attention, slots, max_new_tokens, cache_dir = json.loads(args.child)
+    print(json.dumps(start_only(name, _engine_cfg(slots, max_new_tokens, attention), cache_dir)))
     return
   parts = set(args.parts.split(","))
   rows = []
@@ -207,7 +218,7 @@ def main() -> None:
   slots = 4 if args.quick else 32
   budgets = (16, 64) if args.quick else (64, 256, 1024)
   burst_budget = 64 if args.quick else 128
-  longest = max(_engine_cfg(slots, max(budgets), "paged").length,
+  longest = max(_engine_cfg(slots, max(budgets), "blocks").length,
                 _engine_cfg(slots, burst_budget).length)
   begin = time.perf_counter()
   for name in names:
@@ -215,8 +226,9 @@ def main() -> None:
     for n in budgets if "kv_cache" in parts else ():
       dense = measure(name, model, _engine_cfg(slots, n, "dense"), 2 * slots)
       emit({**base, "part": "kv_cache", **dense, **vs(dense, dense, "vs_dense")})
-      paged = measure(name, model, _engine_cfg(slots, n, "paged"), 2 * slots)
-      emit({**base, "part": "kv_cache", **paged, **vs(paged, dense, "vs_dense")})
+      for attention in ("blocks", "widths"):
+        paged = measure(name, model, _engine_cfg(slots, n, attention), 2 * slots)
+        emit({**base, "part": "kv_cache", **paged, **vs(paged, dense, "vs_dense")})
     if "burst" in parts:
       one = measure(name, model, _engine_cfg(slots, burst_budget, burst=1), 2 * slots)
       emit({**base, "part": "burst", **one, **vs(one, one, "vs_burst_1")})
@@ -228,11 +240,11 @@ def main() -> None:
     budgets = (64,) if args.quick else tuple(int(b) for b in args.cache_budgets.split(","))
     with tempfile.TemporaryDirectory(prefix="engine_cache_") as scratch:
       for n in budgets:
-        for kv_cache in ("dense", "paged"):
-          folder = os.path.join(scratch, f"{kv_cache}_{n}")
-          cold = start_in_child(name, kv_cache, slots, n, folder)
+        for attention in engine_harness.ATTENTION:
+          folder = os.path.join(scratch, f"{attention}_{n}")
+          cold = start_in_child(name, attention, slots, n, folder)
           emit({**base, "part": "cache", "start": "cold", **cold})
-          warm = start_in_child(name, kv_cache, slots, n, folder)
+          warm = start_in_child(name, attention, slots, n, folder)
           emit({**base, "part": "cache", "start": "warm", **warm,
                 "vs_cold": round(warm["startup_s"] / cold["startup_s"], 2)})
   print(f"\ntotal {time.perf_counter() - begin:.1f} s\n")

@@ -12,6 +12,13 @@ from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import sampling
 
+# How decode steps attend, the engine settings of each: dense, every column;
+# paged, a block of pages at a time, as many blocks as the slots need (the
+# default, `models/paged_blocks.py`), or one program per power-of-two width,
+# gathered at once (`attention_block=0`: the comparison row).
+ATTENTION = {"dense": dict(kv_cache="dense"), "blocks": dict(kv_cache="paged"),
+             "widths": dict(kv_cache="paged", attention_block=0)}
+
 
 class Requests:
   """Groups with the given completion budgets, as fast as the engine asks: of

@@ -10,14 +10,17 @@ Parts (every number measured in this run, side by side):
   (a 32-token prompt and 32 sampled), at slot limits (context lengths) of
   256 to 16,384 columns: the dense engine attends over every column of its
   `[slots, limit]` cache; the paged engine over the pages its slots hold,
-  rounded up to one of its compiled widths. Median of timed steps after a
+  read a block of 128 columns at a time (`attention` "blocks", the
+  default: `models/paged_blocks.py`), or rounded up to one of its compiled
+  power-of-two widths and gathered at once ("widths",
+  `attention_block=0`). Median of timed steps after a
   compiling one; with the decode roofline (`benchmarks/sampler.py`) at the
   live context, as a fraction of the measured step.
 - `long_tail`: the engine on lognormal completion lengths (CPU-sized: median
   128, p99 ~1k, cap 2,048; enough requests that most of the run is steady
   state) at one KV memory budget: the dense engine gets budget / limit
-  slots, the paged one 8x the slots sharing a pool of the same bytes
-  (preempting when it runs out). Sampling tokens/s (engine busy time, the
+  slots, the paged one (blocks, and widths) 8x the slots sharing a pool of
+  the same bytes (preempting when it runs out). Sampling tokens/s (engine busy time, the
   compiles before the first admission excluded) and mean live slots.
 - `group_prefill`: admitting a group of 16 samples of one 1,024-token prompt
   (dense and paged): one prefill per sample (`share_prompts=False`), against
@@ -65,12 +68,16 @@ SETTINGS = sampler_bench.SETTINGS
 PROMPT = 32
 
 
-def _engine_cfg(slots, limit, kv_cache, num_pages=0, page_size=16):
+ATTENTION = engine_harness.ATTENTION
+
+
+def _engine_cfg(slots, limit, attention, num_pages=0, page_size=16):
   """An engine config whose slots hold `limit` columns (a 32-token prompt
-  bucket, and one spare column for continuations: `EngineConfig.length`)."""
+  bucket, and one spare column for continuations: `EngineConfig.length`),
+  attending as `ATTENTION[attention]`."""
   return engine_config.EngineConfig(
       num_slots=slots, group_size=1, prompt_buckets=(PROMPT,),
-      max_new_tokens=limit - PROMPT - 1, context_bucket=1, kv_cache=kv_cache,
+      max_new_tokens=limit - PROMPT - 1, context_bucket=1, **ATTENTION[attention],
       page_size=page_size, num_pages=num_pages)
 
 
@@ -79,7 +86,7 @@ def _engine_cfg(slots, limit, kv_cache, num_pages=0, page_size=16):
 
 def decode_step(cfg, meshes, graphdef, params, ecfg, live, repeats):
   """Median seconds of one decode step of `ecfg.num_slots` slots that hold a
-  32-token prompt and `live - 32` sampled tokens, and the width it attends over."""
+  32-token prompt and `live - 32` sampled tokens, and the columns it attends over."""
   b = ecfg.num_slots
   fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
                                   settings=SETTINGS, num_slots=b, length=ecfg.length,
@@ -100,10 +107,14 @@ def decode_step(cfg, meshes, graphdef, params, ecfg, live, repeats):
   version = jnp.int32(0)
   times = []
   for i in range(live - PROMPT + repeats):
-    # The width an engine picks: the one that holds every slot's last column.
-    width = ecfg.width_for(PROMPT + i)
+    # The columns an engine reads: the blocks, or the width, that hold every slot's last one.
+    width = ecfg.decode_span(PROMPT + i)
     start = time.perf_counter()
-    if ecfg.paged:  # as a paged engine decodes: slots that need one width in one call
+    if ecfg.decode_block:  # as a paged engine decodes: slots that need one span in one call
+      state = fns.decode_rows(params, version, state, stop, np.arange(b, dtype=np.int32),
+                              np.int32(width // ecfg.decode_block), width=None,
+                              block=ecfg.decode_block)
+    elif ecfg.paged:
       state = fns.decode_rows(params, version, state, stop, np.arange(b, dtype=np.int32),
                               width=width)
     else:
@@ -245,19 +256,19 @@ def main() -> None:
                                                        16 if args.quick else 256)
   base = {}
   for limit in limits if "decode_step" in parts else ():
-    for kv_cache in ("dense", "paged"):
-      ecfg = _engine_cfg(slots, limit, kv_cache, page_size=16)
-      if kv_cache == "paged":  # a pool for the live work (and the trash page)
-        ecfg = _engine_cfg(slots, limit, kv_cache, page_size=16,
+    for attention in ATTENTION:
+      ecfg = _engine_cfg(slots, limit, attention, page_size=16)
+      if ecfg.paged:  # a pool for the live work (and the trash page)
+        ecfg = _engine_cfg(slots, limit, attention, page_size=16,
                            num_pages=max(slots * ((live + repeats) // 16 + 1) + 1,
                                          ecfg.pages_per_slot + 1))
       seconds, width = decode_step(cfg, meshes, graphdef, params, ecfg, live, repeats)
-      base.setdefault(kv_cache, seconds)
+      base.setdefault(attention, seconds)
       bound = sampler_bench.decode_step_roofline(cfg, slots, live, flops_peak, bytes_peak)
       emit({"benchmark": "long_context", "part": "decode_step", "model": name,
-            "kv_cache": kv_cache, "slots": slots, "limit": limit, "live_tokens": live,
-            "width": width, "step_ms": round(seconds * 1e3, 2),
-            "vs_limit_256": round(seconds / base[kv_cache], 2),
+            "kv_cache": ecfg.kv_cache, "attention": attention, "slots": slots, "limit": limit,
+            "live_tokens": live, "width": width, "step_ms": round(seconds * 1e3, 2),
+            "vs_limit_256": round(seconds / base[attention], 2),
             "roofline_fraction": round(bound / seconds, 3)})
   if "long_tail" in parts:
     # Long tail at one KV budget: the dense engine's slots x limit columns.
@@ -270,25 +281,30 @@ def main() -> None:
                       limit - PROMPT).astype(np.int32)
     dense_slots = 4 if args.quick else 8
     budget_columns = dense_slots * limit
-    for kv_cache, num_slots in (("dense", dense_slots), ("paged", 8 * dense_slots)):
-      ecfg = _engine_cfg(num_slots, limit, kv_cache,
-                         num_pages=budget_columns // 16 + 1 if kv_cache == "paged" else 0)
+    for attention in ATTENTION:
+      num_slots = dense_slots if attention == "dense" else 8 * dense_slots
+      ecfg = _engine_cfg(num_slots, limit, attention,
+                         num_pages=budget_columns // 16 + 1 if attention != "dense" else 0)
       # Compiled up front (but for --quick): the clock times sampling only.
       ecfg = engine_config.EngineConfig(**{**ecfg.__dict__, "precompile": not args.quick})
       stats, seconds = long_tail(cfg, meshes, graphdef, params, ecfg, budgets)
-      emit({"benchmark": "long_context", "part": "long_tail", "model": name, "kv_cache": kv_cache,
-            "slots": num_slots, "kv_columns": budget_columns, "requests": n,
+      emit({"benchmark": "long_context", "part": "long_tail", "model": name,
+            "kv_cache": ecfg.kv_cache, "attention": attention, "slots": num_slots,
+            "kv_columns": budget_columns, "requests": n,
             "median_len": int(np.median(budgets)), "p99_len": int(np.percentile(budgets, 99)),
             "max_len": int(budgets.max()), "tokens": stats.sampled_tokens,
             "tokens_per_s": round(stats.sampled_tokens / max(stats.busy_seconds, 1e-9), 1),
             "wall_s": round(seconds, 1), "mean_live_slots": round(stats.occupancy * num_slots, 2),
-            "preemptions": stats.preemptions, "kv_pages_peak": stats.kv_pages_peak})
-    tail = {r["kv_cache"]: r for r in rows if r["part"] == "long_tail"}
-    emit({"benchmark": "long_context", "part": "long_tail_ratio",
-          "tokens_per_s_ratio": round(tail["paged"]["tokens_per_s"]
-                                      / tail["dense"]["tokens_per_s"], 2),
-          "live_slots_ratio": round(tail["paged"]["mean_live_slots"]
-                                    / tail["dense"]["mean_live_slots"], 2)})
+            "preemptions": stats.preemptions, "kv_pages_peak": stats.kv_pages_peak,
+            "precompile_s": round(stats.precompile_seconds, 1),
+            "programs": stats.precompiled_programs})
+    tail = {r["attention"]: r for r in rows if r["part"] == "long_tail"}
+    for attention in ("blocks", "widths"):
+      emit({"benchmark": "long_context", "part": "long_tail_ratio", "attention": attention,
+            "tokens_per_s_ratio": round(tail[attention]["tokens_per_s"]
+                                        / tail["dense"]["tokens_per_s"], 2),
+            "live_slots_ratio": round(tail[attention]["mean_live_slots"]
+                                      / tail["dense"]["mean_live_slots"], 2)})
   if "group_prefill" in parts:
     # A group's prefill: 16 samples of a 1,024-token prompt.
     group, prompt_len = (4, 64) if args.quick else (16, 1024)

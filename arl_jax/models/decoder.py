@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arl_jax.models import model_config as model_config_lib
+from arl_jax.models import paged_blocks as paged_blocks_lib
 from arl_jax.models import rope as rope_lib
 from arl_jax.models import segment_attention as segment_attention_lib
 
@@ -82,7 +83,9 @@ class Attention(nnx.Module):
       attn_mask: `[B, T, S]` bool, True where query t may attend to key s
         (S = T without a cache, the cache length with one); or, without a
         cache, `segment_attention.Segments` (training rows: causal within
-        each segment, a block of queries at a time).
+        each segment, a block of queries at a time); or, with a paged
+        cache, `paged_blocks.Blocks` (its pages read a block at a time, as
+        many blocks as the call says).
       layer_cache: optional layer view of a cache (`kv_cache.KVCache.layer`
         or `paged_kv_cache.PagedKVCache.layer`); attention runs over its
         first S columns, S the mask's width.
@@ -111,6 +114,11 @@ class Attention(nnx.Module):
     if isinstance(attn_mask, segment_attention_lib.Segments):
       out = segment_attention_lib.attend(q, k, v, attn_mask).astype(x.dtype)
       new_cache = None
+    elif isinstance(attn_mask, paged_blocks_lib.Blocks):
+      # A paged cache read a block of pages at a time (`paged_blocks.py`).
+      out, new_cache = layer_cache.attend_blocks(q / math.sqrt(dh), k, v, cache_index,
+                                                 write_mask, attn_mask)
+      out = out.astype(x.dtype)
     elif t == 1 and layer_cache is not None and layer_cache.attends:
       # A decode step through a paged attention kernel, which reads the
       # cache's pages itself (`paged_kv_cache.PagedLayer.attend`).

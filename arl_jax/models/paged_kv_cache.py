@@ -12,8 +12,11 @@ memory.
 
 Attention reads the first `width` columns of every row by gathering the
 first `width / page_size` pages of its table row: a decode step costs what
-the batch's longest live context costs, not the slot length (the engine
-compiles a handful of widths, `engine_config.EngineConfig.decode_widths`).
+the batch's longest live context costs, not the slot length, but a program
+is compiled per width (`engine_config.EngineConfig.decode_widths`; a
+recompute reads them so). Decode steps and prefill chunks read their pages
+a block at a time instead, as many blocks as their rows need
+(`attend_blocks`, `paged_blocks.py`), so one program serves every width.
 
 Two pool layouts per layer, the two kernels' (`paged_attention.pool_layout`):
 - "split": keys and values apart, `[KVH, pages, page_size, Dh]` each (the
@@ -40,7 +43,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from arl_jax.models import paged_attention
+from arl_jax.models import paged_attention, paged_blocks
 
 TRASH_PAGE = 0  # never handed out: unfilled table entries and masked writes point here
 
@@ -267,6 +270,21 @@ class PagedLayer:
         q, new.keys, new.values, self.page_table[:, :width // new.keys.shape[2]], index + 1,
         interpret=self.attention == "pallas_interpret")
     return out, new
+
+  def attend_blocks(self, q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
+                    write_mask: jax.Array | None, blocks: paged_blocks.Blocks):
+    """XLA attention read a block of pages at a time (`paged_blocks.py`:
+    one program for every context length): writes `k`, `v` `[B, KVH, T,
+    Dh]` at per-row offsets `index` `[B]` and attends `q` `[B, T, H, Dh]`
+    (already scaled) as `blocks` says. Returns `[B, T, H, Dh]` float32 and
+    the updated layer."""
+    new = self._write(k, v, index, write_mask)
+    if self.layout == "interleaved":
+      read = lambda pages: gather_interleaved(new.keys, pages, blocks.block)
+    else:
+      read = lambda pages: (gather(new.keys, pages, blocks.block),
+                            gather(new.values, pages, blocks.block))
+    return paged_blocks.attend(q, read, self.page_table, blocks), new
 
   def update(self, k: jax.Array, v: jax.Array, index: jax.Array,
              write_mask: jax.Array | None, width: int):

@@ -39,7 +39,7 @@ class EngineConfig:
     kv_cache: "dense" (every slot holds `length` columns of KV cache, and a
       decode step attends over all of them) or "paged" (a pool of pages
       handed to slots as they grow; a step decodes slots in groups by the
-      width, one of `decode_widths`, that their contexts need: `kv_slots.py`).
+      columns their contexts need, `decode_span`: `kv_slots.py`).
     page_size: columns per page (paged).
     num_pages: pages of the pool, page 0 (never handed out) included; 0:
       enough for every slot at full length. When slots need more than the
@@ -64,6 +64,15 @@ class EngineConfig:
       interpret mode on any backend) or "ragged" (JAX's ragged paged
       attention kernel, TPU, over an interleaved pool:
       `models/paged_attention.py`).
+    attention_block: columns a paged engine's XLA attention reads per loop
+      iteration in decode steps and prefill chunks (rounded up to whole
+      pages): a call reads as many blocks as its rows' contexts need, and
+      one program per row bucket serves every context length
+      (`models/paged_blocks.py`). 0: one program per width of
+      `decode_widths` instead (seven at 1,056-column
+      slots; start-up and speed of both in `benchmarks/engine_defaults.py`).
+      Kernel attentions (`paged_attention` other than "xla") read each
+      row's own pages themselves and keep the widths.
   """
 
   num_slots: int
@@ -83,6 +92,7 @@ class EngineConfig:
   decode_burst: int = 1
   prefill_chunk: int = 0
   paged_attention: str = "xla"
+  attention_block: int = 128
 
   def __post_init__(self):
     weight_updates.check_names(self.weight_update, self.kv_policy)
@@ -101,6 +111,8 @@ class EngineConfig:
     paged_attention_lib.check_name(self.paged_attention)
     if self.paged_attention != "xla" and not self.paged:
       raise ValueError(f"paged_attention={self.paged_attention!r} needs kv_cache='paged'")
+    if self.attention_block < 0:
+      raise ValueError(f"attention_block must be >= 0, got {self.attention_block}")
     if self.prefill_chunk < 0:
       raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
     if self.paged and self.num_pages and self.num_pages - 1 < self.pages_per_slot:
@@ -181,6 +193,24 @@ class EngineConfig:
   def width_for(self, last_column: int) -> int | None:
     """The smallest of `decode_widths` that holds column `last_column`."""
     return next(w for w in self.decode_widths if w is None or w > last_column)
+
+  @property
+  def decode_block(self) -> int:
+    """Columns per block of a paged decode step's and prefill chunk's
+    attention loop (`attention_block` in whole pages, at most the slot's `length`); 0 when
+    decode steps compile a program per width instead (dense, a kernel
+    attention, or `attention_block` 0)."""
+    if not self.paged or self.paged_attention != "xla" or not self.attention_block:
+      return 0
+    block = -(-self.attention_block // self.page_size) * self.page_size
+    return min(block, self.length)
+
+  def decode_span(self, last_column: int) -> int | None:
+    """Columns a decode step whose last write lands at column `last_column`
+    reads: whole blocks of `decode_block`, or `width_for`'s width."""
+    if not self.decode_block:
+      return self.width_for(last_column)
+    return (last_column // self.decode_block + 1) * self.decode_block
 
   @property
   def can_preempt(self) -> bool:

@@ -17,11 +17,11 @@ on with the draws it would have made (as a resumed checkpoint's open segment
 does). A pool holds at least one longest sequence, so the oldest slot always
 proceeds and the engine never deadlocks.
 
-A paged decode step groups the slots by the width (one of
-`EngineConfig.decode_widths`) their context needs and decodes each group in
-its own call (`sampling.decode_rows`, merged when one call is cheaper), so
-attention reads about each slot's own pages, not the longest context's
-width for every slot.
+A paged decode step groups the slots by the columns their contexts need
+(`EngineConfig.decode_span`: whole attention blocks, or one of the compiled
+`decode_widths`) and decodes each group in its own call
+(`paged_decode.decode_rows`, merged when one call is cheaper), so attention
+reads about each slot's own pages, not the longest context's for every slot.
 """
 
 from __future__ import annotations
@@ -134,23 +134,28 @@ class PagedSlots(DenseSlots):
   def decode(self, fns, params, version, state, stop_rows, no_rows, rows_mask, mine, rows,
              steps: int = 1):
     del rows_mask
-    passes = 0
-    for width, slots in self.classes(rows, np.flatnonzero(mine), steps):
-      state = fns.decode_rows(params, version, state, stop_rows if passes == 0 else no_rows,
-                              slots, width=width, steps=steps)
+    passes, block = 0, self._cfg.decode_block
+    for span, slots in self.classes(rows, np.flatnonzero(mine), steps):
+      stop = stop_rows if passes == 0 else no_rows
+      if block:  # one program for every span: the blocks to read are an argument
+        state = fns.decode_rows(params, version, state, stop, slots, np.int32(span // block),
+                                width=None, steps=steps, block=block)
+      else:
+        state = fns.decode_rows(params, version, state, stop, slots, width=span, steps=steps)
       passes += 1
     return state, passes
 
   def classes(self, rows: Sequence, slots, steps: int = 1) -> list[tuple[int, np.ndarray]]:
-    """`(width, slot indices)` of the calls that decode `slots` for `steps`
-    steps: slots grouped by the width their last write needs, a group merged
-    into the next wider one when one call costs less than two (a call costs
-    its row bucket times its width plus `_ROW_COST` columns per row, plus
-    `_CALL_COST`), indices padded to a row bucket by repeating the last."""
+    """`(span, slot indices)` of the calls that decode `slots` for `steps`
+    steps: slots grouped by the columns their last write needs
+    (`EngineConfig.decode_span`), a group merged into the next wider one when
+    one call costs less than two (a call costs its row bucket times its span
+    plus `_ROW_COST` columns per row, plus `_CALL_COST`), indices padded to
+    a row bucket by repeating the last."""
     groups: dict[int, list[int]] = {}
     for slot in slots:
       last = min(rows[slot].last_column + steps - 1, self._cfg.length - 1)
-      groups.setdefault(self._cfg.width_for(last), []).append(int(slot))
+      groups.setdefault(self._cfg.decode_span(last), []).append(int(slot))
     b = self._cfg.num_slots
     cost = lambda n, width: (slot_fns.row_bucket(n, b) * (width + _ROW_COST)
                              + _CALL_COST * b)

@@ -17,8 +17,10 @@ group size in a prompt bucket (or one row per group when its samples share
 its prefill, and `fork` any number of rows); resumed multi-turn episodes and
 episodes a checkpoint left come back in any number, with contexts in any
 continuation bucket; a harvest reads any number of slots. A paged engine
-decodes any row bucket of slots (`decode_rows`) and recomputes at every
-width of `EngineConfig.decode_widths`, and sends page tables (`set_pages`). Rows a
+decodes any row bucket of slots (`decode_rows`; at every width of
+`EngineConfig.decode_widths` unless its attention reads blocks,
+`EngineConfig.decode_block`), recomputes at every width, and sends page
+tables (`set_pages`). Rows a
 paged engine preempts come back in any number, with their prompts and what
 they sampled: contexts that fit a prompt bucket are inserted, longer ones
 prefilled in chunks (`EngineConfig.chunk_columns`). A chunked prefill has
@@ -55,8 +57,12 @@ class Shapes:
     fork: the row buckets of `fork` (shared prompts; empty when off).
     steps: the step counts of decode calls (1, and `decode_burst`).
     begin: the row buckets of `begin_prefill` (chunked prefill; empty when off).
-    prefill: `(rows, width)` of each `prefill_chunk` program.
+    prefill: `(rows, width)` of each `prefill_chunk` program (width None
+      when it reads blocks of `decode_block`, or, dense, every column).
     chunk: columns per chunk (`EngineConfig.chunk_columns`).
+    decode_block: columns per block of a paged decode's and prefill
+      chunk's attention loop (`EngineConfig.decode_block`): their programs
+      then have no width, one per row bucket; 0: one per row bucket and width.
   """
 
   insert: tuple[tuple[int, int], ...]
@@ -69,14 +75,17 @@ class Shapes:
   begin: tuple[int, ...] = ()
   prefill: tuple[tuple[int, int | None], ...] = ()
   chunk: int = 0
+  decode_block: int = 0
 
   @property
   def decode(self) -> tuple[tuple[int | None, int | None, int], ...]:
     """`(rows, width, steps)` of each decode program: dense, `decode` of
     every slot (`(None, None, steps)`); paged, `decode_rows` of every row
-    bucket at each width; each at every step count."""
+    bucket, at each width unless it reads blocks (width None); each at every
+    step count."""
     rows = self.take_rows if self.paged else (None,)
-    return tuple((r, w, n) for n in self.steps for w in self.widths for r in rows)
+    widths = (None,) if self.decode_block else self.widths
+    return tuple((r, w, n) for n in self.steps for w in widths for r in rows)
 
   @property
   def num_programs(self) -> int:
@@ -131,8 +140,9 @@ def engine_shapes(cfg: engine_config.EngineConfig,
       # Any number of rows can start from another's prefill.
       fork=slot_fns.row_buckets(cfg.num_slots) if cfg.share_prompts else (),
       steps=tuple(sorted({1, cfg.decode_burst})), begin=chunk_rows,
-      prefill=tuple((r, w) for w in cfg.prefill_widths for r in chunk_rows),
-      chunk=cfg.chunk_columns)
+      prefill=tuple((r, w) for w in ((None,) if cfg.decode_block and cfg.prefill_widths
+                                     else cfg.prefill_widths) for r in chunk_rows),
+      chunk=cfg.chunk_columns, decode_block=cfg.decode_block)
 
 
 def _abstract(x) -> jax.ShapeDtypeStruct:
@@ -170,6 +180,7 @@ def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base
   # As the engine passes them: the version a host scalar (`jnp.int32`), the
   # row masks placed like the slots, the slot indices of a read a host array.
   version = jax.ShapeDtypeStruct((), jnp.int32)
+  count = jax.ShapeDtypeStruct((), jnp.int32)  # attention blocks (a host scalar)
   rows = jax.ShapeDtypeStruct(state.done.shape, jnp.bool_, sharding=fns.row_sharding)
   key = jax.ShapeDtypeStruct(base_key.shape, base_key.dtype)
   programs = []  # (label, a function that lowers it)
@@ -177,6 +188,12 @@ def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base
     if r is None:
       programs.append((f"decode steps={steps}", functools.partial(
           fns.decode.lower, params, version, state, rows, rows, steps=steps)))
+    elif width is None:  # reads blocks: how many is a host scalar
+      programs.append((f"decode rows={r} blocks of {shapes.decode_block} steps={steps}",
+                       functools.partial(
+                           fns.decode_rows.lower, params, version, state, rows,
+                           jax.ShapeDtypeStruct((r,), jnp.int32), count, width=None,
+                           steps=steps, block=shapes.decode_block)))
     else:  # the engine passes the slot indices as a host array
       programs.append((f"decode rows={r} width={width} steps={steps}", functools.partial(
           fns.decode_rows.lower, params, version, state, rows,
@@ -203,6 +220,13 @@ def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base
   for r, width in shapes.prefill:  # (rows, start, final: host arrays)
     indices = jax.ShapeDtypeStruct((r,), jnp.int32)
     final = jax.ShapeDtypeStruct((r,), jnp.bool_)
+    if shapes.decode_block:  # reads blocks: how many is a host scalar
+      programs.append((f"prefill_chunk rows={r} blocks of {shapes.decode_block}",
+                       functools.partial(
+                           fns.prefill_chunk.lower, params, version, state, indices, indices,
+                           final, count, chunk=shapes.chunk, width=None,
+                           block=shapes.decode_block)))
+      continue
     programs.append((f"prefill_chunk rows={r} width={width}", functools.partial(
         fns.prefill_chunk.lower, params, version, state, indices, indices, final,
         chunk=shapes.chunk, width=width)))

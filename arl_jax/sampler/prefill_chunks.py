@@ -29,6 +29,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 from flax import nnx
 
+from arl_jax.models import paged_blocks
 from arl_jax.sampler import sampling, token_draw
 
 
@@ -77,9 +78,9 @@ def begin(state: sampling.SlotState, base_key, slots, tokens, token_mask, logpro
       keys=put(state.keys, token_draw.segment_keys(base_key, key_ids)))
 
 
-def prefill_chunk(graphdef, params, version, state: sampling.SlotState, rows, start, final, *,
-                  settings: sampling.SamplingSettings, chunk: int,
-                  width: int | None) -> sampling.SlotState:
+def prefill_chunk(graphdef, params, version, state: sampling.SlotState, rows, start, final,
+                  blocks=None, *, settings: sampling.SamplingSettings, chunk: int,
+                  width: int | None, block: int = 0) -> sampling.SlotState:
   """Prefills columns `[start, start + chunk)` of the slots `rows` (begun by
   `begin`); rows whose chunk is their `final` one sample their first token.
 
@@ -94,10 +95,15 @@ def prefill_chunk(graphdef, params, version, state: sampling.SlotState, rows, st
     settings: static sampling settings.
     chunk: static, C columns per chunk.
     width: static, columns attended over (>= every `start + chunk`; None: all).
+    blocks: int32 scalar, with `block`: a paged cache's columns attended
+      over are read `block` at a time (`models/paged_blocks.py`), `blocks`
+      of them (they hold every `start + chunk`); `width` is ignored, and one
+      program serves every width.
+    block: static, columns per block (0: gather `width` columns at once).
   """
   model = nnx.merge(graphdef, params)
   length = state.tokens.shape[1]
-  width = length if width is None else width
+  width = length if width is None or block else width
   r = rows.shape[0]
   columns = start[:, None] + jnp.arange(chunk)[None, :]  # [R, C]
   at = (rows[:, None], columns)
@@ -107,7 +113,10 @@ def prefill_chunk(graphdef, params, version, state: sampling.SlotState, rows, st
   positions = jnp.maximum(positions[jnp.arange(r)[:, None], columns], 0)
   valid = state.cache.valid.at[at].set(state.cache.valid[at] | mask)
   row_valid = valid[rows, :width]
-  attn = row_valid[:, None, :] & (jnp.arange(width)[None, None, :] <= columns[:, :, None])
+  if block:
+    attn = paged_blocks.Blocks(valid=row_valid, columns=columns, count=blocks, block=block)
+  else:
+    attn = row_valid[:, None, :] & (jnp.arange(width)[None, None, :] <= columns[:, :, None])
   logits, view = model(state.tokens[at], positions, attn,
                        state.cache.rows_view(rows, row_valid), start, last_only=True)
   fed = start + chunk  # every column before it is in the cache now

@@ -355,10 +355,10 @@ def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
   """
   model = nnx.merge(graphdef, params)
   step = lambda _, s: _decode_all(model, version, s, rows, settings)
-  return _repeat(step, state.replace(done=state.done | stop_rows), steps)
+  return repeat_steps(step, state.replace(done=state.done | stop_rows), steps)
 
 
-def _repeat(step, state: SlotState, steps: int) -> SlotState:
+def repeat_steps(step, state: SlotState, steps: int) -> SlotState:
   """`step(i, state)` `steps` times (a device loop when more than once)."""
   return step(0, state) if steps == 1 else jax.lax.fori_loop(0, steps, step, state)
 
@@ -381,47 +381,6 @@ def _decode_all(model, version, state: SlotState, rows, settings) -> SlotState:
   return record_tokens(state, live, columns, tokens, logp, version, settings)
 
 
-def decode_rows(graphdef, params, version, state: SlotState, stop_rows, rows, *,
-                settings: SamplingSettings, width: int, steps: int = 1) -> SlotState:
-  """`decode_step` for the slots `rows` only, over `width` columns: a paged
-  cache's pool is shared by every slot, so a call runs the model on `[R]`
-  rows and reads only their pages. The engine calls it once per group of
-  slots whose contexts need the same width (`kv_slots.PagedSlots.classes`),
-  so a step's attention follows each slot's own context, not the longest.
-
-  Args:
-    graphdef, params, version, state, settings, steps: as `decode_step` (a
-      paged state).
-    stop_rows: `[B]` bool, slots to end before this step.
-    rows: `[R]` int32 slots to decode (a repeated slot gets identical results).
-    width: static, columns attended over (holds every slot's last column,
-      after every step).
-  """
-  model = nnx.merge(graphdef, params)
-  step = lambda _, s: _decode_rows_once(model, version, s, rows, settings, width)
-  return _repeat(step, state.replace(done=state.done | stop_rows), steps)
-
-
-def _decode_rows_once(model, version, state: SlotState, rows, settings, width) -> SlotState:
-  """One decode step of the live slots among `rows` (`decode_rows`)."""
-  length = state.tokens.shape[1]
-  live = ~state.done[rows]
-  last = state.index[rows]
-  valid = state.cache.valid.at[rows, last].set(state.cache.valid[rows, last] | live)
-  row_valid = valid[rows, :width]
-  attn = row_valid[:, None, :] & (jnp.arange(width)[None, None, :] <= last[:, None, None])
-  view = state.cache.replace(valid=row_valid, page_table=state.cache.page_table[rows])
-  logits, view = model(state.tokens[rows, last][:, None], state.positions[rows][:, None], attn,
-                       view, last, write_mask=live)
-  state = state.replace(
-      cache=state.cache.replace(keys=view.keys, values=view.values, valid=valid),
-      positions=state.positions.at[rows].set(state.positions[rows] + live.astype(jnp.int32)))
-  columns = jnp.minimum(last + 1, length - 1)
-  tokens, logp = token_draw.sample_from_logits(logits[:, 0], state.keys[rows],
-                                               columns - state.prompt_end[rows], settings)
-  return record_tokens(state, live, columns, tokens, logp, version, settings, rows=rows)
-
-
 def recompute_cache(graphdef, params, state: SlotState, rows, *,
                     width: int | None = None) -> SlotState:
   """Re-prefills the KV cache of `rows` under `params` (the `recompute` KV policy).
@@ -442,9 +401,3 @@ def recompute_cache(graphdef, params, state: SlotState, rows, *,
   _, cache = model(tokens, positions, decoder_lib.causal_mask(fed), state.cache,
                    jnp.zeros((b,), jnp.int32), write_mask=live)
   return state.replace(cache=cache)
-
-
-def set_page_table(state: SlotState, page_table) -> SlotState:
-  """The state with the paged cache's page table `[B, L / page_size]` the
-  host's page pool holds now (`sampler/page_pool.py`)."""
-  return state.replace(cache=state.cache.replace(page_table=page_table))

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from arl_jax import trace_counter
-from arl_jax.sampler import prefill_chunks, sampling
+from arl_jax.sampler import paged_decode, prefill_chunks, sampling
 from arl_jax.sharding import rules as rules_lib
 
 
@@ -43,18 +43,20 @@ class SamplerFns:
       versions, key_ids, max_new, stop_mask, bucket, open_len, first) ->
       SlotState`, contexts put in slots to be prefilled in chunks
       (`prefill_chunks.begin`; one program per row count).
-    prefill_chunk: `(params, version, state, rows, start, final, chunk,
-      width) -> SlotState`, a chunk of those contexts prefilled
-      (`prefill_chunks.prefill_chunk`; one program per row count and width).
+    prefill_chunk: `(params, version, state, rows, start, final, blocks=None,
+      chunk, width, block=0) -> SlotState`, a chunk of those contexts
+      prefilled (`prefill_chunks.prefill_chunk`; one program per row count
+      and width, or per row count when it reads blocks).
     decode: `(params, version, state, stop_rows, rows, steps=1) -> SlotState`
       (`sampling.decode_step`; one program per step count).
-    decode_rows: `(params, version, state, stop_rows, rows, width, steps=1) ->
-      SlotState` (`sampling.decode_rows`, paged states; one program per row
-      count, width and step count).
+    decode_rows: `(params, version, state, stop_rows, rows, blocks=None, width,
+      steps=1, block=0) -> SlotState` (`paged_decode.decode_rows`, paged
+      states; one program per row count, width and step count; `width`
+      None, one per row count and step count).
     recompute: `(params, state, rows, width=None) -> SlotState`
       (`sampling.recompute_cache`).
     set_pages: `(state, page_table) -> SlotState`, a paged cache's page table
-      as the host's page pool holds it (`sampling.set_page_table`).
+      as the host's page pool holds it (`paged_decode.set_page_table`).
     take_rows: `(state, slots) -> dict` of the rows `slots` of the per-column
       fields and of `prompt_end` and `stopped` (what a harvest reads).
     state_shardings: the SlotState's NamedSharding per array.
@@ -140,8 +142,8 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
                                       graphdef, settings=settings)
   decode = functools.partial(counters["decode"].wrap(sampling.decode_step), graphdef,
                              settings=settings)
-  decode_rows = functools.partial(counters["decode"].wrap(sampling.decode_rows), graphdef,
-                                  settings=settings)
+  decode_rows = functools.partial(counters["decode"].wrap(paged_decode.decode_rows),
+                                  graphdef, settings=settings)
   prefill_chunk = functools.partial(counters["prefill"].wrap(prefill_chunks.prefill_chunk),
                                     graphdef, settings=settings)
   recompute = functools.partial(counters["recompute"].wrap(sampling.recompute_cache), graphdef)
@@ -154,14 +156,14 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
       begin_prefill=jax.jit(counters["prefill"].wrap(prefill_chunks.begin),
                             out_shardings=shardings, donate_argnums=0),
       prefill_chunk=jax.jit(prefill_chunk, out_shardings=shardings, donate_argnums=2,
-                            static_argnames=("chunk", "width")),
+                            static_argnames=("chunk", "width", "block")),
       decode=jax.jit(decode, out_shardings=shardings, donate_argnums=2,
                      static_argnames="steps"),
       decode_rows=jax.jit(decode_rows, out_shardings=shardings, donate_argnums=2,
-                          static_argnames=("width", "steps")),
+                          static_argnames=("width", "steps", "block")),
       recompute=jax.jit(recompute, out_shardings=shardings, donate_argnums=1,
                         static_argnames="width"),
-      set_pages=jax.jit(counters["set_pages"].wrap(sampling.set_page_table),
+      set_pages=jax.jit(counters["set_pages"].wrap(paged_decode.set_page_table),
                         out_shardings=shardings, donate_argnums=0),
       take_rows=jax.jit(counters["take_rows"].wrap(_take_rows)),
       state_shardings=shardings,

@@ -3,7 +3,8 @@ the GPU kernel in interpret mode attends as the XLA path over gathered pages
 and a paged engine's decode steps sample the same tokens through it; the TPU
 ragged kernel's arguments give the XLA path's attention through the kernel's
 own reference implementation and pass its shape checks, and its pool layout
-samples the same tokens."""
+samples the same tokens. The XLA path read a block of pages at a time
+(`models/paged_blocks.py`) attends and samples as over the whole width."""
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from jax.experimental.pallas.ops.tpu import ragged_paged_attention as ragged_ker
 
 from arl_jax import config_lib
 from arl_jax import rows as rows_lib
-from arl_jax.models import paged_attention, paged_kv_cache
+from arl_jax.models import paged_attention, paged_blocks, paged_kv_cache
 from arl_jax.sampler import sampling, slot_fns, token_draw
 from arl_jax.sharding import mesh_lib
 from arl_jax.testing import tiny
@@ -76,10 +77,12 @@ def test_the_ragged_kernels_arguments_attend_as_the_xla_path(heads, kv_heads, pa
 
 
 def _decode(meshes, attention, layout=None, orders=((0, 1, 2, 3),), steps=12, vocab_size=259,
-            budgets=(16, 16, 16, 16)):
+            budgets=(16, 16, 16, 16), block=0):
   """Slot functions of a paged cache decoding 4 rows (contexts of 3-12 tokens
   from column 0) for `steps` steps, the rows handed to each call in the next
-  of `orders` (a row lands on another `data` shard when its place changes)."""
+  of `orders` (a row lands on another `data` shard when its place changes);
+  attention over every column at once, or (`block`) a block of columns at a
+  time, as many blocks as the longest context needs."""
   cfg = tiny.tiny_model_config(vocab_size=vocab_size)
   graphdef, params, sampler_shardings = tiny.learner_and_sampler_params(cfg, meshes)
   params = jax.device_put(params, sampler_shardings)
@@ -102,8 +105,13 @@ def _decode(meshes, attention, layout=None, orders=((0, 1, 2, 3),), steps=12, vo
       np.zeros((slots, bucket), np.float32), np.full((slots, bucket), -1, np.int32))
   for step in range(steps):
     order = np.asarray(orders[step % len(orders)], np.int32)
-    state = fns.decode_rows(params, jnp.int32(0), state, np.zeros(slots, bool), order,
-                            width=length)
+    if block:
+      blocks = np.int32(int(jnp.max(state.index)) // block + 1)
+      state = fns.decode_rows(params, jnp.int32(0), state, np.zeros(slots, bool), order,
+                              blocks, width=None, block=block)
+    else:
+      state = fns.decode_rows(params, jnp.int32(0), state, np.zeros(slots, bool), order,
+                              width=length)
   return state
 
 
@@ -120,6 +128,46 @@ def test_decode_steps_through_the_kernel_sample_what_the_xla_path_samples():
   reference = _decode(meshes, "xla")
   _assert_same_samples(_decode(meshes, "pallas_interpret"), reference)
   _assert_same_samples(_decode(meshes, "xla", "interleaved"), reference)
+
+
+@pytest.mark.parametrize("heads,kv_heads,pages_per_row", GEOMETRIES)
+@pytest.mark.parametrize("block_pages", [1, 2, 3])
+def test_attention_read_in_blocks_is_the_whole_widths(heads, kv_heads, pages_per_row,
+                                                      block_pages):
+  """`paged_blocks.attend` (an online softmax over blocks of pages) gives the
+  softmax over every column: blocks of 1 page, of 2, of 3 (which do not
+  divide every row, so the last block reads past the table: padded), read
+  as many as the longest row needs, or more (the rest masked)."""
+  q, keys, values, table, lengths = _pools_and_rows(heads, kv_heads, pages_per_row)
+  reference = _xla_attention(q, keys, values, table, lengths)
+  block = block_pages * keys.shape[2]
+  read = lambda pages: (paged_kv_cache.gather(keys, pages, block),
+                        paged_kv_cache.gather(values, pages, block))
+  width = table.shape[1] * keys.shape[2]
+  valid = jnp.arange(width)[None, :] < lengths[:, None]
+  needed = -(-int(lengths.max()) // block)
+  for count in (needed, needed + 1):
+    blocks = paged_blocks.Blocks(valid=valid, columns=(lengths - 1)[:, None],
+                                 count=jnp.int32(count), block=block)
+    out = jax.jit(paged_blocks.attend, static_argnums=1)(q[:, None], read, table, blocks)
+    np.testing.assert_allclose(out[:, 0], reference, atol=1e-5)
+
+
+def test_decode_steps_reading_blocks_sample_what_the_whole_width_samples():
+  """A paged decode step's attention read a block of pages at a time
+  (`width=None`) samples the tokens of one over the whole width, with either
+  pool layout, blocks that do not divide the slot (12 of 32 columns), and
+  on a sampler mesh of 2 data x 2 tp devices with rows changing shards."""
+  meshes = tiny.single_device_meshes()
+  reference = _decode(meshes, "xla")
+  _assert_same_samples(_decode(meshes, "xla", block=8), reference)
+  _assert_same_samples(_decode(meshes, "xla", "interleaved", block=4), reference)
+  _assert_same_samples(_decode(meshes, "xla", block=12), reference)
+  orders = ((0, 1, 2, 3), (2, 3, 0, 1), (3, 1, 0, 0))
+  run = dict(orders=orders, vocab_size=260, budgets=(16, 16, 4, 16))
+  sharded = mesh_lib.make_role_meshes(mesh_lib.MeshConfig(
+      placement="disaggregated", sampler=(("data", 2), ("tp", 2))))
+  _assert_same_samples(_decode(sharded, "xla", block=8, **run), _decode(meshes, "xla", **run))
 
 
 _STAND_IN_SHAPES = []

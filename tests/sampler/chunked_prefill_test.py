@@ -65,11 +65,14 @@ def test_chunks_are_right_aligned_to_the_end_of_the_context():
                                max_new_tokens=8, prefill_chunk=-1)
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
-def test_a_chunked_prefill_fills_the_cache_an_insert_fills(setup, paged):
+@pytest.mark.parametrize("paged,block", [(False, 0), (True, 0), (True, 12)],
+                         ids=["dense", "paged", "paged-blocks"])
+def test_a_chunked_prefill_fills_the_cache_an_insert_fills(setup, paged, block):
   """Slot functions alone: begin + chunks (of 8, some clamped at column 0)
   leave the slots as one insert (of a bucket of 32) does: the same first
-  tokens, positions and columns, and the same next 10 tokens."""
+  tokens, positions and columns, and the same next 10 tokens; paged, the
+  chunks attend over 32 columns gathered at once, or read 12 (3 pages) at
+  a time, as many blocks as the chunk's last column needs."""
   slots, length, page_size, bucket, chunk = 4, 64, 4, 32, 8
   pages = dict(num_pages=slots * length // page_size + 1, page_size=page_size) if paged else {}
   fns = slot_fns.make_sampler_fns(graphdef=setup["graphdef"], model_cfg=setup["cfg"],
@@ -105,10 +108,14 @@ def test_a_chunked_prefill_fills_the_cache_an_insert_fills(setup, paged):
   for k in range(max(map(len, plans))):
     live = [i for i in range(slots) if k < len(plans[i])]
     live += [live[-1]] * (slot_fns.row_bucket(len(live), slots) - len(live))
-    state = fns.prefill_chunk(params, version, state, np.array(live, np.int32),
-                              np.array([plans[i][k] for i in live], np.int32),
-                              np.array([k == len(plans[i]) - 1 for i in live]), chunk=chunk,
-                              width=bucket if paged else None)
+    starts = np.array([plans[i][k] for i in live], np.int32)
+    args = (params, version, state, np.array(live, np.int32), starts,
+            np.array([k == len(plans[i]) - 1 for i in live]))
+    if block:
+      count = np.int32((starts.max() + chunk - 1) // block + 1)
+      state = fns.prefill_chunk(*args, count, chunk=chunk, width=None, block=block)
+    else:
+      state = fns.prefill_chunk(*args, chunk=chunk, width=bucket if paged else None)
   for field in ("index", "positions", "prompt_end", "limit", "done"):
     np.testing.assert_array_equal(getattr(state, field), getattr(ref, field), err_msg=field)
   for _ in range(10):
@@ -191,8 +198,14 @@ def test_chunk_programs_are_compiled_up_front(setup):
   assert late == [] and engine.stats.prefill_chunks > 0
   geometry = dict(num_slots=SLOTS, group_size=1, prompt_buckets=(6,), max_new_tokens=8,
                   prefill_chunk=4)
-  paged = engine_config.EngineConfig(kv_cache="paged", page_size=4, **geometry)
-  assert paged.decode_widths == (8, 16, 24) and paged.prefill_widths == (8, 16, 24)
+  widths = engine_config.EngineConfig(kv_cache="paged", page_size=4, attention_block=0,
+                                      **geometry)
+  assert widths.decode_widths == (8, 16, 24) and widths.prefill_widths == (8, 16, 24)
+  assert len(precompile.engine_shapes(widths).prefill) == 3 * 3
+  # Paged attention read in blocks: a chunk program per row bucket.
+  blocks = engine_config.EngineConfig(kv_cache="paged", page_size=4, attention_block=8,
+                                      **geometry)
+  assert precompile.engine_shapes(blocks).prefill == ((1, None), (2, None), (4, None))
   shapes = precompile.engine_shapes(engine_config.EngineConfig(**geometry))
   assert shapes.begin == (1, 2, 4) and shapes.prefill == ((1, None), (2, None), (4, None))
   assert engine.traces()["prefill"] == len(shapes.begin) + len(shapes.prefill)

@@ -16,7 +16,7 @@ from tests.sampler.paged_engine_test import (
   assert_same_samples,
 )
 
-PAGED = dict(kv_cache="paged", page_size=4)
+PAGED = dict(kv_cache="paged", page_size=4, attention_block=8)  # (reads 1 to 3 blocks)
 
 
 @pytest.fixture(scope="module")
@@ -53,11 +53,14 @@ def test_a_swap_between_bursts_records_exact_versions(setup, mode, kv_policy):
   assert_exact_versions(setup, groups, kv_policy)
 
 
-def test_an_engine_with_bursts_compiles_both_step_counts():
+@pytest.mark.parametrize("attention_block", [8, 0])
+def test_an_engine_with_bursts_compiles_both_step_counts(attention_block):
   cfg = engine_config.EngineConfig(num_slots=4, group_size=1, prompt_buckets=(6,),
                                    max_new_tokens=8, kv_cache="paged", page_size=4,
-                                   decode_burst=4)
+                                   decode_burst=4, attention_block=attention_block)
   shapes = precompile.engine_shapes(cfg)
   assert shapes.steps == (1, 4)
   assert sorted({s for _, _, s in shapes.decode}) == [1, 4]
-  assert len(shapes.decode) == 2 * len(shapes.take_rows) * len(cfg.decode_widths)
+  # A program per row bucket, and per width unless attention reads blocks.
+  widths = len(cfg.decode_widths) if not attention_block else 1
+  assert len(shapes.decode) == 2 * len(shapes.take_rows) * widths

@@ -9,7 +9,8 @@ from arl_jax.sampler import engine_config
 from arl_jax.testing import tiny
 from tests.sampler.engine_test import NEW, ScriptedPublisher, _engine, _run_until, teacher_forced
 
-PAGED = dict(kv_cache="paged", page_size=4)
+# Decode attention reads blocks of 8 columns (2 pages): 1 to 3 of them a step.
+PAGED = dict(kv_cache="paged", page_size=4, attention_block=8)
 # 8 slots x 6 pages of 4 columns (6 + 8 + 8 = 22 -> 24 columns) would need 49;
 # 12 usable pages hold two full slots: the engine must preempt.
 SMALL_POOL = dict(PAGED, num_pages=13)
@@ -65,10 +66,12 @@ def assert_exact_versions(setup, groups, kv_policy):
                                  atol=1e-5)
 
 
-def test_paged_engines_sample_what_the_dense_engine_samples(setup):
+@pytest.mark.parametrize("attention_block", [8, 0])  # (0: a program per width)
+def test_paged_engines_sample_what_the_dense_engine_samples(setup, attention_block):
   v0, _ = setup["sampler_params"]
   dense, _ = _groups(setup, ScriptedPublisher(v0, None, 0))
-  small, tight = _groups(setup, ScriptedPublisher(v0, None, 0), **SMALL_POOL)
+  small, tight = _groups(setup, ScriptedPublisher(v0, None, 0),
+                         **dict(SMALL_POOL, attention_block=attention_block))
   assert tight.stats.preemptions > 0
   assert tight.stats.kv_pages_peak == tight.stats.kv_pages == 12
   _check_pages(tight)

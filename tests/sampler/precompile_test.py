@@ -41,9 +41,11 @@ def test_shared_prompts_insert_a_row_per_group_and_fork_any_number():
 def test_a_pool_that_can_preempt_prefills_longer_contexts_in_precompiled_chunks():
   """Preempted rows come back in any number with contexts of any length:
   those of a prompt bucket are inserted (every row count), longer ones are
-  chunked (programs per row count and width), so no length compiles mid-run."""
+  chunked (programs per row count, and per width unless attention reads
+  blocks), so no length compiles mid-run."""
   full = engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6, 16),
-                                    max_new_tokens=40, kv_cache="paged", page_size=8)
+                                    max_new_tokens=40, kv_cache="paged", page_size=8,
+                                    attention_block=0)
   assert not full.can_preempt and full.chunk_columns == 0  # (every slot at full length)
   small = engine_config.EngineConfig(**{**full.__dict__, "num_pages": 12})
   assert small.can_preempt and small.chunk_columns == 16
@@ -52,6 +54,9 @@ def test_a_pool_that_can_preempt_prefills_longer_contexts_in_precompiled_chunks(
   assert shapes.insert == tuple((r, b) for b in (6, 16) for r in (1, 2, 4, 8))
   assert shapes.chunk == 16 and shapes.begin == (1, 2, 4, 8)
   assert {w for _, w in shapes.prefill} == {w for w in small.decode_widths if w >= 16}
+  # Attention read in blocks: one chunk program per row count, whatever the width.
+  blocks = engine_config.EngineConfig(**{**small.__dict__, "attention_block": 16})
+  assert precompile.engine_shapes(blocks).prefill == tuple((r, None) for r in (1, 2, 4, 8))
   chunked = engine_config.EngineConfig(**{**small.__dict__, "prefill_chunk": 4})
   assert chunked.chunk_columns == 4  # (the configured chunk wins)
 
@@ -156,17 +161,22 @@ def test_no_compile_after_the_first_admission(setup):
   assert engine.metrics()["sampler_precompile_s"] > 0
 
 
-def test_a_paged_engine_compiles_every_width_and_the_page_table_up_front(setup):
-  options = dict(kv_cache="paged", page_size=4, kv_policy="recompute", decode_burst=2)
+@pytest.mark.parametrize("attention_block", [0, 8])
+def test_a_paged_engine_compiles_every_width_and_the_page_table_up_front(setup,
+                                                                         attention_block):
+  options = dict(kv_cache="paged", page_size=4, kv_policy="recompute", decode_burst=2,
+                 attention_block=attention_block)
   engine, late = _run(setup, precompile_shapes=True, total=12, **options)
   assert late == []
   cfg = engine_config.EngineConfig(num_slots=SLOTS, group_size=1, prompt_buckets=(PROMPT_LEN,),
                                    max_new_tokens=NEW, **options)
   assert cfg.decode_widths == (8, 16, 24)  # 6 + 8 + 8 columns -> 24, 6 pages
   shapes = precompile.engine_shapes(cfg)
-  # decode_rows at 1, 2 and 4 rows x 3 widths x 1 or 2 steps (bursts);
-  # recompute at each width.
+  # decode_rows at 1, 2 and 4 rows x 1 or 2 steps (bursts), x 3 widths
+  # unless its attention reads blocks of 8 columns (then one program reads
+  # 1 to 3 blocks); recompute at each width.
+  decode = 3 * 2 * (1 if attention_block else 3)
   assert engine.stats.precompiled_programs == shapes.num_programs == (
-      3 + 3 + 3 + 3 * 3 * 2 + 3 + 1)
+      3 + 3 + 3 + decode + 3 + 1)
   assert engine.traces() == {"init": 1, "insert": 3, "fork": 3, "prefill": 0,
-                             "decode": 18, "recompute": 3, "set_pages": 1, "take_rows": 3}
+                             "decode": decode, "recompute": 3, "set_pages": 1, "take_rows": 3}
