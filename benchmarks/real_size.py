@@ -18,7 +18,9 @@ chosen settings and the loss settings are the run's. Parts:
   of `group_size` rollouts of the held-out chat prompts, every completion
   running to `max_new_tokens` (EOS never ends one, so every row samples the
   same tokens), temperature 1; the dense and the paged KV cache, each with
-  shared group prompts (one prefill a group, `sampling.fork`) and without.
+  shared group prompts (one prefill a group, `sampling.fork`) and without,
+  the paged one reading attention in blocks (`attention` "blocks", the
+  default) and, shared, gathered at compiled widths ("widths").
   `busy tok/s` sampled tokens over the engine's busy seconds (prefill,
   decode; no compiles), `prefill s` and `decode ms/step` its own clocks,
   `forked` the rows that started from a shared prefill.
@@ -147,40 +149,44 @@ def bench_sampler(resolved, *, groups: int) -> list[dict]:
   group_size = spec.engine.group_size
   prompts = _prompts(resolved, groups)
   rows = []
-  for kv_cache in ("dense", "paged"):
-    for share in (True, False):
-      ecfg = dataclasses.replace(spec.engine, kv_cache=kv_cache, share_prompts=share,
-                                 num_pages=0)
-      # EOS is a token outside the vocabulary: every completion runs to its budget.
-      settings = dataclasses.replace(spec.sampling, eos_id=10 ** 6)
-      done = []
-      engine = engine_lib.SamplerEngine(
-          cfg=ecfg, settings=settings, graphdef=graphdef, model_cfg=spec.sampler_model,
-          mesh=meshes.sampler, publisher=engine_harness.Params(params),
-          dispatcher=engine_harness.Requests(np.full(groups, ecfg.max_new_tokens), 0,
-                                             group_size=group_size, prompts=prompts),
-          on_segment_fn=done.append)
-      start = time.perf_counter()
-      engine.start()  # (precompiles every program first, as the config asks)
-      while len(done) < groups * group_size:
-        engine.raise_if_failed()
-        time.sleep(0.02)
-      wall = time.perf_counter() - start
-      engine.stop()
-      stats = engine.stats
-      assert stats.sampled_tokens == groups * group_size * ecfg.max_new_tokens, stats
-      rows.append({
-          "benchmark": "real_size", "part": "sampler", "kv_cache": kv_cache,
-          "share_prompts": share, "slots": ecfg.num_slots, "slot_len": ecfg.length,
-          "decode_burst": ecfg.decode_burst, "groups": f"{groups}x{group_size}",
-          "prompt tokens": int(np.mean([len(p) for p in prompts])),
-          "tokens": stats.sampled_tokens, "forked": stats.forked_rows,
-          "precompile s": round(stats.precompile_seconds, 1),
-          "prefill s": round(stats.prefill_seconds, 2),
-          "decode ms/step": round(1e3 * stats.decode_seconds / max(stats.steps, 1), 1),
-          "busy tok/s": round(stats.sampled_tokens / stats.busy_seconds, 1),
-          "wall s": round(wall, 1)})
-      print(json.dumps(rows[-1]), flush=True)
+  # (paged attention read in blocks, the default, and, shared, gathered at
+  # compiled widths: the comparison row, `engine_harness.ATTENTION`)
+  variants = [("dense", True), ("dense", False), ("blocks", True), ("blocks", False),
+              ("widths", True)]
+  for attention, share in variants:
+    ecfg = dataclasses.replace(spec.engine, **engine_harness.ATTENTION[attention],
+                               share_prompts=share, num_pages=0)
+    # EOS is a token outside the vocabulary: every completion runs to its budget.
+    settings = dataclasses.replace(spec.sampling, eos_id=10 ** 6)
+    done = []
+    engine = engine_lib.SamplerEngine(
+        cfg=ecfg, settings=settings, graphdef=graphdef, model_cfg=spec.sampler_model,
+        mesh=meshes.sampler, publisher=engine_harness.Params(params),
+        dispatcher=engine_harness.Requests(np.full(groups, ecfg.max_new_tokens), 0,
+                                           group_size=group_size, prompts=prompts),
+        on_segment_fn=done.append)
+    start = time.perf_counter()
+    engine.start()  # (precompiles every program first, as the config asks)
+    while len(done) < groups * group_size:
+      engine.raise_if_failed()
+      time.sleep(0.02)
+    wall = time.perf_counter() - start
+    engine.stop()
+    stats = engine.stats
+    assert stats.sampled_tokens == groups * group_size * ecfg.max_new_tokens, stats
+    rows.append({
+        "benchmark": "real_size", "part": "sampler", "kv_cache": ecfg.kv_cache,
+        "attention": attention,
+        "share_prompts": share, "slots": ecfg.num_slots, "slot_len": ecfg.length,
+        "decode_burst": ecfg.decode_burst, "groups": f"{groups}x{group_size}",
+        "prompt tokens": int(np.mean([len(p) for p in prompts])),
+        "tokens": stats.sampled_tokens, "forked": stats.forked_rows,
+        "precompile s": round(stats.precompile_seconds, 1),
+        "prefill s": round(stats.prefill_seconds, 2),
+        "decode ms/step": round(1e3 * stats.decode_seconds / max(stats.steps, 1), 1),
+        "busy tok/s": round(stats.sampled_tokens / stats.busy_seconds, 1),
+        "wall s": round(wall, 1)})
+    print(json.dumps(rows[-1]), flush=True)
   base = rows[0]["busy tok/s"]
   for row in rows:
     row["vs dense shared"] = round(row["busy tok/s"] / base, 2)

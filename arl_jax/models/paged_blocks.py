@@ -17,7 +17,10 @@ program per row bucket.
 Every row's column 0 is a real token (rows start at column 0), so the first
 block sets each query's running max to a real score; masked scores are a
 large finite negative, as in the decoder, so a row with nothing to attend
-(a finished row, whose output is ignored) stays finite.
+(a finished row, whose output is ignored) stays finite. A slot that one
+block holds runs the block without the loop: on a CPU the loop's machinery
+cost ~18% of a decode step of SmolLM2-135M at one iteration
+(`benchmarks/README.md`, `real_size.py`).
 """
 
 from __future__ import annotations
@@ -99,5 +102,8 @@ def attend(q: jax.Array, read_block, table: jax.Array, blocks: Blocks) -> jax.Ar
   shape = (b, t, kvh, h // kvh)
   carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
            jnp.zeros((*shape, dh), jnp.float32))
-  _, total, acc = jax.lax.fori_loop(0, blocks.count, step, carry)
+  if spare + length == blocks.block:  # one block holds the slot: no loop to run
+    _, total, acc = step(0, carry)
+  else:
+    _, total, acc = jax.lax.fori_loop(0, blocks.count, step, carry)
   return (acc / total[..., None]).reshape(b, t, h, dh)
