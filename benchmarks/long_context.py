@@ -110,13 +110,10 @@ def decode_step(cfg, meshes, graphdef, params, ecfg, live, repeats):
     # The columns an engine reads: the blocks, or the width, that hold every slot's last one.
     width = ecfg.decode_span(PROMPT + i)
     start = time.perf_counter()
-    if ecfg.decode_block:  # as a paged engine decodes: slots that need one span in one call
+    if ecfg.paged:  # as a paged engine decodes: slots that need one span in one call
+      args, kwargs = ecfg.attention_args(width)
       state = fns.decode_rows(params, version, state, stop, np.arange(b, dtype=np.int32),
-                              np.int32(width // ecfg.decode_block), width=None,
-                              block=ecfg.decode_block)
-    elif ecfg.paged:
-      state = fns.decode_rows(params, version, state, stop, np.arange(b, dtype=np.int32),
-                              width=width)
+                              *args, **kwargs)
     else:
       state = fns.decode(params, version, state, stop, rows)
     jax.block_until_ready(state.done)

@@ -10,7 +10,7 @@ argument of the call, keeping a running max, normaliser and weighted sum
 (the online softmax of FlashAttention, Dao et al. 2022; vLLM's paged
 attention reads pages the same way). A decode step still reads only the
 blocks its rows need, so one program per row bucket serves every context
-length (`paged_decode.decode_rows` with `width=None`); a prefill chunk
+length (`paged_decode.decode_rows` with `block` set); a prefill chunk
 (`prefill_chunks.prefill_chunk`) reads its rows' pages the same way, one
 program per row bucket.
 
@@ -102,7 +102,7 @@ def attend(q: jax.Array, read_block, table: jax.Array, blocks: Blocks) -> jax.Ar
   shape = (b, t, kvh, h // kvh)
   carry = (jnp.full(shape, -jnp.inf, jnp.float32), jnp.zeros(shape, jnp.float32),
            jnp.zeros((*shape, dh), jnp.float32))
-  if spare + length == blocks.block:  # one block holds the slot: no loop to run
+  if length <= blocks.block:  # one block holds the slot: no loop to run
     _, total, acc = step(0, carry)
   else:
     _, total, acc = jax.lax.fori_loop(0, blocks.count, step, carry)

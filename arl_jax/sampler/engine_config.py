@@ -212,6 +212,14 @@ class EngineConfig:
       return self.width_for(last_column)
     return (last_column // self.decode_block + 1) * self.decode_block
 
+  def attention_args(self, span: int | None) -> tuple[tuple, dict]:
+    """`(args, kwargs)` that make a paged `decode_rows` or `prefill_chunk`
+    call read `span` columns (a `decode_span`): the blocks to read (a host
+    int32, one program for every span) or the compiled width."""
+    if block := self.decode_block:
+      return (np.int32(span // block),), {"width": None, "block": block}
+    return (), {"width": span}
+
   @property
   def can_preempt(self) -> bool:
     """Whether slots can need more pages than the pool has (`kv_slots.py`)."""

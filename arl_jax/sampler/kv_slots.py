@@ -134,14 +134,11 @@ class PagedSlots(DenseSlots):
   def decode(self, fns, params, version, state, stop_rows, no_rows, rows_mask, mine, rows,
              steps: int = 1):
     del rows_mask
-    passes, block = 0, self._cfg.decode_block
+    passes = 0
     for span, slots in self.classes(rows, np.flatnonzero(mine), steps):
-      stop = stop_rows if passes == 0 else no_rows
-      if block:  # one program for every span: the blocks to read are an argument
-        state = fns.decode_rows(params, version, state, stop, slots, np.int32(span // block),
-                                width=None, steps=steps, block=block)
-      else:
-        state = fns.decode_rows(params, version, state, stop, slots, width=span, steps=steps)
+      args, kwargs = self._cfg.attention_args(span)
+      state = fns.decode_rows(params, version, state, stop_rows if passes == 0 else no_rows,
+                              slots, *args, steps=steps, **kwargs)
       passes += 1
     return state, passes
 

@@ -14,8 +14,9 @@ from arl_jax.sampler import sampling, token_draw
 
 
 def decode_rows(graphdef, params, version, state: sampling.SlotState, stop_rows, rows,
-                blocks=None, *, settings: sampling.SamplingSettings, width: int | None,
-                steps: int = 1, block: int = 0) -> sampling.SlotState:
+                blocks=None, *, settings: sampling.SamplingSettings,
+                width: int | None = None, steps: int = 1,
+                block: int = 0) -> sampling.SlotState:
   """`sampling.decode_step` for the slots `rows` only: a paged cache's pool is shared
   by every slot, so a call runs the model on `[R]` rows and reads only their
   pages. The engine calls it once per group of slots whose contexts need
@@ -27,12 +28,12 @@ def decode_rows(graphdef, params, version, state: sampling.SlotState, stop_rows,
       `sampling.decode_step` (a paged state).
     stop_rows: `[B]` bool, slots to end before this step.
     rows: `[R]` int32 slots to decode (a repeated slot gets identical results).
-    blocks: int32 scalar, with `width` None: blocks of `block` columns
-      attended over (they hold every slot's last column, after every step).
-    width: static, columns attended over (as `blocks`), gathered at once: a
-      program per width; None: read a block at a time, `blocks` of them, one
-      program for every width (`paged_blocks.py`).
-    block: static, columns per block (with `width` None).
+    blocks: int32 scalar, with `block`: blocks of `block` columns attended
+      over, read one at a time (they hold every slot's last column, after
+      every step; one program for every count: `paged_blocks.py`).
+    width: static, without `block`: columns attended over, gathered at
+      once (a program per width).
+    block: static, columns per block (0: gather `width` columns).
   """
   model = nnx.merge(graphdef, params)
   step = lambda _, s: _decode_rows_once(model, version, s, rows, settings, width, blocks, block)
@@ -46,7 +47,7 @@ def _decode_rows_once(model, version, state: sampling.SlotState, rows, settings,
   live = ~state.done[rows]
   last = state.index[rows]
   valid = state.cache.valid.at[rows, last].set(state.cache.valid[rows, last] | live)
-  if width is None:
+  if block:
     row_valid = valid[rows]
     attn = paged_blocks.Blocks(valid=row_valid, columns=last[:, None], count=blocks,
                                block=block)

@@ -98,14 +98,11 @@ class ChunkedPrefills:
       starts = [self._prefills[s].starts.pop(0) for s in slots]
       final = [not self._prefills[s].starts for s in slots]
       params, version_scalar = params_of(version)
-      args = (params, version_scalar, state, *self._padded(slots, starts, final))
-      last = max(starts) + self._cfg.chunk_columns - 1
-      if block := self._cfg.decode_block:  # one program for every width: blocks are an argument
-        state = fns.prefill_chunk(*args, np.int32(self._cfg.decode_span(last) // block),
-                                  chunk=self._cfg.chunk_columns, width=None, block=block)
-      else:
-        state = fns.prefill_chunk(*args, chunk=self._cfg.chunk_columns,
-                                  width=self._cfg.width_for(last))
+      args, kwargs = self._cfg.attention_args(
+          self._cfg.decode_span(max(starts) + self._cfg.chunk_columns - 1))
+      state = fns.prefill_chunk(params, version_scalar, state,
+                                *self._padded(slots, starts, final), *args,
+                                chunk=self._cfg.chunk_columns, **kwargs)
       self.calls += 1
       for slot in (s for s, last in zip(slots, final) if last):
         plan = self._prefills.pop(slot)
