@@ -25,7 +25,7 @@ from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import losses as losses_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import decoder as decoder_lib
-from arl_jax.models import paged_attention as paged_attention_lib
+from arl_jax.models import paged_names
 from arl_jax.models import segment_attention as segment_attention_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import staleness
@@ -200,8 +200,8 @@ class SamplerSection:
            "sampler.decode_burst", f"must be an int >= 1 (0: auto), got {self.decode_burst!r}")
     _check(_is_int(self.prefill_chunk) and self.prefill_chunk >= 0, "sampler.prefill_chunk",
            f"must be an int >= 0 (0: off), got {self.prefill_chunk!r}")
-    _check(self.paged_attention in paged_attention_lib.ATTENTIONS, "sampler.paged_attention",
-           f"must be one of {paged_attention_lib.ATTENTIONS}, got {self.paged_attention!r}")
+    _check(self.paged_attention in paged_names.ATTENTIONS, "sampler.paged_attention",
+           f"must be one of {paged_names.ATTENTIONS}, got {self.paged_attention!r}")
     _check(self.paged_attention == "xla" or self.kv_cache != "dense", "sampler.paged_attention",
            f"={self.paged_attention!r} reads a paged pool: it needs kv_cache='paged' (or 'auto')")
     _check(isinstance(self.share_prompts, bool), "sampler.share_prompts",

@@ -103,7 +103,7 @@ class Evaluator:
     for i, ids in contexts.items():
       by_bucket.setdefault(next(b for b in buckets if b >= len(ids)), []).append(i)
     for bucket, rows in by_bucket.items():
-      r = slot_fns.row_bucket(len(rows), len(self._prompts))
+      r = engine_config.row_bucket(len(rows), len(self._prompts))
       rows = rows + [rows[-1]] * (r - len(rows))  # duplicates rewrite the same slot
       tokens, mask = rows_lib.left_pad([contexts[i] for i in rows], bucket,
                                        self._tokenizer.pad_id)

@@ -165,7 +165,9 @@ def group_prefill(cfg, meshes, graphdef, params, ecfg, group, how, repeats):
     if how == "shared":
       for slot in forks:
         assert kv.admit_fork(int(slot), 0, bucket)
-    state = kv.sync(fns, state)
+    table = kv.page_table()
+    if table is not None:
+      state = fns.set_pages(state, table)
     state = fns.insert_from_ids(
         params, jnp.int32(0), state, base_key, slots, np.repeat(prompt, rows, 0),
         np.ones((rows, bucket), bool), token_draw.key_ids(np.zeros(rows), slots), budget,

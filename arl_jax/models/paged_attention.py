@@ -28,8 +28,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-ATTENTIONS = ("xla", "pallas", "pallas_interpret", "ragged")
-LAYOUTS = ("split", "interleaved")
 # The ragged kernel's softmax scratch is 128 lanes wide: head_dim must fill them
 # (a 64-wide head would need the pool padded, as vLLM's TPU backend does; not done).
 RAGGED_HEAD_DIM = 128
@@ -37,24 +35,6 @@ RAGGED_HEAD_DIM = 128
 # The kernel's query block: q heads per KV head are padded up to it.
 _BLOCK_H = 16
 _MAX_PAGES_PER_BLOCK = 8
-
-
-def check_name(attention: str) -> None:
-  if attention not in ATTENTIONS:
-    raise ValueError(f"paged attention must be one of {ATTENTIONS}, got {attention!r}")
-
-
-def pool_layout(attention: str) -> str:
-  """The pool layout `attention` reads (the XLA path reads either)."""
-  return "interleaved" if attention == "ragged" else "split"
-
-
-def check_layout(attention: str, layout: str) -> None:
-  if layout not in LAYOUTS:
-    raise ValueError(f"a paged pool's layout must be one of {LAYOUTS}, got {layout!r}")
-  if attention != "xla" and layout != pool_layout(attention):
-    raise ValueError(f"paged attention {attention!r} reads the {pool_layout(attention)!r} "
-                     f"pool layout, not {layout!r}")
 
 
 def _largest_power_of_two_dividing(n: int, limit: int) -> int:

@@ -18,7 +18,7 @@ recompute reads them so). Decode steps and prefill chunks read their pages
 a block at a time instead, as many blocks as their rows need
 (`attend_blocks`, `paged_blocks.py`), so one program serves every width.
 
-Two pool layouts per layer, the two kernels' (`paged_attention.pool_layout`):
+Two pool layouts per layer, the two kernels' (`paged_names.pool_layout`):
 - "split": keys and values apart, `[KVH, pages, page_size, Dh]` each (the
   GPU kernel's); a gathered row is `[KVH, width/page_size, page_size, Dh]`,
   reshaped to the decoder's `[KVH, width, Dh]`.
@@ -43,9 +43,9 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from arl_jax.models import paged_attention, paged_blocks
+from arl_jax.models import paged_attention, paged_blocks, paged_names
 
-TRASH_PAGE = 0  # never handed out: unfilled table entries and masked writes point here
+TRASH_PAGE = paged_names.TRASH_PAGE
 
 
 @flax.struct.dataclass
@@ -59,8 +59,8 @@ class PagedKVCache:
     values: "split": likewise; "interleaved": empty.
     valid: `[B, L]` bool, True where a real (non-pad) token has been written.
     page_table: `[B, L / page_size]` int32, the page of each slot's column block.
-    attention: static, how decode steps attend (`paged_attention.ATTENTIONS`).
-    layout: static, "split" or "interleaved" (`paged_attention.LAYOUTS`).
+    attention: static, how decode steps attend (`paged_names.ATTENTIONS`).
+    layout: static, "split" or "interleaved" (`paged_names.LAYOUTS`).
     mesh: static, the sampler mesh a kernel XLA cannot partition runs on per
       device ("ragged"; None: one device, or not needed).
   """
@@ -78,13 +78,13 @@ class PagedKVCache:
             head_dim: int, num_pages: int, page_size: int, dtype=jnp.float32,
             attention: str = "xla", layout: str | None = None,
             mesh: Mesh | None = None) -> PagedKVCache:
-    """`layout` None: the one `attention` reads (`paged_attention.pool_layout`)."""
+    """`layout` None: the one `attention` reads (`paged_names.pool_layout`)."""
     if length % page_size:
       raise ValueError(f"a paged cache's length ({length}) must be a multiple of its page "
                        f"size ({page_size})")
-    paged_attention.check_name(attention)
-    layout = paged_attention.pool_layout(attention) if layout is None else layout
-    paged_attention.check_layout(attention, layout)
+    paged_names.check_name(attention)
+    layout = paged_names.pool_layout(attention) if layout is None else layout
+    paged_names.check_layout(attention, layout)
     if layout == "split":
       shape = (num_kv_heads, num_pages, page_size, head_dim)
       keys = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))

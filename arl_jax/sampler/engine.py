@@ -21,7 +21,12 @@ and hand it back with `resume`, and it is re-admitted (ahead of new requests)
 by prefilling its whole context, padded to `continuation_buckets`, under the
 params live then (`engine_config.py`: the budget counts observations too).
 
-Admission (`admitter.py`, `admission.py`) fills free slots in queue order;
+The host side is a scheduler (`scheduler.py`, plain Python: the one writer
+of the slot table, the waiting rows, the page pool, the chunked prefills and
+the versions) whose plans a runner (`runner.py`) executes on the device;
+this class is the loop between them and the sources (`iterate`).
+
+Admission (`scheduler.py`, `admission.py`) fills free slots in queue order;
 the samples of a group share one prefill (`share_prompts`); contexts longer
 than `prefill_chunk` are prefilled a chunk per loop iteration, between
 decode steps (`prefilling.py`). Cancelled groups lose their waiting rows,
@@ -43,25 +48,22 @@ import time
 from collections.abc import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
 from arl_jax import episode as episode_lib
 from arl_jax.sampler import (
-  admitter,
   engine_config,
   engine_stats,
   insert_batch,
-  kv_slots,
   param_swap,
   pause_gate,
   precompile,
+  runner,
   sampling,
+  scheduler,
   slot_fns,
-  slot_table,
   sources,
-  waiting_rows,
   weight_updates,
 )
 
@@ -96,38 +98,31 @@ class SamplerEngine:
     self._weights = publisher
     self._on_segment_fn = on_segment_fn
     self._compile_progress_fn = compile_progress_fn
-    stop_mask_fn = functools.partial(insert_batch.request_stop_mask, settings, stop_ids_fn)
-    self._fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
-                                          settings=settings, num_slots=cfg.num_slots,
-                                          length=cfg.length, num_pages=cfg.pool_pages,
-                                          page_size=cfg.page_size,
-                                          paged_attention=cfg.paged_attention)
-    self._kv = kv_slots.make(cfg)
-    self._updates = weight_updates.make_policy(cfg.weight_update, cfg.kv_policy)
-    # Every segment's PRNG key derives from it, in the insert program.
-    self._base_key = np.asarray(jax.random.PRNGKey(cfg.seed))
+    fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
+                                    settings=settings, num_slots=cfg.num_slots,
+                                    length=cfg.length, num_pages=cfg.pool_pages,
+                                    page_size=cfg.page_size,
+                                    paged_attention=cfg.paged_attention)
+    self.scheduler = scheduler.Scheduler(
+        cfg, dispatcher, weight_updates.make_policy(cfg.weight_update, cfg.kv_policy))
+    self.runner = runner.Runner(
+        cfg, fns, base_key=np.asarray(jax.random.PRNGKey(cfg.seed)), pad_id=settings.pad_id,
+        stop_mask_fn=functools.partial(insert_batch.request_stop_mask, settings, stop_ids_fn))
     self._restored_lengths: list[int] = []  # context lengths `restore` queued
-    self._lock = threading.Lock()
-    self._cancel_requests: set[int] = set()  # under _lock
     self._stop = threading.Event()
     self._gate = pause_gate.PauseGate()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
-    self.stats = engine_stats.EngineStats(kv_pages=max(cfg.pool_pages - 1, 0))  # usable
-    # Host mirror of the slots; the device SlotState is built at the first publish.
-    self._state = None
-    self._table = slot_table.SlotTable(cfg.num_slots)
-    self._waiting = waiting_rows.WaitingRows()
-    self._admitter = admitter.Admitter(
-        cfg=cfg, fns=self._fns, requests=dispatcher, kv=self._kv, updates=self._updates,
-        table=self._table, waiting=self._waiting, stats=self.stats, base_key=self._base_key,
-        pad_id=settings.pad_id, stop_mask_fn=stop_mask_fn)
-    self._prefills = self._admitter.prefills
-    self._no_rows = self._all_rows = None  # `[B]` bool on the device: no slot, every slot
-    self._version_scalar = None
-    self.version: int | None = None  # the live version
     self._checked_version: int | None = None
-    self._live_since: float | None = None  # end of the last decode call that left a slot live
+
+  @property
+  def stats(self) -> engine_stats.EngineStats:
+    return self.scheduler.stats
+
+  @property
+  def version(self) -> int | None:
+    """The live version."""
+    return self.scheduler.version
 
   # -- control ---------------------------------------------------------------
 
@@ -159,8 +154,7 @@ class SamplerEngine:
 
   def cancel(self, group_ids) -> None:
     """Cancels every sequence of the given groups (thread-safe; applied before the next step)."""
-    with self._lock:
-      self._cancel_requests.update(group_ids)
+    self.scheduler.cancel(group_ids)
 
   def resume(self, episode: episode_lib.Episode) -> None:
     """Hands back an episode whose environment appended observation tokens
@@ -168,8 +162,7 @@ class SamplerEngine:
     it is re-admitted."""
     if not self._cfg.multi_turn:
       raise ValueError("resume() needs an engine configured with multi_turn=True")
-    self._cfg.check_budget_left(episode, "the episode")
-    self._waiting.resume(waiting_rows.Row(episode=episode, ready_time=time.monotonic()))
+    self.scheduler.resume(episode)
 
   def restore(self, episodes) -> None:
     """Queues the episodes a checkpoint left waiting for the sampler (fresh,
@@ -178,9 +171,7 @@ class SamplerEngine:
     if self._thread is not None:
       raise RuntimeError("restore() must come before start()")
     for episode in episodes:
-      self._cfg.check_request(episode.request)
-      self._cfg.check_budget_left(episode, "a restored episode")
-      self._waiting.append(waiting_rows.Row(episode=episode, ready_time=time.monotonic()))
+      self.scheduler.restore(episode)
       self._restored_lengths.append(len(episode.context_ids()))
 
   def paused(self, timeout_s: float = 300.0):
@@ -197,11 +188,8 @@ class SamplerEngine:
     slots are not read and its counters are those of the snapshot."""
     if self._thread is not None and self._thread.is_alive() and not self._gate.is_paused:
       raise RuntimeError("open_segments() reads the slots: hold the engine with paused()")
-    self._apply_cancellations()
-    # (A fork waiting for its prompt has nothing on the device yet.)
-    slots = [None if self._prefills.awaits_source(i) else row
-             for i, row in enumerate(self._table.rows)]
-    return slot_fns.open_segments(self._fns, self._state, slots, self._waiting)
+    self.scheduler.apply_cancellations()
+    return self.runner.open_segments(self.scheduler.open_slots(), self.scheduler.waiting)
 
   def metrics(self) -> dict:
     return self.stats.metrics()
@@ -214,11 +202,11 @@ class SamplerEngine:
 
   def traces(self) -> dict[str, int]:
     """How many times each slot function compiled (`SamplerFns.traces`)."""
-    return self._fns.traces()
+    return self.runner.fns.traces()
 
   @property
   def active_slots(self) -> int:
-    return self._table.active
+    return self.scheduler.active
 
   # -- loop --------------------------------------------------------------------
 
@@ -226,25 +214,24 @@ class SamplerEngine:
     try:
       while not self._stop.is_set():
         self._gate.serve()
-        # Cancel first: a swap must not re-prefill, nor keep params alive for,
-        # sequences that are about to be cancelled.
-        self._apply_cancellations()
-        self._sync_version()
-        if self.version is None:
-          time.sleep(0.01)
-          continue
-        self._admitter.take_requests(self.version)
-        self._state = self._admitter.admit(self._state, self.version, self._version_scalar)
-        if self._prefills:
-          self._state = self._admitter.prefill(self._state, self.version, self._version_scalar)
-        if self.active_slots:
-          self._step()
-          self._harvest()
+        self.iterate()
     except BaseException as e:  # surfaced to the learner thread by raise_if_failed
       self._error = e
 
-  def _rows_array(self, mask: np.ndarray):
-    return jax.device_put(mask, self._fns.row_sharding)
+  def iterate(self) -> None:
+    """One engine iteration: cancellations, the live version, new requests,
+    a prefill plan and a decode plan run, finished segments handed over. The
+    engine thread calls it in a loop; a synchronous driver may call it
+    instead of `start` (one caller at a time)."""
+    # Cancel first: a swap must not re-prefill, nor keep params alive for,
+    # sequences that are about to be cancelled.
+    self.scheduler.apply_cancellations()
+    self._sync_version()
+    if self.version is None:
+      time.sleep(0.01)
+      return
+    for episode in self.scheduler.iterate(self.runner):
+      self._on_segment_fn(episode)  # handed over last: from here on they belong to the callee
 
   # -- versions ----------------------------------------------------------------
 
@@ -252,156 +239,27 @@ class SamplerEngine:
     version, params = self._weights.latest()
     if version is None or version == self.version:
       return
-    if self._state is None:  # first publish: allocate the slots
-      self._state = self._fns.init()
-      self._no_rows = self._rows_array(np.zeros((self._cfg.num_slots,), bool))
-      self._all_rows = self._rows_array(np.ones((self._cfg.num_slots,), bool))
+    if self.runner.state is None:  # first publish: allocate the slots
+      self.runner.init()
       if self._cfg.precompile:
         self._precompile(params)
     start = time.monotonic()  # (compiles are not a swap's pause)
     if self.version is not None and version != self._checked_version:
       # Checked once, even if a drain defers it.
-      param_swap.check_swap_compatible(self._updates.params(self.version), params)
+      param_swap.check_swap_compatible(self.scheduler.params(self.version), params)
       self._checked_version = version
-    swap = self._updates.on_publish(version, params, busy=self.active_slots > 0)
+    swap = self.scheduler.publish(version, params)
     if swap is weight_updates.Swap.DEFER:
       return
-    if self.version is not None:
-      self.stats.swaps += 1
-      if swap is weight_updates.Swap.RECOMPUTE:
-        occupied = np.array([row is not None for row in self._table.rows])
-        self._state = self._fns.recompute(params, self._state, self._rows_array(occupied),
-                                          width=self._kv.width(self._table.rows))
-        jax.block_until_ready(self._state.cache.valid)  # so swap_seconds is the real pause
-    self.version = version
-    self._version_scalar = jnp.int32(version)
-    self._forget_unused_versions()
-    self.stats.swap_seconds += time.monotonic() - start
+    if self.version is not None and swap is weight_updates.Swap.RECOMPUTE:
+      self.runner.recompute(self.scheduler.plan_recompute(params))
+    self.scheduler.went_live(version, time.monotonic() - start)
 
   def _precompile(self, params) -> None:
     """Compiles every shape of the slot functions (the params' layout is known now)."""
     shapes = precompile.engine_shapes(self._cfg, self._restored_lengths)
     self.stats.precompile_seconds = precompile.compile_all(
-        self._fns, shapes, params=params, state=self._state, base_key=self._base_key,
-        num_stop_ids=len(self._settings.stop_ids), progress_fn=self._compile_progress_fn)
+        self.runner.fns, shapes, params=params, state=self.runner.state,
+        base_key=self.runner.base_key, num_stop_ids=len(self._settings.stop_ids),
+        progress_fn=self._compile_progress_fn)
     self.stats.precompiled_programs = shapes.num_programs
-
-  def _forget_unused_versions(self) -> None:
-    used = {row.version for row in self._table.rows if row is not None} | {self.version}
-    held = self._updates.retain(used)
-    self.stats.max_versions_held = max(self.stats.max_versions_held, held)
-
-  # -- cancellation ------------------------------------------------------------
-
-  def _apply_cancellations(self) -> None:
-    with self._lock:
-      cancelled, self._cancel_requests = self._cancel_requests, set()
-    if not cancelled:
-      return
-    for row in self._waiting.cancel(cancelled):
-      self.stats.count_cancelled(row, self._cfg.max_new_tokens)
-    for slot, row in enumerate(self._table.rows):
-      if row is not None and row.group_id in cancelled:
-        self._free_slot(slot)  # at once; the next decode ends the sequence
-        self._table.stop[slot] = True
-        self.stats.count_cancelled(row, self._cfg.max_new_tokens)
-    if self._state is not None:
-      self._forget_unused_versions()
-
-  # -- decoding ----------------------------------------------------------------
-
-  def _step(self) -> None:
-    start = time.monotonic()
-    rows = self._table.rows
-    decoding = np.flatnonzero(self._table.occupied(self._prefills.held))
-    if not len(decoding):  # (every occupied slot is prefilling)
-      return
-    versions = self._updates.decode_versions((rows[s].version for s in decoding), self.version)
-    steps = self._burst(versions)
-    self._kv.grow(rows, self._table.done, self._preempt, steps)
-    self._sync_pages()
-    held = self._prefills.held
-    occupied = self._table.occupied(held)  # (growing may have preempted some)
-    stop_rows = self._rows_array(self._table.stop) if self._table.stop.any() else self._no_rows
-    for i, version in enumerate(versions):
-      mine = occupied if len(versions) == 1 else occupied & np.array(
-          [row is not None and row.version == version for row in rows])
-      version_scalar = self._version_scalar if version == self.version else jnp.int32(version)
-      # One model pass per version (per width group, paged); the first ends cancelled slots.
-      self._state, passes = self._kv.decode(
-          self._fns, self._updates.params(version), version_scalar, self._state,
-          stop_rows if i == 0 else self._no_rows, self._no_rows,
-          self._all_rows if len(versions) == 1 and not held else self._rows_array(mine), mine,
-          rows, steps)
-      self.stats.model_passes += passes
-    self._table.stop[:] = False
-    for slot in np.flatnonzero(occupied):
-      rows[slot].sampled += steps
-    # One small host sync per call: which slots finished.
-    self._table.read_done(self._state)
-    self.stats.count_decode(steps, self._cfg.num_slots, int(occupied.sum()), start,
-                            None if self._live_since is None else start - self._live_since)
-    # (The next call's wait counts from here if a slot still decodes.)
-    self._live_since = time.monotonic() if (occupied & ~self._table.done).any() else None
-
-  def _burst(self, versions) -> int:
-    """`decode_burst` steps unless rows, cancellations or versions wait: 1."""
-    if self._cfg.decode_burst == 1 or self._waiting or self._prefills or len(versions) > 1:
-      return 1
-    with self._lock:
-      return 1 if self._cancel_requests else self._cfg.decode_burst
-
-  def _harvest(self) -> None:
-    finished = self._table.finished(self._prefills.held)
-    if not finished:
-      return
-    segments = slot_fns.read_segments(self._fns, self._state, finished)
-    now = time.monotonic()
-    ended = []
-    for slot, (tokens, logprobs, versions, stopped) in zip(finished, segments):
-      row = self._table.rows[slot]
-      self._free_slot(slot)
-      restored = len(row.episode.open_tokens)  # sampled before a resume (counted then)
-      row.episode.add_segment(tokens, logprobs, versions, stopped=stopped)
-      row.episode.timings["generating"] += now - row.start_time
-      self.stats.sampled_tokens += len(tokens) - restored
-      self.stats.finished_segments += 1
-      ended.append(row.episode)
-    self._forget_unused_versions()
-    # Handed over last: from here on the episodes belong to the callee.
-    for episode in ended:
-      self._on_segment_fn(episode)
-
-  # -- KV slots -------------------------------------------------------------------
-
-  def _free_slot(self, slot: int) -> list:
-    """Frees `slot`; returns the forks that waited on its prefill (to free too)."""
-    self._table.rows[slot] = None
-    self._kv.release(slot)
-    return self._prefills.drop(slot)
-
-  def _sync_pages(self) -> None:
-    self._state = self._kv.sync(self._fns, self._state)
-    self.stats.kv_pages_peak = self._kv.peak_pages
-
-  def _preempt(self, slot: int) -> None:
-    """Evicts `slot` for lack of pages: what it sampled of its segment stays
-    with the episode, which waits first in line to be prefilled again (with
-    the forks that waited for its prefill, if it had not ended)."""
-    row = self._table.rows[slot]
-    if not self._prefills.awaits_source(slot):  # (a waiting fork has nothing on the device)
-      (tokens, logprobs, versions, _), = slot_fns.read_segments(self._fns, self._state, [slot])
-      self.stats.sampled_tokens += kv_slots.keep_open_segment(row.episode, tokens, logprobs,
-                                                              versions)
-    rows = [row]
-    for fork_slot, *_, fork_row in self._free_slot(slot):  # forks waiting on its prefill
-      self._free_slot(fork_slot)
-      rows.append(fork_row)
-    now = time.monotonic()
-    for r in rows:
-      r.ready_time = now
-      r.episode.timings["generating"] += now - r.start_time
-    self._table.stop[slot] = True  # the next decode ends it on the device
-    self._waiting.push_front(rows)
-    self.stats.preemptions += 1
-    self.stats.preempted_tokens += len(row.episode.context_ids())

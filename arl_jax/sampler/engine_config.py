@@ -8,7 +8,7 @@ import dataclasses
 
 import numpy as np
 
-from arl_jax.models import paged_attention as paged_attention_lib
+from arl_jax.models import paged_names
 from arl_jax.sampler import weight_updates
 
 KV_CACHES = ("dense", "paged")
@@ -108,7 +108,7 @@ class EngineConfig:
       raise ValueError(f"num_slots={self.num_slots} must be >= group_size={self.group_size}")
     if self.decode_burst < 1:
       raise ValueError(f"decode_burst must be >= 1, got {self.decode_burst}")
-    paged_attention_lib.check_name(self.paged_attention)
+    paged_names.check_name(self.paged_attention)
     if self.paged_attention != "xla" and not self.paged:
       raise ValueError(f"paged_attention={self.paged_attention!r} needs kv_cache='paged'")
     if self.attention_block < 0:
@@ -284,3 +284,24 @@ def kv_bytes_per_column(model_cfg, tp: int = 1) -> int:
   heads = -(-model_cfg.num_kv_heads // tp)
   return (model_cfg.num_layers * 2 * heads * model_cfg.head_dim
           * np.dtype(model_cfg.param_dtype).itemsize)
+
+
+def row_bucket(n: int, limit: int) -> int:
+  """Rows an insert of `n` is padded to: the smallest power of two >= n, capped
+  at `limit` (so a handful of insert shapes cover every admission)."""
+  return min(1 << max(n - 1, 0).bit_length(), limit)
+
+
+def row_buckets(limit: int, multiple_of: int = 1) -> tuple[int, ...]:
+  """Every `row_bucket` of a row count in [1, limit] that is a multiple of
+  `multiple_of`, ascending (the insert and read shapes such counts need)."""
+  return tuple(sorted({row_bucket(n, limit) for n in range(multiple_of, limit + 1, multiple_of)}))
+
+
+def chunk_starts(context_len: int, chunk: int) -> list[int]:
+  """The first column of each chunk of a context of `context_len` tokens
+  (at least a chunk), in prefill order."""
+  if context_len < chunk:
+    raise ValueError(f"a chunked context ({context_len} tokens) must hold a chunk ({chunk})")
+  count = -(-context_len // chunk)
+  return [max(context_len - (count - k) * chunk, 0) for k in range(count)]

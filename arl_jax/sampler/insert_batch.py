@@ -4,7 +4,7 @@ An admission prefills the episodes that share a context bucket with one
 `SamplerFns.insert` call. Their contexts (prompt, completion so far, and the
 open segment a checkpoint left) are left-padded to the bucket for the
 prefill (`sampling.insert` moves each row to column 0 of its slot), and the row count is padded to a
-power of two (`slot_fns.row_bucket`) by repeating the last row, so that a
+power of two (`engine_config.row_bucket`) by repeating the last row, so that a
 handful of insert shapes cover every admission; `abstract` describes the
 batch of one shape, for compiling that shape before any admission needs it.
 The other samples of a prompt admitted at once start from its prefill
@@ -23,7 +23,7 @@ import numpy as np
 
 from arl_jax import episode as episode_lib
 from arl_jax import rows as rows_lib
-from arl_jax.sampler import sampling, slot_fns, token_draw
+from arl_jax.sampler import engine_config, sampling, token_draw
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +101,7 @@ def pack(items: list[tuple[int, episode_lib.Episode]], *, bucket: int, num_slots
     pad_id: filler of the context columns before a context.
     stop_mask_fn: group request -> `[S]` bool, which stop ids end its segments.
   """
-  r = slot_fns.row_bucket(len(items), num_slots)
+  r = engine_config.row_bucket(len(items), num_slots)
   padded = items + [items[-1]] * (r - len(items))  # duplicates rewrite the same slot
   episodes = [episode for _, episode in padded]
   tokens, mask = rows_lib.left_pad([e.context_ids() for e in episodes], bucket, pad_id)
@@ -143,7 +143,7 @@ def pack_fork(items: list[tuple[int, int, episode_lib.Episode]], *, num_slots: i
               max_new_tokens: int,
               stop_mask_fn: Callable[[object], np.ndarray]) -> ForkBatch:
   """Packs `(slot, source slot, episode)` triples into one fork (see `pack`)."""
-  r = slot_fns.row_bucket(len(items), num_slots)
+  r = engine_config.row_bucket(len(items), num_slots)
   padded = items + [items[-1]] * (r - len(items))
   episodes = [episode for _, _, episode in padded]
   return ForkBatch(
@@ -190,7 +190,7 @@ def pack_begin(items: list[tuple[int, int, episode_lib.Episode]], *, length: int
                stop_mask_fn: Callable[[object], np.ndarray]) -> BeginBatch:
   """Packs `(slot, first chunk column, episode)` into one `begin_prefill`
   (see `pack`; each context from column 0)."""
-  r = slot_fns.row_bucket(len(items), num_slots)
+  r = engine_config.row_bucket(len(items), num_slots)
   padded = items + [items[-1]] * (r - len(items))
   episodes = [episode for *_, episode in padded]
   contexts = [e.context_ids() for e in episodes]

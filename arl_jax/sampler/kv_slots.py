@@ -20,7 +20,7 @@ proceeds and the engine never deadlocks.
 A paged decode step groups the slots by the columns their contexts need
 (`EngineConfig.decode_span`: whole attention blocks, or one of the compiled
 `decode_widths`) and decodes each group in its own call
-(`paged_decode.decode_rows`, merged when one call is cheaper), so attention
+(`paged_decode.decode_rows`, merged when one call is cheaper: `calls`), so attention
 reads about each slot's own pages, not the longest context's for every slot.
 """
 
@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from arl_jax import episode as episode_lib
-from arl_jax.sampler import engine_config, page_pool, slot_fns
+from arl_jax.sampler import engine_config, page_pool
 
 # The cost model `PagedSlots.classes` merges width groups by, in attended
 # columns: a row's model pass besides attention, and a call's overhead per slot.
@@ -65,18 +65,16 @@ class DenseSlots:
     """The width (columns) a recompute of the occupied `rows` reads (None: all)."""
     del rows
 
-  def decode(self, fns, params, version, state, stop_rows, no_rows, rows_mask, mine, rows,
-             steps: int = 1):
-    """`steps` decode steps of the slots `mine` (`[B]` bool; `rows_mask` the
-    same on the device) under `params`; `stop_rows` ends slots first,
-    `no_rows` ends none. Returns the state and the model calls made."""
-    del no_rows, mine, rows
-    return fns.decode(params, version, state, stop_rows, rows_mask, steps=steps), 1
+  def calls(self, rows: Sequence, slots, steps: int = 1) -> list[tuple[int | None, object]]:
+    """`(span, slot indices)` of the calls that decode `slots` (of `rows`)
+    for `steps` steps: dense, one call over every slot (`(None, None)`)."""
+    del rows, slots, steps
+    return [(None, None)]
 
-  def sync(self, fns, state):
-    """`state` with the device's page table brought up to date."""
-    del fns
-    return state
+  def page_table(self):
+    """The host page table when the device's copy is stale (then it is
+    current again), else None."""
+    return None
 
   @property
   def peak_pages(self) -> int:
@@ -131,16 +129,8 @@ class PagedSlots(DenseSlots):
     last = max((row.last_column for row in rows if row is not None), default=0)
     return self._cfg.width_for(last)
 
-  def decode(self, fns, params, version, state, stop_rows, no_rows, rows_mask, mine, rows,
-             steps: int = 1):
-    del rows_mask
-    passes = 0
-    for span, slots in self.classes(rows, np.flatnonzero(mine), steps):
-      args, kwargs = self._cfg.attention_args(span)
-      state = fns.decode_rows(params, version, state, stop_rows if passes == 0 else no_rows,
-                              slots, *args, steps=steps, **kwargs)
-      passes += 1
-    return state, passes
+  def calls(self, rows: Sequence, slots, steps: int = 1) -> list[tuple[int | None, object]]:
+    return self.classes(rows, slots, steps)
 
   def classes(self, rows: Sequence, slots, steps: int = 1) -> list[tuple[int, np.ndarray]]:
     """`(span, slot indices)` of the calls that decode `slots` for `steps`
@@ -154,7 +144,7 @@ class PagedSlots(DenseSlots):
       last = min(rows[slot].last_column + steps - 1, self._cfg.length - 1)
       groups.setdefault(self._cfg.decode_span(last), []).append(int(slot))
     b = self._cfg.num_slots
-    cost = lambda n, width: (slot_fns.row_bucket(n, b) * (width + _ROW_COST)
+    cost = lambda n, width: (engine_config.row_bucket(n, b) * (width + _ROW_COST)
                              + _CALL_COST * b)
     merged: list[tuple[int, list[int]]] = []
     for width, members in sorted(groups.items()):
@@ -162,14 +152,14 @@ class PagedSlots(DenseSlots):
           cost(len(merged[-1][1]), merged[-1][0]) + cost(len(members), width)):
         members = merged.pop()[1] + members
       merged.append((width, members))
-    return [(width, np.array(m + [m[-1]] * (slot_fns.row_bucket(len(m), b) - len(m)), np.int32))
-            for width, m in merged]
+    pad = lambda m: m + [m[-1]] * (engine_config.row_bucket(len(m), b) - len(m))
+    return [(width, np.array(pad(m), np.int32)) for width, m in merged]
 
-  def sync(self, fns, state):
-    if self.pool.changed:
-      state = fns.set_pages(state, self.pool.table)
-      self.pool.changed = False
-    return state
+  def page_table(self):
+    if not self.pool.changed:
+      return None
+    self.pool.changed = False
+    return self.pool.table.copy()
 
   @property
   def peak_pages(self) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from arl_jax.models import paged_kv_cache
+from arl_jax.models import paged_names
 
 
 class PagePool:
@@ -34,9 +34,9 @@ class PagePool:
       raise ValueError(f"length {length} is not a multiple of page_size {page_size}")
     self.page_size = page_size
     self.num_pages = num_pages
-    self.table = np.full((num_slots, length // page_size), paged_kv_cache.TRASH_PAGE, np.int32)
+    self.table = np.full((num_slots, length // page_size), paged_names.TRASH_PAGE, np.int32)
     # Handed out lowest first (pop from the end): a run's pages stay compact.
-    self._free = list(range(num_pages - 1, paged_kv_cache.TRASH_PAGE, -1))
+    self._free = list(range(num_pages - 1, paged_names.TRASH_PAGE, -1))
     self._held: list[list[int]] = [[] for _ in range(num_slots)]
     self._holders = np.zeros((num_pages,), np.int32)  # slots holding each page
     self.changed = False
@@ -62,7 +62,7 @@ class PagePool:
     """Column blocks of columns `[first, last]` that `slot` has no page for."""
     ps = self.page_size
     return [p for p in range(first // ps, last // ps + 1)
-            if self.table[slot, p] == paged_kv_cache.TRASH_PAGE]
+            if self.table[slot, p] == paged_names.TRASH_PAGE]
 
   def pages_for(self, slot: int, first: int, last: int) -> int:
     """Pages `slot` needs to hold every column of `[first, last]`."""
@@ -88,7 +88,7 @@ class PagePool:
       raise ValueError(f"slot {slot} holds pages already; it cannot share slot {source}'s")
     for block in range(blocks):
       page = int(self.table[source, block])
-      if page != paged_kv_cache.TRASH_PAGE:
+      if page != paged_names.TRASH_PAGE:
         self._hold(slot, block, page)
     self.changed = True
 
@@ -106,5 +106,5 @@ class PagePool:
         if self._holders[page] == 0:
           self._free.append(page)
       self._held[slot] = []
-      self.table[slot] = paged_kv_cache.TRASH_PAGE
+      self.table[slot] = paged_names.TRASH_PAGE
       self.changed = True

@@ -1,7 +1,7 @@
 """Compiling every program a sampler engine can run, before its first admission.
 
 The engine pads admissions and segment reads to power-of-two row counts
-(`slot_fns.row_bucket`) and contexts to buckets, so it calls its slot
+(`engine_config.row_bucket`) and contexts to buckets, so it calls its slot
 functions with a bounded set of shapes; but jit compiles a shape only when a
 batch first needs it, and a rare one (16 rows admitted at once) can first come
 800 updates into a run, which then stalls on the compile (minutes on a TPU
@@ -114,31 +114,32 @@ def engine_shapes(cfg: engine_config.EngineConfig,
   if cfg.multi_turn:
     # Episodes come back from their environments one by one, with contexts
     # of any length: any number of rows in any continuation bucket.
-    rows, buckets = slot_fns.row_buckets(cfg.num_slots), cfg.continuation_buckets
+    rows, buckets = engine_config.row_buckets(cfg.num_slots), cfg.continuation_buckets
   elif restored or cfg.can_preempt:
     # Restored or preempted episodes (open segments included) come in any
     # number, before and next to whole groups.
-    rows = slot_fns.row_buckets(cfg.num_slots)
+    rows = engine_config.row_buckets(cfg.num_slots)
     buckets = tuple(sorted(set(cfg.prompt_buckets) | set(restored)))
   elif cfg.share_prompts:
     # One row per prompt: the groups admitted at once, and the rest of a
     # group whose first rows were admitted earlier (a full page pool).
     sources = min(cfg.num_slots // cfg.group_size + 1, cfg.num_slots)
-    rows = tuple(sorted({slot_fns.row_bucket(n, cfg.num_slots) for n in range(1, sources + 1)}))
+    rows = tuple(sorted({engine_config.row_bucket(n, cfg.num_slots)
+                         for n in range(1, sources + 1)}))
     buckets = cfg.prompt_buckets
   else:
     # New requests are whole groups of one prompt, so one bucket each.
-    rows = slot_fns.row_buckets(cfg.num_slots, cfg.group_size)
+    rows = engine_config.row_buckets(cfg.num_slots, cfg.group_size)
     buckets = cfg.prompt_buckets
   # Any number of rows can be prefilling at once, at any width that holds a chunk.
-  chunk_rows = slot_fns.row_buckets(cfg.num_slots) if cfg.prefill_widths else ()
+  chunk_rows = engine_config.row_buckets(cfg.num_slots) if cfg.prefill_widths else ()
   return Shapes(
       insert=tuple((r, b) for b in buckets if not cfg.chunks_all(b) for r in rows),
-      take_rows=slot_fns.row_buckets(cfg.num_slots),
+      take_rows=engine_config.row_buckets(cfg.num_slots),
       recompute=cfg.weight_update == "in_flight" and cfg.kv_policy == "recompute",
       widths=cfg.decode_widths, paged=cfg.paged,
       # Any number of rows can start from another's prefill.
-      fork=slot_fns.row_buckets(cfg.num_slots) if cfg.share_prompts else (),
+      fork=engine_config.row_buckets(cfg.num_slots) if cfg.share_prompts else (),
       steps=tuple(sorted({1, cfg.decode_burst})), begin=chunk_rows,
       prefill=tuple((r, w) for w in ((None,) if cfg.decode_block and cfg.prefill_widths
                                      else cfg.prefill_widths) for r in chunk_rows),

@@ -33,15 +33,6 @@ from arl_jax.models import paged_blocks
 from arl_jax.sampler import sampling, token_draw
 
 
-def chunk_starts(context_len: int, chunk: int) -> list[int]:
-  """The first column of each chunk of a context of `context_len` tokens
-  (at least a chunk), in prefill order."""
-  if context_len < chunk:
-    raise ValueError(f"a chunked context ({context_len} tokens) must hold a chunk ({chunk})")
-  count = -(-context_len // chunk)
-  return [max(context_len - (count - k) * chunk, 0) for k in range(count)]
-
-
 def begin(state: sampling.SlotState, base_key, slots, tokens, token_mask, logprobs, versions,
           key_ids, max_new_tokens, stop_mask, context_len, open_len,
           first) -> sampling.SlotState:

@@ -1,9 +1,10 @@
-"""`ChunkedPrefills`: the engine's slots whose contexts are being prefilled
-a chunk at a time (`EngineConfig.chunk_columns`, `prefill_chunks.py`), and
-the forks waiting for them.
+"""`ChunkedPrefills`: the scheduler's book of the slots whose contexts are
+being prefilled a chunk at a time (`EngineConfig.chunk_columns`,
+`prefill_chunks.py` on the device), and of the forks waiting for them.
 
 A context longer than a chunk is put in its slot (`begin`)
-and then advanced by one chunk per engine iteration (`step`), between decode
+and then advanced by one chunk per engine iteration (`step` plans the
+`plans.Chunk` calls), between decode
 steps of the other slots, until its last chunk samples its first token. The
 other samples of its group (`share_prompts`) hold their slots meanwhile and
 start from it (`sampling.fork`) once it is whole. Both kinds of slot are
@@ -26,7 +27,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from arl_jax.sampler import engine_config, insert_batch, prefill_chunks, slot_fns
+from arl_jax.sampler import engine_config, plans
 
 ForkItem = tuple  # (slot, source slot, waiting_rows.Row), as admission.Admission.forks
 
@@ -38,7 +39,7 @@ class _Prefill:
 
 
 class ChunkedPrefills:
-  """See the module docstring; all methods belong to the engine thread."""
+  """See the module docstring; plain Python, written by the scheduler only."""
 
   def __init__(self, cfg: engine_config.EngineConfig):
     self._cfg = cfg
@@ -61,19 +62,16 @@ class ChunkedPrefills:
     """Whether `slot` holds a fork that has not started (nothing of it is on the device)."""
     return slot in self._sources
 
-  def begin(self, fns: slot_fns.SamplerFns, state, base_key, items, *, pad_id: int,
-            stop_mask_fn: Callable) -> object:
-    """Puts `(slot, row)` in their slots for chunked prefill; returns the state."""
-    chunk = self._cfg.chunk_columns
-    plans = [prefill_chunks.chunk_starts(len(row.episode.context_ids()), chunk)
-             for _, row in items]
-    batch = insert_batch.pack_begin(
-        [(slot, starts[0], row.episode) for (slot, row), starts in zip(items, plans)],
-        length=self._cfg.length, num_slots=self._cfg.num_slots,
-        max_new_tokens=self._cfg.max_new_tokens, pad_id=pad_id, stop_mask_fn=stop_mask_fn)
-    for (slot, _), starts in zip(items, plans):
+  def begin(self, items) -> list[tuple[int, int, object]]:
+    """Puts `(slot, row)` in their slots for chunked prefill; returns
+    `(slot, first chunk's start, row)` for the runner (`plans.BeginChunks`)."""
+    begun = []
+    for slot, row in items:
+      starts = engine_config.chunk_starts(len(row.episode.context_ids()),
+                                          self._cfg.chunk_columns)
       self._prefills[slot] = _Prefill(starts)
-    return fns.begin_prefill(state, base_key, *batch.args())
+      begun.append((slot, starts[0], row))
+    return begun
 
   def wait(self, fork: ForkItem) -> None:
     """Holds `fork` `(slot, source, row)` until its source is prefilled."""
@@ -81,28 +79,27 @@ class ChunkedPrefills:
     self._prefills[source].forks.append(fork)
     self._sources[slot] = source
 
-  def step(self, fns: slot_fns.SamplerFns, state, version_of: Callable[[int], int],
-           params_of: Callable[[int], tuple]) -> tuple[object, list[int], list[ForkItem]]:
-    """Runs one chunk of every prefilling slot, one call per version
-    (`version_of(slot)`; `params_of(version)` -> `(params, version scalar)`).
+  def step(self, version_of: Callable[[int], int], params_of: Callable[[int], object]
+           ) -> tuple[list[plans.Chunk], list[int], list[ForkItem]]:
+    """Plans one chunk of every prefilling slot, one call per version
+    (`version_of(slot)`; `params_of(version)` its params).
 
     Returns:
-      The state, the slots whose prefill ended (their first token sampled),
-      and the forks that can start from them now.
+      The chunk calls, the slots whose prefill they end (their first token
+      sampled), and the forks that can start from those then.
     """
     by_version = collections.defaultdict(list)
     for slot in sorted(self._prefills):
       by_version[version_of(slot)].append(slot)
-    finished, ready = [], []
+    chunks, finished, ready = [], [], []
     for version, slots in sorted(by_version.items()):
       starts = [self._prefills[s].starts.pop(0) for s in slots]
       final = [not self._prefills[s].starts for s in slots]
-      params, version_scalar = params_of(version)
-      args, kwargs = self._cfg.attention_args(
-          self._cfg.decode_span(max(starts) + self._cfg.chunk_columns - 1))
-      state = fns.prefill_chunk(params, version_scalar, state,
-                                *self._padded(slots, starts, final), *args,
-                                chunk=self._cfg.chunk_columns, **kwargs)
+      rows, padded_starts, padded_final = self._padded(slots, starts, final)
+      chunks.append(plans.Chunk(
+          version=version, params=params_of(version), rows=rows, starts=padded_starts,
+          final=padded_final,
+          span=self._cfg.decode_span(max(starts) + self._cfg.chunk_columns - 1)))
       self.calls += 1
       for slot in (s for s, last in zip(slots, final) if last):
         plan = self._prefills.pop(slot)
@@ -110,12 +107,12 @@ class ChunkedPrefills:
         ready += plan.forks
         for fork in plan.forks:
           del self._sources[fork[0]]
-    return state, finished, ready
+    return chunks, finished, ready
 
   def _padded(self, slots, starts, final) -> tuple[np.ndarray, ...]:
     """A chunk call's `rows`, `start` and `final`, padded to a row bucket by
     repeating the last row."""
-    extra = slot_fns.row_bucket(len(slots), self._cfg.num_slots) - len(slots)
+    extra = engine_config.row_bucket(len(slots), self._cfg.num_slots) - len(slots)
     pad = lambda values, dtype: np.array(values + [values[-1]] * extra, dtype)
     return pad(slots, np.int32), pad(starts, np.int32), pad(final, bool)
 

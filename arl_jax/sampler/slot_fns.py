@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from arl_jax import trace_counter
-from arl_jax.sampler import paged_decode, prefill_chunks, sampling
+from arl_jax.sampler import engine_config, paged_decode, prefill_chunks, sampling
 from arl_jax.sharding import rules as rules_lib
 
 
@@ -121,7 +121,7 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
     num_pages: pages of a paged KV cache (0: a dense cache, `[B, L]` columns).
     page_size: columns per page of a paged cache.
     paged_attention: how a paged cache's decode steps attend
-      (`models/paged_attention.ATTENTIONS`).
+      (`models/paged_names.ATTENTIONS`).
     paged_layout: the paged pool's layout (None: the one `paged_attention`
       reads; the XLA path reads either, which is how tests run the TPU
       kernel's layout on CPU).
@@ -171,23 +171,11 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
   )
 
 
-def row_bucket(n: int, limit: int) -> int:
-  """Rows an insert of `n` is padded to: the smallest power of two >= n, capped
-  at `limit` (so a handful of insert shapes cover every admission)."""
-  return min(1 << max(n - 1, 0).bit_length(), limit)
-
-
-def row_buckets(limit: int, multiple_of: int = 1) -> tuple[int, ...]:
-  """Every `row_bucket` of a row count in [1, limit] that is a multiple of
-  `multiple_of`, ascending (the insert and read shapes such counts need)."""
-  return tuple(sorted({row_bucket(n, limit) for n in range(multiple_of, limit + 1, multiple_of)}))
-
-
 def read_segments(fns: SamplerFns, state: sampling.SlotState, slots: list[int]) -> list[tuple]:
   """`(tokens, logprobs, versions, stopped)` on the host of each slot's current
   segment, from its first completion column (a resumed open segment's tokens
-  included); `slots` is padded to a `row_bucket` so that reads compile rarely."""
-  r = row_bucket(len(slots), state.tokens.shape[0])
+  included); `slots` is padded to a `engine_config.row_bucket` so that reads compile rarely."""
+  r = engine_config.row_bucket(len(slots), state.tokens.shape[0])
   idx = np.array(slots + [slots[-1]] * (r - len(slots)), np.int32)
   host = jax.device_get(fns.take_rows(state, idx))
   segments = []

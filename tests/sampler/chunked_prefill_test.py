@@ -16,7 +16,6 @@ from arl_jax import rows as rows_lib
 from arl_jax.sampler import (
   engine_config,
   precompile,
-  prefill_chunks,
   sampling,
   slot_fns,
   token_draw,
@@ -50,11 +49,11 @@ def whole(setup):
 
 
 def test_chunks_are_right_aligned_to_the_end_of_the_context():
-  assert prefill_chunks.chunk_starts(4, 2) == [0, 2]
-  assert prefill_chunks.chunk_starts(5, 4) == [0, 1]  # clamped at 0: overlaps the next
-  assert prefill_chunks.chunk_starts(16, 4) == [0, 4, 8, 12]
+  assert engine_config.chunk_starts(4, 2) == [0, 2]
+  assert engine_config.chunk_starts(5, 4) == [0, 1]  # clamped at 0: overlaps the next
+  assert engine_config.chunk_starts(16, 4) == [0, 4, 8, 12]
   with pytest.raises(ValueError, match="chunk"):
-    prefill_chunks.chunk_starts(3, 4)
+    engine_config.chunk_starts(3, 4)
   cfg = engine_config.EngineConfig(num_slots=4, group_size=1, prompt_buckets=(4, 8),
                                    max_new_tokens=8, prefill_chunk=4)
   assert cfg.chunked(5) and not cfg.chunked(4)
@@ -98,7 +97,7 @@ def test_a_chunked_prefill_fills_the_cache_an_insert_fills(setup, paged, block):
                             stops, np.zeros(slots, np.int32),
                             np.zeros((slots, bucket), np.float32),
                             np.full((slots, bucket), -1, np.int32))
-  plans = [prefill_chunks.chunk_starts(len(p), chunk) for p in prompts]
+  plans = [engine_config.chunk_starts(len(p), chunk) for p in prompts]
   row_tokens, row_mask = rows_lib.right_pad(prompts, length, 256)
   state = fns.begin_prefill(
       fresh(), base, rows, row_tokens, row_mask, np.zeros((slots, length), np.float32),
@@ -107,7 +106,7 @@ def test_a_chunked_prefill_fills_the_cache_an_insert_fills(setup, paged, block):
       np.array([p[0] for p in plans], np.int32))
   for k in range(max(map(len, plans))):
     live = [i for i in range(slots) if k < len(plans[i])]
-    live += [live[-1]] * (slot_fns.row_bucket(len(live), slots) - len(live))
+    live += [live[-1]] * (engine_config.row_bucket(len(live), slots) - len(live))
     starts = np.array([plans[i][k] for i in live], np.int32)
     args = (params, version, state, np.array(live, np.int32), starts,
             np.array([k == len(plans[i]) - 1 for i in live]))
@@ -177,11 +176,11 @@ def test_live_slots_decode_between_the_chunks_of_a_long_prefill(setup):
                    prompt_tokens=(5, 6), prefill_chunk=2,
                    # Group 1 ends after 2 tokens: group 2 comes in while group 0 decodes.
                    budget_fn=lambda prompt: 2 if prompt.prompt_id == 1 else None)
-  fns = engine._fns  # noqa: SLF001 (the engine's device calls, logged in order)
+  fns = engine.runner.fns  # (the engine's device calls, logged in order)
   logged = lambda name, fn: lambda *a, **k: calls.append(name) or fn(*a, **k)
   fns = dataclasses.replace(fns, decode=logged("decode", fns.decode),
                             prefill_chunk=logged("chunk", fns.prefill_chunk))
-  engine._fns = engine._admitter._fns = fns  # noqa: SLF001
+  engine.runner.fns = fns
   _run_until(engine, lambda: len(groups) >= 4)
   # Each group's prompt takes 3 chunks; a group admitted while another
   # decodes interleaves: chunk, decode, chunk, decode, chunk.

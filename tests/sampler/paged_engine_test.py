@@ -24,7 +24,8 @@ def setup():
 def _check_pages(engine):
   """Only occupied slots hold pages, and every page is free or held (by one
   slot, or by the samples sharing a prompt)."""
-  pages, slots = engine._kv.pool, engine._table.rows  # noqa: SLF001
+  engine.scheduler.check()
+  pages, slots = engine.scheduler.pages, engine.scheduler.rows
   held = [pages.held(i) for i in range(len(slots))]
   assert all(n == 0 for n, row in zip(held, slots) if row is None)
   named = set(pages.table[pages.table != 0].tolist())
@@ -120,7 +121,7 @@ def test_cancellation_gives_the_pages_back_at_once(setup):
                    lambda req, rs: groups.append(req.group_id), take_hook=cancel_first,
                    max_async_level=1, **PAGED)
   box["engine"] = engine
-  pages, original = engine._kv.pool, engine._apply_cancellations  # noqa: SLF001
+  pages, original = engine.scheduler.pages, engine.scheduler.apply_cancellations
 
   def apply_and_count():
     before = pages.in_use
@@ -128,7 +129,7 @@ def test_cancellation_gives_the_pages_back_at_once(setup):
     if before != pages.in_use:
       applied.append((before, pages.in_use))
 
-  engine._apply_cancellations = apply_and_count  # noqa: SLF001
+  engine.scheduler.apply_cancellations = apply_and_count
   _run_until(engine, lambda: len(groups) >= 2)
   assert 0 not in groups and engine.stats.cancelled_rollouts == 4
   # Group 0's first slot held 2 pages of 4 columns (its 4-token context in
@@ -146,16 +147,12 @@ def test_a_preempted_row_keeps_its_open_segment_for_a_checkpoint(setup):
   v0, _ = setup["sampler_params"]
   engine = _engine(ScriptedPublisher(v0, None, 0), setup, "in_flight", lambda *_: None,
                    max_async_level=1, **SMALL_POOL)
-  original = engine._preempt  # noqa: SLF001
-
-  def preempt_and_stop(slot):
-    original(slot)
-    engine._stop.set()  # noqa: SLF001 - ends the loop before the row is admitted again
-
-  engine._preempt = preempt_and_stop  # noqa: SLF001
-  _run_until(engine, lambda: engine.stats.preemptions > 0)
+  for _ in range(200):  # driven an iteration at a time: it stops before the row is admitted again
+    engine.iterate()
+    if engine.stats.preemptions:
+      break
   partials = engine.open_segments()
-  preempted = [row.episode for row in engine._waiting if row.episode.open_tokens]  # noqa: SLF001
+  preempted = [row.episode for row in engine.scheduler.waiting if row.episode.open_tokens]
   assert preempted
   for episode in preempted:
     tokens, logprobs, versions = partials[(episode.group_id, episode.sample_index)]

@@ -6,7 +6,7 @@ import pytest
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from arl_jax.sampler import sampling, slot_fns, token_draw
+from arl_jax.sampler import engine_config, sampling, slot_fns, token_draw
 from arl_jax.sharding import mesh_lib
 from arl_jax.testing import tiny
 
@@ -89,8 +89,8 @@ def test_the_functions_keep_the_rules_layout_and_count_their_compiles():
 
 
 def test_row_bucket_rounds_up_to_a_power_of_two_within_the_slots():
-  assert [slot_fns.row_bucket(n, 8) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
-  assert slot_fns.row_bucket(5, 6) == 6
-  assert slot_fns.row_buckets(8) == (1, 2, 4, 8)
-  assert slot_fns.row_buckets(32, multiple_of=4) == (4, 8, 16, 32)
-  assert slot_fns.row_buckets(6, multiple_of=4) == (4,)
+  assert [engine_config.row_bucket(n, 8) for n in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+  assert engine_config.row_bucket(5, 6) == 6
+  assert engine_config.row_buckets(8) == (1, 2, 4, 8)
+  assert engine_config.row_buckets(32, multiple_of=4) == (4, 8, 16, 32)
+  assert engine_config.row_buckets(6, multiple_of=4) == (4,)
