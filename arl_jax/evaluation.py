@@ -1,11 +1,11 @@
 """Greedy evaluation on held-out prompts, with the learner's current params.
 
-It runs the sampler's own slot functions (`slot_fns.make_sampler_fns`) on the
-learner mesh, so evaluation measures exactly what the sampler would generate
-greedily, without waiting for a publish. Multi-turn environments are played
-turn by turn: all episodes sample a segment together, the environment answers,
-and the still-running episodes are re-prefilled with their whole context, as
-the engine re-admits them.
+It samples through the engine's scheduler and runner (`sampler/generate.py`)
+on the learner mesh, a slot per prompt, so evaluation measures exactly what
+the sampler would generate greedily, without waiting for a publish.
+Multi-turn environments are played as the run plays them: when a segment
+ends on a stop token with budget left, the environment answers and the
+episode is re-admitted with its whole context while the others decode.
 
 Environment faults are counted, not hidden: a `step` or `score` that raises
 or answers something malformed (a non-finite reward, an observation id
@@ -20,17 +20,16 @@ import dataclasses
 import math
 import operator
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from arl_jax import rows as rows_lib
 from arl_jax.envs import env_api
-from arl_jax.sampler import engine_config, insert_batch, sampling, slot_fns, token_draw
+from arl_jax.sampler import engine_config, sampling
+from arl_jax.sampler import generate as generate_lib
 
-# Decode steps between two checks whether every episode's segment has ended.
-_DONE_CHECK_EVERY = 8
+# Decode steps per device call while no episode waits (`EngineConfig.decode_burst`):
+# what finished segments may overrun by, against one host sync per step.
+_DECODE_BURST = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,7 +55,7 @@ class EvalResult:
 
 
 class Evaluator:
-  """Compiles greedy insert/decode once for a fixed eval set and reuses them."""
+  """Compiles greedy sampling once for a fixed eval set and reuses it."""
 
   def __init__(self, *, graphdef, model_cfg, env, tokenizer, prompts, mesh: Mesh,
                engine_cfg: engine_config.EngineConfig):
@@ -67,7 +66,8 @@ class Evaluator:
       tokenizer: decodes the examples.
       prompts: the evaluation prompt records.
       mesh: where to run (the learner mesh; slots are replicated over it).
-      engine_cfg: prompt buckets, budget and multi-turn geometry (as the sampler's).
+      engine_cfg: the sampler's settings (prompt buckets, budget, multi-turn
+        geometry); evaluation takes a dense slot per prompt, one sample each.
     """
     self._env = env
     self._tokenizer = tokenizer
@@ -79,45 +79,19 @@ class Evaluator:
     if self._multi_turn and not engine_cfg.multi_turn:
       raise ValueError(f"env {env.name!r} is multi-turn but engine_cfg.multi_turn is False")
     self._prompt_ids = [env.encode_prompt(p) for p in self._prompts]
-    rows = len(self._prompts)  # one slot per prompt
-    self._slots = np.arange(rows, dtype=np.int32)
-    self._keys = np.asarray(token_draw.row_keys(0, np.arange(rows), np.zeros(rows)))
-    self._no_stop = np.zeros((rows,), bool)
+    default = engine_cfg.max_new_tokens
+    self._budgets = [min(default, env.max_new_tokens_for(p) or default) for p in self._prompts]
     settings = sampling.SamplingSettings(
         greedy=True, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
         stop_ids=env_api.sampler_stop_ids(tokenizer, env))
-    # Which stop tokens end each prompt's segments (they differ in a mixture).
-    self._stop_mask = np.array(
-        [insert_batch.stop_mask_row(settings, env_api.segment_stop_ids(tokenizer, env, p))
-         for p in self._prompts], bool).reshape(rows, len(settings.stop_ids))
-    self._fns = slot_fns.make_sampler_fns(
-        graphdef=graphdef, model_cfg=model_cfg, mesh=mesh, settings=settings, num_slots=rows,
-        length=engine_cfg.length)
-
-  def _play_segment(self, params, state, contexts: dict[int, list[int]], budgets: dict[int, int],
-                    buckets: tuple[int, ...]):
-    """Samples one segment in each given slot, contexts bucketed as the engine
-    buckets them; returns the state and the host rows of every slot."""
-    version = jnp.int32(0)  # versions are not recorded for evaluation
-    by_bucket = {}
-    for i, ids in contexts.items():
-      by_bucket.setdefault(next(b for b in buckets if b >= len(ids)), []).append(i)
-    for bucket, rows in by_bucket.items():
-      r = engine_config.row_bucket(len(rows), len(self._prompts))
-      rows = rows + [rows[-1]] * (r - len(rows))  # duplicates rewrite the same slot
-      tokens, mask = rows_lib.left_pad([contexts[i] for i in rows], bucket,
-                                       self._tokenizer.pad_id)
-      state = self._fns.insert(params, version, state, np.asarray(rows, np.int32), tokens, mask,
-                               self._keys[rows], np.asarray([budgets[i] for i in rows], np.int32),
-                               self._stop_mask[rows])
-    live = np.zeros((len(self._prompts),), bool)
-    live[list(contexts)] = True
-    for step in range(max(budgets.values()) - 1):
-      if step % _DONE_CHECK_EVERY == 0 and bool(jnp.all(state.done)):
-        break
-      state = self._fns.decode(params, version, state, self._no_stop, live)
-    host = jax.device_get(self._fns.take_rows(state, self._slots))
-    return state, host
+    cfg = dataclasses.replace(
+        engine_cfg, num_slots=len(self._prompts), group_size=1, weight_update="in_flight",
+        kv_policy="keep", kv_cache="dense", num_pages=0, paged_attention="xla", precompile=False,
+        decode_burst=_DECODE_BURST)
+    self._generator = generate_lib.Generator(
+        cfg=cfg, settings=settings, graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
+        # Which stop tokens end each prompt's segments (they differ in a mixture).
+        stop_ids_fn=lambda i: env_api.segment_stop_ids(tokenizer, env, self._prompts[i]))
 
   def _env_call(self, errors: collections.Counter, fn, i: int, completion: list[int],
                 convert_fn):
@@ -142,34 +116,26 @@ class Evaluator:
     return tokens
 
   def __call__(self, params) -> EvalResult:
-    default = self._cfg.max_new_tokens
-    n_max = [min(default, self._env.max_new_tokens_for(p) or default) for p in self._prompts]
-    completions = [[] for _ in self._prompts]
     errors = collections.Counter()
     faulted = [False] * len(self._prompts)
-    active = list(range(len(self._prompts)))
-    state = self._fns.init()
-    buckets = self._cfg.prompt_buckets
-    while active:
-      contexts = {i: [*self._prompt_ids[i], *completions[i]] for i in active}
-      budgets = {i: n_max[i] - len(completions[i]) for i in active}
-      state, host = self._play_segment(params, state, contexts, budgets, buckets)
-      still = []
-      for i in active:
-        start = int(host["prompt_end"][i])
-        n = int(host["token_mask"][i, start:].sum())
-        completions[i].extend(int(t) for t in host["tokens"][i, start:start + n])
-        room = n_max[i] - len(completions[i])
-        if not (self._multi_turn and host["stopped"][i] and room > 0):
-          continue
-        observation, ok = self._env_call(errors, self._env.step, i, list(completions[i]),
-                                         self._to_observation)
-        faulted[i] = not ok
-        if observation is not None and len(observation) < room:
-          completions[i].extend(int(t) for t in observation)
-          still.append(i)
-      active = still
-      buckets = self._cfg.continuation_buckets
+
+    def next_turn(episode) -> bool:
+      """Whether the environment answers `episode`'s segment (then appended)."""
+      i = episode.group_id
+      room = self._budgets[i] - episode.length
+      if not (self._multi_turn and episode.last_stopped and room > 0):
+        return False
+      observation, ok = self._env_call(errors, self._env.step, i, list(episode.completion_ids),
+                                       self._to_observation)
+      faulted[i] = not ok
+      if observation is None or len(observation) >= room:
+        return False
+      episode.add_observation(observation)
+      return True
+
+    episodes = self._generator.episodes(params, self._prompt_ids, budgets=self._budgets,
+                                        on_segment=next_turn)
+    completions = [group[0].completion_ids for group in episodes]
     rewards = []
     for i, completion in enumerate(completions):
       reward = None

@@ -37,7 +37,8 @@ import report  # noqa: E402  (benchmarks/report.py)
 
 from arl_jax.envs import hf_tokenizer  # noqa: E402
 from arl_jax.models import gguf_convert, hf_config, hf_params  # noqa: E402
-from arl_jax.sampler import sampling  # noqa: E402
+from arl_jax.sampler import engine_config, sampling  # noqa: E402
+from arl_jax.sampler import generate as generate_lib  # noqa: E402
 from arl_jax.sharding import rules as rules_lib  # noqa: E402
 from arl_jax.testing import slots as slots_lib  # noqa: E402
 from arl_jax.testing import tiny  # noqa: E402
@@ -83,15 +84,14 @@ def _logits(graphdef, params, ids):
 
 
 def _slot_generate(meshes, cfg, graphdef, params, prompts, new_tokens, settings):
-  """Each prompt in its own slot, `new_tokens` decode steps; the rows."""
-  bucket = max(len(p) for p in prompts)
-  driver = slots_lib.SlotDriver(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
-                                settings=settings, num_slots=len(prompts), bucket=bucket,
-                                max_new_tokens=new_tokens)
-  driver.insert(params, 0, list(range(len(prompts))), prompts, group_ids=list(range(len(prompts))))
-  for _ in range(new_tokens - 1):
-    driver.decode(params, 0)
-  return [driver.row(i) for i in range(len(prompts))]
+  """Each prompt in its own slot of the sampler (`generate.Generator`), up to
+  `new_tokens` tokens; one `generate.Completion` each."""
+  generator = generate_lib.Generator(
+      cfg=engine_config.EngineConfig(num_slots=len(prompts), group_size=1,
+                                     prompt_buckets=(max(len(p) for p in prompts),),
+                                     max_new_tokens=new_tokens),
+      settings=settings, graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler)
+  return [group[0] for group in generator(params, prompts)]
 
 
 def main() -> None:
@@ -144,27 +144,27 @@ def main() -> None:
   greedy = sampling.SamplingSettings(greedy=True, eos_id=eos, pad_id=ours_tok.pad_id)
   ours_rows = _slot_generate(meshes, cfg, graphdef, params, prompts, args.new_tokens, greedy)
   equal = 0
-  for ids, row in zip(prompts, ours_rows):
+  for ids, completion in zip(prompts, ours_rows):
     with torch.no_grad():
       out = model.generate(torch.tensor([ids]), max_new_tokens=args.new_tokens, do_sample=False,
                            eos_token_id=eos, pad_token_id=ours_tok.pad_id)[0, len(ids):].tolist()
-    got = [int(t) for t, v in zip(row["tokens"], row["versions"]) if v >= 0]
-    got = got[:got.index(eos) + 1] if eos in got else got
+    got = completion.tokens.tolist()  # (up to its EOS)
     want = out[:out.index(eos) + 1] if eos in out else out
     equal += got == want
     print(f"  {ours_tok.decode(got)[:70]!r}")
   rows.append({"measure": f"greedy {args.new_tokens} tokens identical",
                "value": f"{equal}/{len(prompts)}", "unit": "prompts",
-               "note": "slots (prefill + KV decode) vs generate(do_sample=False)"})
+               "note": "the sampler (prefill + KV decode) vs generate(do_sample=False)"})
 
   sampled = sampling.SamplingSettings(eos_id=eos, pad_id=ours_tok.pad_id)
   worst = count = 0
-  for row in _slot_generate(meshes, cfg, graphdef, params, prompts, args.new_tokens, sampled):
-    mask = row["versions"] >= 0
-    want = slots_lib.teacher_forced_logprobs(graphdef, params, row["tokens"],
-                                             row["token_mask"])[0]
-    worst, count = max(worst, float(np.abs(row["logprobs"][mask] - want[mask]).max())), (
-        count + int(mask.sum()))
+  for ids, completion in zip(prompts, _slot_generate(meshes, cfg, graphdef, params, prompts,
+                                                     args.new_tokens, sampled)):
+    tokens = np.concatenate([ids, completion.tokens])
+    want = slots_lib.teacher_forced_logprobs(graphdef, params, tokens,
+                                             np.ones(tokens.shape, bool))[0][len(ids):]
+    worst, count = max(worst, float(np.abs(completion.logprobs - want).max())), (
+        count + len(completion.tokens))
   rows.append({"measure": "sampler vs learner log-probs", "value": f"{worst:.1e}",
                "unit": "nats, max", "note": f"{count} sampled tokens at T=1, lag 0"})
   report.print_table(rows, f"{os.path.basename(path)}: arl_jax vs transformers")

@@ -65,10 +65,12 @@ class DenseSlots:
     """The width (columns) a recompute of the occupied `rows` reads (None: all)."""
     del rows
 
-  def calls(self, rows: Sequence, slots, steps: int = 1) -> list[tuple[int | None, object]]:
-    """`(span, slot indices)` of the calls that decode `slots` (of `rows`)
-    for `steps` steps: dense, one call over every slot (`(None, None)`)."""
-    del rows, slots, steps
+  def calls(self, rows: Sequence, mask: np.ndarray, steps: int = 1
+            ) -> list[tuple[int | None, object]]:
+    """`(span, slot indices)` of the calls that decode the slots of `mask`
+    (`[B]` bool; `rows` the table's) for `steps` steps: dense, one call over
+    the mask (`(None, None)`)."""
+    del rows, mask, steps
     return [(None, None)]
 
   def page_table(self):
@@ -129,8 +131,9 @@ class PagedSlots(DenseSlots):
     last = max((row.last_column for row in rows if row is not None), default=0)
     return self._cfg.width_for(last)
 
-  def calls(self, rows: Sequence, slots, steps: int = 1) -> list[tuple[int | None, object]]:
-    return self.classes(rows, slots, steps)
+  def calls(self, rows: Sequence, mask: np.ndarray, steps: int = 1
+            ) -> list[tuple[int | None, object]]:
+    return self.classes(rows, np.flatnonzero(mask), steps)
 
   def classes(self, rows: Sequence, slots, steps: int = 1) -> list[tuple[int, np.ndarray]]:
     """`(span, slot indices)` of the calls that decode `slots` for `steps`

@@ -84,7 +84,7 @@ class DecodeCall:
 
   version: int
   params: object
-  mask: np.ndarray  # [B] bool
+  mask: np.ndarray | None  # [B] bool (None: every slot; free ones are done on the device)
   slots: np.ndarray | None = None
   span: int | None = None
 

@@ -6,9 +6,10 @@ the compiled slot functions (`fns`) and the base PRNG key every segment's
 key derives from. It writes no host state: rows travel in the plans only so
 that it can pack their episodes (`insert_batch.py`).
 
-A prefill or a decode ends with one small host read, the `[B]` done flags
-(which also waits for the work, so that its time is billed to it and not
-to the next call: dispatch is asynchronous).
+A prefill or a decode returns the `[B]` done flags as a device array, without
+waiting for the work (dispatch is asynchronous): the scheduler does its
+bookkeeping while the device computes and reads the flags last (one small
+host read, which waits, so the work's time is billed to it).
 """
 
 from __future__ import annotations
@@ -62,8 +63,8 @@ class Runner:
 
   # -- plans ---------------------------------------------------------------------
 
-  def prefill(self, plan: plans.PrefillPlan) -> np.ndarray:
-    """Runs a `PrefillPlan`; returns the `[B]` done flags after it."""
+  def prefill(self, plan: plans.PrefillPlan):
+    """Runs a `PrefillPlan`; returns the `[B]` done flags after it (on the device)."""
     self._set_pages(plan.page_table)
     cfg = self.cfg
     for work in plan.work:
@@ -91,18 +92,18 @@ class Runner:
         self.state = self.fns.prefill_chunk(
             work.params, self._version(work.version), self.state, work.rows, work.starts,
             work.final, *args, chunk=cfg.chunk_columns, **kwargs)
-    return np.array(self.state.done)
+    return self.state.done
 
-  def decode(self, plan: plans.DecodePlan) -> tuple[np.ndarray, list[tuple]]:
-    """Runs a `DecodePlan`; returns the `[B]` done flags after it and the
-    preempted slots' segments (read before anything else)."""
+  def decode(self, plan: plans.DecodePlan) -> tuple[object, list[tuple]]:
+    """Runs a `DecodePlan`; returns the `[B]` done flags after it (on the
+    device) and the preempted slots' segments (read before anything else)."""
     preempted = self.read_segments(list(plan.preempted)) if plan.preempted else []
     self._set_pages(plan.page_table)
     stop = self._no_rows if plan.stop is None else self._rows(plan.stop)
     for i, call in enumerate(plan.calls):  # the first call ends the stopped slots
       version = self._version(call.version)
       if call.slots is None:
-        mask = self._all_rows if call.mask.all() else self._rows(call.mask)
+        mask = self._all_rows if call.mask is None else self._rows(call.mask)
         self.state = self.fns.decode(call.params, version, self.state,
                                      stop if i == 0 else self._no_rows, mask, steps=plan.steps)
       else:
@@ -110,7 +111,7 @@ class Runner:
         self.state = self.fns.decode_rows(call.params, version, self.state,
                                           stop if i == 0 else self._no_rows, call.slots, *args,
                                           steps=plan.steps, **kwargs)
-    return np.array(self.state.done), preempted
+    return self.state.done, preempted
 
   def recompute(self, plan: plans.Recompute) -> None:
     """Prefills the occupied slots' keys and values again under new params;

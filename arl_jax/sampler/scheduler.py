@@ -94,6 +94,11 @@ class Scheduler:
     return self._table.active
 
   @property
+  def idle(self) -> bool:
+    """Nothing in a slot, nothing waiting, nothing handed back."""
+    return not self._table.active and not self._waiting and not self._waiting.handed_back
+
+  @property
   def prefilling(self) -> bool:
     return bool(self._prefills)
 
@@ -271,13 +276,14 @@ class Scheduler:
       self._table.rows[slot] = row
     self.stats.inserts += len(items)
 
-  def prefilled(self, done: np.ndarray) -> None:
-    """Applies the planned prefill's result: `done`, the device's `[B]` done
-    flags after it (a first token may end a segment)."""
-    self._table.done = np.array(done, bool)
+  def prefilled(self, done) -> None:
+    """Applies the planned prefill's result: `done`, the `[B]` done flags
+    after it (a first token may end a segment; read last: on the device it
+    is the end of the work)."""
     for slot in self._chunked:
       self._table.rows[slot].sampled = 1
     self._chunked = []
+    self._table.done = np.array(done, bool)
     self.stats.prefill_seconds += time.monotonic() - self._plan_start
 
   # -- decode ------------------------------------------------------------------------
@@ -301,11 +307,11 @@ class Scheduler:
     for version in versions:
       mine = occupied if len(versions) == 1 else occupied & np.array(
           [row is not None and row.version == version for row in rows])
-      # A dense call may name every slot: free ones are done on the device.
-      mask = np.ones_like(mine) if len(versions) == 1 and not held else mine
+      # A dense call may name every slot (None): free ones are done on the device.
+      mask = None if len(versions) == 1 and not held else mine
       calls += [plans.DecodeCall(version=version, params=self._updates.params(version),
                                  mask=mask, slots=slots, span=span)
-                for span, slots in self._kv.calls(rows, np.flatnonzero(mine), steps)]
+                for span, slots in self._kv.calls(rows, mine, steps)]
     stop = self._table.stop.copy() if self._table.stop.any() else None
     self._table.stop[:] = False
     self._decoding = occupied
@@ -320,20 +326,21 @@ class Scheduler:
     with self._lock:
       return 1 if self._cancel_requests else self.cfg.decode_burst
 
-  def decoded(self, plan: plans.DecodePlan, done: np.ndarray, preempted_segments) -> None:
-    """Applies a decode's result: the device's `[B]` done flags after it, and
-    the segments of `plan.preempted` (read before it)."""
+  def decoded(self, plan: plans.DecodePlan, done, preempted_segments) -> None:
+    """Applies a decode's result: the `[B]` done flags after it (read last:
+    on the device they are the end of the work, which this bookkeeping
+    overlaps), and the segments of `plan.preempted` (read before it)."""
     for (_, row), (tokens, logprobs, versions, _) in zip(self._preempted, preempted_segments):
       self.stats.sampled_tokens += kv_slots.keep_open_segment(row.episode, tokens, logprobs,
                                                               versions)
     for _, row in self._preempted:  # (the context now holds what it sampled)
       self.stats.preempted_tokens += len(row.episode.context_ids())
     self._preempted = []
-    for slot in np.flatnonzero(self._decoding):
-      self._table.rows[slot].sampled += plan.steps
-    self._table.done = np.array(done, bool)
-    self.stats.model_passes += len(plan.calls)
     occupied = self._decoding
+    for slot in np.flatnonzero(occupied):
+      self._table.rows[slot].sampled += plan.steps
+    self.stats.model_passes += len(plan.calls)
+    self._table.done = np.array(done, bool)
     self.stats.count_decode(plan.steps, self.cfg.num_slots, int(occupied.sum()), plan.start,
                             None if self._live_since is None else plan.start - self._live_since)
     # (The next call's wait counts from here if a slot still decodes.)

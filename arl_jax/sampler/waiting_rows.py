@@ -54,6 +54,12 @@ class WaitingRows:
     """Rows queued (handed-back rows count once `take_resumed` queued them)."""
     return len(self._queue)
 
+  @property
+  def handed_back(self) -> int:
+    """Rows handed back and not yet queued by `take_resumed` (thread-safe)."""
+    with self._lock:
+      return len(self._resumed)
+
   def resume(self, row: Row) -> None:
     """Hands back a row from another thread; it is queued by `take_resumed`."""
     with self._lock:

@@ -17,10 +17,10 @@ from arl_jax import export_hf
 from arl_jax.envs import chat_template, hf_tokenizer
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import gguf_convert, hf_config, hf_params
-from arl_jax.sampler import sampling
+from arl_jax.sampler import engine_config, sampling
+from arl_jax.sampler import generate as generate_lib
 from arl_jax.sharding import rules as rules_lib
 from arl_jax.testing import gguf_files, tiny
-from arl_jax.testing import slots as slots_lib
 
 gguf = pytest.importorskip("gguf")
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
@@ -199,13 +199,11 @@ def test_a_trained_policy_exports_to_a_folder_transformers_loads_and_generates_f
   _, sampler_params = hf_params.load_params(out, cfg, meshes.sampler, rules_lib.SAMPLER_RULES)
   settings = sampling.SamplingSettings(greedy=True, eos_id=ours_tok.eos_id,
                                        pad_id=ours_tok.pad_id)
-  driver = slots_lib.SlotDriver(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
-                                settings=settings, num_slots=1, bucket=len(prompt),
-                                max_new_tokens=new)
-  driver.insert(sampler_params, 0, [0], [prompt], group_ids=[0])
-  for _ in range(new - 1):
-    driver.decode(sampler_params, 0)
-  row = driver.row(0)
-  got = [int(t) for t, v in zip(row["tokens"], row["versions"]) if v >= 0]
-  assert got == want[:len(got)] and len(got) == len(want), (got, want)
+  generator = generate_lib.Generator(
+      cfg=engine_config.EngineConfig(num_slots=1, group_size=1, prompt_buckets=(len(prompt),),
+                                     max_new_tokens=new),
+      settings=settings, graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler)
+  [[completion]] = generator(sampler_params, [prompt])
+  got = completion.tokens.tolist()
+  assert got == want, (got, want)
   assert len(set(got)) > 1

@@ -11,7 +11,8 @@ from flax import nnx
 
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import hf_config, hf_params
-from arl_jax.sampler import sampling
+from arl_jax.sampler import engine_config, sampling
+from arl_jax.sampler import generate as generate_lib
 from arl_jax.sharding import rules as rules_lib
 from arl_jax.testing import slots as slots_lib
 from arl_jax.testing import tiny
@@ -168,20 +169,18 @@ def test_sampler_logprobs_equal_the_learner_s(family, meshes, tmp_path):
   _, sampler_params = hf_params.load_params(imported["folder"], cfg, meshes.sampler,
                                             rules_lib.SAMPLER_RULES)
   settings = sampling.SamplingSettings(eos_id=95, pad_id=0)
-  driver = slots_lib.SlotDriver(graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
-                                settings=settings, num_slots=4, bucket=8, max_new_tokens=12)
+  generator = generate_lib.Generator(
+      cfg=engine_config.EngineConfig(num_slots=4, group_size=1, prompt_buckets=(8,),
+                                     max_new_tokens=12),
+      settings=settings, graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler)
   prompts = [np.random.default_rng(i).integers(1, 90, 5 + i).tolist() for i in range(4)]
-  driver.insert(sampler_params, 0, list(range(4)), prompts, group_ids=list(range(4)))
-  for _ in range(11):
-    driver.decode(sampler_params, 0)
   checked = 0
-  for slot in range(4):
-    row = driver.row(slot)
-    sampled = row["versions"] >= 0
-    want = slots_lib.teacher_forced_logprobs(graphdef, imported["params"], row["tokens"],
-                                             row["token_mask"])[0]
-    np.testing.assert_allclose(row["logprobs"][sampled], want[sampled], atol=1e-5)
-    checked += int(sampled.sum())
+  for prompt, [completion] in zip(prompts, generator(sampler_params, prompts)):
+    tokens = np.concatenate([prompt, completion.tokens])
+    want = slots_lib.teacher_forced_logprobs(graphdef, imported["params"], tokens,
+                                             np.ones(tokens.shape, bool))[0][len(prompt):]
+    np.testing.assert_allclose(completion.logprobs, want, atol=1e-5)
+    checked += len(completion.tokens)
   assert checked >= 4 * 2
 
 

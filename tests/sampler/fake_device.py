@@ -101,7 +101,10 @@ class FakeDevice:
         self.slots[slot].done = True
     for call in plan.calls:
       self.calls.append("decode")
-      rows = np.flatnonzero(call.mask) if call.slots is None else sorted(set(call.slots.tolist()))
+      if call.slots is not None:
+        rows = sorted(set(call.slots.tolist()))
+      else:
+        rows = range(len(self.slots)) if call.mask is None else np.flatnonzero(call.mask)
       for _ in range(plan.steps):
         for slot in rows:
           self._draw(self.slots[slot], call.version)
