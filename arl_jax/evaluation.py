@@ -84,10 +84,12 @@ class Evaluator:
     settings = sampling.SamplingSettings(
         greedy=True, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
         stop_ids=env_api.sampler_stop_ids(tokenizer, env))
+    # Each context prefilled whole and on its own, as evaluation always did (a
+    # chunked or shared prefill may round differently, and greedy answers with it).
     cfg = dataclasses.replace(
         engine_cfg, num_slots=len(self._prompts), group_size=1, weight_update="in_flight",
         kv_policy="keep", kv_cache="dense", num_pages=0, paged_attention="xla", precompile=False,
-        decode_burst=_DECODE_BURST)
+        decode_burst=_DECODE_BURST, prefill_chunk=0, share_prompts=False)
     self._generator = generate_lib.Generator(
         cfg=cfg, settings=settings, graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
         # Which stop tokens end each prompt's segments (they differ in a mixture).

@@ -108,3 +108,12 @@ class PagePool:
       self._held[slot] = []
       self.table[slot] = paged_names.TRASH_PAGE
       self.changed = True
+
+  def check(self) -> None:
+    """Asserts the book balances: every page in use is named by a slot's
+    table row, as many times as it has holders, and none is lost."""
+    named, counts = np.unique(self.table[self.table != paged_names.TRASH_PAGE],
+                              return_counts=True)
+    assert len(named) == self.in_use, "a page in use is named by no slot (or one free is)"
+    assert np.array_equal(self._holders[named], counts), "a page's holders are miscounted"
+    assert self.free + self.in_use == self.usable, "pages lost"

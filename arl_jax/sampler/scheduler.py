@@ -13,9 +13,10 @@ the request and weight sources.
 
 The invariant it keeps: a slot holds a row <=> the slot's pages, its prefill
 entry (if any) and the row agree; a freed slot holds no pages and is ended
-on the device by the next decode (`SlotTable.stop`) unless an insert
-overwrites it first. `check()` asserts it (the randomized tests call it
-after every step).
+on the device by the next decode call (`SlotTable.stop`) unless a plan
+overwrites it first (a fork waiting for its prompt does not). Forks of
+another group waiting on a cancelled row's prefill go back to the queue's
+front. `check()` asserts it (randomized tests call it after every step).
 
 Order within an iteration: cancellations, the live version, new requests,
 then `plan_prefill` (admissions in queue order: inserts, chunked prefills
@@ -94,6 +95,11 @@ class Scheduler:
     return self._table.active
 
   @property
+  def pending_stops(self) -> np.ndarray:
+    """`[B]` bool: slots the next decode ends on the device (their occupant left)."""
+    return self._table.stop.copy()
+
+  @property
   def idle(self) -> bool:
     """Nothing in a slot, nothing waiting, nothing handed back."""
     return not self._table.active and not self._waiting and not self._waiting.handed_back
@@ -154,11 +160,16 @@ class Scheduler:
       return
     for row in self._waiting.cancel(cancelled):
       self.stats.count_cancelled(row, self.cfg.max_new_tokens)
+    requeued = []
     for slot, row in enumerate(self._table.rows):
       if row is not None and row.group_id in cancelled:
-        self._free_slot(slot)  # (its forks are of the same group: freed in turn)
+        for fork_slot, _, fork_row in self._free_slot(slot):  # forks waiting on its prefill
+          if fork_row.group_id not in cancelled:  # (another group's, of the same prompt)
+            self._free_slot(fork_slot)
+            requeued.append(fork_row)
         self._table.stop[slot] = True
         self.stats.count_cancelled(row, self.cfg.max_new_tokens)
+    self._requeue(requeued)
     self._forget_unused_versions()
 
   # -- versions ------------------------------------------------------------------
@@ -168,7 +179,8 @@ class Scheduler:
     return self._updates.on_publish(version, params, busy=self._table.active > 0)
 
   def plan_recompute(self, params) -> plans.Recompute:
-    occupied = np.array([row is not None for row in self._table.rows])
+    # (A fork waiting for its prompt has nothing on the device to recompute.)
+    occupied = np.array([row is not None for row in self.open_slots()])
     return plans.Recompute(params=params, occupied=occupied, width=self._kv.width(self._table.rows))
 
   def went_live(self, version: int, seconds: float) -> None:
@@ -223,6 +235,7 @@ class Scheduler:
       work += chunks
       if ready:  # forks that waited for those prompts; their slots are occupied already
         work.append(plans.Fork(tuple(ready)))
+        self._table.stop[[slot for slot, *_ in ready]] = False  # (overwritten now)
         self.stats.forked_rows += len(ready)
     self.stats.prefill_chunks = self._prefills.calls
     return plans.PrefillPlan(page_table=page_table, work=tuple(work))
@@ -245,25 +258,29 @@ class Scheduler:
         work.append(plans.Insert(version=self.version,
                                  params=self._updates.params(self.version), bucket=bucket,
                                  items=tuple(whole)))
-        self._occupy(whole, sampled=1)
+        self._occupy(whole, sampled=1, written=True)
     if chunked:
       work.append(plans.BeginChunks(tuple(self._prefills.begin(chunked))))
-      self._occupy(chunked, sampled=0)
+      self._occupy(chunked, sampled=0, written=True)
     forks = []
     for fork in admitted.forks:
-      if self._prefills.prefilling(fork[1]):  # starts when the prompt it forks from is whole
+      waits = self._prefills.prefilling(fork[1])  # starts when the prompt it forks from is whole
+      if waits:
         self._prefills.wait(fork)
       else:
         forks.append(fork)
-      self._occupy([(fork[0], fork[2])], sampled=0)
+      self._occupy([(fork[0], fork[2])], sampled=0, written=not waits)
     if forks:
       work.append(plans.Fork(tuple(forks)))
       self.stats.forked_rows += len(forks)
     return work
 
-  def _occupy(self, items, sampled: int) -> None:
+  def _occupy(self, items, sampled: int, written: bool) -> None:
     """Puts admitted `(slot, row)` in their slots, `sampled` tokens sampled
-    by their prefill (1: it samples the first; 0: a chunked prefill or a fork)."""
+    by their prefill (1: it samples the first; 0: a chunked prefill or a
+    fork); `written`: the plan writes the slots on the device (a fork that
+    waits for its prompt does not yet: a stop pending there must still end
+    the slot's previous occupant)."""
     now = time.monotonic()
     for slot, row in items:
       row.version, row.start_time, row.sampled = self.version, now, sampled
@@ -272,7 +289,8 @@ class Scheduler:
       row.episode.timings["queued"] += now - row.ready_time
       self.stats.queue_wait_seconds += now - row.ready_time
       self.stats.resumes += row.episode.turns > 0
-      self._table.stop[slot] = False  # (a cancelled occupant's pending stop)
+      if written:
+        self._table.stop[slot] = False  # (a cancelled occupant's pending stop: overwritten)
       self._table.rows[slot] = row
     self.stats.inserts += len(items)
 
@@ -312,8 +330,10 @@ class Scheduler:
       calls += [plans.DecodeCall(version=version, params=self._updates.params(version),
                                  mask=mask, slots=slots, span=span)
                 for span, slots in self._kv.calls(rows, mine, steps)]
-    stop = self._table.stop.copy() if self._table.stop.any() else None
-    self._table.stop[:] = False
+    # The first call ends the stopped slots; with no call (all preempted) they stay pending.
+    stop = self._table.stop.copy() if calls and self._table.stop.any() else None
+    if stop is not None:
+      self._table.stop[:] = False
     self._decoding = occupied
     preempted = tuple(slot for slot, _ in self._preempted)
     return plans.DecodePlan(preempted=preempted, page_table=page_table, stop=stop,
@@ -352,19 +372,26 @@ class Scheduler:
     not ended); what it sampled of its segment becomes its episode's open
     segment once the runner has read it (`decoded`)."""
     row = self._table.rows[slot]
-    if not self._prefills.awaits_source(slot):  # (a waiting fork has nothing on the device)
+    if self._prefills.awaits_source(slot):  # (a waiting fork has nothing on the device)
+      self.stats.preempted_tokens += len(row.episode.context_ids())
+    else:  # (counted once its open segment is kept: `decoded`)
       self._preempted.append((slot, row))
     rows = [row]
     for fork_slot, *_, fork_row in self._free_slot(slot):  # forks waiting on its prefill
       self._free_slot(fork_slot)
       rows.append(fork_row)
+    self._table.stop[slot] = True  # the next decode ends it on the device
+    self._requeue(rows)
+    self.stats.preemptions += 1
+
+  def _requeue(self, rows) -> None:
+    """Queues rows that left their slots (preempted, or forks whose prompt's
+    prefill was cancelled) first in line, in their order."""
     now = time.monotonic()
     for r in rows:
       r.ready_time = now
       r.episode.timings["generating"] += now - r.start_time
-    self._table.stop[slot] = True  # the next decode ends it on the device
     self._waiting.push_front(rows)
-    self.stats.preemptions += 1
 
   # -- harvest -------------------------------------------------------------------------
 
@@ -416,9 +443,7 @@ class Scheduler:
         assert row.sampled >= 0 and (self._table.done[slot] or row.sampled <= row.budget), (
             f"slot {slot}: sampled {row.sampled} of a budget of {row.budget}")
     if pool is not None:
-      named = set(pool.table[pool.table != 0].tolist())
-      assert len(named) == pool.in_use, "a page in use is named by no slot"
-      assert pool.free + pool.in_use == pool.usable, "pages lost"
+      pool.check()
     waiting = [id(row) for row in self._waiting]
     assert not set(waiting) & {id(row) for row in self._table.rows if row is not None}, (
         "a row waits and holds a slot")

@@ -48,6 +48,7 @@ class FakeDevice:
     self.drawn: dict[tuple[int, int], list[int]] = {}  # (group, sample) -> tokens drawn for it
     self.calls: list[str] = []  # the device calls made, in order
     self.page_table = None  # the last page table sent
+    self.recomputed = None  # the slots the last recompute covered
 
   def _put(self, slot: int, episode) -> _Slot:
     s = self.slots[slot] = _Slot(episode=episode, budget=episode.budget_left(self._max_new),
@@ -96,11 +97,11 @@ class FakeDevice:
     preempted = self.read_segments(list(plan.preempted)) if plan.preempted else []
     if plan.page_table is not None:
       self.page_table = plan.page_table.copy()
-    if plan.stop is not None:
-      for slot in np.flatnonzero(plan.stop):
-        self.slots[slot].done = True
-    for call in plan.calls:
+    for i, call in enumerate(plan.calls):
       self.calls.append("decode")
+      if i == 0 and plan.stop is not None:  # (the first call ends the stopped slots)
+        for slot in np.flatnonzero(plan.stop):
+          self.slots[slot].done = True
       if call.slots is not None:
         rows = sorted(set(call.slots.tolist()))
       else:
@@ -120,3 +121,4 @@ class FakeDevice:
 
   def recompute(self, plan: plans.Recompute) -> None:
     self.calls.append("recompute")
+    self.recomputed = plan.occupied.copy()

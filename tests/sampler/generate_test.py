@@ -37,14 +37,21 @@ def test_samples_carry_the_learner_s_logprobs_and_their_version(setup):
   prompts = _prompts(5)
   groups = _generator(setup)(setup["sampler_params"][1], prompts, version=7)
   assert len(groups) == 5 and all(len(g) == 4 for g in groups)
-  for prompt, group in zip(prompts, groups):
-    for completion in group:
-      assert 1 <= len(completion.tokens) <= NEW
-      assert set(completion.versions.tolist()) == {7}
-      tokens = np.concatenate([prompt, completion.tokens])
-      want = slots_lib.teacher_forced_logprobs(setup["graphdef"], setup["params"][1], tokens,
-                                               np.ones(tokens.shape, bool))[0][len(prompt):]
-      np.testing.assert_allclose(completion.logprobs, want, atol=1e-5)
+  rows = [(prompt, c) for prompt, group in zip(prompts, groups) for c in group]
+  # Every row teacher-forced in one call (right-padded: one program).
+  width = max(len(p) + len(c.tokens) for p, c in rows)
+  tokens, mask = np.zeros((len(rows), width), np.int32), np.zeros((len(rows), width), bool)
+  for i, (prompt, c) in enumerate(rows):
+    n = len(prompt) + len(c.tokens)
+    tokens[i, :n], mask[i, :n] = np.concatenate([prompt, c.tokens]), True
+  want = slots_lib.teacher_forced_logprobs(setup["graphdef"], setup["params"][1], tokens, mask)
+  for i, (prompt, completion) in enumerate(rows):
+    assert 1 <= len(completion.tokens) <= NEW
+    assert set(completion.versions.tolist()) == {7}
+    np.testing.assert_allclose(completion.logprobs,
+                               want[i, len(prompt):len(prompt) + len(completion.tokens)],
+                               atol=1e-5)
+  for group in groups:
     assert len({tuple(c.tokens.tolist()) for c in group}) > 1
 
 

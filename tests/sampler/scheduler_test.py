@@ -56,12 +56,15 @@ def _cfg(**options) -> engine_config.EngineConfig:
   return engine_config.EngineConfig(**{**defaults, **options})
 
 
-def _requests(n, *, group_size=4, prompt_len=4, seed=0, budgets=None):
+def _requests(n, *, group_size=4, prompt_len=4, seed=0, budgets=None, distinct=None):
+  """`n` groups; `distinct`: prompts drawn from that many (groups then share
+  prompts, and their prefills: `admission.plan`)."""
   rng = np.random.default_rng(seed)
   lens = prompt_len if isinstance(prompt_len, tuple) else (prompt_len, prompt_len)
+  pool = [tuple(int(t) for t in rng.integers(2, 100, rng.integers(lens[0], lens[1] + 1)))
+          for _ in range(distinct or n)]
   return [Request(group_id=g, group_size=group_size,
-                  prompt_ids=tuple(int(t) for t in rng.integers(2, 100, rng.integers(
-                      lens[0], lens[1] + 1))),
+                  prompt_ids=pool[int(rng.integers(len(pool))) if distinct else g],
                   max_new_tokens=None if budgets is None else budgets[g % len(budgets)])
           for g in range(n)]
 
@@ -231,6 +234,9 @@ RANDOM_CONFIGS = {
     "paged_recompute_unshared": dict(kv_cache="paged", page_size=4, num_pages=14,
                                      attention_block=8, share_prompts=False,
                                      kv_policy="recompute", decode_burst=2),
+    "paged_chunked_recompute": dict(kv_cache="paged", page_size=4, num_pages=14,
+                                    attention_block=8, prefill_chunk=4, prompt_buckets=(12,),
+                                    kv_policy="recompute"),
 }
 
 
@@ -239,7 +245,9 @@ RANDOM_CONFIGS = {
 def test_random_runs_keep_every_invariant(name, seed):
   cfg = _cfg(**RANDOM_CONFIGS[name])
   rng = np.random.default_rng(seed)
-  requests = _requests(40, prompt_len=(1, cfg.prompt_len), seed=seed, budgets=(8, 3, 5))
+  # Prompts repeat across groups: a group's rows may fork another group's prefill.
+  requests = _requests(40, prompt_len=(1, cfg.prompt_len), seed=seed, budgets=(8, 3, 5),
+                       distinct=6)
   source = Requests([])
   sched = _scheduler(cfg, source)
   device = FakeDevice(cfg.num_slots, cfg.max_new_tokens, eos_rate=0.15, seed=seed)
@@ -265,6 +273,8 @@ def test_random_runs_keep_every_invariant(name, seed):
       if swap is not weight_updates.Swap.DEFER:
         if swap is weight_updates.Swap.RECOMPUTE:
           device.recompute(sched.plan_recompute(f"params v{pending}"))
+          for slot in np.flatnonzero(device.recomputed):  # only rows that are on the device
+            assert device.slots[slot].episode is sched.rows[slot].episode, f"slot {slot}"
         sched.went_live(pending, 0.0)
         version, pending = pending, None
     for episode in sched.iterate(device):
@@ -303,8 +313,12 @@ def _check(sched, device, harvested) -> None:
   places += [(row.group_id, row.episode.sample_index) for row in sched.rows if row is not None]
   assert len(places) == len(set(places)), "a row is in two places"
   assert not set(places) & set(harvested), "a harvested row is still scheduled"
+  stops = sched.pending_stops
   for slot, row in enumerate(sched.open_slots()):  # what is on the device is the row's
     assert row is None or device.slots[slot].episode is row.episode, f"slot {slot}"
+    # A slot live on the device holds its row, or the next decode ends it.
+    live = not device.slots[slot].done
+    assert not live or row is not None or stops[slot], f"slot {slot} is live, unheld"
   if sched.pages is not None:
     for slot, row in enumerate(sched.rows):  # the device writes the pages the host holds
       if row is not None:
