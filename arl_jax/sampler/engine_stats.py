@@ -24,9 +24,13 @@ class EngineStats:
   # and tokens already sampled (work thrown away).
   cancelled_tokens: int = 0
   cancelled_sampled_tokens: int = 0
+  # A decode counts from its planning (pages, preemptions) to its done flags
+  # read; a prefill phase from admission planning to its done flags read.
   decode_seconds: float = 0.0
   prefill_seconds: float = 0.0
   swap_seconds: float = 0.0
+  # From a row's ready time (request dispatched, episode handed back, row
+  # preempted) to its admission into a slot (its prefill not included).
   queue_wait_seconds: float = 0.0
   occupied_slot_steps: int = 0
   model_passes: int = 0  # decode forwards; > steps when pinned serves several versions

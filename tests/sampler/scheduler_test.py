@@ -237,7 +237,12 @@ RANDOM_CONFIGS = {
     "paged_chunked_recompute": dict(kv_cache="paged", page_size=4, num_pages=14,
                                     attention_block=8, prefill_chunk=4, prompt_buckets=(12,),
                                     kv_policy="recompute"),
+    # Episodes handed back with an observation (`resume`), re-admitted with their context.
+    "paged_multi_turn": dict(kv_cache="paged", page_size=4, num_pages=20, attention_block=8,
+                             multi_turn=True, context_bucket=4, max_new_tokens=12),
 }
+
+OBSERVATION = [7, 8]
 
 
 @pytest.mark.parametrize("name", sorted(RANDOM_CONFIGS))
@@ -253,6 +258,7 @@ def test_random_runs_keep_every_invariant(name, seed):
   device = FakeDevice(cfg.num_slots, cfg.max_new_tokens, eos_rate=0.15, seed=seed)
   harvested, cancelled, version, pending = {}, set(), 0, None
   drawn_at_cancel = {}  # group -> tokens drawn for its rows when its cancellation applied
+  resumed = {}  # (group, sample) -> the episode, last handed back
   for step in itertools.count():
     assert step < 2000, "the run did not drain"
     if rng.random() < 0.3 and requests:  # arrivals
@@ -281,14 +287,22 @@ def test_random_runs_keep_every_invariant(name, seed):
       key = (episode.group_id, episode.sample_index)
       assert key not in harvested, f"{key} harvested twice"
       assert episode.group_id not in cancelled, f"cancelled {key} harvested"
+      room = episode.budget(cfg.max_new_tokens) - episode.length
+      if cfg.multi_turn and episode.turns < 3 and room > len(OBSERVATION) and rng.random() < 0.5:
+        episode.add_observation(OBSERVATION)  # an environment's answer: the next turn
+        sched.resume(episode)
+        resumed[key] = episode
+        continue
       harvested[key] = episode
     _check(sched, device, harvested)
     if not requests and not sched.active and not sched.waiting and pending is None:
       break
   for (gid, index), episode in harvested.items():
-    assert episode.completion_ids == device.drawn[(gid, index)], "tokens lost or doubled"
+    sampled = [t for t, v in zip(episode.completion_ids, episode.versions) if v >= 0]
+    assert sampled == device.drawn[(gid, index)], "tokens lost or doubled"
     assert 1 <= len(episode.completion_ids) <= episode.budget(cfg.max_new_tokens)
-    assert episode.versions == sorted(episode.versions) and max(episode.versions) <= version
+    versions = [v for v in episode.versions if v >= 0]
+    assert versions == sorted(versions) and max(versions) <= version
     if cfg.weight_update == "pinned":
       assert len(set(episode.versions)) == 1
   for gid, drawn in drawn_at_cancel.items():
@@ -299,7 +313,9 @@ def test_random_runs_keep_every_invariant(name, seed):
   assert sched.stats.cancelled_rollouts == len(
       {key for key in taken if key[0] in cancelled and key not in harvested})
   assert sched.pages is None or sched.pages.in_use == 0
-  assert sched.stats.finished_segments == len(harvested)
+  dropped = [e for key, e in resumed.items() if key not in harvested]  # (cancelled)
+  assert all(e.group_id in cancelled for e in dropped)
+  assert sched.stats.finished_segments == sum(e.turns for e in [*harvested.values(), *dropped])
 
 
 def _drawn(device, gid) -> int:
