@@ -33,7 +33,7 @@ import numpy as np
 from arl_jax import episode as episode_lib
 from arl_jax.sampler import engine_config, page_pool
 
-# The cost model `PagedSlots.classes` merges width groups by, in attended
+# The cost model `PagedSlots.calls` merges width groups by, in attended
 # columns: a row's model pass besides attention, and a call's overhead per slot.
 _ROW_COST = 64
 _CALL_COST = 16
@@ -133,17 +133,14 @@ class PagedSlots(DenseSlots):
 
   def calls(self, rows: Sequence, mask: np.ndarray, steps: int = 1
             ) -> list[tuple[int | None, object]]:
-    return self.classes(rows, np.flatnonzero(mask), steps)
-
-  def classes(self, rows: Sequence, slots, steps: int = 1) -> list[tuple[int, np.ndarray]]:
-    """`(span, slot indices)` of the calls that decode `slots` for `steps`
-    steps: slots grouped by the columns their last write needs
+    """`(span, slot indices)` of the calls that decode the slots of `mask`
+    for `steps` steps: slots grouped by the columns their last write needs
     (`EngineConfig.decode_span`), a group merged into the next wider one when
     one call costs less than two (a call costs its row bucket times its span
     plus `_ROW_COST` columns per row, plus `_CALL_COST`), indices padded to
     a row bucket by repeating the last."""
     groups: dict[int, list[int]] = {}
-    for slot in slots:
+    for slot in np.flatnonzero(mask):
       last = min(rows[slot].last_column + steps - 1, self._cfg.length - 1)
       groups.setdefault(self._cfg.decode_span(last), []).append(int(slot))
     b = self._cfg.num_slots

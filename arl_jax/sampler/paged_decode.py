@@ -20,7 +20,7 @@ def decode_rows(graphdef, params, version, state: sampling.SlotState, stop_rows,
   """`sampling.decode_step` for the slots `rows` only: a paged cache's pool is shared
   by every slot, so a call runs the model on `[R]` rows and reads only their
   pages. The engine calls it once per group of slots whose contexts need
-  about the same columns (`kv_slots.PagedSlots.classes`), so a step's
+  about the same columns (`kv_slots.PagedSlots.calls`), so a step's
   attention follows each slot's own context, not the longest.
 
   Args:

@@ -71,6 +71,7 @@ class Chunk:
 class PrefillPlan:
   page_table: np.ndarray | None  # the host page table, when the device's is stale
   work: tuple  # Insert, BeginChunks, Fork and Chunk, in the order they run
+  start: float  # when it was planned (`time.monotonic`): prefill time counts from here
 
   def __bool__(self) -> bool:
     return bool(self.work)

@@ -69,7 +69,6 @@ class Scheduler:
     self._preempted: list[tuple[int, waiting_rows.Row]] = []  # by the decode being planned
     self._decoding = np.zeros((cfg.num_slots,), bool)  # slots the planned decode advances
     self._chunked: list[int] = []  # slots whose prefill the planned chunks end
-    self._plan_start = 0.0  # when the prefill being run was planned
     self._live_since: float | None = None  # end of the last decode that left a slot live
 
   # -- read-only views ---------------------------------------------------------
@@ -207,7 +206,7 @@ class Scheduler:
     self.take_requests()
     plan = self.plan_prefill()
     if plan:
-      self.prefilled(runner.prefill(plan))
+      self.prefilled(plan, runner.prefill(plan))
     if not self._table.active:
       return []
     decode = self.plan_decode()
@@ -221,7 +220,7 @@ class Scheduler:
   def plan_prefill(self) -> plans.PrefillPlan:
     """Admits waiting rows into the free slots and plans their prefills, and
     one chunk of every chunked prefill under way."""
-    self._plan_start = time.monotonic()
+    start = time.monotonic()
     work = []
     if not self._updates.admission_paused and self._waiting:
       work += self._admit()
@@ -238,7 +237,7 @@ class Scheduler:
         self._table.stop[[slot for slot, *_ in ready]] = False  # (overwritten now)
         self.stats.forked_rows += len(ready)
     self.stats.prefill_chunks = self._prefills.calls
-    return plans.PrefillPlan(page_table=page_table, work=tuple(work))
+    return plans.PrefillPlan(page_table=page_table, work=tuple(work), start=start)
 
   def _admit(self) -> list:
     free = self._table.free()
@@ -294,15 +293,15 @@ class Scheduler:
       self._table.rows[slot] = row
     self.stats.inserts += len(items)
 
-  def prefilled(self, done) -> None:
-    """Applies the planned prefill's result: `done`, the `[B]` done flags
+  def prefilled(self, plan: plans.PrefillPlan, done) -> None:
+    """Applies `plan`'s result: `done`, the `[B]` done flags
     after it (a first token may end a segment; read last: on the device it
     is the end of the work)."""
     for slot in self._chunked:
       self._table.rows[slot].sampled = 1
     self._chunked = []
     self._table.done = np.array(done, bool)
-    self.stats.prefill_seconds += time.monotonic() - self._plan_start
+    self.stats.prefill_seconds += time.monotonic() - plan.start
 
   # -- decode ------------------------------------------------------------------------
 
@@ -353,7 +352,7 @@ class Scheduler:
     for (_, row), (tokens, logprobs, versions, _) in zip(self._preempted, preempted_segments):
       self.stats.sampled_tokens += kv_slots.keep_open_segment(row.episode, tokens, logprobs,
                                                               versions)
-    for _, row in self._preempted:  # (the context now holds what it sampled)
+      # (Its context now holds what it sampled: all of it is prefilled again.)
       self.stats.preempted_tokens += len(row.episode.context_ids())
     self._preempted = []
     occupied = self._decoding

@@ -46,7 +46,6 @@ class FakeDevice:
     self._eos_rate = eos_rate
     self._rng = np.random.default_rng(seed)
     self.drawn: dict[tuple[int, int], list[int]] = {}  # (group, sample) -> tokens drawn for it
-    self.calls: list[str] = []  # the device calls made, in order
     self.page_table = None  # the last page table sent
     self.recomputed = None  # the slots the last recompute covered
 
@@ -76,7 +75,6 @@ class FakeDevice:
     if plan.page_table is not None:
       self.page_table = plan.page_table.copy()
     for work in plan.work:
-      self.calls.append(type(work).__name__)
       if isinstance(work, plans.Insert):
         for slot, row in work.items:
           self._draw(self._put(slot, row.episode), work.version)
@@ -98,7 +96,6 @@ class FakeDevice:
     if plan.page_table is not None:
       self.page_table = plan.page_table.copy()
     for i, call in enumerate(plan.calls):
-      self.calls.append("decode")
       if i == 0 and plan.stop is not None:  # (the first call ends the stopped slots)
         for slot in np.flatnonzero(plan.stop):
           self.slots[slot].done = True
@@ -120,5 +117,4 @@ class FakeDevice:
     return segments
 
   def recompute(self, plan: plans.Recompute) -> None:
-    self.calls.append("recompute")
     self.recomputed = plan.occupied.copy()

@@ -162,7 +162,7 @@ def test_preemption_evicts_the_youngest_and_keeps_its_open_segment():
     sched.take_requests()
     plan = sched.plan_prefill()
     if plan:
-      sched.prefilled(device.prefill(plan))
+      sched.prefilled(plan, device.prefill(plan))
     decode = sched.plan_decode()
     if decode is not None:
       if decode.preempted and preempted_plan is None:
@@ -189,7 +189,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_iteration_and_its_forks_wait():
   sched = _scheduler(cfg, Requests(_requests(1, prompt_len=10)))
   sched.take_requests()
   plan = sched.plan_prefill()
-  sched.prefilled(np.zeros((cfg.num_slots,), bool))
+  sched.prefilled(plan, np.zeros((cfg.num_slots,), bool))
   begin, chunk = plan.work
   assert isinstance(begin, plans.BeginChunks) and isinstance(chunk, plans.Chunk)
   assert [start for _, start, _ in begin.items] == [0]
@@ -199,7 +199,7 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_iteration_and_its_forks_wait():
   for _ in range(2):
     plan = sched.plan_prefill()
     kinds.append([type(work).__name__ for work in plan.work])
-    sched.prefilled(np.zeros((cfg.num_slots,), bool))
+    sched.prefilled(plan, np.zeros((cfg.num_slots,), bool))
   assert kinds == [["Chunk"], ["Chunk", "Fork"]]  # starts 2, 6: the last samples, forks go
   assert sched.rows[0].sampled == 1 and not sched.prefilling
   assert sched.stats.prefill_chunks == 3 and sched.stats.forked_rows == 3
@@ -215,7 +215,8 @@ def test_pinned_rows_decode_with_their_own_version():
   sched.went_live(1, 0.0)
   source.pending = _requests(2)[1:]  # a second group arrives
   sched.take_requests()
-  sched.prefilled(device.prefill(sched.plan_prefill()))
+  plan = sched.plan_prefill()
+  sched.prefilled(plan, device.prefill(plan))
   decode = sched.plan_decode()
   assert [(call.version, call.params, call.mask.tolist()) for call in decode.calls] == [
       (0, "params v0", [True] * 4 + [False] * 4), (1, "params v1", [False] * 4 + [True] * 4)]
