@@ -64,7 +64,7 @@ class CheckpointConfig:
 
   every_steps: int = 0
   keep: int = 3
-  save_final: bool = False
+  save_final: bool = True
   resume_from: str = ""
   init_from: str = ""
 

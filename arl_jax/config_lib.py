@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 
 import ml_collections
 
-from arl_jax import checkpointing
+from arl_jax import checkpointing, settings
 from arl_jax import config_sections as sections
 from arl_jax import packing as packing_lib
 from arl_jax.envs import env_api, prompt_source, registry
@@ -90,22 +90,36 @@ def _wrap(key: str, fn, **kwargs):
     raise ConfigError(f"config.{key}: {e}") from e
 
 
-def _section(cfg: Mapping, name: str, section_cls, extra_keys: tuple[str, ...] = ()):
-  """One section's dataclass, after checking its keys (`extra_keys`: keys the
-  section may hold besides its fields, checked elsewhere)."""
+def _check_keys(cfg: Mapping, name: str, extra_keys: tuple[str, ...] = ()) -> dict:
+  """Section `name` of `cfg` after checking its keys against the schema
+  (`extra_keys`: keys it may hold besides, checked elsewhere)."""
   given = cfg.get(name, {})
-  known = sections.keys(section_cls) + extra_keys
+  known = sections.keys(name) + extra_keys
   unknown = sorted(set(given) - set(known))
   _require(not unknown, name, f"unknown key(s) {unknown}; known keys: {sorted(known)}")
-  missing = sorted(set(sections.required_keys(section_cls)) - set(given))
+  missing = sorted(set(sections.required_keys(name)) - set(given))
   _require(name in cfg or not missing, name, "missing section")
   _require(not missing, name, f"missing key(s) {missing}")
+  return given
+
+
+def _build(cfg: Mapping, name: str, cls, **derived):
+  """`cls` (one of section `name`'s dataclasses) from the section's keys that
+  are its fields, and `derived` (fields the run decides, `settings.derived`).
+  Its checks' errors name the key: `config.sampler.top_p: ...`."""
+  given = {k: v for k, v in cfg.get(name, {}).items() if k in settings.keys(cls)}
   try:
-    return section_cls(**{k: v for k, v in given.items() if k in sections.keys(section_cls)})
+    return cls(**given, **derived)
+  except settings.SettingError as e:
+    if e.key in settings.keys(cls):
+      raise ConfigError(f"config.{name}.{e.key}: {e.message}") from e
+    # (a derived field, refused: say where the run took it from)
+    source = settings.derived_fields(cls).get(e.key, "?")
+    raise ConfigError(f"config.{name}: {e} ({e.key} is {source}'s)") from e
   except (ValueError, TypeError) as e:
     message = str(e)
-    # A section's own checks start with the key they refuse ("sampler.top_p:
-    # ..."); a component's say it in their own words.
+    # The older sections' checks start with the key they refuse ("orchestrator.
+    # group_size: ..."); a component's say it in their own words.
     first = message.split(" ", 1)[0]
     named = first.startswith(f"{name}.") and first.endswith(":")
     raise ConfigError(f"config.{message}" if named else f"config.{name}: {message}") from e
@@ -145,11 +159,11 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
     ConfigError: naming the key, for any invalid or inconsistent setting.
   """
   cfg = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
-  top_keys = sections.keys(sections.RunSection)
+  top_keys = sections.keys("<top level>")
   unknown = sorted(set(cfg) - set(top_keys) - set(sections.SECTIONS))
   _require(not unknown, "<top level>", f"unknown key(s) {unknown}; known keys: "
            f"{sorted(top_keys + tuple(sections.SECTIONS))}")
-  for key in sections.required_keys(sections.RunSection):
+  for key in sections.required_keys("<top level>"):
     _require(key in cfg, key, "missing")
   run = _wrap("<top level>", sections.RunSection, **{k: cfg[k] for k in top_keys if k in cfg})
   for name in run.writer_names:
@@ -163,10 +177,17 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
            f"unknown environment {env_cfg['name']!r}; known: {sorted(registry.ENVS)}")
   env_entry = registry.ENVS[env_cfg["name"]]
   env_fields = tuple(f.name for f in dataclasses.fields(env_entry.config_cls) if f.init)
-  parts = {name: _section(cfg, name, cls, env_fields if name == "env" else ())
-           for name, cls in sections.SECTIONS.items()}
+  for name in sections.SECTIONS:
+    _check_keys(cfg, name, env_fields if name == "env" else ())
+  # Each section's first dataclass (the sampler's `EngineConfig`, with the
+  # orchestrator's group size and the run's seed; `SamplingSettings` waits for
+  # the tokenizer's tokens, in `_spec`).
+  parts = {name: _build(cfg, name, classes[0])
+           for name, classes in sections.SECTIONS.items() if name != "sampler"}
+  parts["sampler"] = _build(cfg, "sampler", sections.SECTIONS["sampler"][0],
+                            group_size=parts["orchestrator"].group_size, seed=run.seed)
   env = _wrap("env", env_entry.config_cls,
-              **{k: v for k, v in env_cfg.items() if k not in sections.keys(sections.EnvSection)})
+              **{k: v for k, v in env_cfg.items() if k not in sections.keys("env")})
   tokenizer = _tokenizer(parts["tokenizer"])
   model = _model(parts["model"], tokenizer)
   inputs, data = _inputs(parts, env_entry, env, tokenizer, eval_size=run.eval_size)
@@ -174,7 +195,7 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
            "sampler.prompt_len", f"prompt_len + max_new_tokens = "
            f"{parts['sampler'].prompt_len + parts['sampler'].max_new_tokens} exceeds the model "
            f"context model.max_seq_len={model.max_seq_len}")
-  spec = _spec(run, parts, env=env, model=model, data=data, inputs=inputs)
+  spec = _spec(cfg, run, parts, env=env, model=model, data=data, inputs=inputs)
   learner_devices, sampler_devices, sampler_shape, fsdp = _check_meshes(spec, parts, devices)
   lc = parts["learner"]
   if lc.pack_len:
@@ -213,15 +234,11 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
         num_heads=m.num_heads // tp, num_kv_heads=m.num_kv_heads // tp, head_dim=m.head_dim,
         dtype=m.param_dtype)
     _require(problem is None, "sampler.paged_attention", f"'ragged': {problem} (use 'xla')")
-  burst = auto_settings.decode_burst(
-      parts["sampler"].decode_burst, num_params=spec.sampler_model.num_params,
-      num_slots=spec.engine.num_slots, platform=None if planned else platforms[0])
-  if burst.reason:
-    spec = dataclasses.replace(spec, engine=dataclasses.replace(spec.engine,
-                                                                decode_burst=burst.value),
-                               choices=(*spec.choices, burst.reason))
-  if parts["sampler"].kv_memory_fraction:
-    spec = _size_kv_pool(spec, parts["sampler"].kv_memory_fraction, sampler_shape.get("tp", 1),
+  engine, choices = auto_settings.resolve(spec.engine, num_params=spec.sampler_model.num_params,
+                                         platform=None if planned else platforms[0])
+  spec = dataclasses.replace(spec, engine=engine, choices=choices)
+  if engine.kv_memory_fraction:
+    spec = _size_kv_pool(spec, engine.kv_memory_fraction, sampler_shape.get("tp", 1),
                          device_memory or reported_memory(sampler_devices))
   return Resolved(spec=spec, inputs=inputs)
 
@@ -297,7 +314,8 @@ def _inputs(parts: dict, env_entry, env, tokenizer, *, eval_size: int):
   return inputs, data
 
 
-def _spec(run: sections.RunSection, parts: dict, *, env, model, data, inputs) -> RunSpec:
+def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model, data,
+          inputs) -> RunSpec:
   """The components' settings, with the checks that span sections."""
   o, s, lc = parts["orchestrator"], parts["sampler"], parts["learner"]
   g = o.group_size
@@ -310,9 +328,9 @@ def _spec(run: sections.RunSection, parts: dict, *, env, model, data, inputs) ->
            f"orchestrator.batch_size={o.batch_size} rows do not split into num_minibatches x "
            f"num_microbatches = {slices} equal slices")
   tokenizer, eval_env = inputs.tokenizer, inputs.eval_env
-  kv = auto_settings.kv_cache(s.kv_cache, length=s.buckets[-1] + s.max_new_tokens,
-                              kv_pages=s.kv_pages, kv_memory_fraction=s.kv_memory_fraction,
-                              paged_attention=s.paged_attention)
+  sampling = _build(config, "sampler", sampling_lib.SamplingSettings, eos_id=tokenizer.eos_id,
+                    pad_id=tokenizer.pad_id,
+                    stop_ids=env_api.sampler_stop_ids(tokenizer, eval_env))
   return RunSpec(
       seed=run.seed, num_steps=run.num_steps, log_every=run.log_every,
       eval_every=run.eval_every, eval_size=run.eval_size, writers=run.writer_names,
@@ -321,19 +339,11 @@ def _spec(run: sections.RunSection, parts: dict, *, env, model, data, inputs) ->
       model_hf_path=parts["model"].hf_path, mesh=_mesh(parts["mesh"]), env_name=parts["env"].name,
       env=env, data=data, tokenizer=parts["tokenizer"], num_env_workers=parts["env"].num_workers,
       env_timeout_s=float(parts["env"].timeout_s),
-      engine=_wrap("sampler", engine_config.EngineConfig, num_slots=s.num_slots, group_size=g,
-                   prompt_buckets=s.buckets, max_new_tokens=s.max_new_tokens,
-                   weight_update=s.weight_update, kv_policy=s.kv_policy, seed=run.seed,
-                   multi_turn=eval_env.multi_turn, precompile=s.precompile,
-                   kv_cache=kv.value, page_size=s.page_size, num_pages=s.kv_pages,
-                   # (0, auto: chosen once the sampler's platform is known)
-                   share_prompts=s.share_prompts, decode_burst=s.decode_burst or 1,
-                   prefill_chunk=s.prefill_chunk, paged_attention=s.paged_attention),
+      # (kv_cache and decode_burst, if auto, are chosen once the sampler's
+      # platform is known: `auto_settings.resolve`)
+      engine=dataclasses.replace(s, multi_turn=eval_env.multi_turn),
       sampler_model=dataclasses.replace(model, param_dtype=s.param_dtype),
-      sampling=sampling_lib.SamplingSettings(
-          temperature=float(s.temperature), top_k=int(s.top_k), top_p=float(s.top_p),
-          eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
-          stop_ids=env_api.sampler_stop_ids(tokenizer, eval_env)),
+      sampling=sampling,
       dispatch=dispatcher_lib.DispatchConfig(
           group_size=g, groups_per_batch=o.groups_per_batch, max_async_level=o.max_async_level,
           max_off_policy_steps=o.max_off_policy_steps,
@@ -343,13 +353,14 @@ def _spec(run: sections.RunSection, parts: dict, *, env, model, data, inputs) ->
           staleness_reference=o.staleness_reference, assembly=o.assembly,
           window_groups=max(1, round(o.window_fraction * o.groups_per_batch))),
       mask_truncated_completions=o.mask_truncated_completions,
-      loss=_loss(lc, s, model), packing=None, advantage_estimator=lc.advantage,
+      loss=_loss(lc, s, sampling, model), packing=None, advantage_estimator=lc.advantage,
       optim=_wrap("learner", optim_lib.OptimConfig, lr=lc.lr, b1=lc.b1, b2=lc.b2,
                   weight_decay=lc.weight_decay, max_grad_norm=lc.max_grad_norm),
-      warmup=parts["warmup"], choices=(kv.reason,) if kv.reason else ())
+      warmup=parts["warmup"])
 
 
-def _loss(lc: sections.LearnerSection, s: sections.SamplerSection, model):
+def _loss(lc: sections.LearnerSection, s: engine_config.EngineConfig,
+          sampling: sampling_lib.SamplingSettings, model):
   return _wrap(
       "learner", update_lib.LossSettings,
       name=lc.loss, eps_low=float(lc.eps_low), eps_high=float(lc.eps_high),
@@ -359,7 +370,7 @@ def _loss(lc: sections.LearnerSection, s: sections.SamplerSection, model):
       tis_cap=float(lc.tis_cap) if lc.tis_cap else None, age_decay=float(lc.age_decay),
       decoupled=bool(lc.decoupled), aggregation=lc.aggregation,
       norm_constant=float(s.max_new_tokens), kl_coef=float(lc.kl_coef),
-      entropy_coef=float(lc.entropy_coef), temperature=float(s.temperature),
+      entropy_coef=float(lc.entropy_coef), temperature=float(sampling.temperature),
       num_epochs=lc.num_epochs, num_minibatches=lc.num_minibatches,
       num_microbatches=lc.num_microbatches, logprob_chunk=lc.logprob_chunk,
       attention_chunk=lc.attention_chunk, remat=lc.remat,
@@ -432,7 +443,7 @@ def _size_kv_pool(spec: RunSpec, fraction: float, tp: int, device_memory: int | 
   page_bytes = spec.engine.page_size * engine_config.kv_bytes_per_column(spec.sampler_model, tp)
   pages = max(int(fraction * device_memory) // page_bytes, 1)
   try:
-    engine = dataclasses.replace(spec.engine, num_pages=pages)
+    engine = dataclasses.replace(spec.engine, kv_pages=pages, kv_memory_fraction=0.0)
   except ValueError as e:  # a pool too small for one sequence
     raise ConfigError(f"config.{key}: {fraction} of {device_memory / 2**30:.2f} GiB makes "
                       f"{pages} pages of {page_bytes} bytes; {e}") from e

@@ -1,17 +1,19 @@
-"""The config's schema: one frozen dataclass per section of an experiment file.
+"""The config's schema: the dataclasses whose fields are each section's keys.
 
-A section's fields are its keys, listed here once: `config_lib.build` checks a
-config's keys against them (unknown keys are errors), and a field without a
-default must be given. Each section checks its own values in `__post_init__`
-and names the key it refuses (`sampler.top_p: must be in (0, 1], got 0.0`);
-checks that span sections (a batch that must split over the learner's fsdp
-axis, a prompt that must fit the sampler) are `config_lib.build`'s.
+A key is declared once, as a field with its default, its documentation (the
+class's `Attributes:` or a comment) and its check (`settings.py`).
+`SECTIONS` names each section's dataclasses; `config_lib.build` checks a
+config's keys against their fields (unknown keys are errors, a key without a
+default must be given) and builds them; `config_base.make` builds the base
+every config derives from out of their defaults.
 
-The sections `mesh`, `data`, `tokenizer` and `checkpoint` are the dataclasses
-their components take as they are (`mesh_lib.MeshConfig`,
-`prompt_source.DataConfig`, `tokenizer.TokenizerConfig`,
-`checkpointing.CheckpointConfig`); the others are turned into their
-components' settings by `config_lib.build`.
+`sampler` (`EngineConfig` and `SamplingSettings`), `mesh`, `data`,
+`tokenizer`, `checkpoint` and `fleet` are the components' own dataclasses.
+`model`, `env`, `orchestrator`, `learner` and `warmup` are defined here and
+turned into their components' settings by `config_lib` (the learner's still
+by a hand mapping into `LossSettings` and `OptimConfig`). Checks that span
+sections (a batch that must split over the learner's fsdp axis, a prompt
+that must fit the sampler) are `config_lib.build`'s.
 """
 
 from __future__ import annotations
@@ -19,17 +21,16 @@ from __future__ import annotations
 import dataclasses
 
 from arl_jax import advantages as advantages_lib
-from arl_jax import checkpointing
+from arl_jax import checkpointing, settings
 from arl_jax.envs import prompt_source
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import losses as losses_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import decoder as decoder_lib
-from arl_jax.models import paged_names
 from arl_jax.models import segment_attention as segment_attention_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import staleness
-from arl_jax.sampler import engine_config, weight_updates
+from arl_jax.sampler import engine_config, sampling
 from arl_jax.sharding import mesh_lib
 
 
@@ -62,11 +63,11 @@ class RunSection:
       instead of compiling them (`compile_cache.py`).
   """
 
-  seed: int
+  seed: int = 0
   num_steps: int
-  log_every: int
-  eval_every: int
-  eval_size: int
+  log_every: int = 100
+  eval_every: int = 0
+  eval_size: int = 256
   writers: str = "jsonl"
   compilation_cache: str = "auto"
 
@@ -88,7 +89,24 @@ class RunSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelSection:
   """The `model` section: the decoder's shape, or a Hugging Face folder that
-  gives it (`hf_path`: then the shape keys come from its config.json)."""
+  gives it (`hf_path`: then the shape keys come from its config.json).
+
+  Attributes:
+    d_model: width of the residual stream.
+    num_layers: decoder blocks.
+    num_heads: query heads.
+    num_kv_heads: key/value heads (grouped-query attention; divides num_heads).
+    head_dim: width of a head.
+    mlp_dim: hidden width of the SwiGLU MLP.
+    rope_theta: the rotary embedding's base.
+    tie_embeddings: the output projection is the embedding's transpose.
+    max_seq_len: the longest context the model serves (prompt + completion).
+    param_dtype: the learner's parameter and compute dtype ("float32" or
+      "bfloat16"; the sampler's is `sampler.param_dtype`).
+    value_head: a critic head beside the policy (`learner.loss="vtrace"`).
+    hf_path: a Hugging Face folder (config.json, safetensors) whose shape and
+      weights start the run ("": a model from scratch, shaped by the keys above).
+  """
 
   d_model: int | None = None
   num_layers: int | None = None
@@ -99,8 +117,8 @@ class ModelSection:
   rope_theta: float | None = None
   tie_embeddings: bool | None = None
   max_seq_len: int
-  param_dtype: str
-  value_head: bool
+  param_dtype: str = "float32"
+  value_head: bool = False
   hf_path: str = ""
 
   SHAPE_KEYS = ("d_model", "num_layers", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
@@ -132,8 +150,8 @@ class EnvSection:
   """
 
   name: str
-  num_workers: int
-  timeout_s: float
+  num_workers: int = 2
+  timeout_s: float = 30.0
 
   def __post_init__(self):
     _check(_is_int(self.num_workers) and self.num_workers >= 1, "env.num_workers",
@@ -143,110 +161,36 @@ class EnvSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplerSection:
-  """The `sampler` section (`sampler/engine.py`, `sampler/sampling.py`)."""
-
-  num_slots: int
-  prompt_len: int
-  prompt_buckets: tuple[int, ...]
-  max_new_tokens: int
-  temperature: float
-  top_k: int
-  top_p: float
-  weight_update: str
-  kv_policy: str
-  param_dtype: str
-  # Compile every program shape the engine can use at its start
-  # (`sampler/precompile.py`), so that no rare shape compiles late in a run.
-  precompile: bool = True
-  # The KV cache (`sampler/engine_config.py`): "dense" (every slot holds
-  # prompt_len + max_new_tokens columns; a decode step attends over all of
-  # them) or "paged" (slots take pages of `page_size` columns from a pool of
-  # `kv_pages` as they grow, 0: enough for every slot at full length; a step
-  # attends over the longest live context; a full pool preempts the youngest
-  # slot); "auto": paged from 1,024 columns a slot (`sampler/auto_settings.py`).
-  kv_cache: str = "auto"
-  page_size: int = 16
-  kv_pages: int = 0
-  # Paged: the pool takes this fraction of a sampler device's memory instead
-  # of `kv_pages` (0: off); `--dry_run` prints the pages it makes.
-  kv_memory_fraction: float = 0.0
-  # The samples of a group are prefilled once; the others start from that
-  # prefill (and, paged, share the prompt's pages): `sampler/engine.py`.
-  share_prompts: bool = True
-  # Decode steps per device call while nothing waits between steps (one host
-  # round trip per burst; a publish or new work waits for the burst's end);
-  # 0: auto, 4 where a decode step is estimated under a host round trip.
-  decode_burst: int = 0
-  # Contexts wider than this many columns are prefilled a chunk per engine
-  # iteration, between decode steps of the other slots (0: in one call).
-  prefill_chunk: int = 0
-  # Paged: decode attention through the decoder's XLA code ("xla") or JAX's
-  # Pallas kernels: "pallas" (paged attention, GPU sampler devices only),
-  # "ragged" (ragged paged attention over an interleaved pool, TPU only).
-  paged_attention: str = "xla"
-
-  def __post_init__(self):
-    object.__setattr__(self, "prompt_buckets", tuple(int(b) for b in self.prompt_buckets))
-    _check(isinstance(self.kv_memory_fraction, (int, float))
-           and 0 <= self.kv_memory_fraction < 1, "sampler.kv_memory_fraction",
-           f"must be in [0, 1) (0: off), got {self.kv_memory_fraction!r}")
-    _check(not self.kv_memory_fraction or self.kv_cache != "dense",
-           "sampler.kv_memory_fraction", "sizes a paged KV pool: it needs kv_cache='paged' "
-           "(or 'auto')")
-    _check(not (self.kv_memory_fraction and self.kv_pages), "sampler.kv_memory_fraction",
-           f"and sampler.kv_pages={self.kv_pages} both size the pool: set one of them")
-    _check(_is_int(self.decode_burst) and self.decode_burst >= 0,
-           "sampler.decode_burst", f"must be an int >= 1 (0: auto), got {self.decode_burst!r}")
-    _check(_is_int(self.prefill_chunk) and self.prefill_chunk >= 0, "sampler.prefill_chunk",
-           f"must be an int >= 0 (0: off), got {self.prefill_chunk!r}")
-    _check(self.paged_attention in paged_names.ATTENTIONS, "sampler.paged_attention",
-           f"must be one of {paged_names.ATTENTIONS}, got {self.paged_attention!r}")
-    _check(self.paged_attention == "xla" or self.kv_cache != "dense", "sampler.paged_attention",
-           f"={self.paged_attention!r} reads a paged pool: it needs kv_cache='paged' (or 'auto')")
-    _check(isinstance(self.share_prompts, bool), "sampler.share_prompts",
-           f"must be True or False, got {self.share_prompts!r}")
-    _check(self.kv_cache in (*engine_config.KV_CACHES, "auto"), "sampler.kv_cache",
-           f"must be one of {(*engine_config.KV_CACHES, 'auto')}, got {self.kv_cache!r}")
-    _check(isinstance(self.page_size, int) and self.page_size >= 1, "sampler.page_size",
-           f"must be an int >= 1, got {self.page_size!r}")
-    _check(isinstance(self.kv_pages, int) and self.kv_pages >= 0, "sampler.kv_pages",
-           f"must be an int >= 0 (0: every slot at full length), got {self.kv_pages!r}")
-    _check(self.weight_update in weight_updates.WEIGHT_UPDATE_MODES, "sampler.weight_update",
-           f"must be one of {weight_updates.WEIGHT_UPDATE_MODES}, got {self.weight_update!r}")
-    _check(self.kv_policy in weight_updates.KV_POLICIES, "sampler.kv_policy",
-           f"must be one of {weight_updates.KV_POLICIES}, got {self.kv_policy!r}")
-    _check(self.param_dtype in ("float32", "bfloat16"), "sampler.param_dtype",
-           f"must be float32 or bfloat16, got {self.param_dtype!r}")
-    _check(self.top_k >= 0, "sampler.top_k", f"must be >= 0 (0: off), got {self.top_k}")
-    _check(0.0 < self.top_p <= 1.0, "sampler.top_p", f"must be in (0, 1], got {self.top_p}")
-    _check(all(0 < b <= self.prompt_len for b in self.prompt_buckets), "sampler.prompt_buckets",
-           f"{self.prompt_buckets}: every bucket must be in [1, sampler.prompt_len="
-           f"{self.prompt_len}]")
-    _check(self.max_new_tokens >= 1, "sampler.max_new_tokens", "must be >= 1")
-    _check(self.temperature > 0, "sampler.temperature", f"must be > 0, got {self.temperature}")
-    _check(isinstance(self.precompile, bool), "sampler.precompile",
-           f"must be True or False, got {self.precompile!r}")
-
-  @property
-  def buckets(self) -> tuple[int, ...]:
-    """The prompt buckets, ascending, the longest prompt (`prompt_len`) included."""
-    return tuple(sorted(set(self.prompt_buckets) | {int(self.prompt_len)}))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class OrchestratorSection:
-  """The `orchestrator` section (dispatcher, buffer: `orchestrator/`)."""
+  """The `orchestrator` section (dispatcher, buffer: `orchestrator/`).
+
+  Attributes:
+    batch_size: rollouts per learner batch (a multiple of group_size).
+    group_size: G, rollouts sampled per prompt (the baseline of
+      group-relative advantages).
+    max_async_level: batches the sampler may run ahead of the learner
+      (admission control; 0: synchronous).
+    max_off_policy_steps: K, the staleness bound: a group whose lag exceeds it
+      when a batch is cut is dropped, and in-flight groups that can no longer
+      ship are cancelled.
+    staleness_reference: what a group's lag is counted from: "dispatch" (the
+      version it was dispatched under) or "oldest_token".
+    assembly: how batches are cut from finished groups: "fifo",
+      "windowed_fifo" or "first_done" (`buffer.ASSEMBLY_POLICIES`).
+    window_fraction: windowed_fifo: the window, as a fraction of a batch.
+    requeue_dropped: times a dropped group's prompt is dispatched again.
+    mask_truncated_completions: completions cut at the budget train no tokens.
+  """
 
   batch_size: int
   group_size: int
-  max_async_level: int
-  max_off_policy_steps: int
-  staleness_reference: str
-  assembly: str
-  window_fraction: float
-  requeue_dropped: int
-  mask_truncated_completions: bool
+  max_async_level: int = 1
+  max_off_policy_steps: int = 8
+  staleness_reference: str = "dispatch"
+  assembly: str = "fifo"
+  window_fraction: float = 0.3
+  requeue_dropped: int = 0
+  mask_truncated_completions: bool = False
 
   def __post_init__(self):
     g, batch = self.group_size, self.batch_size
@@ -279,50 +223,84 @@ class OrchestratorSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LearnerSection:
-  """The `learner` section (losses, advantages, optimizer: `learner/`)."""
+  """The `learner` section (losses, advantages, optimizer: `learner/`).
 
-  loss: str
-  eps_low: float
-  eps_high: float
-  dual_clip: float
-  rho_bar: float
-  c_bar: float
-  lam: float
-  vf_coef: float
-  tau: float
-  tis_cap: float
-  age_decay: float
-  decoupled: bool
-  aggregation: str
-  kl_coef: float
-  entropy_coef: float
-  advantage: str
-  num_epochs: int
-  num_minibatches: int
-  num_microbatches: int
-  lr: float
-  b1: float
-  b2: float
-  weight_decay: float
-  max_grad_norm: float
-  # Tokens whose float32 logits are computed at once when scoring (0: every
-  # token of a microbatch): `learner/logprobs.py`.
+  Attributes:
+    loss: the policy loss, a key of `losses.LOSSES` (clipped_ratio, vtrace, m2po).
+    eps_low: clipped_ratio: the ratio's lower clip, 1 - eps_low.
+    eps_high: clipped_ratio: the ratio's upper clip, 1 + eps_high (> eps_low:
+      clip-higher, DAPO).
+    dual_clip: clipped_ratio: bound of negative-advantage terms, c > 1 (0: off).
+    rho_bar: vtrace: truncation of the importance weights.
+    c_bar: vtrace with a critic: truncation of the trace coefficients.
+    lam: vtrace with a critic: the traces' lambda.
+    vf_coef: vtrace with a critic: weight of the critic's loss.
+    tau: m2po: the bound of the second moment of the log-ratio.
+    tis_cap: truncated importance sampling of the behaviour-to-proximal ratio
+      (a decoupled objective; 0: off).
+    age_decay: the age-aware trust region: clip ranges shrink with a token's
+      lag by this rate (0: off).
+    decoupled: a decoupled objective (proximal policy recomputed) even for one
+      optimizer step per batch.
+    aggregation: how token terms become the loss (`losses.AGGREGATIONS`).
+    kl_coef: weight of a KL penalty to the policy RL started from (after any
+      warm-up; 0: off).
+    entropy_coef: weight of an entropy bonus (0: off).
+    advantage: the group advantage estimator (`advantages.ADVANTAGE_ESTIMATORS`).
+    num_epochs: passes over each batch.
+    num_minibatches: optimizer steps per pass.
+    num_microbatches: slices a minibatch's gradient is accumulated over (memory).
+    lr: Adam's learning rate.
+    b1: Adam's first-moment decay.
+    b2: Adam's second-moment decay.
+    weight_decay: AdamW's decoupled weight decay.
+    max_grad_norm: gradients clipped to this global norm.
+    logprob_chunk: tokens whose float32 logits exist at once when scoring (0:
+      every token of a microbatch); at a large vocabulary they dominate the
+      learner's memory (`learner/logprobs.py`).
+    pack_len: rollouts packed into rows of up to this many tokens, several a
+      row (0: one rollout a padded row): `packing.py`.
+    attention_chunk: queries whose attention scores exist at once (0: a whole
+      row's): `models/segment_attention.py`.
+    remat: what the backward pass keeps of each decoder block: none | block | dots.
+    attention: the training attention: auto (the learner platform's kernel:
+      splash on TPU, pallas_gpu on GPU, xla elsewhere) | xla | splash (TPU) |
+      pallas_gpu (GPU) | splash_interpret, pallas_gpu_interpret (anywhere,
+      slowly): `models/segment_attention.py`.
+    scan_layers: the decoder's blocks as one lax.scan over their stacked
+      parameters: the same numbers; the backward pass's scratch exists once,
+      not per layer.
+  """
+
+  loss: str = "clipped_ratio"
+  eps_low: float = 0.2
+  eps_high: float = 0.2
+  dual_clip: float = 0.0
+  rho_bar: float = 1.0
+  c_bar: float = 1.0
+  lam: float = 1.0
+  vf_coef: float = 0.5
+  tau: float = 0.04
+  tis_cap: float = 0.0
+  age_decay: float = 0.0
+  decoupled: bool = False
+  aggregation: str = "token_mean"
+  kl_coef: float = 0.0
+  entropy_coef: float = 0.0
+  advantage: str = "grpo"
+  num_epochs: int = 1
+  num_minibatches: int = 1
+  num_microbatches: int = 1
+  lr: float = 3e-4
+  b1: float = 0.9
+  b2: float = 0.99
+  weight_decay: float = 0.0
+  max_grad_norm: float = 1.0
   logprob_chunk: int = 0
-  # Rollouts packed into rows of up to this many tokens, several a row (0:
-  # one rollout a padded row): `packing.py`.
   pack_len: int = 0
-  # Queries whose attention scores exist at once (0: a whole row's):
-  # `models/segment_attention.py`.
   attention_chunk: int = 0
-  # What the backward pass keeps of each decoder block: none | block | dots.
   remat: str = "none"
-  # The training attention: auto (the learner platform's kernel: splash on
-  # TPU, pallas_gpu on GPU, xla elsewhere) | xla | splash (TPU) | pallas_gpu
-  # (GPU) | splash_interpret, pallas_gpu_interpret (anywhere, slowly):
-  # `models/segment_attention.py`.
   attention: str = "xla"
-  # The decoder's blocks as one lax.scan over their stacked parameters: the
-  # same numbers; the backward pass's scratch exists once, not per layer.
   scan_layers: bool = False
 
   def __post_init__(self):
@@ -367,8 +345,15 @@ class LearnerSection:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WarmupSection:
-  """The `warmup` section: `steps` supervised updates on `fraction` of the
-  train prompts before RL (0 steps: none)."""
+  """The `warmup` section: supervised updates on the correct answers of some
+  train prompts before RL.
+
+  Attributes:
+    steps: supervised updates (0: no warm-up).
+    batch_size: demonstrations per update.
+    lr: the warm-up's learning rate.
+    fraction: share of the train prompts whose answers are shown.
+  """
 
   steps: int = 0
   batch_size: int = 64
@@ -414,29 +399,30 @@ class FleetConfig:
       raise ValueError(f"port must be in [0, 65535], got {self.port}")
 
 
-# Section name -> its dataclass. A section whose fields all have defaults may
-# be left out of a config.
+# Section name -> the dataclasses whose fields are its keys (`settings.keys`;
+# one section's classes declare disjoint keys). A section whose keys all have
+# defaults may be left out of a config.
 SECTIONS = {
-    "model": ModelSection,
-    "mesh": mesh_lib.MeshConfig,
-    "env": EnvSection,
-    "sampler": SamplerSection,
-    "orchestrator": OrchestratorSection,
-    "learner": LearnerSection,
-    "warmup": WarmupSection,
-    "data": prompt_source.DataConfig,
-    "tokenizer": tokenizer_lib.TokenizerConfig,
-    "checkpoint": checkpointing.CheckpointConfig,
-    "fleet": FleetConfig,
+    "model": (ModelSection,),
+    "mesh": (mesh_lib.MeshConfig,),
+    "env": (EnvSection,),
+    "sampler": (engine_config.EngineConfig, sampling.SamplingSettings),
+    "orchestrator": (OrchestratorSection,),
+    "learner": (LearnerSection,),
+    "warmup": (WarmupSection,),
+    "data": (prompt_source.DataConfig,),
+    "tokenizer": (tokenizer_lib.TokenizerConfig,),
+    "checkpoint": (checkpointing.CheckpointConfig,),
+    "fleet": (FleetConfig,),
 }
 
 
-def keys(section_cls) -> tuple[str, ...]:
-  """The keys of a section: its dataclass's init fields."""
-  return tuple(f.name for f in dataclasses.fields(section_cls) if f.init)
+def keys(name: str) -> tuple[str, ...]:
+  """The keys of section `name` (`RunSection`'s for "<top level>")."""
+  classes = SECTIONS.get(name, (RunSection,))
+  return tuple(k for cls in classes for k in settings.keys(cls))
 
 
-def required_keys(section_cls) -> tuple[str, ...]:
-  return tuple(f.name for f in dataclasses.fields(section_cls)
-               if f.init and f.default is dataclasses.MISSING
-               and f.default_factory is dataclasses.MISSING)
+def required_keys(name: str) -> tuple[str, ...]:
+  classes = SECTIONS.get(name, (RunSection,))
+  return tuple(k for cls in classes for k in settings.required_keys(cls))

@@ -88,7 +88,8 @@ class Evaluator:
     # chunked or shared prefill may round differently, and greedy answers with it).
     cfg = dataclasses.replace(
         engine_cfg, num_slots=len(self._prompts), group_size=1, weight_update="in_flight",
-        kv_policy="keep", kv_cache="dense", num_pages=0, paged_attention="xla", precompile=False,
+        kv_policy="keep", kv_cache="dense", kv_pages=0, kv_memory_fraction=0.0,
+        paged_attention="xla", precompile=False,
         decode_burst=_DECODE_BURST, prefill_chunk=0, share_prompts=False)
     self._generator = generate_lib.Generator(
         cfg=cfg, settings=settings, graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,

@@ -75,10 +75,10 @@ PROMPT = 16
 def _engine_cfg(slots, max_new_tokens, attention="dense", burst=1):
   """`attention`: one of `engine_harness.ATTENTION` (dense, or paged reading
   blocks or widths)."""
-  return engine_config.EngineConfig(
-      num_slots=slots, group_size=1, prompt_buckets=(PROMPT,), max_new_tokens=max_new_tokens,
-      precompile=True, **engine_harness.ATTENTION[attention], page_size=16, num_pages=0,
-      decode_burst=burst)
+  return engine_config.EngineConfig(prompt_len=PROMPT, num_slots=slots, group_size=1,
+                                    max_new_tokens=max_new_tokens, precompile=True,
+                                    **engine_harness.ATTENTION[attention], page_size=16,
+                                    kv_pages=0, decode_burst=burst)
 
 
 def _attention(ecfg) -> str:

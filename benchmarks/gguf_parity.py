@@ -87,9 +87,9 @@ def _slot_generate(meshes, cfg, graphdef, params, prompts, new_tokens, settings)
   """Each prompt in its own slot of the sampler (`generate.Generator`), up to
   `new_tokens` tokens; one `generate.Completion` each."""
   generator = generate_lib.Generator(
-      cfg=engine_config.EngineConfig(num_slots=len(prompts), group_size=1,
-                                     prompt_buckets=(max(len(p) for p in prompts),),
-                                     max_new_tokens=new_tokens),
+      cfg=engine_config.EngineConfig(prompt_len=max(len(p) for p in prompts), kv_cache="dense",
+                                     decode_burst=1, precompile=False, num_slots=len(prompts),
+                                     group_size=1, max_new_tokens=new_tokens),
       settings=settings, graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler)
   return [group[0] for group in generator(params, prompts)]
 

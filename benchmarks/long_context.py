@@ -71,14 +71,14 @@ PROMPT = 32
 ATTENTION = engine_harness.ATTENTION
 
 
-def _engine_cfg(slots, limit, attention, num_pages=0, page_size=16):
+def _engine_cfg(slots, limit, attention, kv_pages=0, page_size=16):
   """An engine config whose slots hold `limit` columns (a 32-token prompt
   bucket, and one spare column for continuations: `EngineConfig.length`),
   attending as `ATTENTION[attention]`."""
-  return engine_config.EngineConfig(
-      num_slots=slots, group_size=1, prompt_buckets=(PROMPT,),
-      max_new_tokens=limit - PROMPT - 1, context_bucket=1, **ATTENTION[attention],
-      page_size=page_size, num_pages=num_pages)
+  return engine_config.EngineConfig(prompt_len=PROMPT, num_slots=slots, group_size=1,
+                                    max_new_tokens=limit - PROMPT - 1, context_bucket=1,
+                                    **ATTENTION[attention], page_size=page_size, kv_pages=kv_pages,
+                                    decode_burst=1, precompile=False)
 
 
 # -- 1. One decode step at growing slot limits ---------------------------------------
@@ -259,7 +259,7 @@ def main() -> None:
       ecfg = _engine_cfg(slots, limit, attention, page_size=16)
       if ecfg.paged:  # a pool for the live work (and the trash page)
         ecfg = _engine_cfg(slots, limit, attention, page_size=16,
-                           num_pages=max(slots * ((live + repeats) // 16 + 1) + 1,
+                           kv_pages=max(slots * ((live + repeats) // 16 + 1) + 1,
                                          ecfg.pages_per_slot + 1))
       seconds, width = decode_step(cfg, meshes, graphdef, params, ecfg, live, repeats)
       base.setdefault(attention, seconds)
@@ -283,7 +283,7 @@ def main() -> None:
     for attention in ATTENTION:
       num_slots = dense_slots if attention == "dense" else 8 * dense_slots
       ecfg = _engine_cfg(num_slots, limit, attention,
-                         num_pages=budget_columns // 16 + 1 if attention != "dense" else 0)
+                         kv_pages=budget_columns // 16 + 1 if attention != "dense" else 0)
       # Compiled up front (but for --quick): the clock times sampling only.
       ecfg = engine_config.EngineConfig(**{**ecfg.__dict__, "precompile": not args.quick})
       stats, seconds = long_tail(cfg, meshes, graphdef, params, ecfg, budgets)
@@ -308,8 +308,8 @@ def main() -> None:
     # A group's prefill: 16 samples of a 1,024-token prompt.
     group, prompt_len = (4, 64) if args.quick else (16, 1024)
     for kv_cache in ("dense", "paged"):
-      ecfg = engine_config.EngineConfig(num_slots=group, group_size=group,
-                                        prompt_buckets=(prompt_len,), max_new_tokens=63,
+      ecfg = engine_config.EngineConfig(prompt_len=prompt_len, decode_burst=1, precompile=False,
+                                        num_slots=group, group_size=group, max_new_tokens=63,
                                         context_bucket=1, kv_cache=kv_cache, page_size=16)
       seconds = {how: group_prefill(cfg, meshes, graphdef, params, ecfg, group, how,
                                     repeats=1 if args.quick else 3)
@@ -325,10 +325,11 @@ def main() -> None:
     long_len, short, budget = (128, 2, 16) if args.quick else (4096, 7, 256)
     chunks = (0, 32) if args.quick else (0, 256, 1024)
     for chunk in chunks:
-      ecfg = engine_config.EngineConfig(
-          num_slots=short + 1, group_size=1, prompt_buckets=(PROMPT, long_len),
-          max_new_tokens=budget, context_bucket=1, kv_cache="paged", page_size=16,
-          prefill_chunk=chunk, precompile=not args.quick)
+      ecfg = engine_config.EngineConfig(prompt_len=long_len, decode_burst=1, num_slots=short + 1,
+                                        group_size=1, prompt_buckets=(PROMPT, long_len),
+                                        max_new_tokens=budget, context_bucket=1, kv_cache="paged",
+                                        page_size=16, prefill_chunk=chunk,
+                                        precompile=not args.quick)
       stats, first_token, seconds = chunked_prefill(cfg, meshes, graphdef, params, ecfg, short,
                                                     budget, long_len)
       emit({"benchmark": "long_context", "part": "chunked_prefill", "model": name,

@@ -155,7 +155,7 @@ def bench_sampler(resolved, *, groups: int) -> list[dict]:
               ("widths", True)]
   for attention, share in variants:
     ecfg = dataclasses.replace(spec.engine, **engine_harness.ATTENTION[attention],
-                               share_prompts=share, num_pages=0)
+                               share_prompts=share, kv_pages=0)
     # EOS is a token outside the vocabulary: every completion runs to its budget.
     settings = dataclasses.replace(spec.sampling, eos_id=10 ** 6)
     done = []

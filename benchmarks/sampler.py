@@ -217,8 +217,9 @@ def swap_pause(cfg, meshes, graphdef, params, num_slots, kv_policy, seconds, pub
                                          lambda p: rng.integers(0, 256, 16).tolist(),
                                          buffer_lib.RolloutBuffer(buffer_lib.BufferConfig()))
   engine = engine_lib.SamplerEngine(
-      cfg=engine_config.EngineConfig(num_slots=num_slots, group_size=group, prompt_buckets=(16,),
-                                  max_new_tokens=128, kv_policy=kv_policy),
+      cfg=engine_config.EngineConfig(prompt_len=16, kv_cache="dense", decode_burst=1,
+                                     precompile=False, num_slots=num_slots, group_size=group,
+                                     max_new_tokens=128, kv_policy=kv_policy),
       settings=SETTINGS, graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
       publisher=publisher, dispatcher=dispatcher, on_segment_fn=lambda _: None)
   stop = threading.Event()
@@ -259,10 +260,9 @@ def engine_bursts(cfg, meshes, graphdef, params, num_slots, budgets, bursts, pro
   at each `decode_burst`, on the same requests."""
   rows = []
   for burst in bursts:
-    ecfg = engine_config.EngineConfig(num_slots=num_slots, group_size=1,
-                                      prompt_buckets=(prompt_len,),
-                                      max_new_tokens=int(budgets.max()), precompile=True,
-                                      decode_burst=burst)
+    ecfg = engine_config.EngineConfig(prompt_len=prompt_len, kv_cache="dense", num_slots=num_slots,
+                                      group_size=1, max_new_tokens=int(budgets.max()),
+                                      precompile=True, decode_burst=burst)
     stats, _ = engine_harness.run_engine(cfg, meshes, graphdef, params, ecfg, budgets,
                                          prompt_len=prompt_len, pad_id=PAD)
     rows.append({"decode_burst": burst, "tokens": stats.sampled_tokens,

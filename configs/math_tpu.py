@@ -48,104 +48,49 @@ GSM8K GRPO does at this size; not verified here.
 
 import ml_collections
 
-from arl_jax import sweep
+from arl_jax import config_base, sweep
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if not arg:
     raise ValueError("configs/math_tpu.py needs a Hugging Face model folder as its argument: "
                      "--config=configs/math_tpu.py:/path/to/Qwen2.5-0.5B-Instruct")
-  config = ml_collections.ConfigDict()
-  config.seed = 0
-  config.num_steps = 1000
-  config.log_every = 50
-  config.eval_every = 100
-  config.eval_size = 256
-  config.writers = "jsonl,tensorboard"
-  config.compilation_cache = "auto"  # (~/.cache/arl_jax/jit; "": off)
-
+  # Every key not set here is at its default (`config_base.py`; what each key
+  # means: the schema's dataclasses, `config_sections.SECTIONS`).
+  config = config_base.make("math_answer")
+  config.update(num_steps=1000, log_every=50, eval_every=100, eval_size=256,
+                writers="jsonl,tensorboard")
   # Shapes (Qwen2.5-0.5B: d_model 896, 24 layers, 14 query / 2 KV heads of 64,
   # QKV biases, SwiGLU 4864, tied 151,936-row embedding, RoPE base 1e6: 494M
   # parameters) and the starting weights come from the folder.
-  config.model = ml_collections.ConfigDict(dict(
-      hf_path=arg, max_seq_len=768, param_dtype="float32", value_head=False))
-
-  config.mesh = ml_collections.ConfigDict(dict(
-      placement="auto", learner_devices=-1,
-      learner=(("fsdp", -1), ("tp", 1)), sampler=(("data", -1), ("tp", 1))))
-
-  config.env = ml_collections.ConfigDict(dict(
-      name="math_answer", heldout_fraction=0.1, strict=False, num_workers=8, timeout_s=30.0))
-
-  config.sampler = ml_collections.ConfigDict(dict(
-      num_slots=256, prompt_len=256, prompt_buckets=(128,), max_new_tokens=512,
-      temperature=1.0, top_k=0, top_p=1.0, weight_update="in_flight", kv_policy="keep",
-      param_dtype="bfloat16",
-      # Compile every program shape the engine can use when it starts, so that no
-      # rare batch shape compiles late in a long run.
-      precompile=True,
-      # KV cache: "dense" (slot x full length), "paged" (pages of page_size
-      # columns from a pool of kv_pages, 0: every slot at full length; or of
-      # kv_memory_fraction of a sampler device's memory, 0: off) or "auto"
-      # (paged from 1,024 columns a slot; the header says what was chosen).
-      kv_cache="auto", page_size=16, kv_pages=0, kv_memory_fraction=0.0,
-      # One prefill per group: its samples start from it (share the prompt pages).
-      share_prompts=True,
-      # Decode steps per device call while nothing waits between them (0: auto,
-      # 4 where a decode step is estimated under a host round trip).
-      decode_burst=0,
-      # Contexts longer than this are prefilled a chunk per engine iteration,
-      # between decode steps of the other slots (0: in one call).
-      prefill_chunk=0,
-      # Paged decode attention: "xla", "pallas" (JAX's GPU paged attention kernel) or
-      # "ragged" (JAX's TPU ragged paged attention kernel).
-      paged_attention="xla"))
-
-  config.orchestrator = ml_collections.ConfigDict(dict(
-      batch_size=256, group_size=8, max_async_level=1, max_off_policy_steps=4,
-      staleness_reference="dispatch", assembly="windowed_fifo", window_fraction=0.3,
-      requeue_dropped=1, mask_truncated_completions=True))
-
-  config.learner = ml_collections.ConfigDict(dict(
-      loss="clipped_ratio", eps_low=0.2, eps_high=0.28, dual_clip=0.0, rho_bar=1.0, c_bar=1.0,
-      lam=1.0, vf_coef=0.5, tau=0.04,
-      tis_cap=2.0, age_decay=0.0, decoupled=False, aggregation="token_mean", kl_coef=0.0,
-      entropy_coef=0.0, advantage="grpo", num_epochs=1, num_minibatches=1,
-      num_microbatches=32, lr=1e-6, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0,
+  config.model.update(hf_path=arg, max_seq_len=768)
+  config.env.num_workers = 8
+  config.sampler.update(num_slots=256, prompt_len=256, prompt_buckets=(128,), max_new_tokens=512,
+                        param_dtype="bfloat16")
+  config.orchestrator.update(batch_size=256, group_size=8, max_off_policy_steps=4,
+                             assembly="windowed_fifo", requeue_dropped=1,
+                             mask_truncated_completions=True)
+  config.learner.update(
+      eps_high=0.28, tis_cap=2.0, num_microbatches=32, lr=1e-6,
       # Tokens whose float32 logits exist at once when scoring (0: all of a
       # microbatch); at a large vocabulary they dominate the learner's memory.
       logprob_chunk=1024,
-      # Rollouts packed several to a learner row of up to this many tokens
-      # (0: one rollout a row, padded to the batch's longest): packing.py.
+      # Rollouts packed several to a learner row of up to this many tokens.
       pack_len=2048,
-      # Queries whose attention scores exist at once (0: a row's), what the
-      # backward pass keeps of each block (none | block | dots), and the
-      # blocks as one lax.scan (a block's scratch once, not per layer).
+      # Queries whose attention scores exist at once, what the backward pass
+      # keeps of each block, and the blocks as one lax.scan.
       attention_chunk=512, remat="block", scan_layers=True,
       # The training attention's kernel: auto picks splash on TPU (XLA when
       # planning on CPU), pallas_gpu on GPU.
-      attention="auto"))
-
+      attention="auto")
   # Special tokens and chat template as the folder's tokenizer_config.json names
   # them (for Qwen2.5-Instruct: <|im_end|>, <|endoftext|>, no BOS, chatml).
-  config.tokenizer = ml_collections.ConfigDict(dict(
-      kind="hf", path=arg, eos_token="auto", bos_token="auto", pad_token="auto",
-      chat_template="auto"))
-
-  config.data = ml_collections.ConfigDict(dict(train_path="", heldout_path="",
-                                               on_malformed="skip", num_epochs=0))
-
-  config.checkpoint = ml_collections.ConfigDict(dict(every_steps=100, keep=3, save_final=True,
-                                                     resume_from="",
-                                                     init_from=""))
-  # Sampling in separate processes that join over the network (README "Sampler
-  # processes"): python -m arl_jax.distributed.sampler_worker --learner=ADDRESS.
-  config.fleet = ml_collections.ConfigDict(dict(remote=False, host="127.0.0.1", port=0,
-                                                heartbeat_s=0.5, timeout_s=20.0))
-
+  config.tokenizer.update(kind="hf", path=arg, eos_token="auto", bos_token="auto",
+                          pad_token="auto", chat_template="auto")
+  config.data.on_malformed = "skip"
+  config.checkpoint.every_steps = 100
   # No supervised warm-up: an instruction-tuned checkpoint already answers.
-  config.warmup = ml_collections.ConfigDict(dict(steps=0, batch_size=64, lr=1e-5,
-                                                 fraction=0.3))
+  config.warmup.update(steps=0, lr=1e-5)
   config.lock()
   return config
 

@@ -50,6 +50,7 @@ import os
 
 import ml_collections
 
+from arl_jax import config_base
 from arl_jax.envs import sample_data
 
 
@@ -58,74 +59,34 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError("configs/smollm2.py needs the converted SmolLM2 folder as its argument: "
                      "--config=configs/smollm2.py:/tmp/smollm2 (python -m "
                      "arl_jax.models.gguf_convert writes it; see this file's docstring)")
-  config = ml_collections.ConfigDict()
-  config.seed = 0
-  config.num_steps = 40
-  config.log_every = 5
-  config.eval_every = 10
-  config.eval_size = 200  # (every held-out pair)
-  config.writers = "jsonl"
-  config.compilation_cache = "auto"  # (~/.cache/arl_jax/jit; "": off)
-
+  # Every key not set here is at its default (`config_base.py`; what each key
+  # means: the schema's dataclasses, `config_sections.SECTIONS`).
+  config = config_base.make("math_answer")
+  config.update(num_steps=40, log_every=5, eval_every=10,
+                eval_size=200)  # (every held-out pair)
   # Shapes and starting weights from the folder's config.json and safetensors.
-  config.model = ml_collections.ConfigDict(dict(
-      hf_path=arg, max_seq_len=128, param_dtype="float32", value_head=False))
-
-  config.mesh = ml_collections.ConfigDict(dict(
-      placement="auto", learner_devices=-1,
-      learner=(("fsdp", -1), ("tp", 1)), sampler=(("data", -1), ("tp", 1))))
-
-  config.env = ml_collections.ConfigDict(dict(
-      name="math_answer", path=os.path.join(sample_data.DATA_DIR, "larger.jsonl"),
-      heldout_fraction=0.1, strict=False, num_workers=2, timeout_s=30.0))
-
-  config.sampler = ml_collections.ConfigDict(dict(
-      # The chat-formatted prompts are 52 tokens (the default system turn
-      # included); completions get 48.
-      num_slots=64, prompt_len=56, prompt_buckets=(), max_new_tokens=48, temperature=1.0,
-      top_k=0, top_p=1.0, weight_update="in_flight", kv_policy="keep",
-      # (bfloat16 is not faster on a CPU and adds sampler/learner mismatch.)
-      param_dtype="float32",
-      precompile=True,
-      # "auto": paged from 1,024 columns a slot (the header says what was chosen).
-      kv_cache="auto", page_size=16, kv_pages=0, kv_memory_fraction=0.0,
-      share_prompts=True,
-      decode_burst=0,  # auto
-      prefill_chunk=0, paged_attention="xla"))
-
-  config.orchestrator = ml_collections.ConfigDict(dict(
-      batch_size=32, group_size=8, max_async_level=1, max_off_policy_steps=4,
-      staleness_reference="dispatch", assembly="fifo", window_fraction=0.3,
-      requeue_dropped=0, mask_truncated_completions=True))
-
-  config.learner = ml_collections.ConfigDict(dict(
-      loss="clipped_ratio", eps_low=0.2, eps_high=0.28, dual_clip=0.0, rho_bar=1.0, c_bar=1.0,
-      lam=1.0, vf_coef=0.5, tau=0.04,
-      tis_cap=2.0, age_decay=0.0, decoupled=False, aggregation="token_mean", kl_coef=0.0,
-      entropy_coef=0.0, advantage="grpo", num_epochs=1, num_minibatches=1,
+  config.model.update(hf_path=arg, max_seq_len=128)
+  config.env.path = os.path.join(sample_data.DATA_DIR, "larger.jsonl")
+  # The chat-formatted prompts are 52 tokens (the default system turn
+  # included); completions get 48. (bfloat16 sampling is not faster on a CPU
+  # and adds sampler/learner mismatch: the sampler keeps float32.)
+  config.sampler.update(num_slots=64, prompt_len=56, max_new_tokens=48)
+  config.orchestrator.update(batch_size=32, group_size=8, max_off_policy_steps=4,
+                             mask_truncated_completions=True)
+  config.learner.update(
+      eps_high=0.28, tis_cap=2.0, num_microbatches=2,
       # A few tens of updates: a larger rate than long runs use (1e-6).
-      num_microbatches=2, lr=1e-5, b1=0.9, b2=0.99, weight_decay=0.0, max_grad_norm=1.0,
+      lr=1e-5,
       # Tokens whose float32 logits (49,152 wide) exist at once when scoring.
       logprob_chunk=1024,
       # Rollouts packed several to a learner row of up to this many tokens.
-      pack_len=512,
-      attention_chunk=0, remat="none", scan_layers=False, attention="auto"))
-
+      pack_len=512, attention="auto")
   # Special tokens and the chat template from the folder's tokenizer_config.json
   # (<|im_end|> ends a turn; the template's default system turn is rendered).
-  config.tokenizer = ml_collections.ConfigDict(dict(
-      kind="hf", path=arg, eos_token="auto", bos_token="auto", pad_token="auto",
-      chat_template="auto"))
-
-  config.data = ml_collections.ConfigDict(dict(train_path="", heldout_path="",
-                                               on_malformed="error", num_epochs=0))
-
-  config.checkpoint = ml_collections.ConfigDict(dict(every_steps=10, keep=2, save_final=True,
-                                                     resume_from="", init_from=""))
-  config.fleet = ml_collections.ConfigDict(dict(remote=False, host="127.0.0.1", port=0,
-                                                heartbeat_s=0.5, timeout_s=20.0))
+  config.tokenizer.update(kind="hf", path=arg, eos_token="auto", bos_token="auto",
+                          pad_token="auto", chat_template="auto")
+  config.checkpoint.update(every_steps=10, keep=2)
   # No supervised warm-up: the instruction-tuned model already answers sometimes.
-  config.warmup = ml_collections.ConfigDict(dict(steps=0, batch_size=64, lr=1e-5,
-                                                 fraction=0.3))
+  config.warmup.update(steps=0, lr=1e-5)
   config.lock()
   return config

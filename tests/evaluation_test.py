@@ -59,8 +59,9 @@ def test_environment_faults_are_counted_per_environment_and_score_zero(model):
   env = FaultyEnv()
   assert env.multi_turn
   prompts = [env_api.TextPrompt(prompt_id=i, text=f"p{i}", answer="") for i in range(8)]
-  engine_cfg = engine_config.EngineConfig(num_slots=8, group_size=1, prompt_buckets=(8,),
-                                       max_new_tokens=4, multi_turn=True, context_bucket=4)
+  engine_cfg = engine_config.EngineConfig(prompt_len=8, kv_cache="dense", decode_burst=1,
+                                          precompile=False, num_slots=8, group_size=1,
+                                          max_new_tokens=4, multi_turn=True, context_bucket=4)
   evaluator = evaluation.Evaluator(graphdef=graphdef, model_cfg=cfg, env=env, tokenizer=TOK,
                                    prompts=prompts, mesh=meshes.learner, engine_cfg=engine_cfg)
   result = evaluator(params)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+from arl_jax import settings
 from arl_jax.envs import env_api, jsonl_source, mixture, registry
 
 
@@ -34,7 +35,7 @@ class DataConfig:
   heldout_path: str = ""
   on_malformed: str = "error"
   num_epochs: int = 0
-  too_long: tuple[tuple[str, str], ...] = ()
+  too_long: tuple[tuple[str, str], ...] = settings.derived((), "the prompt files")
 
   def __post_init__(self):
     if self.on_malformed not in jsonl_source.ON_MALFORMED:

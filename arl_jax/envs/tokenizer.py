@@ -69,12 +69,13 @@ class TokenizerConfig:
   Attributes:
     kind: `byte` (no other field used) or `hf`.
     path: `tokenizer.json` (or its folder), for `hf`.
-    eos_token, bos_token, pad_token: special tokens by name, for `hf` (""
-      for none; pad defaults to EOS). For a chat model, EOS is usually its
-      end-of-turn token (`<|im_end|>`, `<|eot_id|>`).
+    eos_token: the token that ends a completion, by name, for `hf`. For a
+      chat model, usually its end-of-turn token (`<|im_end|>`, `<|eot_id|>`).
+    bos_token: the token a prompt starts with, by name, for `hf` ("": none).
+    pad_token: the filler token, by name, for `hf` ("": EOS).
     chat_template: `none`, `chatml` or `llama3`, for `hf`.
 
-  Each of the four may be `auto` for `hf`: read from the `tokenizer_config.json`
+  The last four may be `auto` for `hf`: read from the `tokenizer_config.json`
   beside `tokenizer.json` (a Hugging Face model folder), the chat template
   recognised from its Jinja source.
   """

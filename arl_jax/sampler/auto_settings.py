@@ -78,3 +78,15 @@ def decode_burst(setting: int, *, num_params: int, num_slots: int,
   return Choice(burst, f"decode_burst={burst} (auto: a {platform or 'planned'} decode step "
                        f"~{step_s * 1e3:.3g} ms {comparison} a host round trip "
                        f"{HOST_ROUND_TRIP_S * 1e3:g} ms)")
+
+
+def resolve(cfg, *, num_params: int, platform: str | None):
+  """`cfg` (an `EngineConfig`) with `kv_cache` and `decode_burst` chosen where
+  they are auto, and the reasons of what was chosen (for the run's header)."""
+  kv = kv_cache(cfg.kv_cache, length=cfg.prompt_len + cfg.max_new_tokens,
+                kv_pages=cfg.kv_pages, kv_memory_fraction=cfg.kv_memory_fraction,
+                paged_attention=cfg.paged_attention)
+  burst = decode_burst(cfg.decode_burst, num_params=num_params, num_slots=cfg.num_slots,
+                       platform=platform)
+  resolved = dataclasses.replace(cfg, kv_cache=kv.value, decode_burst=burst.value)
+  return resolved, tuple(c.reason for c in (kv, burst) if c.reason)

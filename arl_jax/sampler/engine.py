@@ -93,6 +93,7 @@ class SamplerEngine:
       compile_progress_fn: `(done, total, label)` as `precompile` compiles
         each program (`precompile.compile_all`).
     """
+    cfg.check_resolved()
     self._cfg = cfg
     self._settings = settings
     self._weights = publisher

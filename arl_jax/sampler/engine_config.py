@@ -1,6 +1,7 @@
-"""`EngineConfig`: the sampler engine's static settings and the slot geometry
-they imply (prompt buckets, continuation buckets, slot length, KV pages and
-the attention widths a paged engine compiles)."""
+"""`EngineConfig`: the sampler engine's settings, the `sampler` section of an
+experiment config (with `SamplingSettings`' keys), and the slot geometry they
+imply (prompt buckets, continuation buckets, slot length, KV pages and the
+attention spans a paged engine reads)."""
 
 from __future__ import annotations
 
@@ -8,42 +9,49 @@ import dataclasses
 
 import numpy as np
 
+from arl_jax import settings
 from arl_jax.models import paged_names
 from arl_jax.sampler import weight_updates
 
 KV_CACHES = ("dense", "paged")
+_check = settings.check
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class EngineConfig:
   """Attributes:
-    num_slots: rows decoded together (>= the group size, a multiple of the
+    num_slots: rows decoded together (a multiple of the group size and of the
       sampler mesh's data axis).
-    group_size: G, rollouts per group.
-    prompt_buckets: ascending prompt lengths prompts are padded to; the
-      largest is the longest prompt accepted.
-    max_new_tokens: N, completion budget.
-    weight_update: one of `weight_updates.WEIGHT_UPDATE_MODES`.
-    kv_policy: one of `weight_updates.KV_POLICIES` (used by `in_flight`).
-    seed: base of the per-rollout PRNG keys.
-    multi_turn: episodes may be resumed after an environment turn.
-    context_bucket: granularity of re-admitted context lengths (contexts
-      longer than the longest prompt: multi-turn episodes, and segments a
-      checkpoint left open; capped at `max_new_tokens`, see `context_step`).
+    prompt_len: the longest prompt accepted, in tokens (the largest bucket).
+    prompt_buckets: shorter lengths prompts are padded to besides
+      `prompt_len` (each a program shape; a prompt takes the smallest that
+      holds it). After construction: every bucket, ascending, `prompt_len`
+      last.
+    max_new_tokens: N, the completion budget (tokens of all turns together).
+    param_dtype: the dtype the sampler holds and computes the model in
+      ("float32" or "bfloat16"; the learner keeps `model.param_dtype`).
+    weight_update: how a new version reaches rows in flight: one of
+      `weight_updates.WEIGHT_UPDATE_MODES` (`sampler/weight_updates.py`).
+    kv_policy: `in_flight`: what happens to a row's KV cache at a swap, one
+      of `weight_updates.KV_POLICIES` (keep it, or recompute it).
     precompile: compile every program shape the engine can use
       (`precompile.engine_shapes`) when the first published version is taken
-      up (in `SamplerEngine.start` if it was published before), instead of
-      when a batch first needs one (which can be hundreds of updates into a
-      run). Off here, for engines built by hand that run a few batches; a
-      run's engine takes `sampler.precompile` (on by default).
-    kv_cache: "dense" (every slot holds `length` columns of KV cache, and a
-      decode step attends over all of them) or "paged" (a pool of pages
-      handed to slots as they grow; a step decodes slots in groups by the
-      columns their contexts need, `decode_span`: `kv_slots.py`).
+      up, so that no rare shape compiles late in a run (hundreds of updates
+      in); off, each compiles when a batch first needs it.
+    kv_cache: "dense" (every slot holds `length` columns of KV cache and a
+      decode step attends over all of them), "paged" (a pool of pages handed
+      to slots as they grow; a step attends over the columns its rows'
+      contexts need: `kv_slots.py`) or "auto" (paged from
+      `auto_settings.PAGED_FROM_COLUMNS` columns a slot; chosen by
+      `auto_settings.resolve` before an engine is built, and printed in the
+      run's header).
     page_size: columns per page (paged).
-    num_pages: pages of the pool, page 0 (never handed out) included; 0:
+    kv_pages: pages of the pool, page 0 (never handed out) included; 0:
       enough for every slot at full length. When slots need more than the
-      pool has, the engine preempts (`engine.py`).
+      pool has, the engine preempts the youngest (`scheduler.py`).
+    kv_memory_fraction: paged: size the pool to this fraction of a sampler
+      device's memory instead of `kv_pages` (0: off); `--dry_run` prints the
+      pages it makes.
     share_prompts: rows admitted together with the same context (a group's
       samples) are prefilled once and the others start from that prefill
       (`sampling.fork`); paged, they share the prompt's pages.
@@ -51,15 +59,17 @@ class EngineConfig:
       for the engine between steps (no row to admit, no cancellation, one
       version to decode): one host round trip per `decode_burst` tokens. A
       publish, a cancellation, new work or a checkpoint pause waits for the
-      burst to end; a slot that finishes inside one idles until then.
+      burst to end; a slot that finishes inside one idles until then. 0:
+      auto (`auto_settings.decode_burst`: 4 where a decode step is estimated
+      under a host round trip).
     prefill_chunk: columns a context is prefilled in per engine iteration
       when it is longer (0: every context in one call, but see
       `chunk_columns`). The chunks of a long prompt, multi-turn, preempted
       or restored context go between decode steps of the other slots, so a
       long prefill delays each of their steps by one chunk's cost, not by
-      its whole (`prefilling.py`).
+      its whole.
     paged_attention: how a paged engine's decode steps attend: "xla" (the
-      decoder's attention over the gathered pages), "pallas" (JAX's
+      decoder's attention over the pages, read in blocks), "pallas" (JAX's
       Pallas paged attention kernel, GPU; "pallas_interpret" runs it in
       interpret mode on any backend) or "ragged" (JAX's ragged paged
       attention kernel, TPU, over an interleaved pool:
@@ -69,57 +79,101 @@ class EngineConfig:
       pages): a call reads as many blocks as its rows' contexts need, and
       one program per row bucket serves every context length
       (`models/paged_blocks.py`). 0: one program per width of
-      `decode_widths` instead (seven at 1,056-column
-      slots; start-up and speed of both in `benchmarks/engine_defaults.py`).
-      Kernel attentions (`paged_attention` other than "xla") read each
-      row's own pages themselves and keep the widths.
+      `decode_widths` instead (seven at 1,056-column slots; start-up and
+      speed of both in `benchmarks/engine_defaults.py`). Kernel attentions
+      (`paged_attention` other than "xla") read each row's own pages
+      themselves and keep the widths.
+    context_bucket: granularity of re-admitted context lengths (contexts
+      longer than the longest prompt: multi-turn episodes, preempted rows,
+      segments a checkpoint left open; capped at `max_new_tokens`, see
+      `context_step`).
+    group_size: G, rollouts per group (the run's `orchestrator.group_size`).
+    seed: base of the per-rollout PRNG keys (the run's `seed`).
+    multi_turn: episodes may be resumed after an environment turn (the
+      run's environment says).
   """
 
   num_slots: int
-  group_size: int
-  prompt_buckets: tuple[int, ...]
+  prompt_len: int
+  prompt_buckets: tuple[int, ...] = ()
   max_new_tokens: int
+  param_dtype: str = "float32"
   weight_update: str = "in_flight"
   kv_policy: str = "keep"
-  seed: int = 0
-  multi_turn: bool = False
-  context_bucket: int = 16
-  precompile: bool = False
-  kv_cache: str = "dense"
+  precompile: bool = True
+  kv_cache: str = "auto"
   page_size: int = 16
-  num_pages: int = 0
+  kv_pages: int = 0
+  kv_memory_fraction: float = 0.0
   share_prompts: bool = True
-  decode_burst: int = 1
+  decode_burst: int = 0
   prefill_chunk: int = 0
   paged_attention: str = "xla"
   attention_block: int = 128
+  context_bucket: int = 16
+  group_size: int = settings.derived(1, "orchestrator.group_size")
+  seed: int = settings.derived(0, "seed")
+  multi_turn: bool = settings.derived(False, "the environment")
 
   def __post_init__(self):
+    ints = ("num_slots", "prompt_len", "max_new_tokens", "page_size", "context_bucket",
+            "group_size")
+    for key in ints:
+      value = getattr(self, key)
+      _check(settings.is_int(value) and value >= 1, key, f"must be an int >= 1, got {value!r}")
+    for key, zero in (("kv_pages", ">= 0 (0: every slot at full length)"),
+                      ("decode_burst", ">= 1 (0: auto)"), ("prefill_chunk", ">= 0 (0: off)"),
+                      ("attention_block", ">= 0 (0: a program per width)")):
+      value = getattr(self, key)
+      _check(settings.is_int(value) and value >= 0, key, f"must be an int {zero}, got {value!r}")
+    for key in ("precompile", "share_prompts", "multi_turn"):
+      _check(isinstance(getattr(self, key), bool), key,
+             f"must be True or False, got {getattr(self, key)!r}")
+    buckets = tuple(self.prompt_buckets)
+    _check(all(settings.is_int(b) and 0 < b <= self.prompt_len for b in buckets),
+           "prompt_buckets", f"{buckets}: every bucket must be in [1, prompt_len="
+           f"{self.prompt_len}]")
+    object.__setattr__(self, "prompt_buckets", tuple(sorted(set(buckets) | {self.prompt_len})))
+    _check(self.param_dtype in ("float32", "bfloat16"), "param_dtype",
+           f"must be float32 or bfloat16, got {self.param_dtype!r}")
+    _check(self.weight_update in weight_updates.WEIGHT_UPDATE_MODES, "weight_update",
+           f"must be one of {weight_updates.WEIGHT_UPDATE_MODES}, got {self.weight_update!r}")
+    _check(self.kv_policy in weight_updates.KV_POLICIES, "kv_policy",
+           f"must be one of {weight_updates.KV_POLICIES}, got {self.kv_policy!r}")
     weight_updates.check_names(self.weight_update, self.kv_policy)
-    if not self.prompt_buckets or list(self.prompt_buckets) != sorted(set(self.prompt_buckets)):
-      raise ValueError(f"prompt_buckets must be ascending and distinct, got {self.prompt_buckets}")
-    if self.context_bucket < 1:
-      raise ValueError(f"context_bucket must be >= 1, got {self.context_bucket}")
-    if self.kv_cache not in KV_CACHES:
-      raise ValueError(f"kv_cache must be one of {KV_CACHES}, got {self.kv_cache!r}")
-    if self.page_size < 1:
-      raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-    if self.num_slots < self.group_size:
-      raise ValueError(f"num_slots={self.num_slots} must be >= group_size={self.group_size}")
-    if self.decode_burst < 1:
-      raise ValueError(f"decode_burst must be >= 1, got {self.decode_burst}")
-    paged_names.check_name(self.paged_attention)
-    if self.paged_attention != "xla" and not self.paged:
-      raise ValueError(f"paged_attention={self.paged_attention!r} needs kv_cache='paged'")
-    if self.attention_block < 0:
-      raise ValueError(f"attention_block must be >= 0, got {self.attention_block}")
-    if self.prefill_chunk < 0:
-      raise ValueError(f"prefill_chunk must be >= 0, got {self.prefill_chunk}")
-    if self.paged and self.num_pages and self.num_pages - 1 < self.pages_per_slot:
+    _check(self.kv_cache in (*KV_CACHES, "auto"), "kv_cache",
+           f"must be one of {(*KV_CACHES, 'auto')}, got {self.kv_cache!r}")
+    _check(isinstance(self.kv_memory_fraction, (int, float))
+           and 0 <= self.kv_memory_fraction < 1, "kv_memory_fraction",
+           f"must be in [0, 1) (0: off), got {self.kv_memory_fraction!r}")
+    _check(not self.kv_memory_fraction or self.kv_cache != "dense", "kv_memory_fraction",
+           "sizes a paged KV pool: it needs kv_cache='paged' (or 'auto')")
+    _check(not (self.kv_memory_fraction and self.kv_pages), "kv_memory_fraction",
+           f"and kv_pages={self.kv_pages} both size the pool: set one of them")
+    _check(self.paged_attention in paged_names.ATTENTIONS, "paged_attention",
+           f"must be one of {paged_names.ATTENTIONS}, got {self.paged_attention!r}")
+    _check(self.paged_attention == "xla" or self.kv_cache != "dense", "paged_attention",
+           f"={self.paged_attention!r} reads a paged pool: it needs kv_cache='paged' (or 'auto')")
+    _check(self.num_slots >= self.group_size, "num_slots",
+           f"{self.num_slots} must be >= the group size {self.group_size}")
+    _check(not (self.paged and self.kv_pages and self.kv_pages - 1 < self.pages_per_slot),
+           "kv_pages", f"{self.kv_pages} pages cannot hold one sequence of the longest length: "
+           f"a slot holds up to {self.length} columns = {self.pages_per_slot} pages of "
+           f"{self.page_size} (page 0 is never handed out), so the pool needs >= "
+           f"{self.pages_per_slot + 1}")
+
+  @property
+  def resolved(self) -> bool:
+    """Whether the settings left to auto (`kv_cache`, `decode_burst`) are
+    chosen (`auto_settings.resolve`): an engine runs only a resolved config."""
+    return self.kv_cache != "auto" and self.decode_burst >= 1
+
+  def check_resolved(self) -> None:
+    if not self.resolved:
       raise ValueError(
-          f"kv_pages={self.num_pages} cannot hold one sequence of the longest length: a slot "
-          f"holds up to {self.length} columns = {self.pages_per_slot} pages of {self.page_size} "
-          f"(page 0 is never handed out), so the pool needs >= {self.pages_per_slot + 1}")
+          f"kv_cache={self.kv_cache!r}, decode_burst={self.decode_burst}: an engine runs with "
+          "these chosen (auto_settings.resolve does it for a run's config): set them, or "
+          "resolve the config first")
 
   def check_request(self, req) -> None:
     """Raises ValueError unless a `GroupRequest` fits: its group size, and a
@@ -137,11 +191,6 @@ class EngineConfig:
     if episode.length >= budget:
       raise ValueError(f"group {episode.group_id}: {what} holds {episode.length} completion "
                        f"tokens; nothing is left of its budget of {budget}")
-
-  @property
-  def prompt_len(self) -> int:
-    """The longest prompt accepted (the largest bucket)."""
-    return self.prompt_buckets[-1]
 
   @property
   def context_step(self) -> int:
@@ -169,10 +218,10 @@ class EngineConfig:
 
   @property
   def pool_pages(self) -> int:
-    """Pages of a paged engine's pool (`num_pages`, or its default); 0 when dense."""
+    """Pages of a paged engine's pool (`kv_pages`, or its default); 0 when dense."""
     if not self.paged:
       return 0
-    return self.num_pages or self.num_slots * self.pages_per_slot + 1
+    return self.kv_pages or self.num_slots * self.pages_per_slot + 1
 
   @property
   def decode_widths(self) -> tuple[int | None, ...]:

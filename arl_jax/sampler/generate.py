@@ -84,6 +84,7 @@ class Generator:
   def __init__(self, *, cfg: engine_config.EngineConfig, settings: sampling.SamplingSettings,
                graphdef, model_cfg, mesh: Mesh,
                stop_ids_fn: Callable[[object], tuple[int, ...]] | None = None):
+    cfg.check_resolved()
     self.cfg = cfg
     fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
                                     settings=settings, num_slots=cfg.num_slots,

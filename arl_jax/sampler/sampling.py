@@ -29,6 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from arl_jax import rollout as rollout_lib
+from arl_jax import settings as settings_lib
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import kv_cache as kv_cache_lib
 from arl_jax.models import paged_kv_cache
@@ -39,11 +40,12 @@ NO_VERSION = rollout_lib.NO_VERSION  # positions that were not sampled (prompt, 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingSettings:
-  """Static sampling settings (hashable: a jit static argument).
+  """Static sampling settings (hashable: a jit static argument); their keys
+  are in the config's `sampler` section beside `EngineConfig`'s.
 
   Attributes:
     temperature: softmax temperature; the behaviour log-prob is that of the
-      tempered distribution, and the learner uses the same temperature.
+      tempered distribution, and the learner scores at the same temperature.
     top_k: keep only the k most likely tokens (0: off).
     top_p: keep the smallest set of tokens whose probability reaches p (1: off).
     greedy: argmax decoding (evaluation); log-probs are then untempered.
@@ -62,10 +64,18 @@ class SamplingSettings:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
-  greedy: bool = False
-  eos_id: int
-  pad_id: int
-  stop_ids: tuple[int, ...] = ()
+  greedy: bool = settings_lib.derived(False, "evaluation")
+  eos_id: int = settings_lib.derived(dataclasses.MISSING, "the tokenizer")
+  pad_id: int = settings_lib.derived(dataclasses.MISSING, "the tokenizer")
+  stop_ids: tuple[int, ...] = settings_lib.derived((), "the tokenizer and the environment")
+
+  def __post_init__(self):
+    settings_lib.check(isinstance(self.temperature, (int, float)) and self.temperature > 0,
+                       "temperature", f"must be > 0, got {self.temperature!r}")
+    settings_lib.check(settings_lib.is_int(self.top_k) and self.top_k >= 0, "top_k",
+                       f"must be an int >= 0 (0: off), got {self.top_k!r}")
+    settings_lib.check(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
+                       "top_p", f"must be in (0, 1], got {self.top_p!r}")
 
 
 @flax.struct.dataclass

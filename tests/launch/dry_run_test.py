@@ -144,7 +144,7 @@ def test_kv_memory_fraction_sizes_a_paged_pool_that_the_plan_and_the_run_agree_o
   spec = config_lib.build(config, device_memory=memory)
   page_bytes = 16 * spec.sampler_model.num_layers * 2 * spec.sampler_model.num_kv_heads * (
       spec.sampler_model.head_dim * 4)
-  assert spec.engine.num_pages == int(0.25 * memory) // page_bytes > spec.engine.pages_per_slot
+  assert spec.engine.kv_pages == int(0.25 * memory) // page_bytes > spec.engine.pages_per_slot
   plan = dry_run.plan(spec, jax.device_count())
   meshes = mesh_lib.make_role_meshes(spec.mesh)
   graphdef, _ = init_lib.abstract_model(spec.model)
@@ -153,7 +153,7 @@ def test_kv_memory_fraction_sizes_a_paged_pool_that_the_plan_and_the_run_agree_o
                                   num_slots=spec.engine.num_slots, length=spec.engine.length,
                                   num_pages=spec.engine.pool_pages, page_size=16)
   pool = fns.init().cache
-  name = f"kv_cache_paged_{spec.engine.num_pages}x16"
+  name = f"kv_cache_paged_{spec.engine.kv_pages}x16"
   assert plan.sampler.memory[name] == _device_bytes((*pool.keys, *pool.values))
   assert 0.25 * memory - page_bytes < plan.sampler.memory[name] <= 0.25 * memory
   with pytest.raises(config_lib.ConfigError, match=r"makes 1 pages .* needs >= 3"):

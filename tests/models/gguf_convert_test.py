@@ -200,7 +200,8 @@ def test_a_trained_policy_exports_to_a_folder_transformers_loads_and_generates_f
   settings = sampling.SamplingSettings(greedy=True, eos_id=ours_tok.eos_id,
                                        pad_id=ours_tok.pad_id)
   generator = generate_lib.Generator(
-      cfg=engine_config.EngineConfig(num_slots=1, group_size=1, prompt_buckets=(len(prompt),),
+      cfg=engine_config.EngineConfig(prompt_len=len(prompt), kv_cache="dense", decode_burst=1,
+                                     precompile=False, num_slots=1, group_size=1,
                                      max_new_tokens=new),
       settings=settings, graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler)
   [[completion]] = generator(sampler_params, [prompt])

@@ -170,8 +170,8 @@ def test_sampler_logprobs_equal_the_learner_s(family, meshes, tmp_path):
                                             rules_lib.SAMPLER_RULES)
   settings = sampling.SamplingSettings(eos_id=95, pad_id=0)
   generator = generate_lib.Generator(
-      cfg=engine_config.EngineConfig(num_slots=4, group_size=1, prompt_buckets=(8,),
-                                     max_new_tokens=12),
+      cfg=engine_config.EngineConfig(prompt_len=8, kv_cache="dense", decode_burst=1,
+                                     precompile=False, num_slots=4, group_size=1, max_new_tokens=12),
       settings=settings, graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler)
   prompts = [np.random.default_rng(i).integers(1, 90, 5 + i).tolist() for i in range(4)]
   checked = 0

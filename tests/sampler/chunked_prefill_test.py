@@ -54,14 +54,15 @@ def test_chunks_are_right_aligned_to_the_end_of_the_context():
   assert engine_config.chunk_starts(16, 4) == [0, 4, 8, 12]
   with pytest.raises(ValueError, match="chunk"):
     engine_config.chunk_starts(3, 4)
-  cfg = engine_config.EngineConfig(num_slots=4, group_size=1, prompt_buckets=(4, 8),
+  cfg = engine_config.EngineConfig(prompt_len=8, kv_cache="dense", decode_burst=1, precompile=False,
+                                   num_slots=4, group_size=1, prompt_buckets=(4, 8),
                                    max_new_tokens=8, prefill_chunk=4)
   assert cfg.chunked(5) and not cfg.chunked(4)
   # Contexts of 5-8 tokens are all chunked: bucket 8 needs no insert program.
   assert cfg.chunks_all(8) and not cfg.chunks_all(4)
   with pytest.raises(ValueError, match="prefill_chunk"):
-    engine_config.EngineConfig(num_slots=4, group_size=1, prompt_buckets=(6,),
-                               max_new_tokens=8, prefill_chunk=-1)
+    engine_config.EngineConfig(prompt_len=6, kv_cache="dense", decode_burst=1, precompile=False,
+                               num_slots=4, group_size=1, max_new_tokens=8, prefill_chunk=-1)
 
 
 @pytest.mark.parametrize("paged,block", [(False, 0), (True, 0), (True, 12)],
@@ -132,7 +133,7 @@ def test_chunked_prefills_sample_what_whole_prefills_sample(setup, whole, option
                             **PROMPTS, **options)
   assert engine.stats.prefill_chunks > 0
   assert (engine.stats.forked_rows > 0) == options.get("share_prompts", True)
-  if options.get("num_pages"):
+  if options.get("kv_pages"):
     assert engine.stats.preemptions > 0
   assert_same_samples(setup, whole, chunked)
   if options.get("kv_cache"):
@@ -195,8 +196,8 @@ def test_chunk_programs_are_compiled_up_front(setup):
   from tests.sampler.precompile_test import SLOTS, _run
   engine, late = _run(setup, precompile_shapes=True, total=12, prefill_chunk=4)
   assert late == [] and engine.stats.prefill_chunks > 0
-  geometry = dict(num_slots=SLOTS, group_size=1, prompt_buckets=(6,), max_new_tokens=8,
-                  prefill_chunk=4)
+  geometry = dict(num_slots=SLOTS, group_size=1, prompt_len=6, max_new_tokens=8,
+                  prefill_chunk=4, decode_burst=1, precompile=False)
   widths = engine_config.EngineConfig(kv_cache="paged", page_size=4, attention_block=0,
                                       **geometry)
   assert widths.decode_widths == (8, 16, 24) and widths.prefill_widths == (8, 16, 24)
@@ -205,6 +206,7 @@ def test_chunk_programs_are_compiled_up_front(setup):
   blocks = engine_config.EngineConfig(kv_cache="paged", page_size=4, attention_block=8,
                                       **geometry)
   assert precompile.engine_shapes(blocks).prefill == ((1, None), (2, None), (4, None))
-  shapes = precompile.engine_shapes(engine_config.EngineConfig(**geometry))
+  shapes = precompile.engine_shapes(engine_config.EngineConfig(kv_cache="dense",
+                                                                  **geometry))
   assert shapes.begin == (1, 2, 4) and shapes.prefill == ((1, None), (2, None), (4, None))
   assert engine.traces()["prefill"] == len(shapes.begin) + len(shapes.prefill)

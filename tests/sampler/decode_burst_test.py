@@ -55,9 +55,9 @@ def test_a_swap_between_bursts_records_exact_versions(setup, mode, kv_policy):
 
 @pytest.mark.parametrize("attention_block", [8, 0])
 def test_an_engine_with_bursts_compiles_both_step_counts(attention_block):
-  cfg = engine_config.EngineConfig(num_slots=4, group_size=1, prompt_buckets=(6,),
-                                   max_new_tokens=8, kv_cache="paged", page_size=4,
-                                   decode_burst=4, attention_block=attention_block)
+  cfg = engine_config.EngineConfig(prompt_len=6, precompile=False, num_slots=4, group_size=1,
+                                   max_new_tokens=8, kv_cache="paged", page_size=4, decode_burst=4,
+                                   attention_block=attention_block)
   shapes = precompile.engine_shapes(cfg)
   assert shapes.steps == (1, 4)
   assert sorted({s for _, _, s in shapes.decode}) == [1, 4]

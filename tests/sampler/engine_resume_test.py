@@ -43,9 +43,9 @@ def _engine(setup, version, on_group, precompile=False, prefill_chunk=0):
     to_env(episode)
 
   engine = engine_lib.SamplerEngine(
-      cfg=engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
-                                  max_new_tokens=NEW, context_bucket=4,
-                                  precompile=precompile, prefill_chunk=prefill_chunk),
+      cfg=engine_config.EngineConfig(prompt_len=6, kv_cache="dense", decode_burst=1, num_slots=8,
+                                     group_size=4, max_new_tokens=NEW, context_bucket=4,
+                                     precompile=precompile, prefill_chunk=prefill_chunk),
       settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=setup["graphdef"],
       model_cfg=setup["cfg"], mesh=setup["meshes"].sampler,
       publisher=_Publisher(version, setup["sampler_params"][version]), dispatcher=dispatcher,

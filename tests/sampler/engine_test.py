@@ -56,6 +56,11 @@ def single_turn_groups(on_group_fn):
   return on_segment
 
 
+# What a run leaves to auto or turns on for long runs, fixed for these tests
+# (their waits count decode steps: one a call).
+HAND_BUILT = dict(kv_cache="dense", decode_burst=1, precompile=False)
+
+
 def _engine(publisher, setup, weight_update, on_group, *, kv_policy="keep", take_hook=None,
             prompt_tokens=(4, 4), max_async_level=0, budget_fn=None, **engine_options):
   meshes, graphdef, cfg = setup["meshes"], setup["graphdef"], setup["cfg"]
@@ -73,9 +78,10 @@ def _engine(publisher, setup, weight_update, on_group, *, kv_policy="keep", take
     original = dispatcher.take
     dispatcher.take = lambda *a, **k: take_hook(original(*a, **k))
   return engine_lib.SamplerEngine(
-      cfg=engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(PROMPT_LEN,),
-                                  max_new_tokens=NEW, weight_update=weight_update,
-                                  kv_policy=kv_policy, **engine_options),
+      cfg=engine_config.EngineConfig(prompt_len=PROMPT_LEN, num_slots=8, group_size=4,
+                                     max_new_tokens=NEW, weight_update=weight_update,
+                                     kv_policy=kv_policy,
+                                     **{**HAND_BUILT, **engine_options}),
       settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=graphdef,
       model_cfg=cfg, mesh=meshes.sampler, publisher=publisher, dispatcher=dispatcher,
       on_segment_fn=single_turn_groups(on_group))

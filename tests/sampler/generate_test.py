@@ -19,7 +19,8 @@ def setup():
 
 def _generator(setup, stop_ids=(), **options):
   cfg = engine_config.EngineConfig(
-      **{**dict(num_slots=8, group_size=4, prompt_buckets=(8,), max_new_tokens=NEW), **options})
+      **{**dict(num_slots=8, group_size=4, prompt_len=8, max_new_tokens=NEW, kv_cache="dense",
+                decode_burst=1, precompile=False), **options})
   settings = sampling.SamplingSettings(eos_id=EOS, pad_id=PAD, stop_ids=stop_ids)
   return generate_lib.Generator(cfg=cfg, settings=settings, graphdef=setup["graphdef"],
                                 model_cfg=setup["cfg"], mesh=setup["meshes"].sampler)
@@ -57,7 +58,7 @@ def test_samples_carry_the_learner_s_logprobs_and_their_version(setup):
 
 @pytest.mark.parametrize("options", [
     dict(kv_cache="paged", page_size=4, attention_block=8),
-    dict(kv_cache="paged", page_size=4, num_pages=13, attention_block=8),  # preempts
+    dict(kv_cache="paged", page_size=4, kv_pages=13, attention_block=8),  # preempts
     dict(prefill_chunk=4),
     dict(share_prompts=False, decode_burst=4),
 ], ids=["paged", "paged_small_pool", "chunked", "unshared_burst"])

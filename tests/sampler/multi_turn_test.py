@@ -78,10 +78,10 @@ def _run(setup, publisher, weight_update, latency_s, num_groups, context_bucket=
 
   # Compiled lazily: these tests are about versions, and precompiling the 16
   # insert shapes (4 row buckets x 4 continuation buckets) costs ~25 s cold.
-  cfg = engine_config.EngineConfig(num_slots=8, group_size=G, prompt_buckets=(PROMPT_LEN,),
-                                max_new_tokens=NEW, weight_update=weight_update,
-                                multi_turn=True, context_bucket=context_bucket,
-                                precompile=False, **engine_options)
+  cfg = engine_config.EngineConfig(prompt_len=PROMPT_LEN, num_slots=8, group_size=G,
+                                   max_new_tokens=NEW, weight_update=weight_update, multi_turn=True,
+                                   context_bucket=context_bucket, precompile=False,
+                                   **{"kv_cache": "dense", "decode_burst": 1, **engine_options})
   runner = env_runner_lib.EnvRunner(SlowToolEnv(latency_s), on_group_fn=on_group,
                                     max_new_tokens=NEW, num_workers=8, timeout_s=10.0)
   engine = engine_lib.SamplerEngine(
@@ -138,9 +138,9 @@ def test_readmitted_segments_are_sampled_under_the_weights_live_at_readmission(
     spans.add(r.version_span)
   assert (0, 1) in spans, spans  # some episodes span the swap
   # Re-admissions compile one insert per (context bucket, power-of-two row count) at most.
-  buckets = engine_config.EngineConfig(
-      num_slots=8, group_size=G, prompt_buckets=(PROMPT_LEN,), max_new_tokens=NEW,
-      multi_turn=True, context_bucket=8).continuation_buckets
+  buckets = engine_config.EngineConfig(prompt_len=PROMPT_LEN, kv_cache="dense", decode_burst=1,
+                                       precompile=False, num_slots=8, group_size=G,
+                                       max_new_tokens=NEW, multi_turn=True, context_bucket=8).continuation_buckets
   traces = engine.traces()
   assert 1 <= traces["insert"] <= len(buckets) * 4
   assert (engine.stats.prefill_chunks > 0) == bool(prefill_chunk)
@@ -161,8 +161,9 @@ def test_in_flight_versions_never_decrease_within_an_episode(setup):
 
 
 def test_continuation_buckets_cover_every_context_without_eating_the_budget():
-  cfg = engine_config.EngineConfig(num_slots=4, group_size=2, prompt_buckets=(4, 8),
-                                max_new_tokens=20, multi_turn=True, context_bucket=6)
+  cfg = engine_config.EngineConfig(prompt_len=8, kv_cache="dense", decode_burst=1, precompile=False,
+                                   num_slots=4, group_size=2, prompt_buckets=(4, 8),
+                                   max_new_tokens=20, multi_turn=True, context_bucket=6)
   assert cfg.continuation_buckets == (4, 8, 12, 18, 24, 30)
   for prompt in range(1, 9):
     for used in range(0, 20):

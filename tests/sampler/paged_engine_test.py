@@ -13,7 +13,7 @@ from tests.sampler.engine_test import NEW, ScriptedPublisher, _engine, _run_unti
 PAGED = dict(kv_cache="paged", page_size=4, attention_block=8)
 # 8 slots x 6 pages of 4 columns (6 + 8 + 8 = 22 -> 24 columns) would need 49;
 # 12 usable pages hold two full slots: the engine must preempt.
-SMALL_POOL = dict(PAGED, num_pages=13)
+SMALL_POOL = dict(PAGED, kv_pages=13)
 
 
 @pytest.fixture(scope="module")
@@ -157,17 +157,17 @@ def test_a_preempted_row_keeps_its_open_segment_for_a_checkpoint(setup):
 
 
 def test_config_checks():
-  with pytest.raises(ValueError, match="kv_cache must be one of"):
-    engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
-                               max_new_tokens=8, kv_cache="ragged")
-  with pytest.raises(ValueError, match=r"kv_pages=6 cannot hold one sequence.*needs >= 7"):
-    engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
-                               max_new_tokens=8, num_pages=6, **PAGED)
-  cfg = engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6, 100),
-                                   max_new_tokens=1000, **PAGED)
+  with pytest.raises(ValueError, match="kv_cache: must be one of"):
+    engine_config.EngineConfig(prompt_len=6, decode_burst=1, precompile=False, num_slots=8,
+                               group_size=4, max_new_tokens=8, kv_cache="ragged")
+  with pytest.raises(ValueError, match=r"kv_pages: 6 pages cannot hold one sequence.*needs >= 7"):
+    engine_config.EngineConfig(prompt_len=6, num_slots=8, group_size=4, max_new_tokens=8,
+                               kv_pages=6, **PAGED)
+  cfg = engine_config.EngineConfig(prompt_len=100, num_slots=8, group_size=4,
+                                   prompt_buckets=(6, 100), max_new_tokens=1000, **PAGED)
   assert cfg.length == 1116 and cfg.pool_pages == 8 * 279 + 1
   assert cfg.decode_widths == (8, 16, 32, 64, 128, 256, 512, 1024, 1116)
   assert cfg.width_for(7) == 8 and cfg.width_for(8) == 16 and cfg.width_for(1115) == 1116
-  dense = engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
-                                     max_new_tokens=8)
+  dense = engine_config.EngineConfig(prompt_len=6, kv_cache="dense", decode_burst=1,
+                                     precompile=False, num_slots=8, group_size=4, max_new_tokens=8)
   assert dense.decode_widths == (None,) and dense.pool_pages == 0 and dense.length == 22

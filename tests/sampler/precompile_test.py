@@ -19,8 +19,9 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def test_single_turn_groups_need_multiples_of_the_group_size_and_every_read():
-  cfg = engine_config.EngineConfig(num_slots=32, group_size=4, prompt_buckets=(6, 10),
-                                   max_new_tokens=3, share_prompts=False)
+  cfg = engine_config.EngineConfig(prompt_len=10, kv_cache="dense", decode_burst=1,
+                                   precompile=False, num_slots=32, group_size=4,
+                                   prompt_buckets=(6, 10), max_new_tokens=3, share_prompts=False)
   shapes = precompile.engine_shapes(cfg)
   assert shapes.insert == tuple((r, b) for b in (6, 10) for r in (4, 8, 16, 32))
   assert shapes.take_rows == (1, 2, 4, 8, 16, 32)
@@ -29,8 +30,9 @@ def test_single_turn_groups_need_multiples_of_the_group_size_and_every_read():
 
 
 def test_shared_prompts_insert_a_row_per_group_and_fork_any_number():
-  cfg = engine_config.EngineConfig(num_slots=32, group_size=4, prompt_buckets=(6, 10),
-                                   max_new_tokens=3)
+  cfg = engine_config.EngineConfig(prompt_len=10, kv_cache="dense", decode_burst=1,
+                                   precompile=False, num_slots=32, group_size=4,
+                                   prompt_buckets=(6, 10), max_new_tokens=3)
   shapes = precompile.engine_shapes(cfg)
   # Up to 8 whole groups and the rest of one whose first rows came earlier.
   assert shapes.insert == tuple((r, b) for b in (6, 10) for r in (1, 2, 4, 8, 16))
@@ -43,11 +45,11 @@ def test_a_pool_that_can_preempt_prefills_longer_contexts_in_precompiled_chunks(
   those of a prompt bucket are inserted (every row count), longer ones are
   chunked (programs per row count, and per width unless attention reads
   blocks), so no length compiles mid-run."""
-  full = engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6, 16),
-                                    max_new_tokens=40, kv_cache="paged", page_size=8,
-                                    attention_block=0)
+  full = engine_config.EngineConfig(prompt_len=16, decode_burst=1, precompile=False, num_slots=8,
+                                    group_size=4, prompt_buckets=(6, 16), max_new_tokens=40,
+                                    kv_cache="paged", page_size=8, attention_block=0)
   assert not full.can_preempt and full.chunk_columns == 0  # (every slot at full length)
-  small = engine_config.EngineConfig(**{**full.__dict__, "num_pages": 12})
+  small = engine_config.EngineConfig(**{**full.__dict__, "kv_pages": 12})
   assert small.can_preempt and small.chunk_columns == 16
   assert not small.chunked(16) and small.chunked(17) and small.chunked(55)
   shapes = precompile.engine_shapes(small)
@@ -62,16 +64,18 @@ def test_a_pool_that_can_preempt_prefills_longer_contexts_in_precompiled_chunks(
 
 
 def test_restored_episodes_and_multi_turn_need_every_row_count_and_their_buckets():
-  cfg = engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
-                                   max_new_tokens=12, context_bucket=4, kv_policy="recompute")
+  cfg = engine_config.EngineConfig(prompt_len=6, kv_cache="dense", decode_burst=1, precompile=False,
+                                   num_slots=8, group_size=4, max_new_tokens=12, context_bucket=4,
+                                   kv_policy="recompute")
   assert cfg.continuation_buckets == (6, 8, 12, 16, 20)
   # A checkpoint left contexts of 5 and 11 tokens: buckets 6 and 12.
   shapes = precompile.engine_shapes(cfg, restored_lengths=[5, 11])
   assert shapes.insert == tuple((r, b) for b in (6, 12) for r in (1, 2, 4, 8))
   # Inserts, reads, forks (shared prompts), decode and recompute.
   assert shapes.recompute and shapes.num_programs == 8 + 4 + 4 + 1 + 1
-  multi = engine_config.EngineConfig(num_slots=8, group_size=4, prompt_buckets=(6,),
-                                     max_new_tokens=12, context_bucket=4, multi_turn=True)
+  multi = engine_config.EngineConfig(prompt_len=6, kv_cache="dense", decode_burst=1,
+                                     precompile=False, num_slots=8, group_size=4, max_new_tokens=12,
+                                     context_bucket=4, multi_turn=True)
   assert precompile.engine_shapes(multi).insert == tuple(
       (r, b) for b in (6, 8, 12, 16, 20) for r in (1, 2, 4, 8))
 
@@ -111,9 +115,10 @@ def _run(setup, precompile_shapes: bool, total: int = 24, **engine_options):
   compiles its thread ran after its first admission."""
   done = []
   engine = engine_lib.SamplerEngine(
-      cfg=engine_config.EngineConfig(num_slots=SLOTS, group_size=1,
-                                     prompt_buckets=(PROMPT_LEN,), max_new_tokens=NEW,
-                                     precompile=precompile_shapes, **engine_options),
+      cfg=engine_config.EngineConfig(prompt_len=PROMPT_LEN, num_slots=SLOTS, group_size=1,
+                                     max_new_tokens=NEW, precompile=precompile_shapes,
+                                     **{"kv_cache": "dense", "decode_burst": 1,
+                                        **engine_options}),
       settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=setup["graphdef"],
       model_cfg=setup["cfg"], mesh=setup["meshes"].sampler,
       publisher=ScriptedPublisher(setup["sampler_params"][0], None, 0),
@@ -152,8 +157,10 @@ def test_no_compile_after_the_first_admission(setup):
 
   engine, late = _run(setup, precompile_shapes=True)
   assert late == []
-  shapes = precompile.engine_shapes(engine_config.EngineConfig(
-      num_slots=SLOTS, group_size=1, prompt_buckets=(PROMPT_LEN,), max_new_tokens=NEW))
+  shapes = precompile.engine_shapes(engine_config.EngineConfig(prompt_len=PROMPT_LEN,
+                                                               kv_cache="dense", decode_burst=1,
+                                                               precompile=False, num_slots=SLOTS,
+                                                               group_size=1, max_new_tokens=NEW))
   assert engine.stats.precompiled_programs == shapes.num_programs == 3 + 3 + 3 + 1
   # Each program traced once, at the first publish: no call traced again.
   assert engine.traces() == {"init": 1, "insert": 3, "fork": 3, "prefill": 0,
@@ -168,7 +175,7 @@ def test_a_paged_engine_compiles_every_width_and_the_page_table_up_front(setup,
                  attention_block=attention_block)
   engine, late = _run(setup, precompile_shapes=True, total=12, **options)
   assert late == []
-  cfg = engine_config.EngineConfig(num_slots=SLOTS, group_size=1, prompt_buckets=(PROMPT_LEN,),
+  cfg = engine_config.EngineConfig(prompt_len=PROMPT_LEN, num_slots=SLOTS, group_size=1,
                                    max_new_tokens=NEW, **options)
   assert cfg.decode_widths == (8, 16, 24)  # 6 + 8 + 8 columns -> 24, 6 pages
   shapes = precompile.engine_shapes(cfg)

@@ -52,7 +52,8 @@ class Requests:
 
 
 def _cfg(**options) -> engine_config.EngineConfig:
-  defaults = dict(num_slots=8, group_size=4, prompt_buckets=(8,), max_new_tokens=8)
+  defaults = dict(num_slots=8, group_size=4, prompt_len=8, max_new_tokens=8, kv_cache="dense",
+                  decode_burst=1, precompile=False)
   return engine_config.EngineConfig(**{**defaults, **options})
 
 
@@ -113,7 +114,7 @@ def test_without_shared_prompts_every_row_is_inserted_in_its_bucket():
 
 def test_paged_admission_takes_pages_and_waits_for_them():
   # 4-column pages; a 4-token prompt and its first sample need 2 pages, a fork 2 of its own.
-  cfg = _cfg(kv_cache="paged", page_size=4, num_pages=13, attention_block=8)
+  cfg = _cfg(kv_cache="paged", page_size=4, kv_pages=13, attention_block=8)
   sched = _scheduler(cfg, Requests(_requests(2)))
   sched.take_requests()
   plan = sched.plan_prefill()
@@ -153,8 +154,8 @@ def test_cancellation_frees_slots_and_pages_at_once_and_stops_them_on_the_device
 def test_preemption_evicts_the_youngest_and_keeps_its_open_segment():
   # 5 usable pages of 4 columns: two slots with 4-token prompts and 8 new tokens
   # (columns 0-10 written: 3 pages each at the end) cannot both finish; the younger is preempted.
-  cfg = _cfg(num_slots=2, group_size=1, kv_cache="paged", page_size=4, num_pages=6,
-             attention_block=8, prompt_buckets=(4,))
+  cfg = _cfg(num_slots=2, group_size=1, kv_cache="paged", page_size=4, kv_pages=6,
+             attention_block=8, prompt_len=4)
   sched = _scheduler(cfg, Requests(_requests(2, group_size=1)))
   device = FakeDevice(cfg.num_slots, cfg.max_new_tokens, eos_rate=0.0)
   preempted_plan = None
@@ -185,7 +186,7 @@ def test_preemption_evicts_the_youngest_and_keeps_its_open_segment():
 
 
 def test_a_long_prompt_is_prefilled_a_chunk_per_iteration_and_its_forks_wait():
-  cfg = _cfg(prefill_chunk=4, prompt_buckets=(16,))
+  cfg = _cfg(prefill_chunk=4, prompt_len=16)
   sched = _scheduler(cfg, Requests(_requests(1, prompt_len=10)))
   sched.take_requests()
   plan = sched.plan_prefill()
@@ -229,17 +230,17 @@ RANDOM_CONFIGS = {
     "dense": dict(),
     "dense_burst_pinned": dict(decode_burst=4, weight_update="pinned"),
     "drain": dict(weight_update="drain"),
-    "paged_small_pool": dict(kv_cache="paged", page_size=4, num_pages=12, attention_block=8),
-    "paged_chunked": dict(kv_cache="paged", page_size=4, num_pages=16, attention_block=8,
-                          prefill_chunk=4, prompt_buckets=(12,)),
-    "paged_recompute_unshared": dict(kv_cache="paged", page_size=4, num_pages=14,
+    "paged_small_pool": dict(kv_cache="paged", page_size=4, kv_pages=12, attention_block=8),
+    "paged_chunked": dict(kv_cache="paged", page_size=4, kv_pages=16, attention_block=8,
+                          prefill_chunk=4, prompt_len=12),
+    "paged_recompute_unshared": dict(kv_cache="paged", page_size=4, kv_pages=14,
                                      attention_block=8, share_prompts=False,
                                      kv_policy="recompute", decode_burst=2),
-    "paged_chunked_recompute": dict(kv_cache="paged", page_size=4, num_pages=14,
-                                    attention_block=8, prefill_chunk=4, prompt_buckets=(12,),
+    "paged_chunked_recompute": dict(kv_cache="paged", page_size=4, kv_pages=14,
+                                    attention_block=8, prefill_chunk=4, prompt_len=12,
                                     kv_policy="recompute"),
     # Episodes handed back with an observation (`resume`), re-admitted with their context.
-    "paged_multi_turn": dict(kv_cache="paged", page_size=4, num_pages=20, attention_block=8,
+    "paged_multi_turn": dict(kv_cache="paged", page_size=4, kv_pages=20, attention_block=8,
                              multi_turn=True, context_bucket=4, max_new_tokens=12),
 }
 

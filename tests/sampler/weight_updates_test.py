@@ -64,6 +64,6 @@ def test_every_mode_has_a_policy_and_bad_names_are_clear_errors():
                         weight_updates.WeightUpdatePolicy)
   with pytest.raises(ValueError, match="weight_update must be one of .* got 'lazy'"):
     weight_updates.make_policy("lazy")
-  with pytest.raises(ValueError, match="kv_policy must be one of .* got 'drop'"):
-    engine_config.EngineConfig(num_slots=4, group_size=2, prompt_buckets=(4,),
-                               max_new_tokens=4, kv_policy="drop")
+  with pytest.raises(ValueError, match="kv_policy: must be one of .* got 'drop'"):
+    engine_config.EngineConfig(prompt_len=4, kv_cache="dense", decode_burst=1, precompile=False,
+                               num_slots=4, group_size=2, max_new_tokens=4, kv_policy="drop")

@@ -1,0 +1,41 @@
+"""The base every experiment config derives from.
+
+`make(env)` is a ConfigDict with every section and every key the schema
+(`config_sections.SECTIONS`) declares with a default, at that default, and
+the environment's own keys at theirs. A config file states what differs:
+
+  config = config_base.make("arith")
+  config.num_steps = 3000
+  config.sampler.update(num_slots=128, prompt_len=8, max_new_tokens=5)
+
+so a key added to the schema reaches every config, and `--config.KEY=...`,
+with its default, without touching them. Keys without a default (the
+model's shape, the batch, the prompt length) are the config's to give.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from arl_jax import config_sections, settings
+from arl_jax.envs import registry
+
+
+def make(env: str) -> ml_collections.ConfigDict:
+  """An unlocked ConfigDict of the schema's defaults, with environment `env`
+  (a name of `registry.ENVS`) at its config class's defaults.
+
+  Raises:
+    ValueError: for an unknown environment, naming the known ones.
+  """
+  if env not in registry.ENVS:
+    raise ValueError(f"unknown environment {env!r}; known: {sorted(registry.ENVS)}")
+  config = ml_collections.ConfigDict(settings.defaults(config_sections.RunSection))
+  for name, classes in config_sections.SECTIONS.items():
+    section = {}
+    for cls in classes:
+      section.update(settings.defaults(cls))
+    if name == "env":
+      section.update(name=env, **settings.defaults(registry.ENVS[env].config_cls))
+    config[name] = ml_collections.ConfigDict(section)
+  return config
