@@ -43,6 +43,7 @@ def test_tiny_and_default_configs_build():
     ({"sampler__kv_policy": "forget"}, r"sampler.kv_policy: must be one of \('keep', 'recompute'\)"),
     ({"sampler__top_p": 0.0}, r"sampler.top_p: must be in \(0, 1\]"),
     ({"sampler__top_k": -1}, r"sampler.top_k: must be an int >= 0"),
+    ({"sampler__min_p": 1.5}, r"sampler.min_p: must be in \[0, 1\) \(0: off\), got 1.5"),
     ({"sampler__prompt_buckets": (4, 99)}, r"sampler.prompt_buckets: \(4, 99\): every bucket must be in \[1, prompt_len=6\]"),
     ({"learner__loss": "ppo2"}, r"learner.loss: unknown loss 'ppo2'"),
     ({"learner__aggregation": "sum"}, r"learner.aggregation: must be one of"),

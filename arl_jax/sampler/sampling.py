@@ -48,6 +48,8 @@ class SamplingSettings:
       tempered distribution, and the learner scores at the same temperature.
     top_k: keep only the k most likely tokens (0: off).
     top_p: keep the smallest set of tokens whose probability reaches p (1: off).
+    min_p: keep the tokens whose probability is at least `min_p` times the
+      most likely token's (0: off), after the temperature, as vLLM's min_p.
     greedy: argmax decoding (evaluation); log-probs are then untempered.
     eos_id: token that ends a completion (kept, and trained on).
     pad_id: filler for positions after the end.
@@ -64,6 +66,7 @@ class SamplingSettings:
   temperature: float = 1.0
   top_k: int = 0
   top_p: float = 1.0
+  min_p: float = 0.0
   greedy: bool = settings_lib.derived(False, "evaluation")
   eos_id: int = settings_lib.derived(dataclasses.MISSING, "the tokenizer")
   pad_id: int = settings_lib.derived(dataclasses.MISSING, "the tokenizer")
@@ -76,6 +79,8 @@ class SamplingSettings:
                        f"must be an int >= 0 (0: off), got {self.top_k!r}")
     settings_lib.check(isinstance(self.top_p, (int, float)) and 0.0 < self.top_p <= 1.0,
                        "top_p", f"must be in (0, 1], got {self.top_p!r}")
+    settings_lib.check(isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p < 1.0,
+                       "min_p", f"must be in [0, 1) (0: off), got {self.min_p!r}")
 
 
 @flax.struct.dataclass

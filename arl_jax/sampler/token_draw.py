@@ -2,7 +2,7 @@
 the PRNG keys the draws come from.
 
 The recorded log-prob is that of the distribution actually sampled from:
-tempered, and truncated by top-k / top-p (excluded tokens get -inf), so the
+tempered, and truncated by top-k / top-p / min-p (excluded tokens get -inf), so the
 importance ratio the learner computes stays honest. Settings are a
 `sampling.SamplingSettings`.
 
@@ -20,7 +20,11 @@ import numpy as np
 
 
 def _truncate(logits, settings):
-  """Applies top-k / top-p by setting excluded logits to -inf."""
+  """Applies top-k / top-p / min-p by setting excluded logits to -inf."""
+  if settings.min_p:
+    # p >= min_p * p_max  <=>  logit >= max logit + log(min_p) (the top token always).
+    floor = jnp.max(logits, axis=-1, keepdims=True) + jnp.log(settings.min_p)
+    logits = jnp.where(logits < floor, -jnp.inf, logits)
   if settings.top_k:
     kth = jax.lax.top_k(logits, settings.top_k)[0][:, -1:]
     logits = jnp.where(logits < kth, -jnp.inf, logits)

@@ -183,15 +183,21 @@ def test_inverse_cdf_sampling_matches_softmax_distribution():
                              rtol=1e-5)
 
 
-@pytest.mark.parametrize("top_k, top_p, support, probs", [
-    (2, 1.0, [2, 3], [3 / 7, 4 / 7]),
-    (0, 0.6, [2, 3], [3 / 7, 4 / 7]),   # 0.4 < 0.6, 0.4 + 0.3 >= 0.6: keep {3, 2}
-    (0, 0.3, [3], [1.0]),               # the top token alone already reaches 0.3
-    (3, 0.5, [2, 3], [3 / 7, 4 / 7]),
+@pytest.mark.parametrize("top_k, top_p, min_p, support, probs", [
+    (2, 1.0, 0.0, [2, 3], [3 / 7, 4 / 7]),
+    (0, 0.6, 0.0, [2, 3], [3 / 7, 4 / 7]),   # 0.4 < 0.6, 0.4 + 0.3 >= 0.6: keep {3, 2}
+    (0, 0.3, 0.0, [3], [1.0]),               # the top token alone already reaches 0.3
+    (3, 0.5, 0.0, [2, 3], [3 / 7, 4 / 7]),
+    (0, 1.0, 0.6, [2, 3], [3 / 7, 4 / 7]),   # p >= 0.6 x 0.4 = 0.24: keep {3, 2}
+    (0, 1.0, 0.8, [3], [1.0]),               # p >= 0.32: the top token alone
+    (0, 1.0, 0.2, [0, 1, 2, 3], [0.1, 0.2, 0.3, 0.4]),  # p >= 0.08: every token
+    (2, 1.0, 0.6, [2, 3], [3 / 7, 4 / 7]),
 ])
-def test_top_k_top_p_sample_and_record_the_truncated_distribution(top_k, top_p, support, probs):
+def test_top_k_top_p_min_p_sample_and_record_the_truncated_distribution(top_k, top_p, min_p,
+                                                                         support, probs):
   logits = jnp.log(jnp.array([[0.1, 0.2, 0.3, 0.4]], jnp.float32)).repeat(4000, axis=0)
-  settings = sampling.SamplingSettings(eos_id=EOS, pad_id=PAD, top_k=top_k, top_p=top_p)
+  settings = sampling.SamplingSettings(eos_id=EOS, pad_id=PAD, top_k=top_k, top_p=top_p,
+                                       min_p=min_p)
   keys = token_draw.row_keys(4, np.arange(4000), np.zeros(4000))
   tokens, logp = token_draw.sample_from_logits(logits, keys, jnp.int32(0), settings)
   tokens = np.asarray(tokens)
