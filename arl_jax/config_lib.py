@@ -18,8 +18,8 @@ from arl_jax import config_sections as sections
 from arl_jax import packing as packing_lib
 from arl_jax.envs import env_api, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
+from arl_jax.learner import loss_settings as loss_settings_lib
 from arl_jax.learner import optim as optim_lib
-from arl_jax.learner import update as update_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import hf_config
 from arl_jax.models import model_config as model_config_lib
@@ -62,9 +62,8 @@ class RunSpec:
   dispatch: dispatcher_lib.DispatchConfig
   buffer: buffer_lib.BufferConfig
   mask_truncated_completions: bool
-  loss: update_lib.LossSettings
+  loss: loss_settings_lib.LossSettings
   packing: packing_lib.Packing | None  # how the learner's rows hold rollouts (None: padded)
-  advantage_estimator: str
   optim: optim_lib.OptimConfig
   warmup: sections.WarmupSection
   # Settings the config left to `auto`, as chosen (`sampler/auto_settings.py`):
@@ -197,25 +196,26 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
            f"context model.max_seq_len={model.max_seq_len}")
   spec = _spec(cfg, run, parts, env=env, model=model, data=data, inputs=inputs)
   learner_devices, sampler_devices, sampler_shape, fsdp = _check_meshes(spec, parts, devices)
-  lc = parts["learner"]
-  if lc.pack_len:
+  layout, attention = spec.loss.layout, spec.loss.scoring.attention
+  if layout.pack_len:
     # Each minibatch packed on its own, into rows its microbatches and the
     # learner's data shards split evenly.
     spec = dataclasses.replace(spec, packing=packing_lib.Packing(
-        pack_len=lc.pack_len, num_slices=lc.num_minibatches,
-        row_multiple=lc.num_microbatches * fsdp,
+        pack_len=layout.pack_len, num_slices=layout.num_minibatches,
+        row_multiple=layout.num_microbatches * fsdp,
         attention_width=packing_lib.attention_width(spec.model)))
   # (devices being planned, `--dry_run_devices` or a launcher's check, have no
   # platform: the kernels' platform checks wait for the real ones)
   learner_platforms = sorted({getattr(d, "platform", "?") for d in learner_devices})
-  if lc.attention == "auto":  # the platform's kernel (XLA where there is none)
+  if attention == "auto":  # the platform's kernel (XLA where there is none)
     kernel = {("tpu",): "splash", ("gpu",): "pallas_gpu"}.get(tuple(learner_platforms), "xla")
-    spec = dataclasses.replace(spec, loss=dataclasses.replace(spec.loss, attention=kernel))
+    spec = dataclasses.replace(spec, loss=dataclasses.replace(
+        spec.loss, scoring=dataclasses.replace(spec.loss.scoring, attention=kernel)))
   learner_planned = learner_platforms == ["?"]
-  _require(lc.attention != "splash" or learner_platforms == ["tpu"] or learner_planned,
+  _require(attention != "splash" or learner_platforms == ["tpu"] or learner_planned,
            "learner.attention", f"'splash' is the TPU kernel; the learner devices are "
            f"{learner_platforms} (use 'xla', or 'splash_interpret' to run it slowly anywhere)")
-  _require(lc.attention != "pallas_gpu" or learner_platforms == ["gpu"] or learner_planned,
+  _require(attention != "pallas_gpu" or learner_platforms == ["gpu"] or learner_planned,
            "learner.attention", f"'pallas_gpu' is the GPU kernel; the learner devices are "
            f"{learner_platforms} (use 'xla', or 'pallas_gpu_interpret' to run it slowly "
            "anywhere)")
@@ -317,20 +317,22 @@ def _inputs(parts: dict, env_entry, env, tokenizer, *, eval_size: int):
 def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model, data,
           inputs) -> RunSpec:
   """The components' settings, with the checks that span sections."""
-  o, s, lc = parts["orchestrator"], parts["sampler"], parts["learner"]
+  o, s = parts["orchestrator"], parts["sampler"]
+  loss_name = config.get("learner", {}).get("loss", loss_settings_lib.Objective.loss)
   g = o.group_size
   _require(s.num_slots >= g and s.num_slots % g == 0, "sampler.num_slots",
            f"{s.num_slots} must be a positive multiple of orchestrator.group_size={g}")
-  _require(not model.value_head or lc.loss == "vtrace", "model.value_head",
-           f"a critic is trained only by learner.loss='vtrace', got {lc.loss!r}")
-  slices = lc.num_minibatches * lc.num_microbatches
-  _require(o.batch_size % slices == 0, "learner.num_microbatches",
-           f"orchestrator.batch_size={o.batch_size} rows do not split into num_minibatches x "
-           f"num_microbatches = {slices} equal slices")
+  _require(not model.value_head or loss_name == "vtrace", "model.value_head",
+           f"a critic is trained only by learner.loss='vtrace', got {loss_name!r}")
   tokenizer, eval_env = inputs.tokenizer, inputs.eval_env
   sampling = _build(config, "sampler", sampling_lib.SamplingSettings, eos_id=tokenizer.eos_id,
                     pad_id=tokenizer.pad_id,
                     stop_ids=env_api.sampler_stop_ids(tokenizer, eval_env))
+  loss = _loss(config, s, sampling, model)
+  slices = loss.layout.num_minibatches * loss.layout.num_microbatches
+  _require(o.batch_size % slices == 0, "learner.num_microbatches",
+           f"orchestrator.batch_size={o.batch_size} rows do not split into num_minibatches x "
+           f"num_microbatches = {slices} equal slices")
   return RunSpec(
       seed=run.seed, num_steps=run.num_steps, log_every=run.log_every,
       eval_every=run.eval_every, eval_size=run.eval_size, writers=run.writer_names,
@@ -353,29 +355,19 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
           staleness_reference=o.staleness_reference, assembly=o.assembly,
           window_groups=max(1, round(o.window_fraction * o.groups_per_batch))),
       mask_truncated_completions=o.mask_truncated_completions,
-      loss=_loss(lc, s, sampling, model), packing=None, advantage_estimator=lc.advantage,
-      optim=_wrap("learner", optim_lib.OptimConfig, lr=lc.lr, b1=lc.b1, b2=lc.b2,
-                  weight_decay=lc.weight_decay, max_grad_norm=lc.max_grad_norm),
+      loss=loss, packing=None, optim=_build(config, "learner", optim_lib.OptimConfig),
       warmup=parts["warmup"])
 
 
-def _loss(lc: sections.LearnerSection, s: engine_config.EngineConfig,
-          sampling: sampling_lib.SamplingSettings, model):
-  return _wrap(
-      "learner", update_lib.LossSettings,
-      name=lc.loss, eps_low=float(lc.eps_low), eps_high=float(lc.eps_high),
-      dual_clip=float(lc.dual_clip) if lc.dual_clip else None, rho_bar=float(lc.rho_bar),
-      c_bar=float(lc.c_bar), lam=float(lc.lam), critic=model.value_head,
-      vf_coef=float(lc.vf_coef), tau=float(lc.tau),
-      tis_cap=float(lc.tis_cap) if lc.tis_cap else None, age_decay=float(lc.age_decay),
-      decoupled=bool(lc.decoupled), aggregation=lc.aggregation,
-      norm_constant=float(s.max_new_tokens), kl_coef=float(lc.kl_coef),
-      entropy_coef=float(lc.entropy_coef), temperature=float(sampling.temperature),
-      num_epochs=lc.num_epochs, num_minibatches=lc.num_minibatches,
-      num_microbatches=lc.num_microbatches, logprob_chunk=lc.logprob_chunk,
-      attention_chunk=lc.attention_chunk, remat=lc.remat,
-      attention="xla" if lc.attention == "auto" else lc.attention,
-      scan_layers=lc.scan_layers)
+def _loss(config: Mapping, engine: engine_config.EngineConfig,
+          sampling: sampling_lib.SamplingSettings, model) -> loss_settings_lib.LossSettings:
+  """The learner section's loss parts, and the objective's derived fields."""
+  parts = {name: _build(config, "learner", part)
+           for name, part in loss_settings_lib.PARTS.items() if name != "objective"}
+  objective = _build(config, "learner", loss_settings_lib.Objective, critic=model.value_head,
+                     norm_constant=float(engine.max_new_tokens),
+                     temperature=float(sampling.temperature))
+  return _wrap("learner", loss_settings_lib.LossSettings, objective=objective, **parts)
 
 
 def _mesh(mesh: mesh_lib.MeshConfig) -> mesh_lib.MeshConfig:

@@ -7,11 +7,11 @@ config's keys against their fields (unknown keys are errors, a key without a
 default must be given) and builds them; `config_base.make` builds the base
 every config derives from out of their defaults.
 
-`sampler` (`EngineConfig` and `SamplingSettings`), `mesh`, `data`,
+`sampler` (`EngineConfig` and `SamplingSettings`), `learner` (the parts of
+`loss_settings.LossSettings` and `optim.OptimConfig`), `mesh`, `data`,
 `tokenizer`, `checkpoint` and `fleet` are the components' own dataclasses.
-`model`, `env`, `orchestrator`, `learner` and `warmup` are defined here and
-turned into their components' settings by `config_lib` (the learner's still
-by a hand mapping into `LossSettings` and `OptimConfig`). Checks that span
+`model`, `env`, `orchestrator` and `warmup` are defined here and turned into
+their components' settings by `config_lib`. Checks that span
 sections (a batch that must split over the learner's fsdp axis, a prompt
 that must fit the sampler) are `config_lib.build`'s.
 """
@@ -20,14 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 
-from arl_jax import advantages as advantages_lib
 from arl_jax import checkpointing, settings
 from arl_jax.envs import prompt_source
 from arl_jax.envs import tokenizer as tokenizer_lib
-from arl_jax.learner import losses as losses_lib
+from arl_jax.learner import loss_settings, optim
 from arl_jax.metrics import writer as writer_lib
-from arl_jax.models import decoder as decoder_lib
-from arl_jax.models import segment_attention as segment_attention_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import staleness
 from arl_jax.sampler import engine_config, sampling
@@ -222,128 +219,6 @@ class OrchestratorSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LearnerSection:
-  """The `learner` section (losses, advantages, optimizer: `learner/`).
-
-  Attributes:
-    loss: the policy loss, a key of `losses.LOSSES` (clipped_ratio, vtrace, m2po).
-    eps_low: clipped_ratio: the ratio's lower clip, 1 - eps_low.
-    eps_high: clipped_ratio: the ratio's upper clip, 1 + eps_high (> eps_low:
-      clip-higher, DAPO).
-    dual_clip: clipped_ratio: bound of negative-advantage terms, c > 1 (0: off).
-    rho_bar: vtrace: truncation of the importance weights.
-    c_bar: vtrace with a critic: truncation of the trace coefficients.
-    lam: vtrace with a critic: the traces' lambda.
-    vf_coef: vtrace with a critic: weight of the critic's loss.
-    tau: m2po: the bound of the second moment of the log-ratio.
-    tis_cap: truncated importance sampling of the behaviour-to-proximal ratio
-      (a decoupled objective; 0: off).
-    age_decay: the age-aware trust region: clip ranges shrink with a token's
-      lag by this rate (0: off).
-    decoupled: a decoupled objective (proximal policy recomputed) even for one
-      optimizer step per batch.
-    aggregation: how token terms become the loss (`losses.AGGREGATIONS`).
-    kl_coef: weight of a KL penalty to the policy RL started from (after any
-      warm-up; 0: off).
-    entropy_coef: weight of an entropy bonus (0: off).
-    advantage: the group advantage estimator (`advantages.ADVANTAGE_ESTIMATORS`).
-    num_epochs: passes over each batch.
-    num_minibatches: optimizer steps per pass.
-    num_microbatches: slices a minibatch's gradient is accumulated over (memory).
-    lr: Adam's learning rate.
-    b1: Adam's first-moment decay.
-    b2: Adam's second-moment decay.
-    weight_decay: AdamW's decoupled weight decay.
-    max_grad_norm: gradients clipped to this global norm.
-    logprob_chunk: tokens whose float32 logits exist at once when scoring (0:
-      every token of a microbatch); at a large vocabulary they dominate the
-      learner's memory (`learner/logprobs.py`).
-    pack_len: rollouts packed into rows of up to this many tokens, several a
-      row (0: one rollout a padded row): `packing.py`.
-    attention_chunk: queries whose attention scores exist at once (0: a whole
-      row's): `models/segment_attention.py`.
-    remat: what the backward pass keeps of each decoder block: none | block | dots.
-    attention: the training attention: auto (the learner platform's kernel:
-      splash on TPU, pallas_gpu on GPU, xla elsewhere) | xla | splash (TPU) |
-      pallas_gpu (GPU) | splash_interpret, pallas_gpu_interpret (anywhere,
-      slowly): `models/segment_attention.py`.
-    scan_layers: the decoder's blocks as one lax.scan over their stacked
-      parameters: the same numbers; the backward pass's scratch exists once,
-      not per layer.
-  """
-
-  loss: str = "clipped_ratio"
-  eps_low: float = 0.2
-  eps_high: float = 0.2
-  dual_clip: float = 0.0
-  rho_bar: float = 1.0
-  c_bar: float = 1.0
-  lam: float = 1.0
-  vf_coef: float = 0.5
-  tau: float = 0.04
-  tis_cap: float = 0.0
-  age_decay: float = 0.0
-  decoupled: bool = False
-  aggregation: str = "token_mean"
-  kl_coef: float = 0.0
-  entropy_coef: float = 0.0
-  advantage: str = "grpo"
-  num_epochs: int = 1
-  num_minibatches: int = 1
-  num_microbatches: int = 1
-  lr: float = 3e-4
-  b1: float = 0.9
-  b2: float = 0.99
-  weight_decay: float = 0.0
-  max_grad_norm: float = 1.0
-  logprob_chunk: int = 0
-  pack_len: int = 0
-  attention_chunk: int = 0
-  remat: str = "none"
-  attention: str = "xla"
-  scan_layers: bool = False
-
-  def __post_init__(self):
-    _check(isinstance(self.scan_layers, bool), "learner.scan_layers",
-           f"must be True or False, got {self.scan_layers!r}")
-    _check(_is_int(self.attention_chunk) and self.attention_chunk >= 0,
-           "learner.attention_chunk",
-           f"must be an int >= 0 (0: a whole row), got {self.attention_chunk!r}")
-    _check(self.attention in ("auto",) + segment_attention_lib.KERNELS, "learner.attention",
-           f"must be one of {('auto',) + segment_attention_lib.KERNELS}, got {self.attention!r}")
-    _check(self.remat in decoder_lib.REMAT_POLICIES, "learner.remat",
-           f"must be one of {sorted(decoder_lib.REMAT_POLICIES)}, got {self.remat!r}")
-    _check(_is_int(self.pack_len) and self.pack_len >= 0, "learner.pack_len",
-           f"must be an int >= 0 (0: padded rows), got {self.pack_len!r}")
-    _check(_is_int(self.logprob_chunk) and self.logprob_chunk >= 0, "learner.logprob_chunk",
-           f"must be an int >= 0 (0: off), got {self.logprob_chunk!r}")
-    _check(self.loss in losses_lib.LOSSES, "learner.loss",
-           f"unknown loss {self.loss!r}; known: {sorted(losses_lib.LOSSES)}")
-    _check(self.advantage in advantages_lib.ADVANTAGE_ESTIMATORS, "learner.advantage",
-           f"must be one of {advantages_lib.ADVANTAGE_ESTIMATORS}, got {self.advantage!r}")
-    _check(0 <= self.eps_low < 1 and self.eps_high >= 0, "learner.eps_low",
-           "clip ranges must satisfy 0 <= eps_low < 1 and eps_high >= 0")
-    _check(self.dual_clip == 0 or self.dual_clip > 1, "learner.dual_clip",
-           f"must be 0 (off) or > 1, got {self.dual_clip}")
-    _check(self.rho_bar >= 1, "learner.rho_bar", f"must be >= 1, got {self.rho_bar}")
-    _check(0 < self.c_bar <= self.rho_bar, "learner.c_bar",
-           f"must be in (0, learner.rho_bar={self.rho_bar}], got {self.c_bar}")
-    _check(0 <= self.lam <= 1, "learner.lam", f"must be in [0, 1], got {self.lam}")
-    _check(self.vf_coef >= 0, "learner.vf_coef", f"must be >= 0, got {self.vf_coef}")
-    _check(self.tau > 0, "learner.tau", f"must be > 0, got {self.tau}")
-    _check(self.tis_cap == 0 or self.tis_cap >= 1, "learner.tis_cap",
-           f"must be 0 (off) or >= 1, got {self.tis_cap}")
-    for key in ("age_decay", "kl_coef", "entropy_coef"):
-      _check(getattr(self, key) >= 0, f"learner.{key}", f"must be >= 0, got {getattr(self, key)}")
-    _check(self.aggregation in losses_lib.AGGREGATIONS, "learner.aggregation",
-           f"must be one of {losses_lib.AGGREGATIONS}, got {self.aggregation!r}")
-    for key in ("num_epochs", "num_minibatches", "num_microbatches"):
-      value = getattr(self, key)
-      _check(_is_int(value) and value >= 1, f"learner.{key}",
-             f"must be an int >= 1, got {value!r}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class WarmupSection:
   """The `warmup` section: supervised updates on the correct answers of some
   train prompts before RL.
@@ -408,7 +283,9 @@ SECTIONS = {
     "env": (EnvSection,),
     "sampler": (engine_config.EngineConfig, sampling.SamplingSettings),
     "orchestrator": (OrchestratorSection,),
-    "learner": (LearnerSection,),
+    "learner": (loss_settings.Objective, loss_settings.ClippedRatio, loss_settings.Vtrace,
+                loss_settings.M2po, loss_settings.StepLayout, loss_settings.Scoring,
+                optim.OptimConfig),
     "warmup": (WarmupSection,),
     "data": (prompt_source.DataConfig,),
     "tokenizer": (tokenizer_lib.TokenizerConfig,),

@@ -86,14 +86,14 @@ def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
   # Learner: params, AdamW's two moments and the gradients in the param dtype.
   params = _sharded_bytes(abstract_state, lm, rules_lib.LEARNER_RULES, spec.model.param_dtype)
   learner = {"params": params, "adam_moments": 2 * params, "gradients": params}
-  if spec.loss.num_microbatches > 1:
+  if spec.loss.layout.num_microbatches > 1:
     # The scan over microbatches carries the sum beside each one's gradients.
     learner["gradient_accumulator"] = params
-  if spec.loss.kl_coef > 0:
+  if spec.loss.objective.kl_coef > 0:
     learner["kl_reference_params"] = params
   cfg, engine = spec.model, spec.engine
   learner["activations_rough"] = learner_activations(
-      spec.model, spec.loss, *learner_rows(spec, lm.get("fsdp", 1)),
+      spec.model, spec.loss.scoring, *learner_rows(spec, lm.get("fsdp", 1)),
       param_shards=lm.get("fsdp", 1) * lm.get("tp", 1))
 
   # Sampler: params in its dtype (replicated over `data`); while a swap is in
@@ -125,7 +125,7 @@ def learner_rows(spec: config_lib.RunSpec, fsdp: int) -> tuple[int, int]:
   rows as wide as they may get, split over `fsdp`."""
   loss, engine = spec.loss, spec.engine
   rows = spec.dispatch.groups_per_batch * spec.dispatch.group_size
-  rows //= loss.num_minibatches * loss.num_microbatches
+  rows //= loss.layout.num_minibatches * loss.layout.num_microbatches
   rows = max(1, rows // fsdp)
   longest = engine.prompt_len + engine.max_new_tokens
   if spec.packing is None:
@@ -134,9 +134,9 @@ def learner_rows(spec: config_lib.RunSpec, fsdp: int) -> tuple[int, int]:
   return max(1, math.ceil(rows * longest / width)), width
 
 
-def learner_activations(cfg, loss, rows: int, width: int, param_shards: int = 1) -> int:
+def learner_activations(cfg, scoring, rows: int, width: int, param_shards: int = 1) -> int:
   """Rough bytes of the activations of `rows x width` tokens of a decoder
-  (`ModelConfig`) under `loss` (`LossSettings`) on one device.
+  (`ModelConfig`) under `scoring` (`loss_settings.Scoring`) on one device.
 
   Per layer the backward pass keeps the block's saved inputs and outputs
   (all of them, the matmul outputs, or only the block's input:
@@ -154,16 +154,16 @@ def learner_activations(cfg, loss, rows: int, width: int, param_shards: int = 1)
   itemsize = np.dtype(cfg.param_dtype).itemsize
   block_internals = tokens * (8 * cfg.d_model + 3 * cfg.mlp_dim) * itemsize
   kept = {"none": block_internals, "dots": tokens * (4 * cfg.d_model + 2 * cfg.mlp_dim) * itemsize,
-          "block": tokens * cfg.d_model * itemsize}[loss.remat]
-  total = cfg.num_layers * kept + (block_internals if loss.remat != "none" else 0)
+          "block": tokens * cfg.d_model * itemsize}[scoring.remat]
+  total = cfg.num_layers * kept + (block_internals if scoring.remat != "none" else 0)
   scores = rows * cfg.num_heads * width * 4
-  if loss.attention_chunk:
-    total += scores * min(loss.attention_chunk, width)  # one block's, recomputed
+  if scoring.attention_chunk:
+    total += scores * min(scoring.attention_chunk, width)  # one block's, recomputed
   else:
     total += cfg.num_layers * scores * width
-  if loss.scan_layers:
+  if scoring.scan_layers:
     total += 2 * cfg.num_layers * cfg.block_params * itemsize // param_shards
-  logit_tokens = min(loss.logprob_chunk, tokens) if loss.logprob_chunk else tokens
+  logit_tokens = min(scoring.logprob_chunk, tokens) if scoring.logprob_chunk else tokens
   return total + 3 * logit_tokens * cfg.vocab_size * 4
 
 

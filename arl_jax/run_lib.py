@@ -191,7 +191,7 @@ def _train(spec, config_dict, meshes, *, workdir, inputs, beginning, optimizer, 
   # The KL penalty's reference policy: the params RL started from (after any
   # warm-up), a copy the donated update step never touches.
   reference = None
-  if spec.loss.kl_coef > 0:
+  if spec.loss.objective.kl_coef > 0:
     reference = (restored.reference if restored is not None and restored.reference is not None
                  else jax.tree.map(jnp.copy, state.params))
   update_fn = update_lib.make_update_fn(graphdef=beginning.graphdef, optimizer=optimizer,

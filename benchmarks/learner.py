@@ -58,6 +58,7 @@ from arl_jax import dry_run  # noqa: E402
 from arl_jax import packing as packing_lib  # noqa: E402
 from arl_jax import rollout as rollout_lib  # noqa: E402
 from arl_jax import train_batch as train_batch_lib  # noqa: E402
+from arl_jax.learner import loss_settings  # noqa: E402
 from arl_jax.learner import train_state as train_state_lib  # noqa: E402
 from arl_jax.learner import update as update_lib  # noqa: E402
 from arl_jax.models import init_lib  # noqa: E402
@@ -137,7 +138,7 @@ def bench(model: str, fsdp: int, rows: int, length: int, steps: int, peak: float
   optimizer = optax.adamw(1e-4)
   state, shardings = train_state_lib.create(params, optimizer, mesh)
   update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
-                                        settings=update_lib.LossSettings(),
+                                        settings=loss_settings.LossSettings.of(),
                                         state_shardings=shardings, mesh=mesh)
   batch = _batch(rows, length, prompt=length // 4)
   per_device = compiled_bytes(update_fn, state, batch)
@@ -199,7 +200,7 @@ def bench_packing(model: str, median: int, cap: int, num_rollouts: int, pack_len
     # Attention a block of queries at a time in both layouts: a padded
     # batch's whole-row scores do not fit this machine at these lengths.
     update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
-                                          settings=update_lib.LossSettings(attention_chunk=256),
+                                          settings=loss_settings.LossSettings.of(attention_chunk=256),
                                           state_shardings=shardings, mesh=mesh)
     step = median_step_seconds(update_fn, state, batch, steps)
     trained = float(np.sum(batch.loss_mask))
@@ -217,7 +218,7 @@ def bench_long_row(model: str, vocab: int, length: int, controls: bool, scan: bo
   """Compiled memory of one `length`-token row's update (nothing runs)."""
   cfg = model_config_lib.ModelConfig(vocab_size=vocab, max_seq_len=length, **MODELS[model])
   mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
-  settings = update_lib.LossSettings(
+  settings = loss_settings.LossSettings.of(
       **(dict(logprob_chunk=1024, attention_chunk=512, remat="block") if controls else {}),
       scan_layers=scan)
   graphdef, params, _ = init_lib.init_params(cfg, mesh, rules_lib.LEARNER_RULES, 0)
@@ -229,9 +230,9 @@ def bench_long_row(model: str, vocab: int, length: int, controls: bool, scan: bo
   start = time.perf_counter()
   measured = compiled_bytes(update_fn, state, batch)
   compile_s = time.perf_counter() - start
-  chunk = settings.logprob_chunk or length
+  chunk = settings.scoring.logprob_chunk or length
   bound = 4 * cfg.num_params * 4 + chunk * vocab * 4  # params, 2 moments, grads; a chunk
-  estimate = 4 * cfg.num_params * 4 + dry_run.learner_activations(cfg, settings, 1, length)
+  estimate = 4 * cfg.num_params * 4 + dry_run.learner_activations(cfg, settings.scoring, 1, length)
   mib = lambda x: round(x / 2**20)
   return {"benchmark": "learner", "part": "long_row", "model": model,
           "params M": round(cfg.num_params / 1e6, 1), "V": vocab, "L": length,

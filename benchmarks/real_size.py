@@ -221,7 +221,7 @@ def bench_learner(resolved, *, steps: int, peak: float) -> dict:
   batch = train_batch_lib.assemble(
       groups, prompt_len=spec.engine.prompt_len,
       max_new_tokens=train_batch_lib.completion_budget(groups, budget, spec.packing),
-      pad_id=resolved.inputs.tokenizer.pad_id, advantage_estimator=spec.advantage_estimator,
+      pad_id=resolved.inputs.tokenizer.pad_id, advantage_estimator=spec.loss.objective.advantage,
       packing=spec.packing)
   start = time.perf_counter()
   compiled = learner_bench.compiled_bytes(update_fn, state, batch)
@@ -234,7 +234,8 @@ def bench_learner(resolved, *, steps: int, peak: float) -> dict:
           "params M": round(spec.model.num_params / 1e6, 1), "vocab": spec.model.vocab_size,
           "rollouts": num_rollouts, "rows x width": "x".join(map(str, batch.tokens.shape)),
           "fill": round(float(np.mean(batch.token_mask)), 3),
-          "microbatches": spec.loss.num_microbatches, "logprob_chunk": spec.loss.logprob_chunk,
+          "microbatches": spec.loss.layout.num_microbatches,
+          "logprob_chunk": spec.loss.scoring.logprob_chunk,
           "step s": round(step, 2), "trained tok/s": round(trained / step),
           "model tok/s": round(sum(lengths) / step), "GFLOP/s": round(flops / step / 1e9, 1),
           "peak GFLOP/s": round(peak / 1e9, 1), "MFU": round(flops / step / peak, 3),

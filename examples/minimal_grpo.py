@@ -134,8 +134,9 @@ def train(config, num_steps: int | None = None, log=print) -> list[dict]:
   params = warm_up(graphdef, params, spec, env, train_prompts, log)
   optimizer = optim_lib.make_optimizer(spec.optim)
   opt_state = optimizer.init(params)
-  loss_kwargs = dict(eps_low=spec.loss.eps_low, eps_high=spec.loss.eps_high,
-                     temperature=spec.loss.temperature)
+  loss_kwargs = dict(eps_low=spec.loss.clipped_ratio.eps_low,
+                     eps_high=spec.loss.clipped_ratio.eps_high,
+                     temperature=spec.loss.objective.temperature)
   grad_fn = jax.jit(jax.value_and_grad(grpo_loss), static_argnums=1,
                     static_argnames=tuple(loss_kwargs))
   g, groups = spec.dispatch.group_size, spec.dispatch.groups_per_batch

@@ -53,7 +53,7 @@ def test_tiny_and_default_configs_build():
     ({"learner__loss": "vtrace", "learner__num_epochs": 2}, r"config.learner: vtrace truncates its importance weights itself"),
     ({"learner__loss": "m2po", "learner__age_decay": 0.5}, r"config.learner: m2po has no clip range"),
     ({"model__value_head": True}, r"model.value_head: a critic is trained only by learner.loss='vtrace'"),
-    ({"learner__c_bar": 2.0}, r"learner.c_bar: must be in \(0, learner.rho_bar=1.0\]"),
+    ({"learner__c_bar": 2.0}, r"learner.c_bar: must be in \(0, rho_bar=1.0\]"),
     ({"learner__lam": 1.5}, r"learner.lam: must be in \[0, 1\]"),
     ({"data__on_malformed": "ignore"}, r"config.data: data.on_malformed must be one of \('error', 'skip'\)"),
     ({"data__train_path": "/nonexistent.jsonl"}, r"config.data.train_path: .*No such file"),

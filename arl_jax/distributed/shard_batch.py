@@ -188,9 +188,10 @@ class LeaderShards:
     forget = self._fleet.take_forgotten(self._is_open)
     return shard_plan_lib.make(
         batch.groups, blocks_of_process=self.blocks_of_process, prompt_len=spec.engine.prompt_len,
-        max_new_tokens=spec.engine.max_new_tokens, advantage_estimator=spec.advantage_estimator,
+        max_new_tokens=spec.engine.max_new_tokens,
+        advantage_estimator=spec.loss.objective.advantage,
         mask_truncated_completions=spec.mask_truncated_completions, packing=spec.packing,
-        num_slices=spec.loss.num_minibatches, forget=forget)
+        num_slices=spec.loss.layout.num_minibatches, forget=forget)
 
   def local_batch(self, plan, batch) -> train_batch_lib.TrainBatch:
     """This process's block of `plan`'s batch (the cut `batch`'s full groups

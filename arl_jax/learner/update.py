@@ -42,112 +42,14 @@ from jax.sharding import PartitionSpec as P
 
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.learner import logprobs as logprobs_lib
+from arl_jax.learner import loss_settings as loss_settings_lib
 from arl_jax.learner import losses as losses_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import vtrace as vtrace_lib
-from arl_jax.models import decoder as decoder_lib
-from arl_jax.models import segment_attention as segment_attention_lib
 
 # Token-lag buckets of the |log-ratio| metrics: (name, lowest lag, highest lag).
 LAG_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3_4", 3, 4), ("5_8", 5, 8),
                ("9+", 9, 1 << 30))
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class LossSettings:
-  """Static settings of the update: the loss (a key of `losses.LOSSES`), its
-  knobs, the aggregation, regularisers and the optimizer-step layout."""
-
-  name: str = "clipped_ratio"
-  eps_low: float = 0.2
-  eps_high: float = 0.2
-  dual_clip: float | None = None
-  rho_bar: float = 1.0  # vtrace
-  c_bar: float = 1.0  # vtrace with a critic
-  lam: float = 1.0  # vtrace with a critic
-  critic: bool = False  # vtrace actor-critic: the model has a value head
-  vf_coef: float = 0.5  # weight of the critic's loss
-  tau: float = 0.04  # m2po
-  tis_cap: float | None = None
-  age_decay: float = 0.0
-  decoupled: bool = False
-  aggregation: str = "token_mean"
-  norm_constant: float | None = None  # seq_sum_norm
-  kl_coef: float = 0.0  # KL to the reference policy (needs reference params)
-  entropy_coef: float = 0.0
-  temperature: float = 1.0
-  num_epochs: int = 1
-  num_minibatches: int = 1
-  num_microbatches: int = 1
-  logprob_chunk: int = 0  # tokens whose logits exist at once (0: all; `logprobs.py`)
-  attention_chunk: int = 0  # queries whose scores exist at once (0: a row's)
-  remat: str = "none"  # what the backward pass keeps of a block (`decoder.REMAT_POLICIES`)
-  attention: str = "xla"  # the training attention's kernel (`segment_attention.KERNELS`)
-  scan_layers: bool = False  # the decoder's blocks as one lax.scan (`Decoder.__call__`)
-  # Not configuration: the learner mesh, set by `make_update_fn`; an attention
-  # kernel runs on each device's rows and heads under it.
-  mesh: Mesh | None = None
-
-  def __post_init__(self):
-    if self.name not in losses_lib.LOSSES:
-      raise ValueError(f"loss {self.name!r} unknown; known: {sorted(losses_lib.LOSSES)}")
-    if self.aggregation not in losses_lib.AGGREGATIONS:
-      raise ValueError(f"aggregation must be one of {losses_lib.AGGREGATIONS}")
-    for name in ("num_epochs", "num_minibatches", "num_microbatches"):
-      if getattr(self, name) < 1:
-        raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-    for name in ("logprob_chunk", "attention_chunk"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"{name} must be >= 0 (0: off), got {getattr(self, name)}")
-    if self.attention not in segment_attention_lib.KERNELS:
-      raise ValueError(f"attention must be one of {segment_attention_lib.KERNELS}, "
-                       f"got {self.attention!r}")
-    if self.remat not in decoder_lib.REMAT_POLICIES:
-      raise ValueError(f"remat must be one of {sorted(decoder_lib.REMAT_POLICIES)}, "
-                       f"got {self.remat!r}")
-    if self.name == "vtrace" and (self.is_decoupled or self.tis_cap is not None):
-      raise ValueError("vtrace truncates its importance weights itself (rho_bar): it takes "
-                       "neither a decoupled objective nor tis_cap, so it runs one optimizer "
-                       "step per batch")
-    if self.critic and self.name != "vtrace":
-      raise ValueError(f"a critic (model.value_head) is trained only by the vtrace loss, not "
-                       f"{self.name!r}")
-    if self.name == "m2po" and self.age_decay:
-      raise ValueError("m2po has no clip range for an age-aware trust region to shrink")
-
-  @property
-  def optimizer_steps(self) -> int:
-    return self.num_epochs * self.num_minibatches
-
-  @property
-  def is_decoupled(self) -> bool:
-    return self.decoupled or self.tis_cap is not None or self.optimizer_steps > 1
-
-  @property
-  def scoring(self) -> dict:
-    """How the learner's forward pass is computed: the memory controls and
-    the attention kernel (`logprobs.token_logprobs_and_entropy`'s keywords)."""
-    return dict(chunk=self.logprob_chunk, attention_chunk=self.attention_chunk,
-                remat=self.remat, attention=self.attention, scan_layers=self.scan_layers,
-                mesh=self.mesh)
-
-  @property
-  def masks_minibatch_first(self) -> bool:
-    """M2PO's second-moment mask is over the whole minibatch: accumulating
-    microbatches, a stop-gradient pass computes it first (`train_step`)."""
-    return self.name == "m2po" and self.num_microbatches > 1
-
-  def token_loss(self, logp, batch, advantages, proximal, token_lag, m2po_keep=None):
-    if self.name == "clipped_ratio":
-      knobs = dict(eps_low=self.eps_low, eps_high=self.eps_high, dual_clip=self.dual_clip,
-                   tis_cap=self.tis_cap, age_decay=self.age_decay)
-    elif self.name == "vtrace":
-      knobs = dict(rho_bar=self.rho_bar, age_decay=self.age_decay)
-    else:
-      knobs = dict(tau=self.tau, tis_cap=self.tis_cap, keep=m2po_keep)
-    return losses_lib.LOSSES[self.name](
-        logp, batch.behaviour_logprobs, advantages, batch.loss_mask,
-        proximal_logprobs=proximal, token_lag=token_lag, **knobs)
 
 
 def _split(tree, n: int):
@@ -192,7 +94,7 @@ def staleness_metrics(log_ratio, loss_mask, token_lag):
   return metrics
 
 
-def _critic_targets(logp, values, mb, token_lag, s: LossSettings):
+def _critic_targets(logp, values, mb, token_lag, s: loss_settings_lib.LossSettings):
   """V-trace targets from the critic: per-token policy-gradient advantages
   and the value loss `0.5 (v_s - V)^2` (targets are constants), truncated at
   the policy loss's per-token levels. Explained variance is per microbatch,
@@ -202,9 +104,9 @@ def _critic_targets(logp, values, mb, token_lag, s: LossSettings):
   log_rhos = jnp.where(on, jax.lax.stop_gradient(logp - mb.behaviour_logprobs), 0.0)
   rewards = vtrace_lib.last_token_rewards(mb.rewards, mask, mb.segment_ids)
   vs, advantages = vtrace_lib.vtrace_targets(
-      values, rewards, log_rhos, mask, lam=s.lam,
-      rho_bar=losses_lib.truncation_level(s.rho_bar, token_lag, s.age_decay),
-      c_bar=losses_lib.truncation_level(s.c_bar, token_lag, s.age_decay),
+      values, rewards, log_rhos, mask, lam=s.vtrace.lam,
+      rho_bar=losses_lib.truncation_level(s.vtrace.rho_bar, token_lag, s.objective.age_decay),
+      c_bar=losses_lib.truncation_level(s.vtrace.c_bar, token_lag, s.objective.age_decay),
       segment_ids=mb.segment_ids)
   value_loss = jnp.where(on, 0.5 * jnp.square(vs - values), 0.0)
   error_var = losses_lib.masked_mean(jnp.square(vs - values), mask) - jnp.square(
@@ -217,7 +119,8 @@ def _critic_targets(logp, values, mb, token_lag, s: LossSettings):
   return advantages, value_loss, metrics
 
 
-def _objective(params, micro, weights, *, logprobs_fn, settings: LossSettings, one_step: bool):
+def _objective(params, micro, weights, *, logprobs_fn,
+               settings: loss_settings_lib.LossSettings, one_step: bool):
   """The weighted loss of one microbatch and its metrics (`train_step`).
 
   `one_step`: a single optimizer step per batch, so these log-probs are the
@@ -225,21 +128,24 @@ def _objective(params, micro, weights, *, logprobs_fn, settings: LossSettings, o
   """
   s = settings
   mb = micro["batch"]
-  if s.critic:
+  o = s.objective
+  if o.critic:
     logp, entropy, values = logprobs_fn(params, mb, with_values=True)
     advantages, value_loss, critic_metrics = _critic_targets(logp, values, mb,
                                                              micro["token_lag"], s)
   else:
     logp, entropy = logprobs_fn(params, mb)
     advantages, value_loss, critic_metrics = micro["advantages"], 0.0, {}
-  per_token, metrics = s.token_loss(logp, mb, advantages, micro.get("proximal"),
-                                    micro["token_lag"], micro.get("m2po_keep"))
+  per_token, metrics = losses_lib.LOSSES[s.objective.loss](
+      logp, mb.behaviour_logprobs, advantages, mb.loss_mask,
+      proximal_logprobs=micro.get("proximal"), token_lag=micro["token_lag"],
+      **s.loss_knobs(micro.get("m2po_keep")))
   metrics.update(critic_metrics)
   on = mb.loss_mask > 0
-  total = per_token + s.vf_coef * value_loss - s.entropy_coef * jnp.where(on, entropy, 0.0)
+  total = per_token + s.vtrace.vf_coef * value_loss - o.entropy_coef * jnp.where(on, entropy, 0.0)
   if "reference" in micro:
     kl = losses_lib.kl_to_reference(logp, micro["reference"], mb.loss_mask)
-    total = total + s.kl_coef * kl
+    total = total + o.kl_coef * kl
     metrics["kl_reference"] = losses_lib.masked_mean(kl, mb.loss_mask)
   metrics["entropy"] = losses_lib.masked_mean(entropy, mb.loss_mask)
   if one_step:
@@ -250,7 +156,7 @@ def _objective(params, micro, weights, *, logprobs_fn, settings: LossSettings, o
 
 def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBatch,
                reference_params=None, *, graphdef, optimizer: optax.GradientTransformation,
-               settings: LossSettings):
+               settings: loss_settings_lib.LossSettings):
   """Trains on one batch of (possibly version-mixed) rollouts.
 
   Args:
@@ -262,19 +168,19 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     `(new_state, metrics)`; metrics are float32 scalars.
   """
   s = settings
-  if (s.kl_coef > 0) != (reference_params is not None):
+  if (s.objective.kl_coef > 0) != (reference_params is not None):
     raise ValueError("reference_params must be given exactly when kl_coef > 0")
 
   def logprobs(params, rows, with_values=False):
     return logprobs_lib.token_logprobs_and_entropy(
-        graphdef, params, rows.tokens, rows.segment_ids, rows.positions, s.temperature,
-        with_values, **s.scoring)
+        graphdef, params, rows.tokens, rows.segment_ids, rows.positions,
+        s.objective.temperature, with_values, **s.scoring.kwargs(s.mesh))
 
   # Versions since each token was sampled (prompt and observation tokens carry
   # -1 and are masked out of every use).
   token_lag = state.step - batch.token_versions
   rows = {"batch": batch, "token_lag": token_lag, "advantages": batch.advantages}
-  n_mb, n_micro = s.num_minibatches, s.num_microbatches
+  n_mb, n_micro = s.layout.num_minibatches, s.layout.num_microbatches
 
   # Log-probs of the policy at the start of the batch (proximal policy) and of
   # the reference policy, in microbatch slices to bound memory.
@@ -297,8 +203,9 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
   def optimizer_step(carry, step_index):
     params, opt_state, skipped = carry
     minibatch = jax.tree.map(lambda x: x[step_index % n_mb], minibatches)
-    weights = losses_lib.token_weights(minibatch["batch"].loss_mask, s.aggregation,
-                                       s.norm_constant, minibatch["batch"].segment_ids)
+    weights = losses_lib.token_weights(minibatch["batch"].loss_mask, s.objective.aggregation,
+                                       s.objective.norm_constant or None,
+                                       minibatch["batch"].segment_ids)
     minibatch = {**minibatch, "weights": weights}
     m2po_log_ratio = None
     if s.masks_minibatch_first:
@@ -306,7 +213,8 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
       m2po_log_ratio = jnp.where(
           rows.loss_mask > 0, frozen_logprobs(params, rows, n_micro) - rows.behaviour_logprobs,
           0.0)
-      minibatch["m2po_keep"] = losses_lib.m2po_keep_mask(m2po_log_ratio, rows.loss_mask, s.tau)
+      minibatch["m2po_keep"] = losses_lib.m2po_keep_mask(m2po_log_ratio, rows.loss_mask,
+                                                         s.m2po.tau)
     micro = _split(minibatch, n_micro)
 
     def accumulate(acc, m):
@@ -360,8 +268,8 @@ def batch_shardings(mesh: Mesh) -> train_batch_lib.TrainBatch:
   return train_batch_lib.TrainBatch(**fields)
 
 
-def make_update_fn(*, graphdef, optimizer, settings: LossSettings | None, state_shardings,
-                   mesh: Mesh, step_fn=train_step, reference_params=None):
+def make_update_fn(*, graphdef, optimizer, settings: loss_settings_lib.LossSettings | None,
+                   state_shardings, mesh: Mesh, step_fn=train_step, reference_params=None):
   """Jits `step_fn` with explicit shardings and a donated state.
 
   Returns `update(state, batch) -> (state, metrics)`; `reference_params`

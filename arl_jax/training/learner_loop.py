@@ -197,7 +197,7 @@ class LearnerLoop:
           # Padded columns follow the batch's longest completion, not the budget.
           max_new_tokens=train_batch_lib.completion_budget(
               batch.groups, spec.engine.max_new_tokens, spec.packing),
-          pad_id=self._pad_id, advantage_estimator=spec.advantage_estimator,
+          pad_id=self._pad_id, advantage_estimator=spec.loss.objective.advantage,
           mask_truncated_completions=spec.mask_truncated_completions, packing=spec.packing)
       train_on, shape = host_batch, host_batch.tokens.shape
       filled = float(np.mean(host_batch.token_mask))

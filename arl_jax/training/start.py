@@ -127,8 +127,8 @@ def begin(spec, mesh, checkpoints: Checkpoints, *, optimizer, config: dict, set_
   # Restored onto the layout of freshly initialised params.
   state, state_shardings = train_state_lib.create(params, optimizer, mesh)
   restored = resume(checkpoints, state=state, state_shardings=state_shardings,
-                    reference=state.params if spec.loss.kl_coef > 0 else None, config=config,
-                    print_fn=print_fn, set_aside=set_aside)
+                    reference=state.params if spec.loss.objective.kl_coef > 0 else None,
+                    config=config, print_fn=print_fn, set_aside=set_aside)
   print_fn(f"resumed from {checkpoints.resume.directory} at version {restored.run['version']}: "
            f"{describe_work(restored.run['work'])}")
   return Beginning(graphdef=graphdef, params=restored.state.params, restored=restored,

@@ -3,7 +3,6 @@ entropy, values and their gradients of `chunk` tokens at a time equal the
 whole computation's, and the compiled step's scratch memory stops growing
 with tokens x vocabulary."""
 
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +12,7 @@ from flax import nnx
 
 from arl_jax import config_lib
 from arl_jax.learner import logprobs as logprobs_lib
-from arl_jax.learner import update as update_lib
+from arl_jax.learner import loss_settings
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.testing import tiny
 from tests.learner.update_test import _host, _mesh, _random_batch, _state_and_update
@@ -95,8 +94,7 @@ def test_a_train_step_with_chunked_scoring_equals_the_whole_one():
   results = []
   # The second step also scans over the layers (same numbers: `Decoder`).
   for chunk in (0, 5):
-    settings = dataclasses.replace(update_lib.LossSettings(), logprob_chunk=chunk,
-                                   scan_layers=chunk > 0)
+    settings = loss_settings.LossSettings.of(logprob_chunk=chunk, scan_layers=chunk > 0)
     _, state, update_fn = _state_and_update(settings, mesh)
     state, metrics = update_fn(state, batch)
     results.append((_host(state.params), {k: float(v) for k, v in metrics.items()}))

@@ -14,6 +14,7 @@ import pytest
 from arl_jax import packing as packing_lib
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.learner import logprobs as logprobs_lib
+from arl_jax.learner import loss_settings
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import update as update_lib
 from arl_jax.sharding import mesh_lib
@@ -24,15 +25,15 @@ FSDP = 2
 KW = dict(prompt_len=8, max_new_tokens=24, pad_id=256, advantage_estimator="grpo")
 
 CASES = {
-    "clipped_ratio": update_lib.LossSettings(entropy_coef=0.01),
-    "clipped_ratio_seq_mean_minibatches": update_lib.LossSettings(
+    "clipped_ratio": loss_settings.LossSettings.of(entropy_coef=0.01),
+    "clipped_ratio_seq_mean_minibatches": loss_settings.LossSettings.of(
         aggregation="seq_mean_token_mean", num_minibatches=2, num_microbatches=2, num_epochs=2),
-    "clipped_ratio_seq_sum_age": update_lib.LossSettings(
+    "clipped_ratio_seq_sum_age": loss_settings.LossSettings.of(
         aggregation="seq_sum_norm", norm_constant=24.0, age_decay=0.5, dual_clip=3.0),
-    "vtrace": update_lib.LossSettings(name="vtrace", rho_bar=1.5),
-    "vtrace_critic": update_lib.LossSettings(name="vtrace", critic=True, lam=0.9, rho_bar=1.5,
+    "vtrace": loss_settings.LossSettings.of(loss="vtrace", rho_bar=1.5),
+    "vtrace_critic": loss_settings.LossSettings.of(loss="vtrace", critic=True, lam=0.9, rho_bar=1.5,
                                              c_bar=1.2),
-    "m2po_microbatches": update_lib.LossSettings(name="m2po", tau=0.5, num_microbatches=2),
+    "m2po_microbatches": loss_settings.LossSettings.of(loss="m2po", tau=0.5, num_microbatches=2),
 }
 
 
@@ -44,10 +45,10 @@ def _train(settings, batch, step=2, tp=1):
   """`(param deltas, metrics)` of one update with SGD at rate 1 (the deltas
   are minus the summed gradients) from a fixed start at version `step`."""
   mesh = _mesh(tp)
-  cfg = tiny.tiny_model_config(vocab_size=260, value_head=settings.critic)
+  cfg = tiny.tiny_model_config(vocab_size=260, value_head=settings.objective.critic)
   graphdef, params, _ = tiny.learner_and_sampler_params(
       cfg, mesh_lib.RoleMeshes(learner=mesh, sampler=mesh), seed=0)
-  if settings.critic:  # values that differ per position, not the zero init
+  if settings.objective.critic:  # values that differ per position, not the zero init
     params = jax.tree_util.tree_map_with_path(
         lambda path, x: x + 0.3 if "value_head" in jax.tree_util.keystr(path) else x, params)
   before = jax.device_get(params)
@@ -66,8 +67,8 @@ def test_packed_loss_metrics_and_gradients_equal_padded(case):
   settings = CASES[case]
   groups = random_groups(np.random.default_rng(5), num_groups=4)
   padded = train_batch_lib.assemble(groups, **KW)
-  packing = packing_lib.Packing(pack_len=32, num_slices=settings.num_minibatches,
-                                row_multiple=settings.num_microbatches * FSDP)
+  packing = packing_lib.Packing(pack_len=32, num_slices=settings.layout.num_minibatches,
+                                row_multiple=settings.layout.num_microbatches * FSDP)
   packed = train_batch_lib.assemble(groups, packing=packing, **KW)
   assert packed.tokens.size <= padded.tokens.size
   assert (packed.segment_ids.max(axis=1) > 1).any()  # and rows do hold several rollouts
@@ -91,7 +92,9 @@ def test_attention_kernels_train_sharded_packed_rows_as_the_xla_path(kernel):
       pack_len=32, row_multiple=FSDP), **KW)
   settings = CASES["clipped_ratio"]
   want_deltas, want = _train(settings, packed, tp=2)
-  got_deltas, got = _train(dataclasses.replace(settings, attention=kernel), packed, tp=2)
+  got_deltas, got = _train(
+      dataclasses.replace(settings, scoring=dataclasses.replace(settings.scoring, attention=kernel)),
+      packed, tp=2)
   for key in want:
     np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-6, err_msg=key)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),

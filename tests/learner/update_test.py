@@ -9,6 +9,7 @@ import pytest
 from arl_jax import trace_counter
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.learner import logprobs as logprobs_lib
+from arl_jax.learner import loss_settings
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import update as update_lib
@@ -47,7 +48,7 @@ def _setup(traces=None):
   state, shardings = train_state_lib.create(params, optimizer, meshes.learner)
   step_fn = update_lib.train_step if traces is None else traces.wrap(update_lib.train_step)
   update_fn = update_lib.make_update_fn(
-      graphdef=graphdef, optimizer=optimizer, settings=update_lib.LossSettings(),
+      graphdef=graphdef, optimizer=optimizer, settings=loss_settings.LossSettings.of(),
       state_shardings=shardings, mesh=meshes.learner, step_fn=step_fn)
   return state, update_fn, meshes
 
@@ -109,7 +110,7 @@ def test_kl_metric_is_the_k3_estimator_of_kl_behaviour_to_policy():
 
 def _state_and_update(settings, mesh, *, optimizer=None, reference=False, seed=0, traces=None):
   # vocab divisible by tp = 2; a value head iff the loss trains a critic.
-  cfg = tiny.tiny_model_config(vocab_size=260, value_head=settings.critic)
+  cfg = tiny.tiny_model_config(vocab_size=260, value_head=settings.objective.critic)
   graphdef, params, _ = tiny.learner_and_sampler_params(
       cfg, mesh_lib.RoleMeshes(learner=mesh, sampler=mesh), seed=seed)
   optimizer = optimizer or optax.sgd(0.1)
@@ -132,7 +133,7 @@ def _host(tree):
 
 
 def test_several_optimizer_steps_per_batch_compile_once_and_count_one_version():
-  settings = update_lib.LossSettings(num_epochs=2, num_minibatches=2, num_microbatches=2)
+  settings = loss_settings.LossSettings.of(num_epochs=2, num_minibatches=2, num_microbatches=2)
   mesh = _mesh((("fsdp", 2), ("tp", 1)))
   traces = trace_counter.TraceCounter()
   _, state, update_fn = _state_and_update(settings, mesh, optimizer=optax.adam(1e-3),
@@ -166,7 +167,7 @@ def test_gradient_accumulation_matches_one_pass(aggregation):
   assert batch.loss_mask[7].sum() == 0 and batch.loss_mask[1].sum() == 5
   results = []
   for micro in (1, 4):
-    settings = update_lib.LossSettings(num_microbatches=micro, aggregation=aggregation,
+    settings = loss_settings.LossSettings.of(num_microbatches=micro, aggregation=aggregation,
                                        norm_constant=6.0)
     _, state, update_fn = _state_and_update(settings, mesh)
     state, metrics = update_fn(state, batch)
@@ -186,7 +187,7 @@ def test_m2po_masks_the_whole_minibatch_before_accumulating_microbatches():
   batch = _ragged(_random_batch(np.random.default_rng(6)))
   results = []
   for micro in (1, 4):
-    settings = update_lib.LossSettings(name="m2po", tau=0.012, num_microbatches=micro)
+    settings = loss_settings.LossSettings.of(loss="m2po", tau=0.012, num_microbatches=micro)
     _, state, update_fn = _state_and_update(settings, mesh)
     state, metrics = update_fn(state, batch)
     results.append((_host(state.params), {k: float(v) for k, v in metrics.items()}))
@@ -199,7 +200,7 @@ def test_m2po_masks_the_whole_minibatch_before_accumulating_microbatches():
 
 def test_non_finite_loss_skips_the_step_and_keeps_the_state():
   mesh = _mesh((("fsdp", 2), ("tp", 1)))
-  _, state, update_fn = _state_and_update(update_lib.LossSettings(), mesh,
+  _, state, update_fn = _state_and_update(loss_settings.LossSettings.of(), mesh,
                                           optimizer=optax.adam(1e-3))
   params_before, opt_before = _host(state.params), _host(state.opt_state)
   batch = _random_batch(np.random.default_rng(6))
@@ -217,7 +218,7 @@ def test_non_finite_loss_skips_the_step_and_keeps_the_state():
 @pytest.mark.parametrize("loss", ["clipped_ratio", "vtrace", "m2po"])
 def test_one_step_raises_the_logprob_of_a_positive_advantage_token(loss):
   mesh = _mesh((("fsdp", 1), ("tp", 1)))
-  graphdef, state, update_fn = _state_and_update(update_lib.LossSettings(name=loss), mesh)
+  graphdef, state, update_fn = _state_and_update(loss_settings.LossSettings.of(loss=loss), mesh)
   batch = _random_batch(np.random.default_rng(7), rows=2)
   # One trained token per row; behaviour = the current policy (on-policy).
   logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, state.params, batch.tokens,
@@ -236,7 +237,7 @@ def test_one_step_raises_the_logprob_of_a_positive_advantage_token(loss):
 
 def test_kl_to_reference_policy():
   mesh = _mesh((("fsdp", 2), ("tp", 1)))
-  settings = update_lib.LossSettings(kl_coef=0.1)
+  settings = loss_settings.LossSettings.of(kl_coef=0.1)
   _, state, update_fn = _state_and_update(settings, mesh, reference=True)
   rng = np.random.default_rng(8)
   state, metrics = update_fn(state, _random_batch(rng))
@@ -249,7 +250,7 @@ def test_kl_to_reference_policy():
 
 def test_staleness_metrics_split_the_log_ratio_by_token_lag():
   mesh = _mesh((("fsdp", 2), ("tp", 1)))
-  graphdef, state, update_fn = _state_and_update(update_lib.LossSettings(), mesh)
+  graphdef, state, update_fn = _state_and_update(loss_settings.LossSettings.of(), mesh)
   batch = _random_batch(np.random.default_rng(9))
   logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, state.params, batch.tokens,
                                                     batch.segment_ids, batch.positions, 1.0)
@@ -272,7 +273,7 @@ def test_same_loss_and_update_on_one_device_and_on_fsdp2_tp2():
   batch = _random_batch(np.random.default_rng(10))
   results = []
   for shape in ((("fsdp", 1), ("tp", 1)), (("fsdp", 2), ("tp", 2))):
-    settings = update_lib.LossSettings(num_minibatches=2)
+    settings = loss_settings.LossSettings.of(num_minibatches=2)
     _, state, update_fn = _state_and_update(settings, _mesh(shape))
     state, metrics = update_fn(state, batch)
     results.append((_host(state.params), {k: float(v) for k, v in metrics.items()}))
@@ -285,7 +286,7 @@ def test_same_loss_and_update_on_one_device_and_on_fsdp2_tp2():
 def test_the_critic_is_trained_toward_the_vtrace_targets_of_its_own_values():
   from arl_jax.learner import vtrace as vtrace_lib
   mesh = _mesh((("fsdp", 2), ("tp", 1)))
-  settings = update_lib.LossSettings(name="vtrace", critic=True, lam=0.8, rho_bar=1.5)
+  settings = loss_settings.LossSettings.of(loss="vtrace", critic=True, lam=0.8, rho_bar=1.5)
   graphdef, state, update_fn = _state_and_update(settings, mesh, optimizer=optax.sgd(0.0))
   # Give the zero-initialised head some values first.
   state = state.replace(params=jax.tree_util.tree_map_with_path(
@@ -308,7 +309,7 @@ def test_the_critic_is_trained_toward_the_vtrace_targets_of_its_own_values():
 
 def test_vtrace_actor_critic_learns_values_from_the_last_token_reward():
   mesh = _mesh((("fsdp", 2), ("tp", 1)))
-  settings = update_lib.LossSettings(name="vtrace", critic=True, lam=0.9, rho_bar=1.5)
+  settings = loss_settings.LossSettings.of(loss="vtrace", critic=True, lam=0.9, rho_bar=1.5)
   _, state, update_fn = _state_and_update(settings, mesh, optimizer=optax.adam(3e-3))
   batch = _random_batch(np.random.default_rng(11))
   batch = batch.replace(rewards=_on_tokens(batch, np.ones(8)))  # every completion earns 1
@@ -375,16 +376,16 @@ def _poison_masked_columns(batch):
 
 
 @pytest.mark.parametrize("settings", [
-    update_lib.LossSettings(kl_coef=0.1, entropy_coef=0.01),
-    update_lib.LossSettings(num_minibatches=2, tis_cap=2.0, age_decay=0.5),
-    update_lib.LossSettings(name="vtrace", critic=True, rho_bar=1.5, c_bar=1.2, lam=0.9,
+    loss_settings.LossSettings.of(kl_coef=0.1, entropy_coef=0.01),
+    loss_settings.LossSettings.of(num_minibatches=2, tis_cap=2.0, age_decay=0.5),
+    loss_settings.LossSettings.of(loss="vtrace", critic=True, rho_bar=1.5, c_bar=1.2, lam=0.9,
                             age_decay=0.5, entropy_coef=0.01),
-    update_lib.LossSettings(name="m2po", tau=0.5),
+    loss_settings.LossSettings.of(loss="m2po", tau=0.5),
 ], ids=["clipped_ratio_kl_entropy", "decoupled", "vtrace_critic", "m2po"])
 def test_nan_and_inf_on_masked_columns_do_not_skip_or_change_the_update(settings):
   mesh = _mesh((("fsdp", 2), ("tp", 1)))
   _, state, update_fn = _state_and_update(settings, mesh, optimizer=optax.adam(1e-3),
-                                          reference=settings.kl_coef > 0)
+                                          reference=settings.objective.kl_coef > 0)
   batch = _ragged(_random_batch(np.random.default_rng(13)))
   batch = batch.replace(rewards=_on_tokens(batch, np.linspace(0, 1, 8)))
   poisoned = _poison_masked_columns(batch)
@@ -410,7 +411,7 @@ def test_the_critic_targets_shrink_their_truncation_levels_with_age_decay():
   from arl_jax.learner import vtrace as vtrace_lib
   mesh = _mesh((("fsdp", 2), ("tp", 1)))
   rho_bar, c_bar, age_decay = 1.5, 1.3, 1.0
-  settings = update_lib.LossSettings(name="vtrace", critic=True, lam=0.9, rho_bar=rho_bar,
+  settings = loss_settings.LossSettings.of(loss="vtrace", critic=True, lam=0.9, rho_bar=rho_bar,
                                      c_bar=c_bar, age_decay=age_decay)
   graphdef, state, update_fn = _state_and_update(settings, mesh, optimizer=optax.sgd(0.0))
   state = state.replace(params=jax.tree_util.tree_map_with_path(

@@ -95,7 +95,7 @@ def test_the_accelerator_kernels_need_their_platform():
   with pytest.raises(config_lib.ConfigError, match="learner.attention: 'pallas_gpu' is the GPU"):
     config_lib.build(config)
   config.learner.attention = "auto"  # the platform's kernel: XLA's on CPU
-  assert config_lib.build(config).loss.attention == "xla"
+  assert config_lib.build(config).loss.scoring.attention == "xla"
   config.learner.attention = "flash"
   with pytest.raises(config_lib.ConfigError, match="learner.attention: must be one of"):
     config_lib.build(config)
