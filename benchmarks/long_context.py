@@ -28,11 +28,13 @@ Parts (every number measured in this run, side by side):
   the prompt's pages), against admitting a single prompt. Median of timed
   admissions after a compiling one; the forked samples' first tokens come
   with the next decode step, which runs for the group either way.
-- `chunked_prefill`: slots decoding short prompts when a long prompt (4,096
-  tokens) arrives, paged: prefilled in one call (`prefill_chunk=0`) or in
-  chunks between decode steps. The longest wait of a decoding slot between
-  two steps (`sampler_max_decode_gap_s`: a whole prefill, or one chunk), the
-  long prompt's time to its first token, and sampling tokens/s.
+- `chunked_prefill`: slots decoding short prompts when one or four long
+  prompts (4,096 tokens) arrive together, paged: prefilled in one call
+  (`prefill_chunk=0`) or in chunks between decode steps, with no prefill
+  budget or one (`max_prefill_tokens`: a prompt, or two chunks, an
+  iteration). The longest wait of a decoding slot between two steps
+  (`sampler_max_decode_gap_s`: the iteration's prefills), the last long
+  prompt's time to its first token, and sampling tokens/s.
 """
 
 from __future__ import annotations
@@ -187,38 +189,39 @@ LONG_ID = 10 ** 6  # the long prompt's group id
 
 
 class _LongPromptLater(engine_harness.Requests):
-  """`Requests` whose last request (a long prompt, one token of budget) comes
-  once the engine has taken `after_steps` decode steps."""
+  """`Requests` whose last `count` requests (long prompts, one token of
+  budget each) come together once the engine has taken `after_steps` decode
+  steps."""
 
-  def __init__(self, budgets, prompt_len, long_len, stats, after_steps):
+  def __init__(self, budgets, prompt_len, long_len, stats, after_steps, count=1):
     super().__init__(budgets, prompt_len)
-    self._long = np.random.default_rng(5).integers(0, 256, long_len)
+    self._long = np.random.default_rng(5).integers(0, 256, (count, long_len))
     self._stats, self._after_steps = stats, after_steps
     self.sent = self.first_token = None
 
   def take(self, max_groups, live_version, timeout):
     requests = super().take(max_groups, live_version, timeout)
-    if self.sent is None and self._stats().steps >= self._after_steps and max_groups > len(
-        requests):
+    if self.sent is None and self._stats().steps >= self._after_steps and max_groups >= len(
+        requests) + len(self._long):
       self.sent = time.monotonic()
-      requests.append(dispatcher_lib.GroupRequest(
-          group_id=LONG_ID, prompt=LONG_ID, prompt_ids=tuple(int(t) for t in self._long),
+      requests += [dispatcher_lib.GroupRequest(
+          group_id=LONG_ID + i, prompt=LONG_ID + i, prompt_ids=tuple(int(t) for t in long),
           dispatch_version=live_version, group_size=1, dispatch_time=self.sent,
-          max_new_tokens=1))
+          max_new_tokens=1) for i, long in enumerate(self._long)]
     return requests
 
 
-def chunked_prefill(cfg, meshes, graphdef, params, ecfg, short, budget, long_len):
-  """Runs `short` requests of `budget` tokens and, once they decode, one
-  of `long_len` prompt tokens; the engine's stats, the long prompt's seconds
-  to its first token and the wall seconds."""
+def chunked_prefill(cfg, meshes, graphdef, params, ecfg, short, budget, long_len, count=1):
+  """Runs `short` requests of `budget` tokens and, once they decode, `count`
+  of `long_len` prompt tokens; the engine's stats, the seconds to the last
+  long prompt's first token and the wall seconds."""
   engine_box = []
   requests = _LongPromptLater([budget] * short, PROMPT, long_len,
-                              lambda: engine_box[0].stats, after_steps=8)
+                              lambda: engine_box[0].stats, after_steps=8, count=count)
   done = []
 
   def on_segment(episode):
-    if episode.group_id == LONG_ID:
+    if episode.group_id >= LONG_ID:
       requests.first_token = time.monotonic()
     done.append(episode)
 
@@ -229,7 +232,7 @@ def chunked_prefill(cfg, meshes, graphdef, params, ecfg, short, budget, long_len
   engine_box.append(engine)
   start = time.perf_counter()
   engine.start()
-  while len(done) < short + 1:
+  while len(done) < short + count:
     engine.raise_if_failed()
     time.sleep(0.01)
   seconds = time.perf_counter() - start
@@ -323,19 +326,24 @@ def main() -> None:
             "shared_vs_one": round(seconds["shared"] / seconds["one"], 2)})
   if "chunked_prefill" in parts:
     long_len, short, budget = (128, 2, 16) if args.quick else (4096, 7, 256)
-    chunks = (0, 32) if args.quick else (0, 256, 1024)
-    for chunk in chunks:
-      ecfg = engine_config.EngineConfig(prompt_len=long_len, decode_burst=1, num_slots=short + 1,
-                                        group_size=1, prompt_buckets=(PROMPT, long_len),
-                                        max_new_tokens=budget, context_bucket=1, kv_cache="paged",
-                                        page_size=16, prefill_chunk=chunk,
+    # (prefill_chunk, long prompts arriving together, max_prefill_tokens)
+    cases = ([(0, 1, 0), (32, 1, 0), (0, 4, 0), (0, 4, long_len)] if args.quick else
+             [(0, 1, 0), (256, 1, 0), (1024, 1, 0), (0, 4, 0), (0, 4, long_len),
+              (1024, 4, 0), (1024, 4, 2048)])
+    for chunk, count, prefill_tokens in cases:
+      ecfg = engine_config.EngineConfig(prompt_len=long_len, decode_burst=1,
+                                        num_slots=short + count, group_size=1,
+                                        prompt_buckets=(PROMPT, long_len), max_new_tokens=budget,
+                                        context_bucket=1, kv_cache="paged", page_size=16,
+                                        prefill_chunk=chunk, max_prefill_tokens=prefill_tokens,
                                         precompile=not args.quick)
       stats, first_token, seconds = chunked_prefill(cfg, meshes, graphdef, params, ecfg, short,
-                                                    budget, long_len)
+                                                    budget, long_len, count)
       emit({"benchmark": "long_context", "part": "chunked_prefill", "model": name,
-            "prefill_chunk": chunk, "decoding_slots": short, "long_prompt": long_len,
+            "prefill_chunk": chunk, "max_prefill_tokens": prefill_tokens,
+            "decoding_slots": short, "long_prompts": count, "long_prompt": long_len,
             "max_decode_gap_ms": round(stats.max_decode_gap_seconds * 1e3, 1),
-            "long_first_token_ms": round(first_token * 1e3, 1),
+            "last_long_first_token_ms": round(first_token * 1e3, 1),
             "chunk_calls": stats.prefill_chunks,
             "tokens_per_s": round(stats.sampled_tokens / max(stats.busy_seconds, 1e-9), 1),
             "wall_s": round(seconds, 1)})

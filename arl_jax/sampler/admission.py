@@ -16,7 +16,7 @@ import collections
 import dataclasses
 
 from arl_jax import episode as episode_lib
-from arl_jax.sampler import engine_config, kv_slots, sources, waiting_rows
+from arl_jax.sampler import engine_config, kv_slots, prefill_budget, sources, waiting_rows
 
 
 def take_groups(requests: sources.RequestSource, cfg: engine_config.EngineConfig, *, free: int,
@@ -56,9 +56,11 @@ class Admission:
 
 
 def plan(free_slots: list[int], rows: list[waiting_rows.Row], cfg: engine_config.EngineConfig,
-         kv: kv_slots.DenseSlots) -> Admission:
+         kv: kv_slots.DenseSlots, budget: prefill_budget.PrefillBudget | None = None
+         ) -> Admission:
   """Places `rows` (popped from the front of the queue, at most one per free
-  slot) in `free_slots`, taking their KV room from `kv` as it goes."""
+  slot) in `free_slots`, taking their KV room from `kv` and their prefill
+  tokens from `budget` (a fork takes none) as it goes."""
   inserts = collections.defaultdict(list)
   forks = []
   prefilled: dict[tuple[int, ...], int] = {}  # a shareable context -> the slot prefilling it
@@ -67,9 +69,15 @@ def plan(free_slots: list[int], rows: list[waiting_rows.Row], cfg: engine_config
     bucket = cfg.bucket_for(len(context))
     shareable = cfg.share_prompts and not row.episode.open_tokens
     source = prefilled.get(context) if shareable else None
+    # (a chunked prefill computes its first chunk now: that is its cost)
+    cost = cfg.chunk_columns if cfg.chunked(len(context)) else len(context)
+    if source is None and budget is not None and not budget.fits(cost):
+      return Admission(dict(inserts), forks, rows[i:])
     if not (kv.admit(slot, len(context)) if source is None
             else kv.admit_fork(slot, source, len(context))):
       return Admission(dict(inserts), forks, rows[i:])
+    if source is None and budget is not None:
+      budget.take(cost)
     if source is not None:
       forks.append((slot, source, row))
       continue

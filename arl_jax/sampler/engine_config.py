@@ -83,6 +83,10 @@ class EngineConfig:
       speed of both in `benchmarks/engine_defaults.py`). Kernel attentions
       (`paged_attention` other than "xla") read each row's own pages
       themselves and keep the widths.
+    max_prefill_tokens: prompt tokens one engine iteration may prefill,
+      spent on the chunks of prefills under way, then on admissions in
+      queue order (0: no limit): it bounds the stall prefills put between
+      two decode steps of the live slots (`prefill_budget.py`).
     context_bucket: granularity of re-admitted context lengths (contexts
       longer than the longest prompt: multi-turn episodes, preempted rows,
       segments a checkpoint left open; capped at `max_new_tokens`, see
@@ -110,6 +114,7 @@ class EngineConfig:
   prefill_chunk: int = 0
   paged_attention: str = "xla"
   attention_block: int = 128
+  max_prefill_tokens: int = 0
   context_bucket: int = 16
   group_size: int = settings.derived(1, "orchestrator.group_size")
   seed: int = settings.derived(0, "seed")
@@ -123,7 +128,8 @@ class EngineConfig:
       _check(settings.is_int(value) and value >= 1, key, f"must be an int >= 1, got {value!r}")
     for key, zero in (("kv_pages", ">= 0 (0: every slot at full length)"),
                       ("decode_burst", ">= 1 (0: auto)"), ("prefill_chunk", ">= 0 (0: off)"),
-                      ("attention_block", ">= 0 (0: a program per width)")):
+                      ("attention_block", ">= 0 (0: a program per width)"),
+                      ("max_prefill_tokens", ">= 0 (0: no limit)")):
       value = getattr(self, key)
       _check(settings.is_int(value) and value >= 0, key, f"must be an int {zero}, got {value!r}")
     for key in ("precompile", "share_prompts", "multi_turn"):

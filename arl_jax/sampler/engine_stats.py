@@ -15,6 +15,9 @@ class EngineStats:
   resumes: int = 0  # re-admissions of multi-turn episodes (counted in inserts too)
   forked_rows: int = 0  # inserts that started from another row's prefill (shared prompts)
   prefill_chunks: int = 0  # chunked-prefill calls (`prefill_chunk`)
+  # Prompt tokens prefilled (a chunk counts its columns; forks none), as the
+  # prefill budget counts them (`prefill_budget.py`).
+  prefill_tokens: int = 0
   swaps: int = 0
   sampled_tokens: int = 0
   finished_segments: int = 0
@@ -90,6 +93,7 @@ class EngineStats:
         "sampler_forked_rows": self.forked_rows,
         "sampler_max_decode_gap_s": self.max_decode_gap_seconds,
         "sampler_prefill_chunks": self.prefill_chunks,
+        "sampler_prefill_tokens": self.prefill_tokens,
         "sampler_busy_s": self.busy_seconds,
         "sampler_swaps": self.swaps,
         "sampler_occupancy": self.occupancy,

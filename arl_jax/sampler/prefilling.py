@@ -4,7 +4,8 @@ being prefilled a chunk at a time (`EngineConfig.chunk_columns`,
 
 A context longer than a chunk is put in its slot (`begin`)
 and then advanced by one chunk per engine iteration (`step` plans the
-`plans.Chunk` calls), between decode
+`plans.Chunk` calls; with a prefill budget, those `select` pays for),
+between decode
 steps of the other slots, until its last chunk samples its first token. The
 other samples of its group (`share_prompts`) hold their slots meanwhile and
 start from it (`sampling.fork`) once it is whole. Both kinds of slot are
@@ -27,7 +28,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from arl_jax.sampler import engine_config, plans
+from arl_jax.sampler import engine_config, plans, prefill_budget
 
 ForkItem = tuple  # (slot, source slot, waiting_rows.Row), as admission.Admission.forks
 
@@ -79,9 +80,21 @@ class ChunkedPrefills:
     self._prefills[source].forks.append(fork)
     self._sources[slot] = source
 
-  def step(self, version_of: Callable[[int], int], params_of: Callable[[int], object]
+  def select(self, budget: prefill_budget.PrefillBudget) -> list[int]:
+    """The prefilling slots whose next chunk `budget` pays for, in the order
+    their prefills began (the oldest first), taken from it."""
+    chosen = []
+    for slot in self._prefills:
+      if not budget.fits(self._cfg.chunk_columns):
+        break
+      budget.take(self._cfg.chunk_columns)
+      chosen.append(slot)
+    return chosen
+
+  def step(self, slots: list[int], version_of: Callable[[int], int],
+           params_of: Callable[[int], object]
            ) -> tuple[list[plans.Chunk], list[int], list[ForkItem]]:
-    """Plans one chunk of every prefilling slot, one call per version
+    """Plans one chunk of each of the prefilling `slots`, one call per version
     (`version_of(slot)`; `params_of(version)` its params).
 
     Returns:
@@ -89,7 +102,7 @@ class ChunkedPrefills:
       sampled), and the forks that can start from those then.
     """
     by_version = collections.defaultdict(list)
-    for slot in sorted(self._prefills):
+    for slot in sorted(slots):
       by_version[version_of(slot)].append(slot)
     chunks, finished, ready = [], [], []
     for version, slots in sorted(by_version.items()):

@@ -19,8 +19,9 @@ another group waiting on a cancelled row's prefill go back to the queue's
 front. `check()` asserts it (randomized tests call it after every step).
 
 Order within an iteration: cancellations, the live version, new requests,
-then `plan_prefill` (admissions in queue order: inserts, chunked prefills
-begun, forks; one chunk of every chunked prefill), then `plan_decode`
+then `plan_prefill` (within the prefill budget: a chunk of the chunked
+prefills under way; admissions in queue order: inserts, chunked prefills
+begun, forks), then `plan_decode`
 (pages for every live slot's next writes, preempting the youngest while the
 pool is short; one decode call per version, per span when paged), then
 `harvest` of the slots whose segments ended.
@@ -40,6 +41,7 @@ from arl_jax.sampler import (
   engine_stats,
   kv_slots,
   plans,
+  prefill_budget,
   prefilling,
   slot_table,
   sources,
@@ -218,30 +220,36 @@ class Scheduler:
   # -- prefill -----------------------------------------------------------------------
 
   def plan_prefill(self) -> plans.PrefillPlan:
-    """Admits waiting rows into the free slots and plans their prefills, and
-    one chunk of every chunked prefill under way."""
+    """Plans what the prefill budget pays for (`prefill_budget.py`): a chunk
+    of the chunked prefills under way, then admissions of waiting rows into
+    the free slots (and the first chunk of those prefilled in chunks)."""
     start = time.monotonic()
-    work = []
+    budget = prefill_budget.PrefillBudget(self.cfg.max_prefill_tokens)
+    advancing, work = self._prefills.select(budget), []
     if not self._updates.admission_paused and self._waiting:
-      work += self._admit()
+      work += self._admit(budget)
+      advancing += [slot for item in work if isinstance(item, plans.BeginChunks)
+                    for slot, *_ in item.items]
     # (Pages change at admission; those freed since go to the device with the next work.)
     page_table = self._page_table() if work else None
     self._chunked = []
-    if self._prefills:
+    if advancing:
       version_of = lambda slot: self._updates.decode_versions(
           [self._table.rows[slot].version], self.version)[0]
-      chunks, self._chunked, ready = self._prefills.step(version_of, self._updates.params)
+      chunks, self._chunked, ready = self._prefills.step(advancing, version_of,
+                                                         self._updates.params)
       work += chunks
       if ready:  # forks that waited for those prompts; their slots are occupied already
         work.append(plans.Fork(tuple(ready)))
         self._table.stop[[slot for slot, *_ in ready]] = False  # (overwritten now)
         self.stats.forked_rows += len(ready)
     self.stats.prefill_chunks = self._prefills.calls
+    self.stats.prefill_tokens += budget.spent
     return plans.PrefillPlan(page_table=page_table, work=tuple(work), start=start)
 
-  def _admit(self) -> list:
+  def _admit(self, budget: prefill_budget.PrefillBudget) -> list:
     free = self._table.free()
-    admitted = admission.plan(free, self._waiting.pop(len(free)), self.cfg, self._kv)
+    admitted = admission.plan(free, self._waiting.pop(len(free)), self.cfg, self._kv, budget)
     self._waiting.push_front(admitted.waiting)
     # Before any first token is sampled (under `oldest_token`, in-flight lag
     # counts from it), so that no publish in between can miss it.
@@ -431,18 +439,8 @@ class Scheduler:
 
   def check(self) -> None:
     """Asserts the host state's invariants (see the module docstring)."""
-    pool = self.pages
-    held = self._prefills.held
-    for slot, row in enumerate(self._table.rows):
-      if row is None:
-        assert slot not in held, f"free slot {slot} is prefilling"
-        assert pool is None or pool.held(slot) == 0, f"free slot {slot} holds pages"
-      else:
-        assert row.version >= 0, f"slot {slot}: no version"
-        assert row.sampled >= 0 and (self._table.done[slot] or row.sampled <= row.budget), (
-            f"slot {slot}: sampled {row.sampled} of a budget of {row.budget}")
-    if pool is not None:
-      pool.check()
-    waiting = [id(row) for row in self._waiting]
-    assert not set(waiting) & {id(row) for row in self._table.rows if row is not None}, (
-        "a row waits and holds a slot")
+    self._table.check(self._prefills.held, self.pages)
+    if self.pages is not None:
+      self.pages.check()
+    holding = {id(row) for row in self._table.rows if row is not None}
+    assert not holding & {id(row) for row in self._waiting}, "a row waits and holds a slot"

@@ -41,3 +41,16 @@ class SlotTable:
   def read_done(self, state) -> None:
     """Reads which slots are done from the device (a small host sync)."""
     self.done = np.array(state.done)
+
+  def check(self, held: set[int], pool) -> None:
+    """Asserts that a free slot is neither `held` (prefilling, or a fork
+    waiting) nor holding pages of `pool` (a `page_pool.PagePool`, or None),
+    and that an occupied one has a version and stays within its budget."""
+    for slot, row in enumerate(self.rows):
+      if row is None:
+        assert slot not in held, f"free slot {slot} is prefilling"
+        assert pool is None or pool.held(slot) == 0, f"free slot {slot} holds pages"
+      else:
+        assert row.version >= 0, f"slot {slot}: no version"
+        assert row.sampled >= 0 and (self.done[slot] or row.sampled <= row.budget), (
+            f"slot {slot}: sampled {row.sampled} of a budget of {row.budget}")

@@ -126,8 +126,9 @@ def test_a_chunked_prefill_fills_the_cache_an_insert_fills(setup, paged, block):
 
 
 @pytest.mark.parametrize("options", [
-    dict(prefill_chunk=2, share_prompts=False), dict(prefill_chunk=4, **SMALL_POOL)],
-    ids=["dense-unshared", "paged-preempting"])
+    dict(prefill_chunk=2, share_prompts=False), dict(prefill_chunk=4, **SMALL_POOL),
+    dict(prefill_chunk=2, max_prefill_tokens=4, share_prompts=False)],
+    ids=["dense-unshared", "paged-preempting", "dense-unshared-budget"])
 def test_chunked_prefills_sample_what_whole_prefills_sample(setup, whole, options):
   chunked, engine = _groups(setup, ScriptedPublisher(setup["sampler_params"][0], None, 0),
                             **PROMPTS, **options)

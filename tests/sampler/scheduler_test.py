@@ -206,6 +206,60 @@ def test_a_long_prompt_is_prefilled_a_chunk_per_iteration_and_its_forks_wait():
   assert sched.stats.prefill_chunks == 3 and sched.stats.forked_rows == 3
 
 
+def test_the_prefill_budget_pays_for_prefills_under_way_then_admits_in_queue_order():
+  """8 tokens an iteration: chunks of 4 (a 10-token prompt: 3 chunks), a
+  3-token prompt inserted whole. No row jumps the queue."""
+  cfg = _cfg(group_size=1, prefill_chunk=4, prompt_len=16, max_prefill_tokens=8)
+  requests = [Request(group_id=g, group_size=1, prompt_ids=tuple(range(20 * g, 20 * g + n)))
+              for g, n in enumerate((10, 3, 10, 3))]
+  sched = _scheduler(cfg, Requests(requests))
+  sched.take_requests()
+  steps = []
+  for _ in range(4):
+    plan = sched.plan_prefill()
+    steps.append([(type(work).__name__, _slots(work)) for work in plan.work])
+    sched.prefilled(plan, np.zeros((cfg.num_slots,), bool))
+  assert steps == [
+      # group 0 begins (its first chunk: 4), group 1 inserted (3); group 2's chunk (4) waits
+      [("Insert", [1]), ("BeginChunks", [0]), ("Chunk", [0])],
+      # group 0's second chunk first (4), then group 2 begins (4); group 3 (3) waits behind it
+      [("BeginChunks", [2]), ("Chunk", [0, 2])],
+      [("Chunk", [0, 2])],  # group 0's last chunk; group 3 still waits (nothing left)
+      [("Insert", [3]), ("Chunk", [2])]]  # group 2's last chunk (4), group 3 (3)
+  assert sched.stats.prefill_tokens == 7 + 8 + 8 + 7
+  assert [slot for slot, row in enumerate(sched.rows) if row is not None] == [0, 1, 2, 3]
+
+
+def test_the_first_item_of_an_iteration_fits_any_budget():
+  cfg = _cfg(max_prefill_tokens=2)  # (prompts of 4 tokens, inserted whole)
+  sched = _scheduler(cfg, Requests(_requests(2)))
+  sched.take_requests()
+  plan = sched.plan_prefill()
+  insert, fork = plan.work  # the first group's prompt (4 > 2 tokens) and its free forks
+  assert [slot for slot, _ in insert.items] == [0] and len(fork.items) == 3
+  assert len(sched.waiting) == 4 and sched.stats.prefill_tokens == 4
+
+
+def _slots(work) -> list[int]:
+  if isinstance(work, plans.Chunk):
+    return sorted(set(work.rows.tolist()))
+  return [item[0] for item in work.items]
+
+
+def _prefill_cost(plan, cfg) -> tuple[int, int]:
+  """Tokens a prefill plan computes (a whole insert its contexts', a chunk
+  its columns per row, a fork none) and the items that cost them."""
+  cost, items = 0, 0
+  for work in plan.work:
+    if isinstance(work, plans.Insert):
+      cost += sum(len(row.episode.context_ids()) for _, row in work.items)
+      items += len(work.items)
+    elif isinstance(work, plans.Chunk):
+      rows = len(set(work.rows.tolist()))
+      cost, items = cost + rows * cfg.chunk_columns, items + rows
+  return cost, items
+
+
 def test_pinned_rows_decode_with_their_own_version():
   cfg = _cfg(weight_update="pinned")
   source = Requests(_requests(1))
@@ -239,6 +293,10 @@ RANDOM_CONFIGS = {
     "paged_chunked_recompute": dict(kv_cache="paged", page_size=4, kv_pages=14,
                                     attention_block=8, prefill_chunk=4, prompt_len=12,
                                     kv_policy="recompute"),
+    "dense_prefill_budget": dict(max_prefill_tokens=10),
+    "paged_chunked_prefill_budget": dict(kv_cache="paged", page_size=4, kv_pages=16,
+                                         attention_block=8, prefill_chunk=4, prompt_len=12,
+                                         max_prefill_tokens=8),
     # Episodes handed back with an observation (`resume`), re-admitted with their context.
     "paged_multi_turn": dict(kv_cache="paged", page_size=4, kv_pages=20, attention_block=8,
                              multi_turn=True, context_bucket=4, max_new_tokens=12),
@@ -258,6 +316,15 @@ def test_random_runs_keep_every_invariant(name, seed):
   source = Requests([])
   sched = _scheduler(cfg, source)
   device = FakeDevice(cfg.num_slots, cfg.max_new_tokens, eos_rate=0.15, seed=seed)
+  prefill, costs = device.prefill, []
+
+  def within_budget(plan):  # (the first item of an iteration fits any budget)
+    cost, items = _prefill_cost(plan, cfg)
+    assert cost <= (cfg.max_prefill_tokens or cost) or items == 1, f"{cost} tokens, {items}"
+    costs.append(cost)
+    return prefill(plan)
+
+  device.prefill = within_budget
   harvested, cancelled, version, pending = {}, set(), 0, None
   drawn_at_cancel = {}  # group -> tokens drawn for its rows when its cancellation applied
   resumed = {}  # (group, sample) -> the episode, last handed back
@@ -315,6 +382,7 @@ def test_random_runs_keep_every_invariant(name, seed):
   assert sched.stats.cancelled_rollouts == len(
       {key for key in taken if key[0] in cancelled and key not in harvested})
   assert sched.pages is None or sched.pages.in_use == 0
+  assert sched.stats.prefill_tokens == sum(costs)
   dropped = [e for key, e in resumed.items() if key not in harvested]  # (cancelled)
   assert all(e.group_id in cancelled for e in dropped)
   assert sched.stats.finished_segments == sum(e.turns for e in [*harvested.values(), *dropped])
