@@ -89,9 +89,9 @@ def _wrap(key: str, fn, **kwargs):
     raise ConfigError(f"config.{key}: {e}") from e
 
 
-def _check_keys(cfg: Mapping, name: str, extra_keys: tuple[str, ...] = ()) -> dict:
-  """Section `name` of `cfg` after checking its keys against the schema
-  (`extra_keys`: keys it may hold besides, checked elsewhere)."""
+def _check_keys(cfg: Mapping, name: str, extra_keys: tuple[str, ...] = ()) -> None:
+  """Checks section `name`'s keys in `cfg` against the schema (`extra_keys`:
+  keys it may hold besides, checked elsewhere)."""
   given = cfg.get(name, {})
   known = sections.keys(name) + extra_keys
   unknown = sorted(set(given) - set(known))
@@ -99,7 +99,6 @@ def _check_keys(cfg: Mapping, name: str, extra_keys: tuple[str, ...] = ()) -> di
   missing = sorted(set(sections.required_keys(name)) - set(given))
   _require(name in cfg or not missing, name, "missing section")
   _require(not missing, name, f"missing key(s) {missing}")
-  return given
 
 
 def _build(cfg: Mapping, name: str, cls, **derived):
@@ -318,7 +317,7 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
           inputs) -> RunSpec:
   """The components' settings, with the checks that span sections."""
   o, s = parts["orchestrator"], parts["sampler"]
-  loss_name = config.get("learner", {}).get("loss", loss_settings_lib.Objective.loss)
+  loss_name = parts["learner"].loss  # (the section's first dataclass: its `Objective`)
   g = o.group_size
   _require(s.num_slots >= g and s.num_slots % g == 0, "sampler.num_slots",
            f"{s.num_slots} must be a positive multiple of orchestrator.group_size={g}")
@@ -328,7 +327,7 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
   sampling = _build(config, "sampler", sampling_lib.SamplingSettings, eos_id=tokenizer.eos_id,
                     pad_id=tokenizer.pad_id,
                     stop_ids=env_api.sampler_stop_ids(tokenizer, eval_env))
-  loss = _loss(config, s, sampling, model)
+  loss = _loss(config, parts["learner"], s, sampling, model)
   slices = loss.layout.num_minibatches * loss.layout.num_microbatches
   _require(o.batch_size % slices == 0, "learner.num_microbatches",
            f"orchestrator.batch_size={o.batch_size} rows do not split into num_minibatches x "
@@ -359,14 +358,15 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
       warmup=parts["warmup"])
 
 
-def _loss(config: Mapping, engine: engine_config.EngineConfig,
-          sampling: sampling_lib.SamplingSettings, model) -> loss_settings_lib.LossSettings:
-  """The learner section's loss parts, and the objective's derived fields."""
+def _loss(config: Mapping, objective: loss_settings_lib.Objective,
+          engine: engine_config.EngineConfig, sampling: sampling_lib.SamplingSettings,
+          model) -> loss_settings_lib.LossSettings:
+  """The learner section's loss parts, `objective` with its derived fields."""
   parts = {name: _build(config, "learner", part)
            for name, part in loss_settings_lib.PARTS.items() if name != "objective"}
-  objective = _build(config, "learner", loss_settings_lib.Objective, critic=model.value_head,
-                     norm_constant=float(engine.max_new_tokens),
-                     temperature=float(sampling.temperature))
+  objective = dataclasses.replace(objective, critic=model.value_head,
+                                  norm_constant=float(engine.max_new_tokens),
+                                  temperature=float(sampling.temperature))
   return _wrap("learner", loss_settings_lib.LossSettings, objective=objective, **parts)
 
 

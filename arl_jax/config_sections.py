@@ -296,10 +296,12 @@ SECTIONS = {
 
 def keys(name: str) -> tuple[str, ...]:
   """The keys of section `name` (`RunSection`'s for "<top level>")."""
-  classes = SECTIONS.get(name, (RunSection,))
-  return tuple(k for cls in classes for k in settings.keys(cls))
+  return tuple(k for cls in _classes(name) for k in settings.keys(cls))
 
 
 def required_keys(name: str) -> tuple[str, ...]:
-  classes = SECTIONS.get(name, (RunSection,))
-  return tuple(k for cls in classes for k in settings.required_keys(cls))
+  return tuple(k for cls in _classes(name) for k in settings.required_keys(cls))
+
+
+def _classes(name: str) -> tuple[type, ...]:
+  return (RunSection,) if name == "<top level>" else SECTIONS[name]

@@ -56,8 +56,7 @@ class Admission:
 
 
 def plan(free_slots: list[int], rows: list[waiting_rows.Row], cfg: engine_config.EngineConfig,
-         kv: kv_slots.DenseSlots, budget: prefill_budget.PrefillBudget | None = None
-         ) -> Admission:
+         kv: kv_slots.DenseSlots, budget: prefill_budget.PrefillBudget) -> Admission:
   """Places `rows` (popped from the front of the queue, at most one per free
   slot) in `free_slots`, taking their KV room from `kv` and their prefill
   tokens from `budget` (a fork takes none) as it goes."""
@@ -71,12 +70,12 @@ def plan(free_slots: list[int], rows: list[waiting_rows.Row], cfg: engine_config
     source = prefilled.get(context) if shareable else None
     # (a chunked prefill computes its first chunk now: that is its cost)
     cost = cfg.chunk_columns if cfg.chunked(len(context)) else len(context)
-    if source is None and budget is not None and not budget.fits(cost):
+    if source is None and not budget.fits(cost):
       return Admission(dict(inserts), forks, rows[i:])
     if not (kv.admit(slot, len(context)) if source is None
             else kv.admit_fork(slot, source, len(context))):
       return Admission(dict(inserts), forks, rows[i:])
-    if source is None and budget is not None:
+    if source is None:
       budget.take(cost)
     if source is not None:
       forks.append((slot, source, row))

@@ -105,16 +105,16 @@ class ChunkedPrefills:
     for slot in sorted(slots):
       by_version[version_of(slot)].append(slot)
     chunks, finished, ready = [], [], []
-    for version, slots in sorted(by_version.items()):
-      starts = [self._prefills[s].starts.pop(0) for s in slots]
-      final = [not self._prefills[s].starts for s in slots]
-      rows, padded_starts, padded_final = self._padded(slots, starts, final)
+    for version, of_version in sorted(by_version.items()):
+      starts = [self._prefills[s].starts.pop(0) for s in of_version]
+      final = [not self._prefills[s].starts for s in of_version]
+      rows, padded_starts, padded_final = self._padded(of_version, starts, final)
       chunks.append(plans.Chunk(
           version=version, params=params_of(version), rows=rows, starts=padded_starts,
           final=padded_final,
           span=self._cfg.decode_span(max(starts) + self._cfg.chunk_columns - 1)))
       self.calls += 1
-      for slot in (s for s, last in zip(slots, final) if last):
+      for slot in (s for s, last in zip(of_version, final) if last):
         plan = self._prefills.pop(slot)
         finished.append(slot)
         ready += plan.forks
