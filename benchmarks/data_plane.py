@@ -13,7 +13,7 @@ Parts:
 - `ingest`: M sampler processes (plain Python + ZeroMQ) send pre-encoded
   groups over loopback TCP to one ZeroMQ ROUTER socket in this process, which
   parses each message the way the fleet's server thread does
-  (`wire.parse_sampler_message`, then `group_from_wire` / the JSON codec): tokens per second
+  (`messages.from_frames`, then `group_from_wire` / the JSON codec): tokens per second
   this one thread absorbs, from the first message to the last; `held`: the
   metadata-only message of a group a multi-controller process keeps
   (tokens/s counts the tokens it stands for).
@@ -64,7 +64,7 @@ import zmq
 from arl_jax import packing as packing_lib
 from arl_jax import rollout as rollout_lib
 from arl_jax import train_batch as train_batch_lib
-from arl_jax.distributed import shard_plan, wire
+from arl_jax.distributed import messages, shard_plan, wire
 from arl_jax.envs import env_api
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
@@ -79,15 +79,17 @@ CODECS = {
     "json": (lambda g: [json.dumps({"type": "group", "group": json_wire.group_to_json(g)},
                                    separators=(",", ":")).encode()],
              lambda frames: json_wire.group_from_json(json.loads(frames[0])["group"])),
-    "binary": (lambda g: wire.encode({"type": "group", "group": wire.group_to_wire(g)}),
-               # The fleet's own parser (decode + the message's keys).
+    "binary": (lambda g: wire.encode(messages.to_wire(
+                   messages.GroupDone(group=wire.group_to_wire(g)))),
+               # The fleet's own parser (decode + the message's fields).
                lambda frames: wire.group_from_wire(
-                   wire.parse_sampler_message(frames)["group"])),
+                   messages.from_frames(frames, messages.FROM_SAMPLER).group)),
     # A multi-controller process's finished group: metadata only, the arrays
     # stay with it (`held_groups.py`); what process 0 ingests today.
-    "held": (lambda g: wire.encode({"type": "group", "group": wire.group_to_wire(g, held_by=1)}),
+    "held": (lambda g: wire.encode(messages.to_wire(
+                 messages.GroupDone(group=wire.group_to_wire(g, held_by=1)))),
              lambda frames: wire.group_from_wire(
-                 wire.parse_sampler_message(frames)["group"])),
+                 messages.from_frames(frames, messages.FROM_SAMPLER).group)),
 }
 
 

@@ -44,7 +44,7 @@ import time
 import zmq
 
 from arl_jax import config_sections
-from arl_jax.distributed import weight_transfer, wire
+from arl_jax.distributed import messages, weight_transfer, wire
 from arl_jax.sampler import engine_stats
 
 _ANY_INTERFACE = ("0.0.0.0", "*")
@@ -121,7 +121,7 @@ class SamplerFleet:
     self._lock = threading.Lock()  # guards the samplers' records and the counters
     self._samplers: dict[bytes, _Sampler] = {}
     self._owner: dict[int, _Sampler] = {}  # group id -> the sampler generating it
-    self._outbox: queue.Queue = queue.Queue()  # (kind, payload) from the learner thread
+    self._outbox: queue.Queue = queue.Queue()  # messages from the learner thread
     self._num_processes = num_processes
     # Held groups (`held_groups.py`): (group id, copy) never to be trained,
     # and those in the buffer: group id -> copy (`take_forgotten`).
@@ -155,12 +155,12 @@ class SamplerFleet:
     """Tells the owners of these groups to drop them (the publish cancelled them)."""
     group_ids = list(group_ids)
     if group_ids:
-      self._outbox.put(("cancel", group_ids))
+      self._outbox.put(messages.Cancel(group_ids=group_ids))
 
   def announce(self, step: int) -> None:
     """Multi-controller lockstep: tells the other processes that process 0 is
     about to enter collective `step` (see `lockstep.py`)."""
-    self._outbox.put(("lockstep", step))
+    self._outbox.put(messages.Lockstep(step=step))
 
   def restart(self, group_ids) -> None:
     """Open groups a checkpoint restored: they start again from scratch on
@@ -191,7 +191,7 @@ class SamplerFleet:
   def stop(self, raise_errors: bool = True) -> None:
     """Tells every live sampler the run is over and closes the sockets."""
     if self._thread is not None:
-      self._outbox.put(("stop", None))
+      self._outbox.put(messages.Stop())
       self._stop.set()
       self._thread.join()
     self._socket.close(linger=1000)  # let the `stop` messages leave
@@ -247,44 +247,44 @@ class SamplerFleet:
         if poller.poll(10):
           while self._socket.poll(0):
             identity, *frames = self._socket.recv_multipart()
-            message = wire.parse_sampler_message(frames)
-            if isinstance(message, str):  # a sampler's fault, not the run's
-              self._refuse(identity, f"sent a malformed message ({message})")
+            try:
+              message = messages.from_frames(frames, messages.FROM_SAMPLER)
+            except ValueError as e:  # a sampler's fault, not the run's
+              self._refuse(identity, f"sent a malformed message ({e})")
             else:
               self._handle(identity, message)
         self._find_lost(time.monotonic())
     except BaseException as e:  # surfaced to the learner thread by raise_if_failed
       self._error = e
 
-  def _send(self, identity: bytes, message: dict) -> None:
-    self._socket.send_multipart([identity, *wire.encode(message)])
+  def _send(self, identity: bytes, message: messages.Message) -> None:
+    self._socket.send_multipart([identity, *wire.encode(messages.to_wire(message))])
 
   def _send_outbox(self) -> None:
     while True:
       try:
-        kind, payload = self._outbox.get_nowait()
+        message = self._outbox.get_nowait()
       except queue.Empty:
         return
-      if kind in ("stop", "lockstep"):
+      if not isinstance(message, messages.Cancel):  # (a Stop or Lockstep: to every sampler)
         with self._lock:
           live = [s for s in self._samplers.values() if s.alive]
         for sampler in live:
-          self._send(sampler.identity, {"type": kind, "step": payload})
+          self._send(sampler.identity, message)
         continue
-      by_owner = collections.defaultdict(list)
+      by_owner = collections.defaultdict(list)  # (a cancel goes to each group's owner)
       with self._lock:
-        for gid in payload:
+        for gid in message.group_ids:
           owner = self._owner.pop(gid, None)
           if owner is not None:
             owner.owned.discard(gid)
             by_owner[owner.identity].append(gid)
       for identity, gids in by_owner.items():
-        self._send(identity, {"type": "cancel", "group_ids": gids})
+        self._send(identity, messages.Cancel(group_ids=gids))
 
-  def _handle(self, identity: bytes, message: dict) -> None:
-    kind = message["type"]
+  def _handle(self, identity: bytes, message: messages.Message) -> None:
     now = time.monotonic()
-    if kind == "hello":
+    if isinstance(message, messages.Hello):
       self._join(identity, message, now)
       return
     with self._lock:
@@ -293,33 +293,33 @@ class SamplerFleet:
         sampler.last_seen = now
     if sampler is None or not sampler.alive:
       # Lost (its groups went elsewhere) or never joined: it must start over.
-      self._send(identity, {"type": "rejected", "reason": (
+      self._send(identity, messages.Rejected(reason=(
           "unknown sampler" if sampler is None else
           f"declared lost after {self._cfg.timeout_s}s without a message; its groups were "
-          "reassigned")})
+          "reassigned")))
       return
-    for gid, version in message.get("notes", ()):
-      self._dispatcher.note_sampling(int(gid), int(version))
-    if kind == "take":
-      with self._lock:
-        live = sum(s.alive for s in self._samplers.values())
-      share = -(-self._dispatcher.free_capacity() // max(live, 1))
-      requests = self._dispatcher.take(min(int(message["n"]), max(share, 1)),
-                                       int(message["version"]), timeout=0.0)
-      with self._lock:
-        for request in requests:
-          self._owner[request.group_id] = sampler
-          sampler.owned.add(request.group_id)
-      self._send(identity, {"type": "groups",
-                            "requests": [wire.request_to_wire(r) for r in requests]})
-    elif kind == "group":
-      self._receive_group(sampler, message["group"])
-    elif kind == "heartbeat":
-      self._account(sampler, message)
-      self._send(identity, {"type": "ack"})  # the sampler's sign that the learner lives
-    else:  # bye
-      self._account(sampler, message)
-      self._lose(sampler, "left")
+    for gid, version in getattr(message, "notes", ()):
+      self._dispatcher.note_sampling(gid, version)
+    match message:
+      case messages.Take(n=n, version=version):
+        with self._lock:
+          live = sum(s.alive for s in self._samplers.values())
+        share = -(-self._dispatcher.free_capacity() // max(live, 1))
+        requests = self._dispatcher.take(min(n, max(share, 1)), version, timeout=0.0)
+        with self._lock:
+          for request in requests:
+            self._owner[request.group_id] = sampler
+            sampler.owned.add(request.group_id)
+        self._send(identity, messages.Groups(
+            requests=[wire.request_to_wire(r) for r in requests]))
+      case messages.GroupDone(group=record):
+        self._receive_group(sampler, record)
+      case messages.Bye():
+        self._account(sampler, message)
+        self._lose(sampler, "left")
+      case messages.Heartbeat():
+        self._account(sampler, message)
+        self._send(identity, messages.Ack())  # the sampler's sign that the learner lives
 
   def _refuse(self, identity: bytes, why: str) -> None:
     """Drops a sampler that broke the protocol (its groups go elsewhere)."""
@@ -327,33 +327,31 @@ class SamplerFleet:
       sampler = self._samplers.get(identity)
     if sampler is not None and sampler.alive:
       self._lose(sampler, why)
-    self._send(identity, {"type": "rejected", "reason": why})
+    self._send(identity, messages.Rejected(reason=why))
 
-  def _join(self, identity: bytes, message: dict, now: float) -> None:
+  def _join(self, identity: bytes, hello: messages.Hello, now: float) -> None:
     want = 1
     for _, size in self._mesh_shape:
       want *= size
-    if int(message["devices"]) < want:
-      self._send(identity, {"type": "refused", "reason": (
+    if hello.devices < want:
+      self._send(identity, messages.Refused(reason=(
           f"this run's samplers use mesh.sampler={self._mesh_shape} ({want} devices); the "
-          f"process has {message['devices']}")})
+          f"process has {hello.devices}")))
       return
     with self._lock:
-      process = message.get("process")
-      sampler = _Sampler(sampler_id=len(self._samplers), name=str(message["name"]),
-                         identity=identity, last_seen=now,
-                         process=process if type(process) is int else None)
+      sampler = _Sampler(sampler_id=len(self._samplers), name=hello.name, identity=identity,
+                         last_seen=now, process=hello.process)
       self._samplers[identity] = sampler
-    self._send(identity, {"type": "welcome", "sampler_id": sampler.sampler_id,
-                          "spec": self._spec, "sampler_mesh": self._mesh_shape,
-                          "weights_address": self._weights.address,
-                          "heartbeat_s": self._cfg.heartbeat_s, "timeout_s": self._cfg.timeout_s})
+    self._send(identity, messages.Welcome(
+        sampler_id=sampler.sampler_id, spec=self._spec, sampler_mesh=self._mesh_shape,
+        weights_address=self._weights.address, heartbeat_s=self._cfg.heartbeat_s,
+        timeout_s=self._cfg.timeout_s))
     self._print(f"fleet: sampler {sampler.sampler_id} joined ({sampler.name})")
     self._event_fn({"event": "sampler_joined", "sampler": sampler.sampler_id,
                     "name": sampler.name})
 
   def _receive_group(self, sampler: _Sampler, record: dict) -> None:
-    gid = record["group_id"]  # an int (`wire.parse_sampler_message`)
+    gid = record["group_id"]  # an int (`messages.GroupDone.check`)
     held = "held_by" in record  # (its holder keeps the arrays until told)
     copy = record.get("held_copy")
     held = held and type(record["held_by"]) is int and type(copy) is int
@@ -396,10 +394,10 @@ class SamplerFleet:
       elif held:  # cancelled meanwhile: its holder may drop it
         self._forgotten.append((gid, copy))
 
-  def _account(self, sampler: _Sampler, message: dict) -> None:
+  def _account(self, sampler: _Sampler, report: messages.Heartbeat) -> None:
     """Adds what a sampler's reported totals grew by since its last report."""
-    stats = wire.stats_from_wire(message["stats"])
-    env = message["env"]
+    stats = wire.stats_from_wire(report.stats)
+    env = report.env
     with self._lock:
       for f in dataclasses.fields(stats):
         new, old = getattr(stats, f.name), getattr(sampler.stats, f.name)

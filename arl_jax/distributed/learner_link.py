@@ -16,13 +16,14 @@ declared it lost (it was silent too long; its groups went elsewhere).
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
 
 import zmq
 
-from arl_jax.distributed import wire
+from arl_jax.distributed import messages, wire
 
 EXIT_STOPPED, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_REJECTED = 0, 1, 2, 3
 
@@ -90,10 +91,8 @@ class LearnerLink:
     # ZeroMQ keeps reconnecting in the background and sends the hello once
     # a connection is up, so waiting is retrying; the notices tell the user
     # early that nothing answers (a wrong address, or no learner yet).
-    hello = {"type": "hello", "name": name, "devices": num_devices}
-    if process is not None:
-      hello["process"] = process
-    self._socket.send_multipart(wire.encode(hello))
+    hello = messages.Hello(name=name, devices=num_devices, process=process)
+    self._socket.send_multipart(wire.encode(messages.to_wire(hello)))
     start = time.monotonic()
     while True:
       left = start + connect_timeout_s - time.monotonic()
@@ -108,12 +107,14 @@ class LearnerLink:
       if print_fn is not None:
         print_fn(f"sampler {name}: no answer from {address} after {waited:.0f}s; still "
                  f"trying (giving up after {connect_timeout_s:g}s)")
-    welcome = wire.decode(self._socket.recv_multipart())
-    if welcome["type"] == "refused":
-      raise LearnerGone(f"the learner refused this sampler: {welcome['reason']}")
+    welcome = messages.from_frames(self._socket.recv_multipart(), messages.FROM_LEARNER)
+    if isinstance(welcome, (messages.Refused, messages.Rejected)):
+      raise LearnerGone(f"the learner refused this sampler: {welcome.reason}")
+    if not isinstance(welcome, messages.Welcome):
+      raise ValueError(f"the learner answered a hello with {welcome.kind!r}")
     self.welcome = welcome
-    self.heartbeat_s = float(welcome["heartbeat_s"])
-    self.timeout_s = float(welcome["timeout_s"])
+    self.heartbeat_s = float(welcome.heartbeat_s)
+    self.timeout_s = float(welcome.timeout_s)
     self._outbox: queue.Queue = queue.Queue()
     self._lock = threading.Condition()
     self._notes: list[list[int]] = []
@@ -122,7 +123,7 @@ class LearnerLink:
     self._last_empty = -float("inf")
     self._cancelled: set[int] = set()
     self._on_cancel = lambda group_ids: None
-    self._report_fn = dict
+    self._report_fn = None  # set by `start`, before the link thread runs
     self._last_heard = time.monotonic()
     self._lockstep = -1  # the newest lockstep step process 0 announced
     self.ended = threading.Event()
@@ -146,7 +147,7 @@ class LearnerLink:
     with self._lock:
       if not self._asking and now - self._last_empty > 0.02:
         self._asking = True
-        self._outbox.put({"type": "take", "n": max_groups, "version": version})
+        self._outbox.put(messages.Take(n=max_groups, version=version))
       self._lock.wait_for(lambda: self._arrived or self.ended.is_set(), timeout)
       arrived, self._arrived = self._arrived, []
     return arrived
@@ -164,11 +165,11 @@ class LearnerLink:
 
   def send_group(self, group, held_by: int | None = None, copy: int = 0) -> None:
     """`held_by`: this process keeps the arrays (as `copy`), only the metadata goes."""
-    self._outbox.put({"type": "group", "group": wire.group_to_wire(group, held_by, copy)})
+    self._outbox.put(messages.GroupDone(group=wire.group_to_wire(group, held_by, copy)))
 
   def close(self, say_bye: bool) -> None:
     if say_bye and self._thread is not None and not self.ended.is_set():
-      self._outbox.put({"type": "bye", **self._report_fn()})
+      self._outbox.put(messages.Bye(**self._report_fn()))
       deadline = time.monotonic() + 2.0
       while not self._outbox.empty() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -192,12 +193,13 @@ class LearnerLink:
       while not self.ended.is_set():
         now = time.monotonic()
         if now >= next_beat:
-          self._outbox.put({"type": "heartbeat", **self._report_fn()})
+          self._outbox.put(messages.Heartbeat(**self._report_fn()))
           next_beat = now + self.heartbeat_s
         self._flush()
         if self._socket.poll(10):
           while self._socket.poll(0):
-            self._handle(wire.decode(self._socket.recv_multipart()))
+            self._handle(messages.from_frames(self._socket.recv_multipart(),
+                                              messages.FROM_LEARNER))
         if time.monotonic() - self._last_heard > self.timeout_s:
           self._end(EXIT_FAILED, f"the learner at {self.address} was silent for "
                                  f"{self.timeout_s}s")
@@ -211,35 +213,36 @@ class LearnerLink:
         message = self._outbox.get_nowait()
       except queue.Empty:
         return
-      if message["type"] in ("take", "heartbeat", "bye"):
+      if isinstance(message, (messages.Take, messages.Heartbeat)):  # (a Bye is a Heartbeat)
         with self._lock:
-          message["notes"], self._notes = self._notes, []
-      self._socket.send_multipart(wire.encode(message))
+          message, self._notes = dataclasses.replace(message, notes=self._notes), []
+      self._socket.send_multipart(wire.encode(messages.to_wire(message)))
 
-  def _handle(self, message: dict) -> None:
+  def _handle(self, message: messages.Message) -> None:
     self._last_heard = time.monotonic()
-    kind = message["type"]
-    if kind == "groups":
-      requests = [wire.request_from_wire(r) for r in message["requests"]]
-      with self._lock:
-        self._asking = False
-        if not requests:
-          self._last_empty = time.monotonic()
-        self._arrived += [r for r in requests if r.group_id not in self._cancelled]
-        self._lock.notify_all()
-    elif kind == "cancel":
-      group_ids = [int(g) for g in message["group_ids"]]
-      with self._lock:
-        self._cancelled.update(group_ids)
-        self._arrived = [r for r in self._arrived if r.group_id not in self._cancelled]
-      self._on_cancel(group_ids)
-    elif kind == "lockstep":
-      with self._lock:
-        self._lockstep = max(self._lockstep, int(message["step"]))
-        self._lock.notify_all()
-    elif kind == "stop":
-      self._end(EXIT_STOPPED, "the learner ended the run")
-    elif kind == "rejected":
-      self._end(EXIT_REJECTED, f"the learner dropped this sampler: {message['reason']}")
-    elif kind != "ack":
-      raise ValueError(f"unknown message type {kind!r} from the learner")
+    match message:
+      case messages.Groups(requests=records):
+        requests = [wire.request_from_wire(r) for r in records]
+        with self._lock:
+          self._asking = False
+          if not requests:
+            self._last_empty = time.monotonic()
+          self._arrived += [r for r in requests if r.group_id not in self._cancelled]
+          self._lock.notify_all()
+      case messages.Cancel(group_ids=group_ids):
+        with self._lock:
+          self._cancelled.update(group_ids)
+          self._arrived = [r for r in self._arrived if r.group_id not in self._cancelled]
+        self._on_cancel(list(group_ids))
+      case messages.Lockstep(step=step):
+        with self._lock:
+          self._lockstep = max(self._lockstep, step)
+          self._lock.notify_all()
+      case messages.Stop():
+        self._end(EXIT_STOPPED, "the learner ended the run")
+      case messages.Rejected(reason=reason):
+        self._end(EXIT_REJECTED, f"the learner dropped this sampler: {reason}")
+      case messages.Ack():
+        pass
+      case _:  # (a Welcome or Refused after joining)
+        raise ValueError(f"unexpected {message.kind!r} from the learner")

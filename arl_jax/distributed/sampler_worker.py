@@ -103,8 +103,7 @@ class LocalSampling:
   def _report(self) -> dict:
     return {"stats": wire.stats_to_wire(self.engine.stats),
             "env": {"errors": dict(self.env_runner.errors),
-                    "timeouts": dict(self.env_runner.timeouts), "turns": self.env_runner.turns},
-            "version": self.engine.version}
+                    "timeouts": dict(self.env_runner.timeouts), "turns": self.env_runner.turns}}
 
   @property
   def failed(self) -> bool:
@@ -158,7 +157,7 @@ def run_sampler(learner_address: str, *, name: str | None = None, print_fn=print
   if threading.current_thread() is threading.main_thread():
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set())
   print_fn(f"sampler {name}: joined {learner_address} as sampler "
-           f"{link.welcome['sampler_id']} (mesh {dict(mesh.shape)})")
+           f"{link.welcome.sampler_id} (mesh {dict(mesh.shape)})")
   sampling.start()
   code, reason = EXIT_STOPPED, ""
   try:
@@ -196,9 +195,9 @@ def _build(link: learner_link.LearnerLink):
   from arl_jax.sharding import rules as rules_lib  # noqa: PLC0415
 
   welcome = link.welcome
-  spec = spec_codec.from_json(welcome["spec"])
+  spec = spec_codec.from_json(welcome.spec)
   compile_cache.enable(spec.compilation_cache)  # (this machine's folder, when "auto")
-  axes = [(str(a), int(n)) for a, n in welcome["sampler_mesh"]]
+  axes = [(str(a), int(n)) for a, n in welcome.sampler_mesh]
   size = int(np.prod([n for _, n in axes]))
   # The layout each version arrives in: the learner's `mesh.sampler` as
   # resolved there, on this process's first devices.
@@ -209,7 +208,7 @@ def _build(link: learner_link.LearnerLink):
   dtype = jax.numpy.dtype(spec.sampler_model.param_dtype)
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, dtype, sharding=s),
                           abstract, shardings)
-  weights = weight_transfer.WeightClient(welcome["weights_address"], abstract,
+  weights = weight_transfer.WeightClient(welcome.weights_address, abstract,
                                          timeout_s=link.timeout_s)
   return (LocalSampling(spec, mesh=mesh, graphdef=graphdef, weights=weights, link=link),
           weights, mesh)
