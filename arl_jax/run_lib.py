@@ -4,7 +4,7 @@ Build (spec, meshes, inputs), take the workdir, decide where to start
 (`training/start.py`), warm up on a fresh start, then either lead (the
 orchestrator, the rollout side and the learner loop: `training/learner_loop.py`)
 or, in a multi-controller run's other processes, follow process 0
-(`distributed/follower.py`). Threads: the sampler engine and the env workers
+(`training/follower.py`). Threads: the sampler engine and the env workers
 run beside this (the calling) thread, which is the learner.
 
 Signals (SIGINT, SIGTERM) only ask for a stop (`training/stop.py`); the loop
@@ -25,7 +25,7 @@ import jax.numpy as jnp
 import ml_collections
 
 from arl_jax import compile_cache, config_lib, evaluation
-from arl_jax.distributed import follower, lockstep, shard_batch
+from arl_jax.distributed import lockstep, shard_batch
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib
 from arl_jax.learner import train_state as train_state_lib
@@ -38,8 +38,17 @@ from arl_jax.orchestrator import orchestrator as orchestrator_lib
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
 from arl_jax.training import eval_log as eval_log_lib
+from arl_jax.training import (
+  follower,
+  learner_loop,
+  records,
+  rollouts,
+  run_context,
+  start,
+  warmup_phase,
+  workdir_lock,
+)
 from arl_jax.training import inputs as inputs_lib
-from arl_jax.training import learner_loop, records, rollouts, start, warmup_phase, workdir_lock
 from arl_jax.training import stop as stop_lib
 
 
@@ -135,10 +144,12 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
             _evaluator(spec, meshes, inputs, beginning.graphdef), writer=writer,
             print_fn=print_fn, start_time=start_time)
         clock.mark("build")
-        result = _train(spec, config_dict, meshes, workdir=workdir, inputs=inputs,
-                        beginning=beginning, optimizer=optimizer, checkpoints=checkpoints,
-                        eval_log=eval_log, writer=writer, audit=audit, stop=stop,
-                        print_fn=print_fn, keep_batches=keep_batches, clock=clock)
+        context = run_context.RunContext(
+            spec=spec, config=config_dict, meshes=meshes, inputs=inputs,
+            graphdef=beginning.graphdef, workdir=workdir, checkpoints=checkpoints,
+            eval_log=eval_log, writer=writer, audit=audit, stop=stop, clock=clock,
+            print_fn=print_fn, keep_batches=keep_batches)
+        result = _train(context, beginning, optimizer)
       finally:
         writer.close()
         audit.close()
@@ -169,23 +180,21 @@ def _stopped_line(spec, result: learner_loop.LoopResult, workdir: str,
                  f"checkpoint of version {saved_version}")
 
 
-def _train(spec, config_dict, meshes, *, workdir, inputs, beginning, optimizer, checkpoints,
-           eval_log, writer, audit, stop, print_fn, keep_batches,
-           clock) -> learner_loop.LoopResult:
+def _train(run: run_context.RunContext, beginning: start.Beginning,
+           optimizer) -> learner_loop.LoopResult:
   """Warm-up (on a fresh start), the learner's state and update, then lead or follow."""
+  spec = run.spec
   params, restored = beginning.params, beginning.restored
   if restored is None:
-    for record in inputs_lib.skipped_records(inputs):
-      writer.write(record)
+    for record in inputs_lib.skipped_records(run.inputs):
+      run.writer.write(record)
     if spec.warmup.steps:
-      params, finished = warmup_phase.warm_up(
-          spec, params=params, graphdef=beginning.graphdef, mesh=meshes.learner,
-          inputs=inputs, writer=writer, eval_log=eval_log, stop=stop, print_fn=print_fn)
-      clock.mark("warm-up")
+      params, finished = warmup_phase.warm_up(run, params)
+      run.clock.mark("warm-up")
       if not finished:
         return learner_loop.LoopResult(version=0, groups_trained=0, batches=[], complete=False,
-                                       stop_reason=stop.reason)
-    state, state_shardings = train_state_lib.create(params, optimizer, meshes.learner)
+                                       stop_reason=run.stop.reason)
+    state, state_shardings = train_state_lib.create(params, optimizer, run.meshes.learner)
   else:
     state, state_shardings = restored.state, beginning.state_shardings
   # The KL penalty's reference policy: the params RL started from (after any
@@ -194,33 +203,28 @@ def _train(spec, config_dict, meshes, *, workdir, inputs, beginning, optimizer, 
   if spec.loss.objective.kl_coef > 0:
     reference = (restored.reference if restored is not None and restored.reference is not None
                  else jax.tree.map(jnp.copy, state.params))
-  update_fn = update_lib.make_update_fn(graphdef=beginning.graphdef, optimizer=optimizer,
+  update_fn = update_lib.make_update_fn(graphdef=run.graphdef, optimizer=optimizer,
                                         settings=spec.loss, state_shardings=state_shardings,
-                                        mesh=meshes.learner, reference_params=reference)
-  clock.mark("build")
+                                        mesh=run.meshes.learner, reference_params=reference)
+  run.clock.mark("build")
   if restored is None:  # (a resumed run's records hold this evaluation already)
-    eval_log(state.params, 0, "rl")
-    clock.mark("eval")
+    run.eval_log(state.params, 0, "rl")
+    run.clock.mark("eval")
   _, abstract_state = init_lib.abstract_model(spec.model)
   publisher = publish_lib.WeightPublisher(
-      meshes.learner, rules_lib.state_shardings(abstract_state, meshes.sampler,
-                                                rules_lib.SAMPLER_RULES),
+      run.meshes.learner, rules_lib.state_shardings(abstract_state, run.meshes.sampler,
+                                                    rules_lib.SAMPLER_RULES),
       dtype=spec.sampler_model.param_dtype)
+  learner = run_context.Learner(state=state, update_fn=update_fn, publisher=publisher,
+                                reference=reference, version=beginning.version)
   if not lockstep.is_leader():
-    version, complete = follower.follow(
-        spec, meshes=meshes, graphdef=beginning.graphdef, state=state, update_fn=update_fn,
-        publisher=publisher, checkpointer=checkpoints.saver, reference=reference,
-        eval_log=eval_log, version=beginning.version, pad_id=inputs.tokenizer.pad_id)
-    print_fn(f"{'done' if complete else 'stopped'}: {version} updates (following process 0)")
-    return learner_loop.LoopResult(version=version, groups_trained=0, batches=[],
+    complete = follower.follow(run, learner)
+    run.print_fn(f"{'done' if complete else 'stopped'}: {learner.version} updates (following "
+                 "process 0)")
+    return learner_loop.LoopResult(version=learner.version, groups_trained=0, batches=[],
                                    complete=complete,
                                    stop_reason="" if complete else "process 0 stopped the run")
-  return _lead(spec, config_dict, meshes, workdir=workdir, graphdef=beginning.graphdef,
-               inputs=inputs, state=state, update_fn=update_fn, publisher=publisher,
-               checkpoints=checkpoints, reference=reference, eval_log=eval_log, writer=writer,
-               audit=audit, stop=stop, print_fn=print_fn, keep_batches=keep_batches,
-               version=beginning.version, restored=restored,
-               multi=lockstep.is_multi_controller(), clock=clock)
+  return _lead(run, learner, restored)
 
 
 def _follow_records(log_dir: str, beginning: start.Beginning, print_fn) -> None:
@@ -244,67 +248,61 @@ def _evaluator(spec, meshes, inputs, graphdef):
       engine_cfg=spec.engine)
 
 
-def _lead(spec, config_dict, meshes, *, workdir, graphdef, inputs, state, update_fn, publisher,
-          checkpoints, reference, eval_log, writer, audit, stop, print_fn, keep_batches,
-          version, restored, multi, clock) -> learner_loop.LoopResult:
+def _lead(run: run_context.RunContext, learner: run_context.Learner,
+          restored) -> learner_loop.LoopResult:
   """Process 0: the orchestrator, the rollout side and the learner loop."""
+  spec, env = run.spec, run.inputs.env
   work = restored.run["work"] if restored is not None else None
-  env = inputs.env
   orchestrator = orchestrator_lib.Orchestrator(
       dispatch_cfg=spec.dispatch, buffer_cfg=spec.buffer,
-      prompts=inputs_lib.prompt_stream(spec, inputs, work), encode_fn=env.encode_prompt,
+      prompts=inputs_lib.prompt_stream(spec, run.inputs, work), encode_fn=env.encode_prompt,
       env_name_of=env.env_name_of,
       max_new_tokens=spec.engine.max_new_tokens,
       mask_truncated_completions=spec.mask_truncated_completions,
-      budget_fn=env.max_new_tokens_for, audit_fn=audit.write)
-  sampling = rollouts.build(spec, meshes=meshes, graphdef=graphdef,
-                            inputs=inputs, orchestrator=orchestrator, publisher=publisher,
-                            workdir=workdir, writer=writer, print_fn=print_fn,
+      budget_fn=env.max_new_tokens_for, audit_fn=run.audit.write)
+  multi = lockstep.is_multi_controller()
+  sampling = rollouts.build(run, orchestrator=orchestrator, publisher=learner.publisher,
                             multi_controller=multi)
   broadcast_fn = shards = None
   if multi:
-    lockstep.share_text(sampling.fleet.address, meshes.learner)
-    broadcast_fn = lockstep.leader_broadcast_fn(sampling.fleet, meshes.learner)
-    shards = shard_batch.LeaderShards(spec, mesh=meshes.learner, fleet=sampling.fleet,
-                                      is_open=orchestrator.work.is_open,
-                                      pad_id=inputs.tokenizer.pad_id)
+    lockstep.share_text(sampling.fleet.address, run.meshes.learner)
+    broadcast_fn = lockstep.leader_broadcast_fn(sampling.fleet, run.meshes.learner)
+    shards = shard_batch.LeaderShards(spec, mesh=run.meshes.learner, fleet=sampling.fleet,
+                                      is_open=orchestrator.work.is_open, pad_id=run.pad_id)
   groups_trained = 0
   if restored is not None:
-    audit.write({"event": "resumed", "version": version})
+    run.audit.write({"event": "resumed", "version": learner.version})
     reopened = orchestrator.restore({"work": work, "drop_ledger": restored.run["drop_ledger"]})
     counters = restored.run["counters"]
     sampling.load_state_dict(counters["rollouts"])
     groups_trained = int(counters["groups_trained"])
-  publisher.publish(state.params, version)
+  learner.publisher.publish(learner.state.params, learner.version)
   # The publish of the starting version: nothing to cancel on a fresh start
   # or a resume from format 3 (its snapshot follows the publish); a format-2
   # snapshot was taken before it, so its cancellations happen again here.
-  cancelled = set(orchestrator.publish(version, trained=[]))
+  cancelled = set(orchestrator.publish(learner.version, trained=[]))
   sampling.cancel(cancelled)
   if restored is not None:
     sampling.restore([g for g in reopened if g.group_id not in cancelled])
-  clock.mark("build")
+  run.clock.mark("build")
   sampling.start()  # (a local engine compiles its programs first: sampler.precompile)
-  clock.mark("compile")
+  run.clock.mark("compile")
   loop = learner_loop.LearnerLoop(
-      spec, state=state, update_fn=update_fn, publisher=publisher, orchestrator=orchestrator,
-      rollouts=sampling, checkpointer=checkpoints.saver, reference=reference,
-      eval_log=eval_log, writer=writer, audit=audit, stop=stop,
-      pad_id=inputs.tokenizer.pad_id, config=config_dict, version=version,
+      run, learner, orchestrator=orchestrator, rollouts=sampling,
       groups_trained=groups_trained, broadcast_fn=broadcast_fn, shards=shards,
-      print_fn=print_fn, keep_batches=keep_batches, startup=clock,
       start_saved=restored is not None or not spec.warmup.steps)
   result = loop.run()
   sampling.raise_if_failed()
-  _write_task_drops(workdir, orchestrator.ledger)
+  _write_task_drops(run.workdir, orchestrator.ledger)
   drops = orchestrator.ledger.metrics()
-  print_fn(f"{'done' if result.complete else 'stopped'}: {result.version} updates, final "
-           f"version {result.version}, "
-           f"{result.groups_trained} groups trained; dropped rollouts: {drops['dropped_stale']} "
-           f"stale, {drops['dropped_cancelled']} cancelled in flight, "
-           f"{drops['dropped_env_error']} env errors, {drops['dropped_truncated']} truncated; "
-           f"{drops['tasks_lost']} of {drops['tasks_seen']} tasks never trained"
-           + _peak_note(clock.memory))
+  run.print_fn(
+      f"{'done' if result.complete else 'stopped'}: {result.version} updates, final "
+      f"version {result.version}, "
+      f"{result.groups_trained} groups trained; dropped rollouts: {drops['dropped_stale']} "
+      f"stale, {drops['dropped_cancelled']} cancelled in flight, "
+      f"{drops['dropped_env_error']} env errors, {drops['dropped_truncated']} truncated; "
+      f"{drops['tasks_lost']} of {drops['tasks_seen']} tasks never trained"
+      + _peak_note(run.clock.memory))
   return result
 
 

@@ -34,8 +34,8 @@ from arl_jax import train_batch as train_batch_lib
 from arl_jax.distributed import lockstep
 from arl_jax.metrics import host_memory
 from arl_jax.metrics import progress as progress_lib
-from arl_jax.metrics import writer as writer_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
+from arl_jax.training import run_context
 from arl_jax.training import step_record as step_record_lib
 
 
@@ -63,87 +63,65 @@ class LoopResult:
 class LearnerLoop:
   """Trains until `num_steps`, a stop request, the end of the data or an error."""
 
-  def __init__(self, spec, *, state, update_fn, publisher, orchestrator, rollouts,
-               checkpointer, reference, eval_log, writer, audit, stop, pad_id: int,
-               config: dict, version: int, groups_trained: int, broadcast_fn=None,
-               shards=None, print_fn=writer_lib.print_line, keep_batches: bool = False,
-               startup=None, start_saved: bool = True):
+  def __init__(self, run: run_context.RunContext, learner: run_context.Learner, *,
+               orchestrator, rollouts, groups_trained: int, broadcast_fn=None, shards=None,
+               start_saved: bool = True):
     """Args:
-      spec: the run's `config_lib.RunSpec`.
-      state: the TrainState (donated to each update).
-      update_fn: the jitted update (`update.make_update_fn`).
-      publisher: the `WeightPublisher` the sampler reads versions from.
+      run: the run (spec, writers, stop request, checkpoints, startup clock).
+      learner: the learner it trains (its `state` and `version` move on).
       orchestrator: the run's orchestrator.
       rollouts: the rollout side (`rollouts.Rollouts`), started.
-      checkpointer: where to save (None: nowhere).
-      reference: the KL penalty's reference params (saved with the state), or None.
-      eval_log: the run's `EvalLog`.
-      writer: the metric writer (`metrics.jsonl`, ...).
-      audit: the `groups.jsonl` writer the orchestrator writes to.
-      stop: the run's `StopRequest`.
-      pad_id: the tokenizer's padding id.
-      config: the run's config as a dict (saved with checkpoints).
-      version: the version the loop starts at.
       groups_trained: groups trained before (a resumed run's count).
       broadcast_fn: `(step_index, lockstep.Step)` -> None, tells the other
         processes of a multi-controller run what to do next (None: alone).
       shards: a multi-controller run's `shard_batch.LeaderShards` (plans
         each batch, builds this process's rows; None: alone).
-      print_fn: progress lines.
-      keep_batches: keep a summary of every trained batch (tests).
-      startup: the run's `startup.StartupClock`: its phases go into the
-        first update's progress line and metrics row; each update's row
-        then holds `host_peak_gib`, the process's resident peak since the
-        previous row (from the clock's peak windows).
       start_saved: the starting version is saved already (a resumed one, or
         a fresh start's initial params). False after a warm-up: a stop
         before the first update then saves version 0, so that a rerun
         resumes instead of warming up again.
+
+    The run's startup clock's phases go into the first update's progress
+    line and metrics row; each update's row then holds `host_peak_gib`, the
+    process's resident peak since the previous row (the clock's peak windows).
     """
-    self._spec = spec
-    self._state = state
-    self._update_fn = update_fn
-    self._publisher = publisher
+    self._run = run
+    self._spec = run.spec
+    self._learner = learner
     self._orchestrator = orchestrator
     self._rollouts = rollouts
-    self._checkpointer = checkpointer
-    self._reference = reference
-    self._eval_log = eval_log
-    self._writer = writer
-    self._audit = audit
-    self._stop_request = stop
-    self._pad_id = pad_id
-    self._config = config
+    self._checkpointer = run.checkpointer
+    self._stop_request = run.stop
     self._broadcast_fn = broadcast_fn
     self._shards = shards
-    self._print = print_fn
-    self._keep_batches = keep_batches
-    self._startup = startup
-    self._memory = startup.memory if startup is not None else host_memory.PeakWindows()
-    self.version = version
     self.groups_trained = groups_trained
-    self._saved_version = version if start_saved else None
+    self._saved_version = learner.version if start_saved else None
     self._batches: list[dict] = []
     self._learner_wait = 0.0  # seconds spent waiting for a batch
     self._blocking_s = 0.0  # seconds spent inside checkpoint save calls
     self._data_exhausted = False
-    self._first_step = version
+    self._first_step = learner.version
+
+  @property
+  def version(self) -> int:
+    """The version trained last (the one the learner's state holds)."""
+    return self._learner.version
 
   @property
   def params(self):
     """The params of the current version (what evaluation reads)."""
-    return self._state.params
+    return self._learner.state.params
 
   def run(self) -> LoopResult:
     failed = True
     self._progress = progress_lib.Progress(
         total=self._spec.num_steps, initial=self.version, log_every=self._spec.log_every,
-        print_fn=self._print, bar=progress_lib.wants_bar(self._print),
+        print_fn=self._run.print_fn, bar=progress_lib.wants_bar(self._run.print_fn),
         # (at the first update: the programs it compiled count)
-        first_line_suffix=None if self._startup is None else self._startup.summary)
+        first_line_suffix=self._run.clock.summary)
     try:
       self._rl_start = self._last_time = time.monotonic()
-      self._eval_log.rl_start = self._rl_start
+      self._run.eval_log.rl_start = self._rl_start
       for step in range(self.version, self._spec.num_steps):
         batch = self._cut(step)
         if batch is None:
@@ -174,11 +152,11 @@ class LearnerLoop:
           return self._orchestrator.cut(self.version, timeout=0.5)
         except TimeoutError:
           self._rollouts.raise_if_failed()
-      self._print(f"stopping after {step} updates: {self._stop_request.reason}")
+      self._run.print_fn(f"stopping after {step} updates: {self._stop_request.reason}")
       return None
     except orchestrator_lib.DataExhausted as e:
-      self._print(f"data exhausted after {step} updates (data.num_epochs="
-                  f"{self._spec.data.num_epochs}): {e}")
+      self._run.print_fn(f"data exhausted after {step} updates (data.num_epochs="
+                         f"{self._spec.data.num_epochs}): {e}")
       self._data_exhausted = True
       return None
     finally:
@@ -197,7 +175,7 @@ class LearnerLoop:
           # Padded columns follow the batch's longest completion, not the budget.
           max_new_tokens=train_batch_lib.completion_budget(
               batch.groups, spec.engine.max_new_tokens, spec.packing),
-          pad_id=self._pad_id, advantage_estimator=spec.loss.objective.advantage,
+          pad_id=self._run.pad_id, advantage_estimator=spec.loss.objective.advantage,
           mask_truncated_completions=spec.mask_truncated_completions, packing=spec.packing)
       train_on, shape = host_batch, host_batch.tokens.shape
       filled = float(np.mean(host_batch.token_mask))
@@ -208,9 +186,10 @@ class LearnerLoop:
       train_on, shape = self._shards.local_batch(plan, batch), (plan.rows, plan.width)
       filled = float(np.sum(plan.prompt_length + plan.completion_length)) / (
           plan.rows * plan.width)
-    self._state, update_metrics = self._update_fn(self._state, train_on)
-    self.version = version
-    self._publisher.publish(self._state.params, version)
+    learner = self._learner
+    learner.state, update_metrics = learner.update_fn(learner.state, train_on)
+    self._learner.version = version
+    self._learner.publisher.publish(self._learner.state.params, version)
     self.groups_trained += len(batch.groups)
     snapshot_start = time.monotonic()
     with self._rollouts.paused():
@@ -243,14 +222,14 @@ class LearnerLoop:
               (e["completion_length"] if "held_by" in e else len(e["completion_ids"]))
               + len(e.get("open", {}).get("tokens", ())) for g in groups for e in g["episodes"]))
     if evaluate:
-      record["eval_reward"] = self._eval_log(self.params, version, "rl")
-    if step == self._first_step and self._startup is not None:
-      record.update(self._startup.record())
-    peak = self._memory.take()
+      record["eval_reward"] = self._run.eval_log(self.params, version, "rl")
+    if step == self._first_step:
+      record.update(self._run.clock.record())
+    peak = self._run.clock.memory.take()
     if peak is not None:
       record["host_peak_gib"] = host_memory.gib(peak)
-    self._writer.write({"phase": "rl", **record})
-    if self._keep_batches and host_batch is not None:
+    self._run.writer.write({"phase": "rl", **record})
+    if self._run.keep_batches and host_batch is not None:
       self._batches.append(step_record_lib.batch_summary(batch, host_batch))
     self._progress.update(record)
     if run_record is not None:
@@ -258,7 +237,7 @@ class LearnerLoop:
 
   def _eval_due(self, version: int) -> bool:
     every = self._spec.eval_every
-    return bool(self._eval_log.enabled and every
+    return bool(self._run.eval_log.enabled and every
                 and (version % every == 0 or version == self._spec.num_steps))
 
   def _run_record(self) -> dict:
@@ -268,16 +247,16 @@ class LearnerLoop:
     return {"version": self.version, **self._orchestrator.snapshot(self._rollouts.open_segments()),
             "counters": {"groups_trained": self.groups_trained,
                          "rollouts": self._rollouts.state_dict()},
-            "config": self._config}
+            "config": self._run.config}
 
   def _save(self, run_record: dict) -> None:
     # How many lines of each record file belong to this checkpoint's run.
-    run_record["records"] = {"metrics.jsonl": self._writer.lines,
-                             "groups.jsonl": self._audit.lines}
+    run_record["records"] = {"metrics.jsonl": self._run.writer.lines,
+                             "groups.jsonl": self._run.audit.lines}
     start = time.monotonic()
     if self._shards is not None:  # the held groups' arrays, from their processes
       self._shards.collect(run_record)
-    self._checkpointer.save(self.version, self._state, run_record, self._reference)
+    self._checkpointer.save(self.version, self._learner.state, run_record, self._learner.reference)
     self._blocking_s += time.monotonic() - start
     self._saved_version = self.version
 
@@ -290,14 +269,14 @@ class LearnerLoop:
     spec = self._spec
     try:
       self._orchestrator.dispatcher.close()  # nothing new starts; what runs, runs on
-      final_eval = (not failed and self._data_exhausted and self._eval_log.enabled
+      final_eval = (not failed and self._data_exhausted and self._run.eval_log.enabled
                     and spec.eval_every and self.version % spec.eval_every != 0)
       # Not after an error, nor over a state whose buffers an interrupted
       # update donated, nor with a sampler whose slots cannot be read.
       save_final = (self._checkpointer is not None and spec.checkpoint.save_final
                     and not failed and self.version != self._saved_version
                     and not self._rollouts.failed
-                    and not any(x.is_deleted() for x in jax.tree.leaves(self._state)))
+                    and not any(x.is_deleted() for x in jax.tree.leaves(self._learner.state)))
       if self._broadcast_fn is not None:  # the other processes stop with us
         self._broadcast_fn(spec.num_steps, lockstep.Step(
             lockstep.STOP, evaluate=bool(final_eval), save=bool(save_final),
@@ -306,7 +285,7 @@ class LearnerLoop:
         self._stop_request.phase = "finishing the checkpoint being written"
         self._checkpointer.wait()
       if final_eval:
-        self._eval_log(self.params, self.version, "rl")
+        self._run.eval_log(self.params, self.version, "rl")
       if save_final:
         self._stop_request.phase = "saving the final checkpoint"
         with self._rollouts.paused():

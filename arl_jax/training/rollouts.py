@@ -26,6 +26,7 @@ from arl_jax.metrics import progress as progress_lib
 from arl_jax.orchestrator import env_runner as env_runner_lib
 from arl_jax.orchestrator import open_work
 from arl_jax.sampler import engine as engine_lib
+from arl_jax.training import run_context
 
 
 class Rollouts(Protocol):
@@ -183,35 +184,31 @@ class RemoteRollouts:
     self._fleet.stop(raise_errors=False)
 
 
-def build(spec, *, meshes, graphdef, inputs, orchestrator, publisher,
-          workdir: str, writer, print_fn, multi_controller: bool) -> Rollouts:
+def build(run: run_context.RunContext, *, orchestrator, publisher,
+          multi_controller: bool) -> Rollouts:
   """The rollout side a run's config asks for (not started).
 
   Args:
-    spec: the run's `config_lib.RunSpec`.
-    meshes: the role meshes.
-    graphdef: the decoder's graph definition.
-    inputs: the run's `inputs.Inputs` (tokenizer, environment).
+    run: the run (its spec, meshes, graphdef, inputs; `fleet.json` goes to
+      its workdir, the fleet's join/loss events to its writer).
     orchestrator: where finished groups go and requests come from.
     publisher: the `WeightPublisher` the sampler reads versions from.
-    workdir: where `fleet.json` (the fleet's address) is written.
-    writer: the metric writer (the fleet's join/loss events).
-    print_fn: progress lines.
     multi_controller: this is process 0 of a multi-controller run (the
       other processes' samplers join its fleet).
   """
+  spec, meshes, print_fn = run.spec, run.meshes, run.print_fn
   fleet = None
   if spec.fleet.remote or multi_controller:
     fleet = fleet_lib.SamplerFleet(
         spec.fleet, orchestrator=orchestrator, publisher=publisher,
         spec=spec_codec.to_json(spec),
-        sampler_mesh_shape=meshes.sampler.shape.items(), workdir=workdir, print_fn=print_fn,
-        event_fn=lambda event: writer.write({"phase": "fleet", **event}),
+        sampler_mesh_shape=meshes.sampler.shape.items(), workdir=run.workdir, print_fn=print_fn,
+        event_fn=lambda event: run.writer.write({"phase": "fleet", **event}),
         num_processes=jax.process_count())
     fleet.start()  # (before the first publish: other processes join it first)
   if spec.fleet.remote:
     return RemoteRollouts(fleet)
-  tokenizer, env = inputs.tokenizer, inputs.env
+  tokenizer, env = run.inputs.tokenizer, run.inputs.env
   env_runner = env_runner_lib.EnvRunner(
       env, on_group_fn=orchestrator.group_finished, max_new_tokens=spec.engine.max_new_tokens,
       num_workers=spec.num_env_workers, timeout_s=spec.env_timeout_s,
@@ -228,7 +225,8 @@ def build(spec, *, meshes, graphdef, inputs, orchestrator, publisher,
     engine.resume(episode)
 
   engine = engine_lib.SamplerEngine(
-      cfg=spec.engine, settings=spec.sampling, graphdef=graphdef, model_cfg=spec.sampler_model,
+      cfg=spec.engine, settings=spec.sampling, graphdef=run.graphdef,
+      model_cfg=spec.sampler_model,
       mesh=meshes.sampler, publisher=publisher, dispatcher=orchestrator.dispatcher,
       on_segment_fn=on_segment,
       stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env),

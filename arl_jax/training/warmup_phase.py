@@ -5,10 +5,10 @@ from __future__ import annotations
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import warmup as warmup_lib
 from arl_jax.training import inputs as inputs_lib
+from arl_jax.training import run_context
 
 
-def warm_up(spec, *, params, graphdef, mesh, inputs: inputs_lib.Inputs, writer, eval_log, stop,
-            print_fn):
+def warm_up(run: run_context.RunContext, params):
   """Evaluates the starting params, then runs `warmup.steps` supervised steps
   on a `warmup.fraction` subset of the training prompts.
 
@@ -19,27 +19,28 @@ def warm_up(spec, *, params, graphdef, mesh, inputs: inputs_lib.Inputs, writer, 
   Returns:
     `(params, finished)`: the warmed-up params, and False if it was stopped.
   """
+  spec, stop = run.spec, run.stop
   w = spec.warmup
-  eval_log(params, 0, "warmup")
-  chosen = inputs_lib.warmup_subset(spec, inputs)
-  env = inputs.env
+  run.eval_log(params, 0, "warmup")
+  chosen = inputs_lib.warmup_subset(spec, run.inputs)
+  env = run.inputs.env
 
   def log(step, metrics):
-    writer.write({"phase": "warmup", "step": step, **metrics})
-    print_fn(f"warmup {step:>4d} | loss {float(metrics['loss']):.4f}")
+    run.writer.write({"phase": "warmup", "step": step, **metrics})
+    run.print_fn(f"warmup {step:>4d} | loss {float(metrics['loss']):.4f}")
 
   stop.phase = "warm-up"
   params, done = warmup_lib.run_warmup(
-      params=params, graphdef=graphdef, mesh=mesh,
+      params=params, graphdef=run.graphdef, mesh=run.meshes.learner,
       optimizer=optim_lib.make_optimizer(optim_lib.OptimConfig(lr=w.lr)), steps=w.steps,
       batch_size=w.batch_size, prompt_ids=[env.encode_prompt(p) for p in chosen],
       demonstrations=[env.demonstration(p) for p in chosen], prompt_len=spec.engine.prompt_len,
-      max_new_tokens=spec.engine.max_new_tokens, pad_id=inputs.tokenizer.pad_id, seed=spec.seed,
+      max_new_tokens=spec.engine.max_new_tokens, pad_id=run.pad_id, seed=spec.seed,
       log_fn=log, should_stop=lambda: bool(stop))
   if done == w.steps:
     return params, True
-  writer.write({"phase": "stopped", "during": "warmup", "step": done, "steps": w.steps,
+  run.writer.write({"phase": "stopped", "during": "warmup", "step": done, "steps": w.steps,
                 "reason": stop.reason})
-  print_fn(f"stopping during the warm-up after {done} of {w.steps} steps: {stop.reason}; "
+  run.print_fn(f"stopping during the warm-up after {done} of {w.steps} steps: {stop.reason}; "
            "nothing is saved before RL starts, so a rerun starts over")
   return params, False

@@ -26,34 +26,30 @@ from arl_jax.distributed import (
   shard_batch,
   shard_plan,
 )
+from arl_jax.training import run_context
 
 
-def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer, reference,
-           eval_log, version: int, pad_id: int) -> tuple[int, bool]:
-  """Runs a follower until process 0 stops the run; returns the final
-  version and whether process 0 found the run complete.
-
-  Args (`run_lib.run`'s): the run spec, role meshes, decoder graphdef, the
-  TrainState and update function, the weight publisher, the checkpointer (or
-  None) and KL reference params, the run's `EvalLog`, the version the run
-  starts at, and the tokenizer's padding id.
-  """
+def follow(run: run_context.RunContext, learner: run_context.Learner) -> bool:
+  """Runs a follower until process 0 stops the run, training `learner` in
+  step (its `state` and `version` follow); returns whether process 0 found
+  the run complete."""
+  spec, meshes, checkpointer = run.spec, run.meshes, run.checkpointer
   complete = False
   link = learner_link.LearnerLink(lockstep.share_text(None, meshes.learner),
                                     name=f"process {jax.process_index()}",
                                     process=jax.process_index(),
                                     num_devices=meshes.sampler.devices.size)
   held = held_groups.HeldGroups()
-  sampling = sampler_worker.LocalSampling(spec, mesh=meshes.sampler, graphdef=graphdef,
-                                          weights=publisher, link=link, held=held,
+  sampling = sampler_worker.LocalSampling(spec, mesh=meshes.sampler, graphdef=run.graphdef,
+                                          weights=learner.publisher, link=link, held=held,
                                           process_index=jax.process_index())
   blocks_of_process = shard_plan.row_blocks(meshes.learner)
   here = held.rollout  # (group id, sample index) -> a rollout held here
 
-  publisher.publish(state.params, version)
+  learner.publisher.publish(learner.state.params, learner.version)
   sampling.start()
   try:
-    for index in itertools.count(version):
+    for index in itertools.count(learner.version):
       # Into the collective only once process 0 is (a collective waiting for
       # it would hold back this process's sampler, whose rollouts process 0
       # may be waiting for; lockstep.py).
@@ -61,21 +57,22 @@ def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer,
       step = lockstep.share(None, meshes.learner)
       if step.kind == lockstep.BATCH:
         plan = step.plan
-        batch, _ = shard_batch.local_batch(plan, here, meshes.learner, pad_id=pad_id,
+        batch, _ = shard_batch.local_batch(plan, here, meshes.learner, pad_id=run.pad_id,
                                            blocks_of_process=blocks_of_process)
         held.release(plan.group_ids)  # trained, here or elsewhere
         held.forget(plan.forget)  # never to train
-        state, _ = update_fn(state, batch)
-        version += 1
-        publisher.publish(state.params, version)
+        learner.state, _ = learner.update_fn(learner.state, batch)
+        learner.version += 1
+        learner.publisher.publish(learner.state.params, learner.version)
       if step.evaluate:  # (the current params: the old ones were donated)
-        eval_log(state.params, version, "rl")
+        run.eval_log(learner.state.params, learner.version, "rl")
       if step.save:
         # Process 0's open work gets the arrays of the groups held here;
         # every process writes its shards; orbax writes the run record from
         # process 0 only (this one's is a placeholder).
         shard_batch.collect_held(None, here, meshes.learner)
-        checkpointer.save(version, state, {"version": version}, reference)
+        checkpointer.save(learner.version, learner.state, {"version": learner.version},
+                          learner.reference)
       if step.kind != lockstep.BATCH:
         complete = step.complete
         break
@@ -88,4 +85,4 @@ def follow(spec, *, meshes, graphdef, state, update_fn, publisher, checkpointer,
     if checkpointer is not None:
       checkpointer.close()
     sampling.stop(say_bye=False)
-  return version, complete
+  return complete

@@ -1,0 +1,91 @@
+"""What the phases of one run share, built once by `run_lib.run`.
+
+A run has phases (warm-up, the rollout side, the learner loop, or a
+multi-controller follower) that all read the same run-wide things: the spec,
+the meshes, the inputs, the record writers, the stop request. They take a
+`RunContext` and a `Learner` and read what they need, instead of each taking
+the same twenty arguments and handing them on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # (annotations only: the phases import this module)
+  from arl_jax.learner.publish import WeightPublisher
+  from arl_jax.learner.train_state import TrainState
+  from arl_jax.metrics.startup import StartupClock
+  from arl_jax.metrics.writer import JsonlWriter
+  from arl_jax.sharding.mesh_lib import RoleMeshes
+  from arl_jax.training.eval_log import EvalLog
+  from arl_jax.training.inputs import Inputs
+  from arl_jax.training.start import Checkpoints
+  from arl_jax.training.stop import StopRequest
+
+
+@dataclasses.dataclass(frozen=True)
+class RunContext:
+  """The run-wide things every phase reads (none is replaced during a run).
+
+  Attributes:
+    spec: the resolved `config_lib.RunSpec`.
+    config: the run's config as a plain dict (checkpoints carry it).
+    meshes: the role meshes (`mesh_lib.RoleMeshes`).
+    inputs: tokenizer, environment and prompts (`training/inputs.Inputs`).
+    graphdef: the decoder's graph definition.
+    workdir: the run's folder (`fleet.json`, `task_drops.json`).
+    checkpoints: where the run saves and resumes (`start.Checkpoints`).
+    eval_log: the run's `EvalLog`.
+    writer: the metric writer (`metrics.jsonl`, ...).
+    audit: the `groups.jsonl` writer (what happened to every group).
+    stop: the run's `StopRequest`.
+    clock: the `startup.StartupClock` (startup phases, host memory peaks).
+    print_fn: where progress lines go.
+    keep_batches: keep a summary of every trained batch (tests).
+  """
+
+  spec: Any  # config_lib.RunSpec (config_lib imports training: no import back)
+  config: dict
+  meshes: RoleMeshes
+  inputs: Inputs
+  graphdef: Any
+  workdir: str
+  checkpoints: Checkpoints
+  eval_log: EvalLog
+  writer: Any  # (a writer_lib writer: write, lines, close)
+  audit: JsonlWriter
+  stop: StopRequest
+  clock: StartupClock
+  print_fn: Callable[[str], None]
+  keep_batches: bool = False
+
+  @property
+  def pad_id(self) -> int:
+    """The tokenizer's padding id."""
+    return self.inputs.tokenizer.pad_id
+
+  @property
+  def checkpointer(self):
+    """Where to save (None: nowhere)."""
+    return self.checkpoints.saver
+
+
+@dataclasses.dataclass
+class Learner:
+  """The learner, ready to train from `version`.
+
+  Attributes:
+    state: the TrainState (donated to each update: always read it from here).
+    update_fn: the jitted update (`update.make_update_fn`).
+    publisher: the `WeightPublisher` that ships each version to the sampler.
+    reference: the KL penalty's reference params (saved with the state), or None.
+    version: the version it starts at (the one `state` holds).
+  """
+
+  state: TrainState
+  update_fn: Callable
+  publisher: WeightPublisher
+  reference: Any
+  version: int
