@@ -24,8 +24,7 @@ from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import hf_config
 from arl_jax.models import model_config as model_config_lib
 from arl_jax.models import paged_attention as paged_attention_lib
-from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import orchestrator_config
 from arl_jax.sampler import auto_settings, engine_config
 from arl_jax.sampler import sampling as sampling_lib
 from arl_jax.sharding import mesh_lib
@@ -59,9 +58,8 @@ class RunSpec:
   engine: engine_config.EngineConfig
   sampler_model: model_config_lib.ModelConfig  # the model as the sampler runs it (dtype)
   sampling: sampling_lib.SamplingSettings
-  dispatch: dispatcher_lib.DispatchConfig
-  buffer: buffer_lib.BufferConfig
-  mask_truncated_completions: bool
+  # The dispatcher's and buffer's settings are its views (`.dispatch`, `.buffer`).
+  orchestrator: orchestrator_config.OrchestratorConfig
   loss: loss_settings_lib.LossSettings
   packing: packing_lib.Packing | None  # how the learner's rows hold rollouts (None: padded)
   optim: optim_lib.OptimConfig
@@ -345,15 +343,7 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
       engine=dataclasses.replace(s, multi_turn=eval_env.multi_turn),
       sampler_model=dataclasses.replace(model, param_dtype=s.param_dtype),
       sampling=sampling,
-      dispatch=dispatcher_lib.DispatchConfig(
-          group_size=g, groups_per_batch=o.groups_per_batch, max_async_level=o.max_async_level,
-          max_off_policy_steps=o.max_off_policy_steps,
-          staleness_reference=o.staleness_reference, requeue_dropped=o.requeue_dropped),
-      buffer=buffer_lib.BufferConfig(
-          max_off_policy_steps=o.max_off_policy_steps,
-          staleness_reference=o.staleness_reference, assembly=o.assembly,
-          window_groups=max(1, round(o.window_fraction * o.groups_per_batch))),
-      mask_truncated_completions=o.mask_truncated_completions,
+      orchestrator=o,
       loss=loss, packing=None, optim=_build(config, "learner", optim_lib.OptimConfig),
       warmup=parts["warmup"])
 

@@ -8,10 +8,12 @@ default must be given) and builds them; `config_base.make` builds the base
 every config derives from out of their defaults.
 
 `sampler` (`EngineConfig` and `SamplingSettings`), `learner` (the parts of
-`loss_settings.LossSettings` and `optim.OptimConfig`), `mesh`, `data`,
-`tokenizer`, `checkpoint` and `fleet` are the components' own dataclasses.
-`model`, `env`, `orchestrator` and `warmup` are defined here and turned into
-their components' settings by `config_lib`. Checks that span
+`loss_settings.LossSettings` and `optim.OptimConfig`), `orchestrator`
+(`OrchestratorConfig`, whose views the dispatcher and buffer take), `mesh`,
+`data`, `tokenizer`, `checkpoint` and `fleet` are the components' own
+dataclasses; `warmup` is defined here and read as it is by the warm-up phase.
+`model` and `env` are defined here and turned into the model's config (from a
+Hugging Face folder, when given) and the environment's by `config_lib`. Checks that span
 sections (a batch that must split over the learner's fsdp axis, a prompt
 that must fit the sampler) are `config_lib.build`'s.
 """
@@ -25,8 +27,7 @@ from arl_jax.envs import prompt_source
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import loss_settings, optim
 from arl_jax.metrics import writer as writer_lib
-from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import staleness
+from arl_jax.orchestrator import orchestrator_config
 from arl_jax.sampler import engine_config, sampling
 from arl_jax.sharding import mesh_lib
 
@@ -158,67 +159,6 @@ class EnvSection:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OrchestratorSection:
-  """The `orchestrator` section (dispatcher, buffer: `orchestrator/`).
-
-  Attributes:
-    batch_size: rollouts per learner batch (a multiple of group_size).
-    group_size: G, rollouts sampled per prompt (the baseline of
-      group-relative advantages).
-    max_async_level: batches the sampler may run ahead of the learner
-      (admission control; 0: synchronous).
-    max_off_policy_steps: K, the staleness bound: a group whose lag exceeds it
-      when a batch is cut is dropped, and in-flight groups that can no longer
-      ship are cancelled.
-    staleness_reference: what a group's lag is counted from: "dispatch" (the
-      version it was dispatched under) or "oldest_token".
-    assembly: how batches are cut from finished groups: "fifo",
-      "windowed_fifo" or "first_done" (`buffer.ASSEMBLY_POLICIES`).
-    window_fraction: windowed_fifo: the window, as a fraction of a batch.
-    requeue_dropped: times a dropped group's prompt is dispatched again.
-    mask_truncated_completions: completions cut at the budget train no tokens.
-  """
-
-  batch_size: int
-  group_size: int
-  max_async_level: int = 1
-  max_off_policy_steps: int = 8
-  staleness_reference: str = "dispatch"
-  assembly: str = "fifo"
-  window_fraction: float = 0.3
-  requeue_dropped: int = 0
-  mask_truncated_completions: bool = False
-
-  def __post_init__(self):
-    g, batch = self.group_size, self.batch_size
-    _check(g >= 2, "orchestrator.group_size",
-           f"must be >= 2 (group-relative advantages need a baseline), got {g}")
-    _check(batch > 0 and batch % g == 0, "orchestrator.batch_size",
-           f"{batch} rollouts is not a positive multiple of orchestrator.group_size={g}")
-    _check(self.max_off_policy_steps >= 0, "orchestrator.max_off_policy_steps",
-           f"K must be >= 0, got {self.max_off_policy_steps}")
-    _check(self.max_async_level >= 0, "orchestrator.max_async_level",
-           f"must be >= 0, got {self.max_async_level}")
-    _check(self.staleness_reference in staleness.REFERENCES, "orchestrator.staleness_reference",
-           f"must be one of {staleness.REFERENCES}, got {self.staleness_reference!r}")
-    _check(self.assembly in buffer_lib.ASSEMBLY_POLICIES, "orchestrator.assembly",
-           f"must be one of {buffer_lib.ASSEMBLY_POLICIES}, got {self.assembly!r}")
-    _check(0.0 < self.window_fraction <= 1.0, "orchestrator.window_fraction",
-           f"must be in (0, 1], got {self.window_fraction}")
-    _check(_is_int(self.requeue_dropped) and self.requeue_dropped >= 0,
-           "orchestrator.requeue_dropped",
-           f"must be an int >= 0 (times a dropped prompt is dispatched again), got "
-           f"{self.requeue_dropped!r}")
-    _check(isinstance(self.mask_truncated_completions, bool),
-           "orchestrator.mask_truncated_completions",
-           f"must be True or False, got {self.mask_truncated_completions!r}")
-
-  @property
-  def groups_per_batch(self) -> int:
-    return self.batch_size // self.group_size
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
 class WarmupSection:
   """The `warmup` section: supervised updates on the correct answers of some
   train prompts before RL.
@@ -282,7 +222,7 @@ SECTIONS = {
     "mesh": (mesh_lib.MeshConfig,),
     "env": (EnvSection,),
     "sampler": (engine_config.EngineConfig, sampling.SamplingSettings),
-    "orchestrator": (OrchestratorSection,),
+    "orchestrator": (orchestrator_config.OrchestratorConfig,),
     "learner": (loss_settings.Objective, loss_settings.ClippedRatio, loss_settings.Vtrace,
                 loss_settings.M2po, loss_settings.StepLayout, loss_settings.Scoring,
                 optim.OptimConfig),

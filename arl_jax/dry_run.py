@@ -100,7 +100,7 @@ def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
   # progress the old and new versions coexist, and `pinned` holds up to K + 1.
   sampler_dtype = spec.sampler_model.param_dtype
   sampler_params = _sharded_bytes(abstract_state, sm, rules_lib.SAMPLER_RULES, sampler_dtype)
-  versions = (spec.dispatch.max_off_policy_steps + 1
+  versions = (spec.orchestrator.max_off_policy_steps + 1
               if engine.weight_update == "pinned" else 2)
   data, tp = sm.get("data", 1), sm.get("tp", 1)
   slots = math.ceil(engine.num_slots / data)
@@ -124,7 +124,7 @@ def learner_rows(spec: config_lib.RunSpec, fsdp: int) -> tuple[int, int]:
   rows of the longest rollouts (`prompt_len + max_new_tokens`), or packed
   rows as wide as they may get, split over `fsdp`."""
   loss, engine = spec.loss, spec.engine
-  rows = spec.dispatch.groups_per_batch * spec.dispatch.group_size
+  rows = spec.orchestrator.batch_size
   rows //= loss.layout.num_minibatches * loss.layout.num_microbatches
   rows = max(1, rows // fsdp)
   longest = engine.prompt_len + engine.max_new_tokens

@@ -254,11 +254,11 @@ def _lead(run: run_context.RunContext, learner: run_context.Learner,
   spec, env = run.spec, run.inputs.env
   work = restored.run["work"] if restored is not None else None
   orchestrator = orchestrator_lib.Orchestrator(
-      dispatch_cfg=spec.dispatch, buffer_cfg=spec.buffer,
+      dispatch_cfg=spec.orchestrator.dispatch, buffer_cfg=spec.orchestrator.buffer,
       prompts=inputs_lib.prompt_stream(spec, run.inputs, work), encode_fn=env.encode_prompt,
       env_name_of=env.env_name_of,
       max_new_tokens=spec.engine.max_new_tokens,
-      mask_truncated_completions=spec.mask_truncated_completions,
+      mask_truncated_completions=spec.orchestrator.mask_truncated_completions,
       budget_fn=env.max_new_tokens_for, audit_fn=run.audit.write)
   multi = lockstep.is_multi_controller()
   sampling = rollouts.build(run, orchestrator=orchestrator, publisher=learner.publisher,
@@ -317,8 +317,8 @@ def _print_header(spec, meshes, inputs, print_fn) -> None:
                "colocated" if meshes.colocated else "disaggregated")
   print_fn(f"arl_jax: {spec.model.num_params / 1e6:.2f}M params | learner mesh "
            f"{dict(meshes.learner.shape)} | sampler mesh {dict(meshes.sampler.shape)} | "
-           f"{placement} | K={spec.dispatch.max_off_policy_steps} max_async_level="
-           f"{spec.dispatch.max_async_level} | {len(inputs.train.prompts)} train / "
+           f"{placement} | K={spec.orchestrator.max_off_policy_steps} max_async_level="
+           f"{spec.orchestrator.max_async_level} | {len(inputs.train.prompts)} train / "
            f"{len(inputs.eval_prompts)} eval prompts")
   engine = spec.engine
   print_fn(f"sampler: {engine.num_slots} slots of {engine.length} columns, kv_cache="

@@ -214,10 +214,10 @@ def bench_learner(resolved, *, steps: int, peak: float) -> dict:
                                         mesh=meshes.learner)
   budget = spec.engine.max_new_tokens
   prompt = len(_prompts(resolved, 1)[0])
-  num_rollouts = spec.dispatch.groups_per_batch * spec.dispatch.group_size
+  num_rollouts = spec.orchestrator.groups_per_batch * spec.orchestrator.group_size
   groups = learner_bench.long_tail_groups(
       num_rollouts, median=max(1, 3 * budget // 4), cap=budget, prompt=prompt,
-      group_size=spec.dispatch.group_size)
+      group_size=spec.orchestrator.group_size)
   batch = train_batch_lib.assemble(
       groups, prompt_len=spec.engine.prompt_len,
       max_new_tokens=train_batch_lib.completion_budget(groups, budget, spec.packing),

@@ -139,7 +139,7 @@ def train(config, num_steps: int | None = None, log=print) -> list[dict]:
                      temperature=spec.loss.objective.temperature)
   grad_fn = jax.jit(jax.value_and_grad(grpo_loss), static_argnums=1,
                     static_argnames=tuple(loss_kwargs))
-  g, groups = spec.dispatch.group_size, spec.dispatch.groups_per_batch
+  g, groups = spec.orchestrator.group_size, spec.orchestrator.groups_per_batch
   group_ids = itertools.count()
   records = []
   for step in range(spec.num_steps if num_steps is None else num_steps):

@@ -24,9 +24,10 @@ def _config(**overrides):
 def test_tiny_and_default_configs_build():
   for arg in ("tiny", None, "sync"):
     spec = config_lib.build(tiny.load_config("arith", arg))
-    assert spec.dispatch.groups_per_batch * spec.dispatch.group_size > 0
+    assert spec.orchestrator.dispatch.groups_per_batch * spec.orchestrator.dispatch.group_size > 0
   sync = config_lib.build(tiny.load_config("arith", "sync"))
-  assert (sync.dispatch.max_async_level, sync.dispatch.max_off_policy_steps,
+  assert (sync.orchestrator.dispatch.max_async_level,
+          sync.orchestrator.dispatch.max_off_policy_steps,
           sync.engine.weight_update) == (0, 0, "drain")
 
 

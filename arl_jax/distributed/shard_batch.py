@@ -190,7 +190,8 @@ class LeaderShards:
         batch.groups, blocks_of_process=self.blocks_of_process, prompt_len=spec.engine.prompt_len,
         max_new_tokens=spec.engine.max_new_tokens,
         advantage_estimator=spec.loss.objective.advantage,
-        mask_truncated_completions=spec.mask_truncated_completions, packing=spec.packing,
+        mask_truncated_completions=spec.orchestrator.mask_truncated_completions,
+        packing=spec.packing,
         num_slices=spec.loss.layout.num_minibatches, forget=forget)
 
   def local_batch(self, plan, batch) -> train_batch_lib.TrainBatch:

@@ -176,7 +176,8 @@ class LearnerLoop:
           max_new_tokens=train_batch_lib.completion_budget(
               batch.groups, spec.engine.max_new_tokens, spec.packing),
           pad_id=self._run.pad_id, advantage_estimator=spec.loss.objective.advantage,
-          mask_truncated_completions=spec.mask_truncated_completions, packing=spec.packing)
+          mask_truncated_completions=spec.orchestrator.mask_truncated_completions,
+          packing=spec.packing)
       train_on, shape = host_batch, host_batch.tokens.shape
       filled = float(np.mean(host_batch.token_mask))
     else:  # each process fills its rows of the plan

@@ -1,0 +1,95 @@
+"""The orchestrator's settings: the config's `orchestrator` section.
+
+One dataclass declares every key (its default, its doc, its check); the
+dispatcher's and the buffer's settings are views of it (`dispatch`,
+`buffer`), since both read the staleness bound and its reference and the
+batch's shape, and a key is declared once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from arl_jax import settings
+from arl_jax.orchestrator import buffer as buffer_lib
+from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import staleness
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OrchestratorConfig:
+  """The `orchestrator` section (dispatcher, buffer: `orchestrator/`).
+
+  Attributes:
+    batch_size: rollouts per learner batch (a multiple of group_size).
+    group_size: G, rollouts sampled per prompt (the baseline of
+      group-relative advantages).
+    max_async_level: batches the sampler may run ahead of the learner
+      (admission control; 0: synchronous).
+    max_off_policy_steps: K, the staleness bound: a group whose lag exceeds it
+      when a batch is cut is dropped, and in-flight groups that can no longer
+      ship are cancelled.
+    staleness_reference: what a group's lag is counted from: "dispatch" (the
+      version it was dispatched under) or "oldest_token".
+    assembly: how batches are cut from finished groups: "fifo",
+      "windowed_fifo" or "first_done" (`buffer.ASSEMBLY_POLICIES`).
+    window_fraction: windowed_fifo: the window, as a fraction of a batch.
+    requeue_dropped: times a dropped group's prompt is dispatched again.
+    mask_truncated_completions: completions cut at the budget train no tokens.
+  """
+
+  batch_size: int
+  group_size: int
+  max_async_level: int = 1
+  max_off_policy_steps: int = 8
+  staleness_reference: str = "dispatch"
+  assembly: str = "fifo"
+  window_fraction: float = 0.3
+  requeue_dropped: int = 0
+  mask_truncated_completions: bool = False
+
+  def __post_init__(self):
+    g, batch = self.group_size, self.batch_size
+    settings.check(settings.is_int(g) and g >= 2, "group_size",
+                   f"must be >= 2 (group-relative advantages need a baseline), got {g}")
+    settings.check(settings.is_int(batch) and batch > 0 and batch % g == 0, "batch_size",
+                   f"{batch} rollouts is not a positive multiple of "
+                   f"orchestrator.group_size={g}")
+    settings.check(settings.is_int(self.max_off_policy_steps) and self.max_off_policy_steps >= 0,
+                   "max_off_policy_steps", f"K must be >= 0 (an int), got "
+                   f"{self.max_off_policy_steps!r}")
+    settings.check(settings.is_int(self.max_async_level) and self.max_async_level >= 0,
+                   "max_async_level", f"must be an int >= 0, got {self.max_async_level!r}")
+    settings.check(self.staleness_reference in staleness.REFERENCES, "staleness_reference",
+                   f"must be one of {staleness.REFERENCES}, got {self.staleness_reference!r}")
+    settings.check(self.assembly in buffer_lib.ASSEMBLY_POLICIES, "assembly",
+                   f"must be one of {buffer_lib.ASSEMBLY_POLICIES}, got {self.assembly!r}")
+    settings.check(0.0 < self.window_fraction <= 1.0, "window_fraction",
+                   f"must be in (0, 1], got {self.window_fraction}")
+    settings.check(settings.is_int(self.requeue_dropped) and self.requeue_dropped >= 0,
+                   "requeue_dropped", f"must be an int >= 0 (times a dropped prompt is "
+                   f"dispatched again), got {self.requeue_dropped!r}")
+    settings.check(isinstance(self.mask_truncated_completions, bool),
+                   "mask_truncated_completions",
+                   f"must be True or False, got {self.mask_truncated_completions!r}")
+
+  @property
+  def groups_per_batch(self) -> int:
+    return self.batch_size // self.group_size
+
+  @property
+  def dispatch(self) -> dispatcher_lib.DispatchConfig:
+    """What the dispatcher reads: the batch's shape, admission, staleness, requeues."""
+    return dispatcher_lib.DispatchConfig(
+        group_size=self.group_size, groups_per_batch=self.groups_per_batch,
+        max_async_level=self.max_async_level, max_off_policy_steps=self.max_off_policy_steps,
+        staleness_reference=self.staleness_reference, requeue_dropped=self.requeue_dropped)
+
+  @property
+  def buffer(self) -> buffer_lib.BufferConfig:
+    """What the buffer reads: staleness and how batches are cut (the window
+    in whole groups, at least one)."""
+    return buffer_lib.BufferConfig(
+        max_off_policy_steps=self.max_off_policy_steps,
+        staleness_reference=self.staleness_reference, assembly=self.assembly,
+        window_groups=max(1, round(self.window_fraction * self.groups_per_batch)))
