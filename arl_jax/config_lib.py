@@ -114,8 +114,8 @@ def _build(cfg: Mapping, name: str, cls, **derived):
     raise ConfigError(f"config.{name}: {e} ({e.key} is {source}'s)") from e
   except (ValueError, TypeError) as e:
     message = str(e)
-    # The older sections' checks start with the key they refuse ("orchestrator.
-    # group_size: ..."); a component's say it in their own words.
+    # Some sections' checks start with the key they refuse ("env.path: ...");
+    # a component's say it in their own words.
     first = message.split(" ", 1)[0]
     named = first.startswith(f"{name}.") and first.endswith(":")
     raise ConfigError(f"config.{message}" if named else f"config.{name}: {message}") from e

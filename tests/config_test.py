@@ -34,7 +34,7 @@ def test_tiny_and_default_configs_build():
 @pytest.mark.parametrize("overrides, message", [
     ({"orchestrator__max_off_policy_steps": -1}, r"orchestrator.max_off_policy_steps: K must be >= 0"),
     ({"orchestrator__max_async_level": -2}, r"orchestrator.max_async_level"),
-    ({"orchestrator__batch_size": 30}, r"orchestrator.batch_size: 30 rollouts is not a positive multiple of orchestrator.group_size=4"),
+    ({"orchestrator__batch_size": 30}, r"orchestrator.batch_size: 30 rollouts is not a positive int multiple of orchestrator.group_size=4"),
     ({"orchestrator__assembly": "lifo"}, r"orchestrator.assembly: must be one of"),
     ({"sampler__prompt_len": 4}, r"sampler.prompt_len: a prompt of env 'arith' has 5 tokens"),
     ({"sampler__max_new_tokens": 40}, r"exceeds the model context model.max_seq_len=32"),

@@ -266,7 +266,7 @@ class SamplerFleet:
         message = self._outbox.get_nowait()
       except queue.Empty:
         return
-      if not isinstance(message, messages.Cancel):  # (a Stop or Lockstep: to every sampler)
+      if isinstance(message, (messages.Stop, messages.Lockstep)):  # (to every sampler)
         with self._lock:
           live = [s for s in self._samplers.values() if s.alive]
         for sampler in live:

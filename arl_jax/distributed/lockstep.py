@@ -36,7 +36,7 @@ _HEADER = ("kind", "evaluate", "save", "rollouts", "forget", "complete")
 class Step:
   """What every process does next: train on the batch `plan` lays out
   (`BATCH`), or stop (`STOP`); then evaluate and save a checkpoint when the
-  flags say so. Process 0 decides; the others only execute (`follower.py`).
+  flags say so. Process 0 decides; the others only execute (`training/follower.py`).
   A `STOP` says whether the run is complete (every process exits with the
   same status: `arl_jax/launch.py`)."""
 
@@ -111,7 +111,7 @@ def leader_broadcast_fn(fleet, mesh: Mesh):
   """Process 0's `(step_index, Step) -> None`: announces collective
   `step_index` to the other processes over the fleet's sockets, then shares
   `Step` over the learner `mesh` (the announcement first: see the module
-  docstring of `follower.py`)."""
+  docstring of `training/follower.py`)."""
 
   def broadcast(index: int, step: Step) -> None:
     fleet.announce(index)

@@ -16,6 +16,7 @@ three places.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import types
 import typing
 
@@ -211,7 +212,7 @@ def from_wire(record: dict, allowed: tuple[type, ...]) -> Message:
   cls = KINDS.get(kind) if isinstance(kind, str) else None
   if cls is None or cls not in allowed:
     raise ValueError(f"unknown message type {kind!r}")
-  hints = typing.get_type_hints(cls)
+  hints = _hints(cls)
   fields = {f.name: f for f in dataclasses.fields(cls)}
   unknown = sorted(set(record) - set(fields) - {"type"})
   if unknown:
@@ -226,8 +227,17 @@ def from_wire(record: dict, allowed: tuple[type, ...]) -> Message:
       raise ValueError(f"{kind}.{name} has the wrong type ({type(record[name]).__name__})")
     values[name] = record[name]
   message = cls(**values)
-  message.check()
+  try:
+    message.check()
+  except ValueError as e:
+    raise ValueError(f"{kind}: {e}") from e
   return message
+
+
+@functools.cache
+def _hints(cls: type) -> dict:
+  """`cls`'s resolved field annotations (resolved once per message class)."""
+  return typing.get_type_hints(cls)
 
 
 def _conforms(value, hint) -> bool:

@@ -36,7 +36,7 @@ from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import engine_stats
 
 # Bumped whenever a message's layout changes; peers of another version are refused.
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: typed messages (distributed/messages.py), Stop, strict fields
 
 # The array types a message may carry, little-endian whatever the host.
 _DTYPES = {np.dtype(t).newbyteorder("<").str: np.dtype(t).newbyteorder("<")

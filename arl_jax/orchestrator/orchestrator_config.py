@@ -51,9 +51,9 @@ class OrchestratorConfig:
   def __post_init__(self):
     g, batch = self.group_size, self.batch_size
     settings.check(settings.is_int(g) and g >= 2, "group_size",
-                   f"must be >= 2 (group-relative advantages need a baseline), got {g}")
+                   f"must be an int >= 2 (group-relative advantages need a baseline), got {g!r}")
     settings.check(settings.is_int(batch) and batch > 0 and batch % g == 0, "batch_size",
-                   f"{batch} rollouts is not a positive multiple of "
+                   f"{batch!r} rollouts is not a positive int multiple of "
                    f"orchestrator.group_size={g}")
     settings.check(settings.is_int(self.max_off_policy_steps) and self.max_off_policy_steps >= 0,
                    "max_off_policy_steps", f"K must be >= 0 (an int), got "

@@ -189,8 +189,8 @@ class LearnerLoop:
           plan.rows * plan.width)
     learner = self._learner
     learner.state, update_metrics = learner.update_fn(learner.state, train_on)
-    self._learner.version = version
-    self._learner.publisher.publish(self._learner.state.params, version)
+    learner.version = version
+    learner.publisher.publish(learner.state.params, version)
     self.groups_trained += len(batch.groups)
     snapshot_start = time.monotonic()
     with self._rollouts.paused():

@@ -81,7 +81,7 @@ class Learner:
     update_fn: the jitted update (`update.make_update_fn`).
     publisher: the `WeightPublisher` that ships each version to the sampler.
     reference: the KL penalty's reference params (saved with the state), or None.
-    version: the version it starts at (the one `state` holds).
+    version: the version `state` holds, advanced by each update.
   """
 
   state: TrainState

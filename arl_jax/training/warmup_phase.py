@@ -40,7 +40,7 @@ def warm_up(run: run_context.RunContext, params):
   if done == w.steps:
     return params, True
   run.writer.write({"phase": "stopped", "during": "warmup", "step": done, "steps": w.steps,
-                "reason": stop.reason})
+                    "reason": stop.reason})
   run.print_fn(f"stopping during the warm-up after {done} of {w.steps} steps: {stop.reason}; "
-           "nothing is saved before RL starts, so a rerun starts over")
+               "nothing is saved before RL starts, so a rerun starts over")
   return params, False
