@@ -6,6 +6,7 @@ engine: `sampler.kv_cache` (dense or paged) by slot length, and
   python benchmarks/engine_defaults.py --quick                            # ~45 s, tiny model
   python benchmarks/engine_defaults.py --parts=burst                      # one part (~70 s)
   python benchmarks/engine_defaults.py --parts=cache                      # cold vs warm starts
+  python benchmarks/engine_defaults.py --parts=long_slots                 # 1k vs 8k-column slots
 
 Every row runs a fresh engine (`sampler.precompile` on, one CPU device) on
 2 x num_slots one-rollout requests with 16-token prompts, every completion
@@ -28,6 +29,12 @@ one timed run per row):
   (`--cache_budgets`); `programs` / `from_cache` count the executables
   built (`compile_cache.ProgramCounter`), `precompile_s` the engine's own
   ahead-of-time compile.
+- `long_slots` (not run by default, ~10 min): slots sized for 1,024 and for
+  8,192 new tokens, dense against paged (blocks), each serving the same
+  requests shorter than the slot (`request_tokens`; what an RL run's
+  completions are when `max_new_tokens` caps the few longest): "tiny", 32
+  slots, 1,024-token requests; "3M", 8 slots, 512-token requests. The
+  start-up beside the steady tokens/s, whatever the slot's length.
 - `round_trip` (from the `burst` rows): a decode call's seconds split into a
   fixed host cost per call and device work per step, from the engine's own
   decode time per call at burst 1 and per step at burst 4 (a negative
@@ -86,13 +93,14 @@ def _attention(ecfg) -> str:
   return "dense" if not ecfg.paged else "blocks" if ecfg.decode_block else "widths"
 
 
-def run(model, ecfg, requests):
+def run(model, ecfg, requests, request_tokens=None):
   """Runs an engine configured by `ecfg` on `requests` one-rollout requests of
-  budget `max_new_tokens` until every one is done (the loop of
-  `engine_harness.run_engine`, plus the startup clock); its stats, wall
-  seconds and startup seconds, both from the call to `engine.start()`."""
+  budget `request_tokens` (default: `max_new_tokens`) until every one is done
+  (the loop of `engine_harness.run_engine`, plus the startup clock); its
+  stats, wall seconds and startup seconds, both from the call to
+  `engine.start()`."""
   cfg, meshes, graphdef, params = model
-  budgets = np.full((requests,), ecfg.max_new_tokens, np.int32)
+  budgets = np.full((requests,), request_tokens or ecfg.max_new_tokens, np.int32)
   done = []
   # A token id outside the model's vocabulary: never sampled.
   settings = sampling.SamplingSettings(eos_id=10 ** 6, pad_id=sampler_bench.PAD)
@@ -114,14 +122,16 @@ def run(model, ecfg, requests):
   return engine.stats, seconds, startup
 
 
-def measure(name, model, ecfg, requests):
-  """One row: the engine's shapes, startup and tokens/s on `requests` requests."""
-  stats, seconds, startup = run(model, ecfg, requests)
-  assert stats.sampled_tokens == requests * ecfg.max_new_tokens, stats.sampled_tokens
+def measure(name, model, ecfg, requests, request_tokens=None):
+  """One row: the engine's shapes, startup and tokens/s on `requests` requests
+  of `request_tokens` new tokens (default: the slot's `max_new_tokens`)."""
+  request_tokens = request_tokens or ecfg.max_new_tokens
+  stats, seconds, startup = run(model, ecfg, requests, request_tokens)
+  assert stats.sampled_tokens == requests * request_tokens, stats.sampled_tokens
   assert stats.precompiled_programs == precompile.engine_shapes(ecfg).num_programs
   return {"model": name, "slots": ecfg.num_slots, "max_new_tokens": ecfg.max_new_tokens,
-          "slot_len": ecfg.length, "kv_cache": ecfg.kv_cache, "attention": _attention(ecfg),
-          "decode_burst": ecfg.decode_burst,
+          "request_tokens": request_tokens, "slot_len": ecfg.length, "kv_cache": ecfg.kv_cache,
+          "attention": _attention(ecfg), "decode_burst": ecfg.decode_burst,
           "programs": precompile.engine_shapes(ecfg).num_programs,
           "precompile_s": round(stats.precompile_seconds, 2), "startup_s": round(startup, 2),
           "tokens": stats.sampled_tokens, "busy_s": round(stats.busy_seconds, 2),
@@ -173,6 +183,24 @@ def start_in_child(name, attention, slots, max_new_tokens, cache_dir) -> dict:
   if proc.returncode:
     raise RuntimeError(f"the start-up child failed:\n{proc.stderr[-3000:]}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def long_slots(quick, emit) -> None:
+  """The `long_slots` part: start-up and steady tokens/s with slots sized for
+  1,024 and 8,192 new tokens, serving the same shorter requests."""
+  # (model, slots, request tokens)
+  cases = [("tiny", 4, 64)] if quick else [("tiny", 32, 1024), ("3M", 8, 512)]
+  slot_budgets = (128, 1024) if quick else (1024, 8192)
+  for name, slots, request_tokens in cases:
+    model = sampler_bench._model(name, _engine_cfg(slots, max(slot_budgets), "blocks").length)  # noqa: SLF001
+    for n in slot_budgets:
+      dense = measure(name, model, _engine_cfg(slots, n, "dense"), 2 * slots, request_tokens)
+      emit({"benchmark": "engine_defaults", "part": "long_slots", **dense,
+            **vs(dense, dense, "vs_dense")})
+      paged = measure(name, model, _engine_cfg(slots, n, "blocks"), 2 * slots, request_tokens)
+      emit({"benchmark": "engine_defaults", "part": "long_slots", **paged,
+            **vs(paged, dense, "vs_dense"),
+            "startup_vs_dense": round(paged["startup_s"] / dense["startup_s"], 2)})
 
 
 def vs(row, base, label):
@@ -235,6 +263,8 @@ def main() -> None:
       four = measure(name, model, _engine_cfg(slots, burst_budget, burst=4), 2 * slots)
       emit({**base, "part": "burst", **four, **vs(four, one, "vs_burst_1")})
       emit({**base, "part": "round_trip", **round_trip(one, four)})
+  if "long_slots" in parts:
+    long_slots(args.quick, emit)
   if "cache" in parts:
     name = "tiny" if args.quick else "3M"
     budgets = (64,) if args.quick else tuple(int(b) for b in args.cache_budgets.split(","))
