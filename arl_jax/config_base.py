@@ -37,5 +37,6 @@ def make(env: str) -> ml_collections.ConfigDict:
       section.update(settings.defaults(cls))
     if name == "env":
       section.update(name=env, **settings.defaults(registry.ENVS[env].config_cls))
-    config[name] = ml_collections.ConfigDict(section)
+    parent, _, key = name.rpartition(".")  # (`learner.lora`: inside `learner`)
+    (config[parent] if parent else config)[key] = ml_collections.ConfigDict(section)
   return config

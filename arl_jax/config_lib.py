@@ -21,7 +21,7 @@ from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import loss_settings as loss_settings_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.metrics import writer as writer_lib
-from arl_jax.models import hf_config
+from arl_jax.models import hf_config, peft_adapters
 from arl_jax.models import model_config as model_config_lib
 from arl_jax.models import paged_attention as paged_attention_lib
 from arl_jax.orchestrator import orchestrator_config
@@ -90,12 +90,12 @@ def _wrap(key: str, fn, **kwargs):
 def _check_keys(cfg: Mapping, name: str, extra_keys: tuple[str, ...] = ()) -> None:
   """Checks section `name`'s keys in `cfg` against the schema (`extra_keys`:
   keys it may hold besides, checked elsewhere)."""
-  given = cfg.get(name, {})
-  known = sections.keys(name) + extra_keys
-  unknown = sorted(set(given) - set(known))
+  given = sections.of(cfg, name)
+  known = sections.keys(name) + sections.subsections(name) + extra_keys
+  unknown = sorted(set(given or {}) - set(known))
   _require(not unknown, name, f"unknown key(s) {unknown}; known keys: {sorted(known)}")
-  missing = sorted(set(sections.required_keys(name)) - set(given))
-  _require(name in cfg or not missing, name, "missing section")
+  missing = sorted(set(sections.required_keys(name)) - set(given or {}))
+  _require(given is not None or not missing, name, "missing section")
   _require(not missing, name, f"missing key(s) {missing}")
 
 
@@ -103,7 +103,7 @@ def _build(cfg: Mapping, name: str, cls, **derived):
   """`cls` (one of section `name`'s dataclasses) from the section's keys that
   are its fields, and `derived` (fields the run decides, `settings.derived`).
   Its checks' errors name the key: `config.sampler.top_p: ...`."""
-  given = {k: v for k, v in cfg.get(name, {}).items() if k in settings.keys(cls)}
+  given = {k: v for k, v in (sections.of(cfg, name) or {}).items() if k in settings.keys(cls)}
   try:
     return cls(**given, **derived)
   except settings.SettingError as e:
@@ -156,9 +156,9 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
   """
   cfg = config.to_dict() if isinstance(config, ml_collections.ConfigDict) else dict(config)
   top_keys = sections.keys("<top level>")
-  unknown = sorted(set(cfg) - set(top_keys) - set(sections.SECTIONS))
+  unknown = sorted(set(cfg) - set(top_keys) - set(sections.top_level()))
   _require(not unknown, "<top level>", f"unknown key(s) {unknown}; known keys: "
-           f"{sorted(top_keys + tuple(sections.SECTIONS))}")
+           f"{sorted(top_keys + sections.top_level())}")
   for key in sections.required_keys("<top level>"):
     _require(key in cfg, key, "missing")
   run = _wrap("<top level>", sections.RunSection, **{k: cfg[k] for k in top_keys if k in cfg})
@@ -185,7 +185,7 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
   env = _wrap("env", env_entry.config_cls,
               **{k: v for k, v in env_cfg.items() if k not in sections.keys("env")})
   tokenizer = _tokenizer(parts["tokenizer"])
-  model = _model(parts["model"], tokenizer)
+  model = dataclasses.replace(_model(parts["model"], tokenizer), lora=parts["learner.lora"])
   inputs, data = _inputs(parts, env_entry, env, tokenizer, eval_size=run.eval_size)
   _require(parts["sampler"].prompt_len + parts["sampler"].max_new_tokens <= model.max_seq_len,
            "sampler.prompt_len", f"prompt_len + max_new_tokens = "
@@ -321,6 +321,16 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
            f"{s.num_slots} must be a positive multiple of orchestrator.group_size={g}")
   _require(not model.value_head or loss_name == "vtrace", "model.value_head",
            f"a critic is trained only by learner.loss='vtrace', got {loss_name!r}")
+  _require(not model.lora.init_from or model.lora.enabled, "learner.lora.init_from",
+           "starts adapters from a PEFT folder: it needs learner.lora.rank > 0")
+  if model.lora.init_from:
+    try:
+      peft_adapters.check_matches(model.lora.init_from, model.lora)
+    except (OSError, ValueError) as e:
+      raise ConfigError(f"config.learner.lora.init_from: {e}") from e
+  _require(not (model.value_head and model.lora.enabled), "learner.lora.rank",
+           "a LoRA run trains its adapters only, and a critic's value head is not one "
+           "(model.value_head=True): use full fine-tuning (rank 0) for an actor-critic run")
   tokenizer, eval_env = inputs.tokenizer, inputs.eval_env
   sampling = _build(config, "sampler", sampling_lib.SamplingSettings, eos_id=tokenizer.eos_id,
                     pad_id=tokenizer.pad_id,
@@ -341,7 +351,9 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
       # (kv_cache and decode_burst, if auto, are chosen once the sampler's
       # platform is known: `auto_settings.resolve`)
       engine=dataclasses.replace(s, multi_turn=eval_env.multi_turn),
-      sampler_model=dataclasses.replace(model, param_dtype=s.param_dtype),
+      # (the sampler runs every parameter in its dtype, the base included)
+      sampler_model=dataclasses.replace(model, param_dtype=s.param_dtype,
+                                        lora=dataclasses.replace(model.lora, base_dtype="auto")),
       sampling=sampling,
       orchestrator=o,
       loss=loss, packing=None, optim=_build(config, "learner", optim_lib.OptimConfig),

@@ -21,12 +21,14 @@ that must fit the sampler) are `config_lib.build`'s.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 
 from arl_jax import checkpointing, settings
 from arl_jax.envs import prompt_source
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import loss_settings, optim
 from arl_jax.metrics import writer as writer_lib
+from arl_jax.models import lora
 from arl_jax.orchestrator import orchestrator_config
 from arl_jax.sampler import engine_config, sampling
 from arl_jax.sharding import mesh_lib
@@ -216,7 +218,8 @@ class FleetConfig:
 
 # Section name -> the dataclasses whose fields are its keys (`settings.keys`;
 # one section's classes declare disjoint keys). A section whose keys all have
-# defaults may be left out of a config.
+# defaults may be left out of a config. A dotted name is a section inside
+# another (`learner.lora`: `config.learner.lora.rank`), listed after it.
 SECTIONS = {
     "model": (ModelSection,),
     "mesh": (mesh_lib.MeshConfig,),
@@ -226,12 +229,32 @@ SECTIONS = {
     "learner": (loss_settings.Objective, loss_settings.ClippedRatio, loss_settings.Vtrace,
                 loss_settings.M2po, loss_settings.StepLayout, loss_settings.Scoring,
                 optim.OptimConfig),
+    "learner.lora": (lora.LoraConfig,),
     "warmup": (WarmupSection,),
     "data": (prompt_source.DataConfig,),
     "tokenizer": (tokenizer_lib.TokenizerConfig,),
     "checkpoint": (checkpointing.CheckpointConfig,),
     "fleet": (FleetConfig,),
 }
+
+
+def top_level() -> tuple[str, ...]:
+  """The sections a config holds at its top level."""
+  return tuple(name for name in SECTIONS if "." not in name)
+
+
+def subsections(name: str) -> tuple[str, ...]:
+  """The keys of section `name` that are sections themselves (`lora` of `learner`)."""
+  return tuple(n.rpartition(".")[2] for n in SECTIONS if n.rpartition(".")[0] == name)
+
+
+def of(config: Mapping, name: str):
+  """Section `name` of `config` (a nested mapping), or None when it is absent."""
+  for part in name.split("."):
+    if not isinstance(config, Mapping) or part not in config:
+      return None
+    config = config[part]
+  return config
 
 
 def keys(name: str) -> tuple[str, ...]:

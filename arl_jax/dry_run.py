@@ -10,6 +10,11 @@ process's own memory (compiled programs, the runtime, Python, host copies)
 comes on top: `benchmarks/real_size.py` measures both against a run. It
 reads no device memory and compiles nothing, so it can plan a TPU config on a
 laptop: `num_devices` overrides the device count it plans for.
+
+With LoRA (`learner.lora.rank` > 0) the learner holds the frozen base once
+and the adapters with their moments, gradients and reference; the sampler
+holds the base once and each version's adapters; a publish moves the
+adapters alone (`Plan.publish_bytes`).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import jax
 import numpy as np
 
 from arl_jax import config_lib
-from arl_jax.models import init_lib
+from arl_jax.models import init_lib, lora
 from arl_jax.sampler import engine_config
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
@@ -49,6 +54,8 @@ class Plan:
   num_params: int
   learner: RolePlan
   sampler: RolePlan
+  trainable_params: int = 0  # (0: every parameter trains)
+  publish_bytes: int = 0  # what each publish moves to the sampler (one replica)
 
   def per_device_peak(self) -> int:
     """Bytes on the busiest device (both roles on one device when colocated)."""
@@ -82,10 +89,16 @@ def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
   sampler_mesh = mesh_lib.resolve_shape(spec.mesh.sampler, len(sampler_devices), "sampler")
   lm, sm = dict(learner_mesh), dict(sampler_mesh)
   _, abstract_state = init_lib.abstract_model(spec.model)
+  trainable, frozen = lora.split(abstract_state)  # (without adapters: all, nothing)
+  adapters = bool(jax.tree.leaves(frozen))
 
-  # Learner: params, AdamW's two moments and the gradients in the param dtype.
-  params = _sharded_bytes(abstract_state, lm, rules_lib.LEARNER_RULES, spec.model.param_dtype)
-  learner = {"params": params, "adam_moments": 2 * params, "gradients": params}
+  # Learner: what trains, with AdamW's two moments and the gradients in the
+  # param dtype; with LoRA the frozen base beside it, in its own dtype.
+  params = _sharded_bytes(trainable, lm, rules_lib.LEARNER_RULES, spec.model.param_dtype)
+  learner = {"params": params} if not adapters else {
+      "frozen_base": _sharded_bytes(frozen, lm, rules_lib.LEARNER_RULES, spec.model.base_dtype),
+      "adapters": params}
+  learner.update(adam_moments=2 * params, gradients=params)
   if spec.loss.layout.num_microbatches > 1:
     # The scan over microbatches carries the sum beside each one's gradients.
     learner["gradient_accumulator"] = params
@@ -98,10 +111,14 @@ def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
 
   # Sampler: params in its dtype (replicated over `data`); while a swap is in
   # progress the old and new versions coexist, and `pinned` holds up to K + 1.
+  # With LoRA the base is resident once and only the adapters have versions.
   sampler_dtype = spec.sampler_model.param_dtype
-  sampler_params = _sharded_bytes(abstract_state, sm, rules_lib.SAMPLER_RULES, sampler_dtype)
+  sampler_params = _sharded_bytes(trainable, sm, rules_lib.SAMPLER_RULES, sampler_dtype)
   versions = (spec.orchestrator.max_off_policy_steps + 1
               if engine.weight_update == "pinned" else 2)
+  what = "adapters" if adapters else "params"
+  sampler = ({} if not adapters else
+             {"base": _sharded_bytes(frozen, sm, rules_lib.SAMPLER_RULES, sampler_dtype)})
   data, tp = sm.get("data", 1), sm.get("tp", 1)
   slots = math.ceil(engine.num_slots / data)
   per_column = engine_config.kv_bytes_per_column(spec.sampler_model, tp)
@@ -111,12 +128,14 @@ def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
     kv = engine.pool_pages * engine.page_size * per_column
   else:
     kv_name, kv = "kv_cache", slots * engine.length * per_column
-  sampler = {f"params_x{versions}_versions": versions * sampler_params, kv_name: kv,
-             "slot_state": slots * engine.length * (4 + 1 + 4 + 4 + 1)}
+  sampler.update({f"{what}_x{versions}_versions": versions * sampler_params, kv_name: kv,
+                  "slot_state": slots * engine.length * (4 + 1 + 4 + 4 + 1)})
+  publish = _sharded_bytes(trainable, {}, rules_lib.SAMPLER_RULES, sampler_dtype)
   return Plan(num_devices=num_devices, colocated=learner_devices == sampler_devices,
               num_params=cfg.num_params,
               learner=RolePlan("learner", learner_mesh, learner),
-              sampler=RolePlan("sampler", sampler_mesh, sampler))
+              sampler=RolePlan("sampler", sampler_mesh, sampler),
+              trainable_params=cfg.adapter_params, publish_bytes=publish)
 
 
 def learner_rows(spec: config_lib.RunSpec, fsdp: int) -> tuple[int, int]:
@@ -171,6 +190,10 @@ def format_plan(p: Plan, device_memory: int | None = None) -> str:
   """The plan as text; with `device_memory` (bytes), whether it fits."""
   lines = [f"devices: {p.num_devices} ({'colocated' if p.colocated else 'disaggregated'})",
            f"parameters: {p.num_params:,} ({p.num_params / 1e6:.2f}M)"]
+  if p.trainable_params:
+    lines.append(f"trained: {p.trainable_params:,} LoRA adapter parameters "
+                 f"({100 * p.trainable_params / p.num_params:.2f}% of the base, frozen)")
+  lines.append(f"each publish moves {p.publish_bytes / 2**20:,.1f} MiB to the sampler")
   for role in (p.learner, p.sampler):
     lines.append(f"{role.role} mesh {dict(role.mesh)}: {role.total / _GIB:.3f} GiB per device")
     lines += [f"  {name}: {size / _GIB:.3f} GiB" for name, size in role.memory.items()]

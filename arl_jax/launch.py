@@ -164,14 +164,15 @@ def main(argv) -> None:
 def _main(stop) -> None:
   # (Importing these initialises no JAX backend: distributed init still comes first.)
   from arl_jax import checkpointing, config_lib  # noqa: PLC0415
-  from arl_jax.training import workdir_lock  # noqa: PLC0415
+  from arl_jax.training import start, workdir_lock  # noqa: PLC0415
 
   # What the user can fix: a config key, a missing data, model or checkpoint
-  # file, a checkpoint of another model, the workdir. Their messages name the
+  # file, a checkpoint of another model or base, the workdir. Their messages name the
   # problem, so a traceback would only bury it; every other exception is a bug
   # and keeps its traceback.
   bad_input = (_BadInput, config_lib.ConfigError, checkpointing.CheckpointFormatError,
-               checkpointing.DamagedCheckpoint, FileNotFoundError, workdir_lock.WorkdirInUse)
+               checkpointing.DamagedCheckpoint, FileNotFoundError, workdir_lock.WorkdirInUse,
+               start.AnotherBase)
   try:
     result = _launch(stop)
   except bad_input as e:

@@ -34,6 +34,7 @@ from arl_jax.metrics import host_memory
 from arl_jax.metrics import startup as startup_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import init_lib
+from arl_jax.models import lora as lora_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
@@ -194,7 +195,10 @@ def _train(run: run_context.RunContext, beginning: start.Beginning,
       if not finished:
         return learner_loop.LoopResult(version=0, groups_trained=0, batches=[], complete=False,
                                        stop_reason=run.stop.reason)
-    state, state_shardings = train_state_lib.create(params, optimizer, run.meshes.learner)
+  # What trains (the whole model, or a LoRA run's adapters) and what stays.
+  trainable, frozen = lora_lib.split(params)
+  if restored is None:
+    state, state_shardings = train_state_lib.create(trainable, optimizer, run.meshes.learner)
   else:
     state, state_shardings = restored.state, beginning.state_shardings
   # The KL penalty's reference policy: the params RL started from (after any
@@ -205,18 +209,21 @@ def _train(run: run_context.RunContext, beginning: start.Beginning,
                  else jax.tree.map(jnp.copy, state.params))
   update_fn = update_lib.make_update_fn(graphdef=run.graphdef, optimizer=optimizer,
                                         settings=spec.loss, state_shardings=state_shardings,
-                                        mesh=run.meshes.learner, reference_params=reference)
+                                        mesh=run.meshes.learner, reference_params=reference,
+                                        frozen=frozen)
   run.clock.mark("build")
   if restored is None:  # (a resumed run's records hold this evaluation already)
-    run.eval_log(state.params, 0, "rl")
+    run.eval_log(lora_lib.merge(state.params, frozen), 0, "rl")
     run.clock.mark("eval")
   _, abstract_state = init_lib.abstract_model(spec.model)
   publisher = publish_lib.WeightPublisher(
       run.meshes.learner, rules_lib.state_shardings(abstract_state, run.meshes.sampler,
                                                     rules_lib.SAMPLER_RULES),
-      dtype=spec.sampler_model.param_dtype)
+      dtype=spec.sampler_model.param_dtype,
+      frozen=frozen if jax.tree.leaves(frozen) else None)
   learner = run_context.Learner(state=state, update_fn=update_fn, publisher=publisher,
-                                reference=reference, version=beginning.version)
+                                reference=reference, version=beginning.version, frozen=frozen,
+                                base=beginning.base)
   if not lockstep.is_leader():
     complete = follower.follow(run, learner)
     run.print_fn(f"{'done' if complete else 'stopped'}: {learner.version} updates (following "

@@ -8,11 +8,14 @@ sampler's PartitionSpecs on a local mesh of the sampler's shape, because a pull
 into a different per-shard layout returns wrong values without an error
 (docs/jax_notes.md). The sampler process builds the same shardings on its own mesh.
 
-Protocol (ZeroMQ REQ/REP, JSON): a sampler sends `{"have": version or null}`;
-the server answers `{"version": v}` when nothing newer exists, else schedules
-one pull of version `v` under a fresh id and answers `{"version": v, "uuid": u,
-"address": transfer address}`. One pull is scheduled per request, so any number
-of samplers can pull the same version.
+Protocol (ZeroMQ REQ/REP, JSON): a sampler sends `{"have": version or null,
+"has_base": bool}`; the server answers `{"version": v}` when nothing newer
+exists, else schedules one pull of version `v` under a fresh id and answers
+`{"version": v, "uuid": u, "address": transfer address, "whole": bool}`. One
+pull is scheduled per request, so any number of samplers can pull the same
+version. With LoRA (`models/lora.py`) a sampler's first pull is the whole
+model (`whole`: the frozen base and the adapters) and every later one the
+adapters alone, which it puts beside the base it keeps.
 
 `WeightClient.latest()` has the interface of `WeightPublisher.latest()`, so a
 sampler engine in another process uses it unchanged.
@@ -28,6 +31,8 @@ import time
 import jax
 import zmq
 from jax.experimental import transfer
+
+from arl_jax.models import lora as lora_lib
 
 
 def _transfer_server(devices, host: str):
@@ -57,6 +62,7 @@ class WeightServer:
     self.address = f"tcp://{host}:{port}"
     self._ids = itertools.count(1)
     self.pulls_served = 0
+    self.bytes_served = 0  # what the pulls served moved (one sampler's copy each)
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._serve, name="weight-server", daemon=True)
     self._thread.start()
@@ -68,13 +74,16 @@ class WeightServer:
       if not poller.poll(50):
         continue
       request = json.loads(self._socket.recv())
-      version, params = self._publisher.latest()
+      version, params, trained = self._publisher.latest_trained()
       reply = {"version": version}
       if version is not None and request.get("have") != version:
+        whole = not (self._publisher.has_frozen_base and request.get("has_base"))
+        served = params if whole else trained
         uuid = next(self._ids)
-        self._transfer.await_pull(uuid, params)
-        reply.update(uuid=uuid, address=self._transfer.address())
+        self._transfer.await_pull(uuid, served)
+        reply.update(uuid=uuid, address=self._transfer.address(), whole=whole)
         self.pulls_served += 1
+        self.bytes_served += sum(x.nbytes for x in jax.tree.leaves(served))
       self._socket.send(json.dumps(reply).encode())
 
   def close(self) -> None:
@@ -99,6 +108,10 @@ class WeightClient:
       timeout_s: how long an answer may take before `latest` raises.
     """
     self._abstract = abstract_params
+    # With LoRA adapters: their part, and the base once the first pull brought it.
+    self._abstract_trained, abstract_base = lora_lib.split(abstract_params)
+    self._keeps_base = bool(jax.tree.leaves(abstract_base))
+    self._base = None
     self._transfer = _transfer_server(jax.devices(), host)
     self._connections: dict[str, object] = {}
     self._context = zmq.Context.instance()
@@ -111,6 +124,7 @@ class WeightClient:
     self.params = None
     self.pulls = 0
     self.pull_seconds = 0.0
+    self.pulled_bytes = 0
 
   def _connect(self):
     socket = self._context.socket(zmq.REQ)
@@ -124,7 +138,8 @@ class WeightClient:
     if now - self._last_poll < self._poll_interval_s:
       return self.version, self.params
     self._last_poll = now
-    self._socket.send(json.dumps({"have": self.version}).encode())
+    self._socket.send(json.dumps({"have": self.version,
+                                  "has_base": self._base is not None}).encode())
     try:
       reply = json.loads(self._socket.recv())
     except zmq.Again:
@@ -138,10 +153,17 @@ class WeightClient:
       if connection is None:
         connection = self._connections[reply["address"]] = self._transfer.connect(
             reply["address"])
-      params = connection.pull(reply["uuid"], self._abstract)
+      whole = reply.get("whole", True)
+      params = connection.pull(reply["uuid"],
+                               self._abstract if whole else self._abstract_trained)
       jax.block_until_ready(params)
       self.pull_seconds += time.monotonic() - start
       self.pulls += 1
+      self.pulled_bytes += sum(x.nbytes for x in jax.tree.leaves(params))
+      if self._keeps_base and whole:
+        self._base = lora_lib.split(params)[1]
+      elif self._keeps_base:
+        params = lora_lib.merge(params, self._base)
       self.version, self.params = reply["version"], params
     return self.version, self.params
 

@@ -11,6 +11,12 @@ Multi-controller runs: the learner mesh spans processes and each process
 samples on its own devices, so step (1) gathers a whole replica onto every
 learner device (a collective across processes, in the sampler's dtype) and
 step (2) moves this process's replica to its sampler mesh.
+
+With LoRA (`models/lora.py`) the learner trains only the adapters: the frozen
+base moves to the sampler mesh once, when the publisher is built, and every
+publish moves the adapters alone (`published_bytes` says how many bytes a
+publish moved); the sampler decodes with the resident base plus the newest
+adapters, unmerged, as the learner scores.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from arl_jax.models import lora as lora_lib
 from arl_jax.sharding import rules as rules_lib
 
 
@@ -37,19 +44,11 @@ def _check_axes_match(sampler_shardings, learner_mesh: Mesh, sampler_mesh: Mesh)
           "on both meshes")
 
 
-class WeightPublisher:
-  """Holds the newest published `(version, sampler params)`; thread-safe."""
+class _Mover:
+  """Moves a params State from the learner mesh onto its `sampler_shardings`
+  (steps 1 and 2 of the module docstring), cast to `dtype` when given."""
 
   def __init__(self, learner_mesh: Mesh, sampler_shardings, dtype=None):
-    """Args:
-      learner_mesh: the mesh the learner params live on.
-      sampler_shardings: State of NamedShardings on the sampler mesh (the
-        sampler rule table applied to the model).
-      dtype: optional dtype the sampler runs in (e.g. bfloat16); the cast runs
-        on the learner devices, before the transfer, so fewer bytes move.
-    """
-    sampler_mesh = jax.tree.leaves(sampler_shardings)[0].mesh
-    _check_axes_match(sampler_shardings, learner_mesh, sampler_mesh)
     specs = rules_lib.specs_of(sampler_shardings)
     self._sampler_shardings = sampler_shardings
     # Several processes: a whole replica everywhere (see the module docstring).
@@ -61,24 +60,69 @@ class WeightPublisher:
     # next (donating) update step invalidates.
     cast = lambda x: jnp.copy(x) if dtype is None or x.dtype == dtype else x.astype(dtype)
     self._reshard = jax.jit(lambda p: jax.tree.map(cast, p), out_shardings=bridge_shardings)
-    self._cond = threading.Condition()
-    self._version: int | None = None
-    self._params = None
 
-  def publish(self, params, version: int) -> None:
-    """Makes `params` (on the learner mesh) live for sampling as `version`."""
-    with self._cond:
-      if self._version is not None and version <= self._version:
-        raise ValueError(f"published version {version} is not newer than {self._version}")
+  def __call__(self, params):
     bridged = self._reshard(params)
     if self._gather:  # this process's replica (the first of its learner devices)
       bridged = jax.tree.map(lambda x: x.addressable_shards[0].data, bridged)
-    sampler_params = jax.device_put(bridged, self._sampler_shardings)
+    return jax.device_put(bridged, self._sampler_shardings)
+
+
+class WeightPublisher:
+  """Holds the newest published `(version, sampler params)`; thread-safe."""
+
+  def __init__(self, learner_mesh: Mesh, sampler_shardings, dtype=None, frozen=None):
+    """Args:
+      learner_mesh: the mesh the learner params live on.
+      sampler_shardings: State of NamedShardings on the sampler mesh (the
+        sampler rule table applied to the whole model).
+      dtype: optional dtype the sampler runs in (e.g. bfloat16); the cast runs
+        on the learner devices, before the transfer, so fewer bytes move.
+      frozen: the frozen base on the learner mesh when the model has
+        adapters (`lora.split`): moved to the sampler mesh here, once;
+        `publish` then takes the adapters only. None: `publish` takes the
+        whole model.
+    """
+    sampler_mesh = jax.tree.leaves(sampler_shardings)[0].mesh
+    _check_axes_match(sampler_shardings, learner_mesh, sampler_mesh)
+    trainable, base = lora_lib.split(sampler_shardings)
+    if bool(frozen is not None and jax.tree.leaves(frozen)) != bool(jax.tree.leaves(base)):
+      raise ValueError("a model with adapters publishes them with its frozen base given "
+                       "once (frozen=...); a model without takes no frozen base")
+    self._move = _Mover(learner_mesh, trainable, dtype)
+    self._base = _Mover(learner_mesh, base, dtype)(frozen) if jax.tree.leaves(base) else None
+    self._cond = threading.Condition()
+    self._version: int | None = None
+    self._params = None
+    self._moved = None
+    self.published_bytes = 0  # what the last publish moved to the sampler mesh
+
+  def publish(self, params, version: int) -> None:
+    """Makes `params` (the trainable params on the learner mesh: the whole
+    model, or its adapters) live for sampling as `version`."""
     with self._cond:
-      self._version, self._params = version, sampler_params
+      if self._version is not None and version <= self._version:
+        raise ValueError(f"published version {version} is not newer than {self._version}")
+    moved = self._move(params)
+    sampler_params = moved if self._base is None else lora_lib.merge(moved, self._base)
+    with self._cond:
+      self._version, self._params, self._moved = version, sampler_params, moved
+      self.published_bytes = sum(x.nbytes for x in jax.tree.leaves(moved))
       self._cond.notify_all()
 
   def latest(self):
     """`(version, params)` of the newest publish, or `(None, None)`."""
     with self._cond:
       return self._version, self._params
+
+  def latest_trained(self):
+    """`(version, params, trained)` of the newest publish: `trained` is the
+    part a publish moves (the adapters with LoRA, else the whole params), so
+    that a holder of the base needs only it (`distributed/weight_transfer.py`)."""
+    with self._cond:
+      return self._version, self._params, self._moved
+
+  @property
+  def has_frozen_base(self) -> bool:
+    """Whether the params are a resident base plus published adapters."""
+    return self._base is not None

@@ -46,6 +46,7 @@ from arl_jax.learner import loss_settings as loss_settings_lib
 from arl_jax.learner import losses as losses_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import vtrace as vtrace_lib
+from arl_jax.models import lora as lora_lib
 
 # Token-lag buckets of the |log-ratio| metrics: (name, lowest lag, highest lag).
 LAG_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3_4", 3, 4), ("5_8", 5, 8),
@@ -155,17 +156,18 @@ def _objective(params, micro, weights, *, logprobs_fn,
 
 
 def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBatch,
-               reference_params=None, *, graphdef, optimizer: optax.GradientTransformation,
-               settings: loss_settings_lib.LossSettings):
+               reference_params=None, *, frozen=None, graphdef, optimizer, settings):
   """Trains on one batch of (possibly version-mixed) rollouts.
 
   Args:
-    state: the learner state; `state.step` is the version `u` being updated.
+    state: the learner state; `state.step` is the version `u` being updated,
+      `state.params` what trains (the whole model, or its LoRA adapters).
     batch: `B_u`.
-    reference_params: params of the reference policy (needed iff kl_coef > 0).
+    reference_params: the reference policy's, laid out like `state.params`
+      (needed iff kl_coef > 0).
+    frozen: what does not train (a LoRA run's base: `lora.split`), or None.
 
-  Returns:
-    `(new_state, metrics)`; metrics are float32 scalars.
+  Returns `(new_state, metrics)`; metrics are float32 scalars.
   """
   s = settings
   if (s.objective.kl_coef > 0) != (reference_params is not None):
@@ -173,7 +175,7 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
 
   def logprobs(params, rows, with_values=False):
     return logprobs_lib.token_logprobs_and_entropy(
-        graphdef, params, rows.tokens, rows.segment_ids, rows.positions,
+        graphdef, whole(params, frozen), rows.tokens, rows.segment_ids, rows.positions,
         s.objective.temperature, with_values, **s.scoring.kwargs(s.mesh))
 
   # Versions since each token was sampled (prompt and observation tokens carry
@@ -255,6 +257,12 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
   return new_state, jax.tree.map(lambda x: x.astype(jnp.float32), metrics)
 
 
+def whole(params, frozen):
+  """The model's params from its trainable `params` and `frozen` ones (None:
+  nothing is frozen)."""
+  return params if frozen is None else lora_lib.merge(params, frozen)
+
+
 def _unsplit(x):
   """Inverse of `_split` for one array `[n, B / n, ...] -> [B, ...]`."""
   x = jnp.swapaxes(x, 0, 1)
@@ -269,22 +277,32 @@ def batch_shardings(mesh: Mesh) -> train_batch_lib.TrainBatch:
 
 
 def make_update_fn(*, graphdef, optimizer, settings: loss_settings_lib.LossSettings | None,
-                   state_shardings, mesh: Mesh, step_fn=train_step, reference_params=None):
+                   state_shardings, mesh: Mesh, step_fn=train_step, reference_params=None,
+                   frozen=None):
   """Jits `step_fn` with explicit shardings and a donated state.
 
   Returns `update(state, batch) -> (state, metrics)`; `reference_params`
-  (laid out like the state's params) are passed to every step when given.
-  A `step_fn` wrapped by a `trace_counter.TraceCounter` counts its compiles.
+  (laid out like the state's params) are passed to every step when given,
+  and so are the `frozen` params (a LoRA run's base: never donated, never
+  trained). A `step_fn` wrapped by a `trace_counter.TraceCounter` counts
+  its compiles.
   """
   if settings is not None:
     settings = dataclasses.replace(settings, mesh=mesh)
-  step = functools.partial(step_fn, graphdef=graphdef, optimizer=optimizer, settings=settings)
+  if frozen is not None and not jax.tree.leaves(frozen):
+    frozen = None  # (full fine-tuning: nothing is frozen)
+
+  def step(state, batch, frozen, *reference):
+    return step_fn(state, batch, *reference, frozen=frozen, graphdef=graphdef,
+                   optimizer=optimizer, settings=settings)
+
   rows = batch_shardings(mesh)
-  in_shardings = (state_shardings, rows) + (() if reference_params is None else
-                                            (state_shardings.params,))
+  frozen_shardings = None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen)
+  in_shardings = (state_shardings, rows, frozen_shardings) + (
+      () if reference_params is None else (state_shardings.params,))
   jitted = jax.jit(step, in_shardings=in_shardings,
                    out_shardings=(state_shardings, NamedSharding(mesh, P())), donate_argnums=0)
-  extra = () if reference_params is None else (reference_params,)
+  extra = (frozen,) + (() if reference_params is None else (reference_params,))
 
   def update(state, batch):
     # Host rows placed explicitly: jit takes host arrays only for replicated

@@ -19,15 +19,17 @@ from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import losses as losses_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import update as update_lib
+from arl_jax.models import lora as lora_lib
 
 
 def sft_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBatch, *,
-             graphdef, optimizer: optax.GradientTransformation, settings):
+             frozen=None, graphdef, optimizer: optax.GradientTransformation, settings):
   """Cross-entropy on `loss_mask` tokens; same signature as `update.train_step`."""
   del settings
 
   def objective(params):
-    logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, params, batch.tokens,
+    whole = update_lib.whole(params, frozen)
+    logp, _ = logprobs_lib.token_logprobs_and_entropy(graphdef, whole, batch.tokens,
                                                       batch.segment_ids, batch.positions, 1.0)
     return -losses_lib.masked_mean(logp, batch.loss_mask)
 
@@ -71,21 +73,23 @@ def run_warmup(*, params, graphdef, mesh, optimizer, steps: int, batch_size: int
 
   Returns:
     `(params, steps_done)`: the updated params (same shardings as given) and
-    how many steps ran (`steps` unless stopped).
+    how many steps ran (`steps` unless stopped). A model with LoRA adapters
+    trains them only, as RL does.
   """
-  state, state_shardings = train_state_lib.create(params, optimizer, mesh)
+  trainable, frozen = lora_lib.split(params)
+  state, state_shardings = train_state_lib.create(trainable, optimizer, mesh)
   step_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer, settings=None,
                                       state_shardings=state_shardings, mesh=mesh,
-                                      step_fn=sft_step)
+                                      step_fn=sft_step, frozen=frozen)
   # Stream 1 of the seed; stream 0 chose the warm-up subset (run_lib).
   rng = np.random.default_rng((seed, 1))
   for step in range(steps):
     if should_stop is not None and should_stop():
-      return state.params, step
+      return lora_lib.merge(state.params, frozen), step
     idx = rng.integers(0, len(prompt_ids), batch_size)
     batch = supervised_batch([prompt_ids[i] for i in idx], [demonstrations[i] for i in idx],
                              prompt_len=prompt_len, max_new_tokens=max_new_tokens, pad_id=pad_id)
     state, metrics = step_fn(state, batch)
     if log_fn is not None and (step % 50 == 0 or step == steps - 1):
       log_fn(step, jax.device_get(metrics))
-  return state.params, steps
+  return lora_lib.merge(state.params, frozen), steps

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from arl_jax.models import lora as lora_lib
 from arl_jax.models import model_config as model_config_lib
 from arl_jax.models import paged_blocks as paged_blocks_lib
 from arl_jax.models import rope as rope_lib
@@ -34,6 +35,22 @@ _MASK_VALUE = -1e30
 def _param(rngs: nnx.Rngs, shape, logical_axes, dtype, stddev) -> nnx.Param:
   value = stddev * jax.random.normal(rngs.params(), shape, jnp.float32)
   return nnx.Param(value.astype(dtype), logical_axes=logical_axes)
+
+
+def _adapter(cfg: model_config_lib.ModelConfig, module: str, name: str, in_shape, out_shape,
+             in_axes, out_axes, rngs: nnx.Rngs) -> lora_lib.Adapter | None:
+  """The LoRA adapter of projection `module`.`name`, or None when `cfg.lora`
+  gives it none (`lora.py`)."""
+  lora = cfg.lora
+  if not lora.adapts(module, name):
+    return None
+  return lora_lib.Adapter(in_shape, out_shape, in_axes, out_axes, lora.rank, lora.scale,
+                          jnp.dtype(cfg.param_dtype), rngs)
+
+
+def _plus(adapter: lora_lib.Adapter | None, x: jax.Array, y: jax.Array) -> jax.Array:
+  """`y` (a projection of `x`) plus its adapter's delta, if it has one."""
+  return y if adapter is None else y + adapter(x, y)
 
 
 class RMSNorm(nnx.Module):
@@ -55,6 +72,11 @@ class Attention(nnx.Module):
   def __init__(self, cfg: model_config_lib.ModelConfig, rngs: nnx.Rngs, dtype):
     d, h, k, dh = cfg.d_model, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     std = 1.0 / math.sqrt(d)
+    embed, heads, kv = ("embed",), ("q_heads", "head_dim"), ("kv_heads", "head_dim")
+    self.q_lora = _adapter(cfg, "attn", "q_proj", (d,), (h, dh), embed, heads, rngs)
+    self.k_lora = _adapter(cfg, "attn", "k_proj", (d,), (k, dh), embed, kv, rngs)
+    self.v_lora = _adapter(cfg, "attn", "v_proj", (d,), (k, dh), embed, kv, rngs)
+    self.o_lora = _adapter(cfg, "attn", "o_proj", (h, dh), (d,), heads, embed, rngs)
     self.q_proj = _param(rngs, (d, h, dh), ("embed", "q_heads", "head_dim"), dtype, std)
     self.k_proj = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), dtype, std)
     self.v_proj = _param(rngs, (d, k, dh), ("embed", "kv_heads", "head_dim"), dtype, std)
@@ -95,9 +117,9 @@ class Attention(nnx.Module):
     Returns:
       `([B, T, D] output, updated layer view or None)`.
     """
-    q = jnp.einsum("btd,dhe->bthe", x, self.q_proj[...])
-    k = jnp.einsum("btd,dke->btke", x, self.k_proj[...])
-    v = jnp.einsum("btd,dke->btke", x, self.v_proj[...])
+    q = _plus(self.q_lora, x, jnp.einsum("btd,dhe->bthe", x, self.q_proj[...]))
+    k = _plus(self.k_lora, x, jnp.einsum("btd,dke->btke", x, self.k_proj[...]))
+    v = _plus(self.v_lora, x, jnp.einsum("btd,dke->btke", x, self.v_proj[...]))
     if self.cfg.qkv_bias:
       q, k, v = q + self.q_bias[...], k + self.k_bias[...], v + self.v_bias[...]
     if self.cfg.qk_norm:
@@ -128,7 +150,7 @@ class Attention(nnx.Module):
     else:
       out, new_cache = self._attend(q, k, v, attn_mask, layer_cache, cache_index, write_mask)
       out = out.astype(x.dtype)
-    out = jnp.einsum("bthe,hed->btd", out, self.o_proj[...])
+    out = _plus(self.o_lora, out, jnp.einsum("bthe,hed->btd", out, self.o_proj[...]))
     if self.cfg.out_bias:
       out = out + self.o_bias[...]
     return out, new_cache
@@ -160,10 +182,14 @@ class SwiGLU(nnx.Module):
     self.gate = _param(rngs, (d, f), ("embed", "mlp"), dtype, 1.0 / math.sqrt(d))
     self.up = _param(rngs, (d, f), ("embed", "mlp"), dtype, 1.0 / math.sqrt(d))
     self.down = _param(rngs, (f, d), ("mlp", "embed"), dtype, 1.0 / math.sqrt(f))
+    self.gate_lora = _adapter(cfg, "mlp", "gate", (d,), (f,), ("embed",), ("mlp",), rngs)
+    self.up_lora = _adapter(cfg, "mlp", "up", (d,), (f,), ("embed",), ("mlp",), rngs)
+    self.down_lora = _adapter(cfg, "mlp", "down", (f,), (d,), ("mlp",), ("embed",), rngs)
 
   def __call__(self, x):
-    hidden = jax.nn.silu(x @ self.gate[...]) * (x @ self.up[...])
-    return hidden @ self.down[...]
+    gate = _plus(self.gate_lora, x, x @ self.gate[...])
+    hidden = jax.nn.silu(gate) * _plus(self.up_lora, x, x @ self.up[...])
+    return _plus(self.down_lora, hidden, hidden @ self.down[...])
 
 
 class Block(nnx.Module):
@@ -186,7 +212,7 @@ class Decoder(nnx.Module):
   """The policy: token ids in, float32 logits out."""
 
   def __init__(self, cfg: model_config_lib.ModelConfig, *, rngs: nnx.Rngs):
-    dtype = jnp.dtype(cfg.param_dtype)
+    dtype = jnp.dtype(cfg.base_dtype)  # (adapters keep cfg.param_dtype)
     self.cfg = cfg
     self.embed = _param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"), dtype,
                         1.0 / math.sqrt(cfg.d_model))

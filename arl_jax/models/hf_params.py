@@ -109,7 +109,7 @@ def param_table(cfg: model_config_lib.ModelConfig) -> dict[tuple, HfParam]:
   return table
 
 
-def _state_path(path) -> tuple:
+def state_path(path) -> tuple:
   """A `tree_map_with_path` path of an nnx.State leaf -> its param path."""
   return tuple(p.key for p in path if isinstance(p, jax.tree_util.DictKey))
 
@@ -122,17 +122,18 @@ class SafetensorsFolder:
   not match its shards is an error naming the file before anything is loaded.
   """
 
-  def __init__(self, folder: str):
+  def __init__(self, folder: str, file: str = "model.safetensors"):
+    """`file`: the one-file name (`adapter_model.safetensors` for a PEFT
+    adapter); `<file>.index.json` names the shards of a sharded one."""
     self.folder = folder
-    index = os.path.join(folder, "model.safetensors.index.json")
+    index = os.path.join(folder, f"{file}.index.json")
     self._headers: dict[str, dict] = {}  # shard -> its parsed header
     if os.path.isfile(index):
       self.files = _weight_map(index)
     else:
-      single = os.path.join(folder, "model.safetensors")
+      single = os.path.join(folder, file)
       if not os.path.isfile(single):
-        raise FileNotFoundError(f"{folder}: neither model.safetensors nor "
-                                "model.safetensors.index.json")
+        raise FileNotFoundError(f"{folder}: neither {file} nor {file}.index.json")
       self._headers[single] = _header(single)
       self.files = dict.fromkeys(self._headers[single], single)
     for name, path in self.files.items():
@@ -279,7 +280,7 @@ def load_params(folder: str, cfg: model_config_lib.ModelConfig, mesh: Mesh,
   dtype = np.dtype(ml_dtypes.bfloat16) if cfg.param_dtype == "bfloat16" else np.float32
 
   def load(path, leaf, sharding):
-    key = _state_path(path)
+    key = state_path(path)
     if key == ("value_head",):  # zero-initialised, as in the decoder
       return jax.device_put(np.zeros(leaf.shape, dtype), sharding)
     row = table[key]
@@ -346,7 +347,7 @@ def save_params(params, cfg: model_config_lib.ModelConfig, folder: str, family: 
   np_dtype, st_dtype = EXPORT_DTYPES[dtype]
   os.makedirs(folder, exist_ok=True)
   table = param_table(cfg)
-  leaves = {_state_path(path): leaf
+  leaves = {state_path(path): leaf
             for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]}
   rows = [(key, row) for key, row in table.items() if key in leaves]  # (value head: not HF)
   missing = sorted(".".join(map(str, k)) for k in table if k not in leaves)

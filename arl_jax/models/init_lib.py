@@ -12,6 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from arl_jax.models import decoder as decoder_lib
+from arl_jax.models import lora as lora_lib
 from arl_jax.models import model_config as model_config_lib
 from arl_jax.sharding import rules as rules_lib
 
@@ -32,3 +33,17 @@ def init_params(cfg: model_config_lib.ModelConfig, mesh: Mesh, rules: rules_lib.
 
   params = jax.jit(init, out_shardings=shardings)()
   return graphdef, params, shardings
+
+
+def init_adapters(cfg: model_config_lib.ModelConfig, mesh: Mesh, rules: rules_lib.Rules,
+                  seed: int):
+  """`(graphdef, adapters)`: the LoRA adapters of a decoder of `cfg` (which
+  has `cfg.lora` on), freshly initialised on `mesh`, without its base (the
+  base's initialisers are traced but not returned, so XLA drops them)."""
+  graphdef, abstract_state = abstract_model(cfg)
+  adapter_shardings, _ = lora_lib.split(rules_lib.state_shardings(abstract_state, mesh, rules))
+
+  def init():
+    return lora_lib.split(nnx.split(decoder_lib.Decoder(cfg, rngs=nnx.Rngs(seed)))[1])[0]
+
+  return graphdef, jax.jit(init, out_shardings=adapter_shardings)()

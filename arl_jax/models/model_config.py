@@ -1,7 +1,10 @@
 """Static description of the decoder: sizes and numerics, nothing learned."""
 
+from __future__ import annotations
+
 import dataclasses
 
+from arl_jax.models import lora as lora_lib
 from arl_jax.models import rope as rope_lib
 
 
@@ -29,6 +32,8 @@ class ModelConfig:
     param_dtype: dtype the parameters are stored and computed in.
     value_head: add a scalar value head on the final hidden state (the critic
       of V-trace actor-critic; it shares the trunk with the policy).
+    lora: low-rank adapters on the projections (`lora.LoraConfig`; rank 0:
+      none). The config's `learner.lora` section.
   """
 
   vocab_size: int
@@ -48,6 +53,7 @@ class ModelConfig:
   tie_embeddings: bool = True
   param_dtype: str = "float32"
   value_head: bool = False
+  lora: lora_lib.LoraConfig = lora_lib.OFF
 
   def __post_init__(self):
     for name in ("vocab_size", "d_model", "num_layers", "num_heads", "num_kv_heads",
@@ -62,6 +68,24 @@ class ModelConfig:
       raise ValueError(f"model.head_dim={self.head_dim} must be even for RoPE")
     if self.param_dtype not in ("float32", "bfloat16"):
       raise ValueError(f"model.param_dtype must be float32 or bfloat16, got {self.param_dtype!r}")
+
+  @property
+  def base_dtype(self) -> str:
+    """The dtype of every parameter but the adapters (which keep `param_dtype`)."""
+    if self.lora.enabled and self.lora.base_dtype != "auto":
+      return self.lora.base_dtype
+    return self.param_dtype
+
+  @property
+  def base(self) -> ModelConfig:
+    """This decoder without adapters, its parameters in `base_dtype`: the
+    frozen base a LoRA run loads (and what a Hugging Face folder holds)."""
+    return dataclasses.replace(self, lora=lora_lib.OFF, param_dtype=self.base_dtype)
+
+  @property
+  def adapter_params(self) -> int:
+    """Exact parameter count of the adapters (0 without LoRA)."""
+    return lora_lib.num_params(self, self.lora)
 
   @property
   def block_params(self) -> int:

@@ -28,6 +28,7 @@ LEARNER_RULES: Rules = {
     "head_dim": None,
     "mlp": "tp",
     "norm": None,
+    "lora_rank": None,  # (an adapter's rank: small, never split)
 }
 
 SAMPLER_RULES: Rules = {
@@ -38,6 +39,7 @@ SAMPLER_RULES: Rules = {
     "head_dim": None,
     "mlp": "tp",
     "norm": None,
+    "lora_rank": None,
     # The slot state (`SlotState.logical_axes`).
     "batch": "data",
     "length": None,

@@ -65,7 +65,7 @@ def follow(run: run_context.RunContext, learner: run_context.Learner) -> bool:
         learner.version += 1
         learner.publisher.publish(learner.state.params, learner.version)
       if step.evaluate:  # (the current params: the old ones were donated)
-        run.eval_log(learner.state.params, learner.version, "rl")
+        run.eval_log(learner.params, learner.version, "rl")
       if step.save:
         # Process 0's open work gets the arrays of the groups held here;
         # every process writes its shards; orbax writes the run record from

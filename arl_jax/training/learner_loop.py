@@ -110,7 +110,7 @@ class LearnerLoop:
   @property
   def params(self):
     """The params of the current version (what evaluation reads)."""
-    return self._learner.state.params
+    return self._learner.params
 
   def run(self) -> LoopResult:
     failed = True
@@ -248,7 +248,8 @@ class LearnerLoop:
     return {"version": self.version, **self._orchestrator.snapshot(self._rollouts.open_segments()),
             "counters": {"groups_trained": self.groups_trained,
                          "rollouts": self._rollouts.state_dict()},
-            "config": self._run.config}
+            "config": self._run.config,
+            **({} if self._learner.base is None else {"base": self._learner.base})}
 
   def _save(self, run_record: dict) -> None:
     # How many lines of each record file belong to this checkpoint's run.

@@ -13,6 +13,8 @@ import dataclasses
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from arl_jax.models import lora as lora_lib
+
 if TYPE_CHECKING:  # (annotations only: the phases import this module)
   from arl_jax.learner.publish import WeightPublisher
   from arl_jax.learner.train_state import TrainState
@@ -77,11 +79,18 @@ class Learner:
   """The learner, ready to train from `version`.
 
   Attributes:
-    state: the TrainState (donated to each update: always read it from here).
+    state: the TrainState (donated to each update: always read it from
+      here); its params are what trains: the whole model, or a LoRA run's
+      adapters (`models/lora.py`).
     update_fn: the jitted update (`update.make_update_fn`).
     publisher: the `WeightPublisher` that ships each version to the sampler.
-    reference: the KL penalty's reference params (saved with the state), or None.
+    reference: the KL penalty's reference params (laid out like the state's
+      params, saved with it), or None.
     version: the version `state` holds, advanced by each update.
+    frozen: the params that never train (a LoRA run's base; empty without
+      adapters), on the learner mesh.
+    base: what identifies a LoRA run's base (`start.base_identity`: saved
+      with every checkpoint), or None.
   """
 
   state: TrainState
@@ -89,3 +98,10 @@ class Learner:
   publisher: WeightPublisher
   reference: Any
   version: int
+  frozen: Any
+  base: dict | None = None
+
+  @property
+  def params(self):
+    """The whole model at the current version (what evaluation reads)."""
+    return lora_lib.merge(self.state.params, self.frozen)

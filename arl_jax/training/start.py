@@ -7,6 +7,12 @@
    fresh optimizer and prompt stream).
 4. `model.hf_path`: a Hugging Face folder's weights.
 5. A random init (also the layout template that 1 and 2 restore onto).
+
+With LoRA (`learner.lora.rank` > 0) 3-5 give the frozen base, and the
+adapters start fresh (B = 0: the base model); a checkpoint holds the
+adapters only, so a resume reads its base from 3-5 again, and refuses a
+checkpoint trained on another base (its record names the base it was
+trained on: `base_identity`).
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ import time
 
 from arl_jax import checkpointing
 from arl_jax.learner import train_state as train_state_lib
-from arl_jax.models import hf_params, init_lib
+from arl_jax.models import fingerprint as fingerprint_lib
+from arl_jax.models import hf_params, init_lib, peft_adapters
+from arl_jax.models import lora as lora_lib
 from arl_jax.sharding import rules as rules_lib
 
 # Config keys a resumed run may change without a warning: how long it runs,
@@ -74,24 +82,44 @@ def existing(path: str, key: str, cfg) -> checkpointing.Checkpointer:
 
 def initial_params(spec, mesh, resuming: bool, print_fn):
   """`(graphdef, params)` a run starts from, laid out on the learner `mesh`
-  (steps 3-5 of the restore order; a resume restores onto these)."""
-  rules = rules_lib.LEARNER_RULES
-  if not resuming and spec.checkpoint.init_from:
+  (steps 3-5 of the restore order; a resume restores onto these): the
+  model's base, and with LoRA fresh adapters beside it."""
+  base = base_params(spec, mesh, resuming, print_fn)
+  if not spec.model.lora.enabled:
+    return init_lib.abstract_model(spec.model)[0], base
+  rules, lora = rules_lib.LEARNER_RULES, spec.model.lora
+  if lora.init_from and not resuming:
+    graphdef = init_lib.abstract_model(spec.model)[0]
+    adapters = peft_adapters.load(lora.init_from, spec.model, mesh, rules)
+    print_fn(f"LoRA adapters from {lora.init_from}")
+  else:  # (fresh, or the template a resume restores the saved ones onto)
+    graphdef, adapters = init_lib.init_adapters(spec.model, mesh, rules, spec.seed)
+  print_fn(f"LoRA: rank {spec.model.lora.rank} adapters on {', '.join(spec.model.lora.targets)}"
+           f" ({spec.model.adapter_params:,} trainable parameters; the base's "
+           f"{spec.model.num_params:,} frozen)")
+  return graphdef, lora_lib.merge(adapters, base)
+
+
+def base_params(spec, mesh, resuming: bool, print_fn):
+  """The model's params without adapters (steps 3-5 of the restore order)."""
+  rules, model = rules_lib.LEARNER_RULES, spec.model.base
+  # (a LoRA checkpoint holds no base: a resume reads it where the run first did)
+  fresh_base = not resuming or spec.model.lora.enabled
+  if fresh_base and spec.checkpoint.init_from:
     init = existing(spec.checkpoint.init_from, "checkpoint.init_from", spec.checkpoint)
-    graphdef, abstract = init_lib.abstract_model(spec.model)
+    _, abstract = init_lib.abstract_model(model)
     shardings = rules_lib.state_shardings(abstract, mesh, rules)
     params = init.restore_params(checkpointing.abstract_like(abstract, shardings))
     print_fn(f"initialised params from {init.directory} (step {init.latest_step()})")
     init.close()
-    return graphdef, params
-  if not resuming and spec.model_hf_path:
+    return params
+  if fresh_base and spec.model_hf_path:
     start = time.monotonic()
-    graphdef, params = hf_params.load_params(spec.model_hf_path, spec.model, mesh, rules)
-    print_fn(f"imported {spec.model_hf_path} ({spec.model.num_params / 1e6:.1f}M params, "
+    _, params = hf_params.load_params(spec.model_hf_path, model, mesh, rules)
+    print_fn(f"imported {spec.model_hf_path} ({model.num_params / 1e6:.1f}M params, "
              f"{time.monotonic() - start:.1f}s)")
-    return graphdef, params
-  graphdef, params, _ = init_lib.init_params(spec.model, mesh, rules, spec.seed)
-  return graphdef, params
+    return params
+  return init_lib.init_params(model, mesh, rules, spec.seed)[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +132,8 @@ class Beginning:
     restored: the checkpoint resumed (None: a fresh start).
     state_shardings: the restored TrainState's shardings (None: a fresh start).
     own: `restored` is this workdir's own (its records continue).
+    base: a LoRA run's frozen base, identified (`base_identity`); None
+      without adapters.
   """
 
   graphdef: object
@@ -111,6 +141,7 @@ class Beginning:
   restored: checkpointing.Restored | None = None
   state_shardings: object = None
   own: bool = False
+  base: dict | None = None
 
   @property
   def version(self) -> int:
@@ -122,17 +153,63 @@ def begin(spec, mesh, checkpoints: Checkpoints, *, optimizer, config: dict, set_
   """Follows the restore order (module docstring) onto the learner `mesh`."""
   resuming = checkpoints.resume is not None
   graphdef, params = initial_params(spec, mesh, resuming, print_fn)
+  trainable, frozen = lora_lib.split(params)
+  base = base_identity(spec, frozen) if spec.model.lora.enabled else None
   if not resuming:
-    return Beginning(graphdef=graphdef, params=params)
-  # Restored onto the layout of freshly initialised params.
-  state, state_shardings = train_state_lib.create(params, optimizer, mesh)
+    return Beginning(graphdef=graphdef, params=params, base=base)
+  # Restored onto the layout of freshly initialised params (what trains: a
+  # LoRA checkpoint holds the adapters, its base came from `initial_params`).
+  state, state_shardings = train_state_lib.create(trainable, optimizer, mesh)
   restored = resume(checkpoints, state=state, state_shardings=state_shardings,
                     reference=state.params if spec.loss.objective.kl_coef > 0 else None,
-                    config=config, print_fn=print_fn, set_aside=set_aside)
+                    config=config, print_fn=print_fn, set_aside=set_aside, base=base)
   print_fn(f"resumed from {checkpoints.resume.directory} at version {restored.run['version']}: "
            f"{describe_work(restored.run['work'])}")
-  return Beginning(graphdef=graphdef, params=restored.state.params, restored=restored,
-                   state_shardings=state_shardings, own=checkpoints.own)
+  return Beginning(graphdef=graphdef, params=lora_lib.merge(restored.state.params, frozen),
+                   restored=restored, state_shardings=state_shardings, own=checkpoints.own,
+                   base=base)
+
+
+def base_identity(spec, frozen) -> dict:
+  """What identifies a LoRA run's frozen base: where it came from and its
+  content fingerprint (`models/fingerprint.py`), saved in every checkpoint."""
+  source = (f"checkpoint {spec.checkpoint.init_from}" if spec.checkpoint.init_from else
+            f"Hugging Face folder {spec.model_hf_path}" if spec.model_hf_path else
+            f"random init (seed {spec.seed})")
+  return {"source": source, "fingerprint": fingerprint_lib.fingerprint(frozen)}
+
+
+class AnotherBase(RuntimeError):
+  """A checkpoint's adapters were trained on another base than this run's
+  (or it holds adapters and this run has none, or the reverse)."""
+
+
+def check_base(run: dict, base: dict | None, where: str) -> None:
+  """Refuses to resume adapters onto a base other than the one they were
+  trained on, before anything is restored (`run`: a checkpoint of `where`'s
+  record).
+
+  Raises:
+    AnotherBase: naming both bases.
+  """
+  saved = run.get("base")
+  if saved == base or (saved is not None and base is not None
+                       and saved.get("fingerprint") == base["fingerprint"]):
+    return
+  if base is None:
+    raise AnotherBase(
+        f"{where} holds LoRA adapters (trained on {saved.get('source')}), but this run has no "
+        "adapters (learner.lora.rank=0): resume it with the rank it was trained with")
+  if saved is None:
+    raise AnotherBase(
+        f"{where} was saved by a run without LoRA adapters; this run trains adapters "
+        "(learner.lora.rank > 0): set rank=0 to resume it, or start from its params with "
+        "checkpoint.init_from")
+  raise AnotherBase(
+      f"{where} holds LoRA adapters trained on another base: {saved.get('source')} "
+      f"(fingerprint {saved.get('fingerprint')}); this run's base is {base['source']} "
+      f"(fingerprint {base['fingerprint']}). Adapters only mean something on the base they "
+      "were trained on: resume with that base (model.hf_path, checkpoint.init_from, seed)")
 
 
 def describe_work(work: dict) -> str:
@@ -147,22 +224,29 @@ def describe_work(work: dict) -> str:
 
 
 def resume(checkpoints: Checkpoints, *, state, state_shardings, reference, config: dict,
-           print_fn, set_aside: bool = True) -> checkpointing.Restored:
+           print_fn, set_aside: bool = True, base: dict | None = None) -> checkpointing.Restored:
   """Restores the newest intact checkpoint of `checkpoints.resume` onto the
   layout of `state` (and `reference`, the KL penalty's params, if any).
 
   Damaged newer steps are reported; in the run's own folder they are moved
   aside (`set_aside`), so that the steps this run saves next do not collide
   with them. A config that differs from the checkpoint's in what the run
-  does (not how long, or where) is reported too.
+  does (not how long, or where) is reported too. `base`: this run's LoRA
+  base (`base_identity`), checked against each checkpoint's before its
+  state is read (`check_base`).
   """
   reader = checkpoints.resume
+
+  def check_run(run: dict) -> dict:
+    check_base(run, base, reader.directory)
+    return prepare_run_record(run)
+
   abstract_reference = None
   if reference is not None:
     abstract_reference = checkpointing.abstract_like(reference, state_shardings.params)
   restored = reader.restore_latest_intact(
       checkpointing.abstract_like(state, state_shardings),
-      abstract_reference=abstract_reference, check_run_fn=prepare_run_record)
+      abstract_reference=abstract_reference, check_run_fn=check_run)
   for step, why in restored.skipped:
     print_fn(f"warning: skipped checkpoint step {step}: {why}")
   if restored.skipped and checkpoints.own and set_aside:

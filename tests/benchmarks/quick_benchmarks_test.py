@@ -30,6 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("benchmarks/long_context.py", {"decode_step", "long_tail", "long_tail_ratio",
                                     "group_prefill", "chunked_prefill"}),
     ("benchmarks/real_size.py", {"launch", "memory", "sampler", "learner"}),
+    ("benchmarks/lora.py", {"sizes", "step", "publish", "decode"}),
 ])
 def test_benchmark_quick_mode_writes_json_rows(tmp_path, script, parts):
   out = tmp_path / "rows.jsonl"

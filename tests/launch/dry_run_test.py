@@ -11,7 +11,8 @@ import pytest
 
 from arl_jax import config_lib, dry_run
 from arl_jax.envs import tokenizer as tokenizer_lib
-from arl_jax.models import init_lib
+from arl_jax.learner import publish as publish_lib
+from arl_jax.models import init_lib, lora
 from arl_jax.sampler import slot_fns
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
@@ -177,3 +178,33 @@ def test_the_cli_plans_a_pool_for_the_device_memory_it_is_given():
   bad = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
   assert bad.returncode == 2 and "kv_memory_fraction" in bad.stderr
   assert "Traceback" not in bad.stderr
+
+
+def test_a_lora_plan_holds_the_base_once_and_equals_what_a_run_allocates():
+  config = tiny.load_config("tool_agent", "tiny")
+  config.learner.lora.rank = 4
+  spec = config_lib.build(config)
+  plan = dry_run.plan(spec, jax.device_count())
+  meshes = mesh_lib.make_role_meshes(spec.mesh)
+  _, params, shardings = init_lib.init_params(spec.model, meshes.learner,
+                                              rules_lib.LEARNER_RULES, 0)
+  adapters, base = lora.split(params)
+  assert plan.learner.memory["adapters"] == _device_bytes(adapters)
+  assert plan.learner.memory["adam_moments"] == 2 * _device_bytes(adapters)
+  assert plan.learner.memory["frozen_base"] == _device_bytes(base)
+  assert "params" not in plan.learner.memory
+  _, abstract = init_lib.abstract_model(spec.model)
+  sampler_shardings = rules_lib.state_shardings(abstract, meshes.sampler, rules_lib.SAMPLER_RULES)
+  publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings, frozen=base)
+  publisher.publish(adapters, 0)
+  on_sampler, base_on_sampler = lora.split(publisher.latest()[1])
+  assert plan.sampler.memory["base"] == _device_bytes(base_on_sampler)
+  assert plan.sampler.memory["adapters_x2_versions"] == 2 * _device_bytes(on_sampler)
+  assert plan.publish_bytes == publisher.published_bytes
+  assert plan.trainable_params == spec.model.adapter_params
+  text = dry_run.format_plan(plan)
+  assert f"trained: {spec.model.adapter_params:,} LoRA adapter parameters" in text
+  full = dry_run.plan(config_lib.build(tiny.load_config("tool_agent", "tiny")),
+                      jax.device_count())
+  assert plan.publish_bytes == 4 * spec.model.adapter_params
+  assert full.publish_bytes == 4 * spec.model.num_params > plan.publish_bytes
