@@ -107,6 +107,12 @@ def base_params(spec, mesh, resuming: bool, print_fn):
   fresh_base = not resuming or spec.model.lora.enabled
   if fresh_base and spec.checkpoint.init_from:
     init = existing(spec.checkpoint.init_from, "checkpoint.init_from", spec.checkpoint)
+    if "base" in init.read_run(init.latest_step()):
+      raise checkpointing.CheckpointFormatError(
+          f"checkpoint.init_from={spec.checkpoint.init_from}: its checkpoints hold LoRA adapters, "
+          "not a model; merge them into their base (python -m arl_jax.export_hf --checkpoint=... "
+          "--hf_path=BASE --out=FOLDER) and start from model.hf_path=FOLDER, or start the "
+          "adapters from a PEFT folder (learner.lora.init_from)")
     _, abstract = init_lib.abstract_model(model)
     shardings = rules_lib.state_shardings(abstract, mesh, rules)
     params = init.restore_params(checkpointing.abstract_like(abstract, shardings))

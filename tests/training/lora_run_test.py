@@ -8,7 +8,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from arl_jax import config_lib, run_lib
+from arl_jax import checkpointing, config_lib, run_lib
 from arl_jax.testing import tiny
 from arl_jax.training import start
 
@@ -92,6 +92,11 @@ def test_a_lora_checkpoint_is_refused_on_another_base(tmp_path):
   full.learner.lora.rank = 0
   with pytest.raises(start.AnotherBase, match="this run has no adapters"):
     run_lib.run(full, str(tmp_path), print_fn=lambda *_: None)
+  # Nor are a LoRA run's checkpoints a model to start another run from.
+  full.checkpoint = {"init_from": str(tmp_path / "checkpoints")}
+  with pytest.raises(checkpointing.CheckpointFormatError,
+                     match="its checkpoints hold LoRA adapters, not a model; merge them"):
+    run_lib.run(full, str(tmp_path / "other"), print_fn=lambda *_: None)
 
 
 @pytest.mark.parametrize("weight_update", ["pinned", "in_flight"])
@@ -109,3 +114,4 @@ def test_lora_runs_under_the_weight_update_modes(tmp_path, weight_update):
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   first = next(r for r in rows if r.get("phase") == "rl" and "loss" in r)
   assert first["token_fraction_lag0"] > 0 and first["abs_log_ratio_lag0"] <= 1e-5
+
