@@ -49,11 +49,10 @@ def merged(params, cfg: model_config_lib.ModelConfig):
   laid out as a decoder without adapters (`cfg.base`): what a merged
   Hugging Face export writes."""
   adapters, base = lora.split(params)
-  deltas = {}
+  leaves, deltas = _leaves(adapters), {}
   for _, target, _, path in _paths(cfg):
-    a, b = (_leaves(adapters)[(*path, part)] for part in ("a", "b"))
-    module, name = lora.TARGETS[target]
-    deltas[(*path[:3], name)] = cfg.lora.scale * jnp.tensordot(
+    a, b = leaves[(*path, "a")], leaves[(*path, "b")]
+    deltas[(*path[:3], lora.TARGETS[target][1])] = cfg.lora.scale * jnp.tensordot(
         a.astype(jnp.float32), b.astype(jnp.float32), axes=1)
 
   def fold(path, w):
@@ -145,21 +144,21 @@ def load(folder: str, cfg: model_config_lib.ModelConfig, mesh, rules):
   _, abstract = init_lib.abstract_model(cfg)
   adapters, _ = lora.split(abstract)
   shardings = rules_lib.state_shardings(adapters, mesh, rules)
-  wanted = {}
+  wanted = {}  # (both PEFT matrices are ours transposed, then shaped: save's inverse)
   for _, _, name, path in _paths(cfg):
-    wanted[(*path, "a")] = (f"{name}.lora_A.weight", lambda w, shape: w.T.reshape(shape))
-    wanted[(*path, "b")] = (f"{name}.lora_B.weight", lambda w, shape: w.T.reshape(shape))
+    wanted[(*path, "a")] = f"{name}.lora_A.weight"
+    wanted[(*path, "b")] = f"{name}.lora_B.weight"
   dtype = jnp.dtype(cfg.param_dtype)
 
   def read(path, leaf, sharding):
-    name, layout = wanted[hf_params.state_path(path)]
+    name = wanted[hf_params.state_path(path)]
     if name not in source.files:
       raise hf_config.HfConfigError(f"{folder}/{WEIGHTS_FILE}: no tensor {name}")
     w = source.read(name)
     if w.size != int(np.prod(leaf.shape)) or w.ndim != 2:
       raise hf_config.HfConfigError(f"{folder}/{WEIGHTS_FILE}: {name} has shape "
                                     f"{tuple(w.shape)}, expected {leaf.shape} flattened")
-    value = layout(np.asarray(w, np.float32), leaf.shape).astype(dtype)
+    value = np.asarray(w, np.float32).T.reshape(leaf.shape).astype(dtype)
     return jax.device_put(value, sharding)
 
   return jax.tree_util.tree_map_with_path(read, adapters, shardings)
