@@ -40,6 +40,9 @@ class RunSpec:
   log_every: int
   eval_every: int
   eval_size: int
+  eval_samples: int  # (these three: the sampled evaluation, `config_sections.RunSection`)
+  eval_temperature: float
+  eval_solved_reward: float
   writers: tuple[str, ...]  # metric sinks besides the progress line (metrics/writer.py)
   compilation_cache: str  # "auto", a folder, or "" (compile_cache.py)
   checkpoint: checkpointing.CheckpointConfig
@@ -64,8 +67,7 @@ class RunSpec:
   packing: packing_lib.Packing | None  # how the learner's rows hold rollouts (None: padded)
   optim: optim_lib.OptimConfig
   warmup: sections.WarmupSection
-  # Settings the config left to `auto`, as chosen (`sampler/auto_settings.py`):
-  # the run's header prints them.
+  # Settings left to `auto`, as chosen (`sampler/auto_settings.py`; the header prints them).
   choices: tuple[str, ...] = ()
 
 
@@ -319,6 +321,8 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
   g = o.group_size
   _require(s.num_slots >= g and s.num_slots % g == 0, "sampler.num_slots",
            f"{s.num_slots} must be a positive multiple of orchestrator.group_size={g}")
+  _require(o.overlong_buffer < s.max_new_tokens, "orchestrator.overlong_buffer",
+           f"{o.overlong_buffer} tokens: not below sampler.max_new_tokens={s.max_new_tokens}")
   _require(not model.value_head or loss_name == "vtrace", "model.value_head",
            f"a critic is trained only by learner.loss='vtrace', got {loss_name!r}")
   _require(not model.lora.init_from or model.lora.enabled, "learner.lora.init_from",
@@ -342,7 +346,9 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
            f"num_microbatches = {slices} equal slices")
   return RunSpec(
       seed=run.seed, num_steps=run.num_steps, log_every=run.log_every,
-      eval_every=run.eval_every, eval_size=run.eval_size, writers=run.writer_names,
+      eval_every=run.eval_every, eval_size=run.eval_size, eval_samples=run.eval_samples,
+      eval_temperature=float(run.eval_temperature),
+      eval_solved_reward=float(run.eval_solved_reward), writers=run.writer_names,
       compilation_cache=run.compilation_cache, checkpoint=parts["checkpoint"],
       fleet=parts["fleet"], model=model,
       model_hf_path=parts["model"].hf_path, mesh=_mesh(parts["mesh"]), env_name=parts["env"].name,

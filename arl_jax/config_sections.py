@@ -26,7 +26,7 @@ from collections.abc import Mapping
 from arl_jax import checkpointing, settings
 from arl_jax.envs import prompt_source
 from arl_jax.envs import tokenizer as tokenizer_lib
-from arl_jax.learner import loss_settings, optim
+from arl_jax.learner import loss_settings, mismatch, optim
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import lora
 from arl_jax.orchestrator import orchestrator_config
@@ -55,6 +55,12 @@ class RunSection:
       (`metrics/progress.py`).
     eval_every: a held-out evaluation every N updates (0: none).
     eval_size: held-out prompts per evaluation.
+    eval_samples: besides the greedy answer, this many samples of each
+      held-out prompt at eval_temperature, reported as unbiased pass@k and
+      avg@n (`metrics/pass_at_k.py`; 0: greedy only).
+    eval_temperature: the sampled evaluation's temperature.
+    eval_solved_reward: a sample whose reward is at least this counts as
+      solved for pass@k.
     writers: metric sinks besides the progress line, comma-separated
       (`metrics/writer.py`; JSON lines always).
     compilation_cache: JAX's persistent compilation cache: "auto" (the
@@ -68,13 +74,21 @@ class RunSection:
   log_every: int = 100
   eval_every: int = 0
   eval_size: int = 256
+  eval_samples: int = 0
+  eval_temperature: float = 1.0
+  eval_solved_reward: float = 1.0
   writers: str = "jsonl"
   compilation_cache: str = "auto"
 
   def __post_init__(self):
     _check(isinstance(self.compilation_cache, str), "compilation_cache",
            f"must be 'auto', a folder or '' (off), got {self.compilation_cache!r}")
-    for key in ("num_steps", "log_every", "eval_every", "eval_size"):
+    _check(isinstance(self.eval_temperature, (int, float)) and self.eval_temperature > 0,
+           "eval_temperature", f"must be > 0 (greedy is the other evaluation), got "
+           f"{self.eval_temperature!r}")
+    _check(isinstance(self.eval_solved_reward, (int, float)), "eval_solved_reward",
+           f"must be a number, got {self.eval_solved_reward!r}")
+    for key in ("num_steps", "log_every", "eval_every", "eval_size", "eval_samples"):
       value = getattr(self, key)
       _check(_is_int(value) and value >= 0, key, f"must be an int >= 0, got {value!r}")
     unknown = sorted(set(self.writer_names) - set(writer_lib.WRITERS))
@@ -168,19 +182,34 @@ class WarmupSection:
   Attributes:
     steps: supervised updates (0: no warm-up).
     batch_size: demonstrations per update.
-    lr: the warm-up's learning rate.
+    lr: the warm-up's learning rate (the peak of a schedule).
+    lr_schedule: constant | linear | cosine, over the warm-up's steps, as
+      the learner's (`optim.OptimConfig`).
+    lr_warmup_steps: steps whose rate rises linearly to lr (0: none).
+    lr_min: the rate a decay ends at.
     fraction: share of the train prompts whose answers are shown.
   """
 
   steps: int = 0
   batch_size: int = 64
   lr: float = 1e-3
+  lr_schedule: str = "constant"
+  lr_warmup_steps: int = 0
+  lr_min: float = 0.0
   fraction: float = 0.3
 
   def __post_init__(self):
     _check(_is_int(self.steps) and self.steps >= 0, "warmup.steps", "must be an int >= 0")
     _check(0 < self.fraction <= 1, "warmup.fraction", "must be in (0, 1]")
-    _check(self.lr > 0, "warmup.lr", "must be > 0")
+    try:
+      self.optim()
+    except settings.SettingError as e:
+      raise ValueError(f"warmup.{e}") from None
+
+  def optim(self) -> optim.OptimConfig:
+    """The warm-up's optimizer settings (AdamW's others at their defaults)."""
+    return optim.OptimConfig(lr=self.lr, lr_schedule=self.lr_schedule,
+                             lr_warmup_steps=self.lr_warmup_steps, lr_min=self.lr_min)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -226,9 +255,9 @@ SECTIONS = {
     "env": (EnvSection,),
     "sampler": (engine_config.EngineConfig, sampling.SamplingSettings),
     "orchestrator": (orchestrator_config.OrchestratorConfig,),
-    "learner": (loss_settings.Objective, loss_settings.ClippedRatio, loss_settings.Vtrace,
-                loss_settings.M2po, loss_settings.StepLayout, loss_settings.Scoring,
-                optim.OptimConfig),
+    "learner": (loss_settings.Objective, mismatch.Correction, loss_settings.ClippedRatio,
+                loss_settings.Vtrace, loss_settings.M2po, loss_settings.Cispo, loss_settings.Gspo,
+                loss_settings.StepLayout, loss_settings.Scoring, optim.OptimConfig),
     "learner.lora": (lora.LoraConfig,),
     "warmup": (WarmupSection,),
     "data": (prompt_source.DataConfig,),

@@ -1,8 +1,15 @@
-"""Greedy evaluation on held-out prompts, with the learner's current params.
+"""Held-out evaluation with the learner's current params: greedy, and sampled.
 
 It samples through the engine's scheduler and runner (`sampler/generate.py`)
-on the learner mesh, a slot per prompt, so evaluation measures exactly what
-the sampler would generate greedily, without waiting for a publish.
+on the learner mesh, so evaluation measures exactly what the sampler would
+generate, pinned to the params it is given, without waiting for a publish.
+The greedy pass takes a slot per prompt. The sampled pass (`samples` > 0)
+draws that many completions of each prompt at `temperature` in groups, as
+many at once as the engine's slots hold (continuous batching), and reports
+the unbiased pass@k and avg@n (`metrics/pass_at_k.py`) per environment; its
+draws are keyed by the run's seed, prompt and sample, so two evaluations of
+the same params draw the same completions (common random numbers: a change
+between evaluations is the policy's, not the dice).
 Multi-turn environments are played as the run plays them: when a segment
 ends on a stop token with budget left, the environment answers and the
 episode is re-admitted with its whole context while the others decode.
@@ -24,6 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from arl_jax.envs import env_api
+from arl_jax.metrics import pass_at_k as pass_at_k_lib
 from arl_jax.sampler import engine_config, sampling
 from arl_jax.sampler import generate as generate_lib
 
@@ -40,7 +48,11 @@ class EvalResult:
     examples: (prompt, completion) of the first few prompts, for a glance.
     reward_by_env: mean reward per environment name.
     env_errors: environment faults per environment name, every environment
-      of the evaluation set listed (0 included).
+      of the evaluation set listed (0 included), both passes together.
+    samples: sampled completions per prompt (0: no sampled pass).
+    pass_at_k: the sampled pass's unbiased pass@k, `{k: mean over prompts}`.
+    avg_at_n: the sampled pass's mean reward over every sample.
+    sampled_by_env: per environment, `{"pass_at_k": {...}, "avg_at_n": ...}`.
   """
 
   reward: float
@@ -48,6 +60,10 @@ class EvalResult:
   examples: tuple[tuple[str, str], ...]
   reward_by_env: dict[str, float] = dataclasses.field(default_factory=dict)
   env_errors: dict[str, int] = dataclasses.field(default_factory=dict)
+  samples: int = 0
+  pass_at_k: dict[int, float] = dataclasses.field(default_factory=dict)
+  avg_at_n: float = 0.0
+  sampled_by_env: dict[str, dict] = dataclasses.field(default_factory=dict)
 
   @property
   def num_env_errors(self) -> int:
@@ -55,10 +71,12 @@ class EvalResult:
 
 
 class Evaluator:
-  """Compiles greedy sampling once for a fixed eval set and reuses it."""
+  """Compiles greedy (and sampled) generation once for a fixed eval set and
+  reuses it."""
 
   def __init__(self, *, graphdef, model_cfg, env, tokenizer, prompts, mesh: Mesh,
-               engine_cfg: engine_config.EngineConfig):
+               engine_cfg: engine_config.EngineConfig, samples: int = 0,
+               temperature: float = 1.0, solved_reward: float = 1.0):
     """Args:
       graphdef: decoder graph definition.
       model_cfg: the decoder's ModelConfig.
@@ -67,7 +85,10 @@ class Evaluator:
       prompts: the evaluation prompt records.
       mesh: where to run (the learner mesh; slots are replicated over it).
       engine_cfg: the sampler's settings (prompt buckets, budget, multi-turn
-        geometry); evaluation takes a dense slot per prompt, one sample each.
+        geometry, slots, seed); the greedy pass takes a dense slot per prompt.
+      samples: sampled completions per prompt (0: greedy only).
+      temperature: the sampled pass's temperature.
+      solved_reward: a sample with at least this reward is solved (pass@k).
     """
     self._env = env
     self._tokenizer = tokenizer
@@ -91,10 +112,22 @@ class Evaluator:
         kv_policy="keep", kv_cache="dense", kv_pages=0, kv_memory_fraction=0.0,
         paged_attention="xla", precompile=False,
         decode_burst=_DECODE_BURST, prefill_chunk=0, share_prompts=False)
+    # Which stop tokens end each prompt's segments (they differ in a mixture).
+    stop_ids_fn = lambda i: env_api.segment_stop_ids(tokenizer, env, self._prompts[i])  # noqa: E731
     self._generator = generate_lib.Generator(
         cfg=cfg, settings=settings, graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
-        # Which stop tokens end each prompt's segments (they differ in a mixture).
-        stop_ids_fn=lambda i: env_api.segment_stop_ids(tokenizer, env, self._prompts[i]))
+        stop_ids_fn=stop_ids_fn)
+    self._samples = samples
+    self._solved_reward = solved_reward
+    self._sampler = None
+    if samples:
+      # Groups of `samples`, as many at once as the engine's slots hold.
+      slots = max(engine_cfg.num_slots // samples, 1) * samples
+      self._sampler = generate_lib.Generator(
+          cfg=dataclasses.replace(cfg, num_slots=min(slots, samples * len(self._prompts)),
+                                  group_size=samples),
+          settings=dataclasses.replace(settings, greedy=False, temperature=float(temperature)),
+          graphdef=graphdef, model_cfg=model_cfg, mesh=mesh, stop_ids_fn=stop_ids_fn)
 
   def _env_call(self, errors: collections.Counter, fn, i: int, completion: list[int],
                 convert_fn):
@@ -118,9 +151,10 @@ class Evaluator:
                        f"[0, {self._vocab_size})")
     return tokens
 
-  def __call__(self, params) -> EvalResult:
-    errors = collections.Counter()
-    faulted = [False] * len(self._prompts)
+  def _play(self, generator, params, errors: collections.Counter):
+    """Every episode of `generator` played out and scored: `(rewards [prompts,
+    samples], completions by prompt)`; a faulted episode scores 0."""
+    faulted = set()
 
     def next_turn(episode) -> bool:
       """Whether the environment answers `episode`'s segment (then appended)."""
@@ -130,30 +164,47 @@ class Evaluator:
         return False
       observation, ok = self._env_call(errors, self._env.step, i, list(episode.completion_ids),
                                        self._to_observation)
-      faulted[i] = not ok
+      if not ok:
+        faulted.add((i, episode.sample_index))
       if observation is None or len(observation) >= room:
         return False
       episode.add_observation(observation)
       return True
 
-    episodes = self._generator.episodes(params, self._prompt_ids, budgets=self._budgets,
-                                        on_segment=next_turn)
-    completions = [group[0].completion_ids for group in episodes]
-    rewards = []
-    for i, completion in enumerate(completions):
-      reward = None
-      if not faulted[i]:  # an episode a fault ended is not scored, as in the env runner
-        reward, _ = self._env_call(errors, self._env.score, i, list(completion), _to_reward)
-      rewards.append(0.0 if reward is None else reward)
-    examples = tuple((p.text, self._tokenizer.decode(c))
+    groups = generator.episodes(params, self._prompt_ids, budgets=self._budgets,
+                                on_segment=next_turn)
+    rewards = np.zeros((len(groups), len(groups[0]) if groups else 0), np.float64)
+    for i, group in enumerate(groups):
+      for episode in group:
+        if (i, episode.sample_index) in faulted:  # not scored, as in the env runner
+          continue
+        reward, _ = self._env_call(errors, self._env.score, i, list(episode.completion_ids),
+                                   _to_reward)
+        rewards[i, episode.sample_index] = 0.0 if reward is None else reward
+    return rewards, [[e.completion_ids for e in group] for group in groups]
+
+  def __call__(self, params) -> EvalResult:
+    errors = collections.Counter()
+    rewards, completions = self._play(self._generator, params, errors)
+    rewards = rewards[:, 0]
+    examples = tuple((p.text, self._tokenizer.decode(c[0]))
                      for p, c in zip(self._prompts[:3], completions[:3]))
-    by_env = collections.defaultdict(list)
-    for name, r in zip(self._env_names, rewards):
-      by_env[name].append(r)
+    names = np.array(self._env_names)
+    envs = sorted(set(self._env_names))
+    sampled = {}
+    if self._sampler is not None:
+      sampled_rewards, _ = self._play(self._sampler, params, errors)
+      solved = sampled_rewards >= self._solved_reward
+      overall = pass_at_k_lib.summarise(solved, sampled_rewards)
+      sampled = dict(samples=self._samples, pass_at_k=overall["pass_at_k"],
+                     avg_at_n=overall["avg_at_n"],
+                     sampled_by_env={e: pass_at_k_lib.summarise(solved[names == e],
+                                                                sampled_rewards[names == e])
+                                     for e in envs})
     return EvalResult(reward=float(np.mean(rewards)), num_prompts=len(rewards),
                       examples=examples,
-                      reward_by_env={k: float(np.mean(v)) for k, v in sorted(by_env.items())},
-                      env_errors={k: errors[k] for k in sorted(by_env)})
+                      reward_by_env={e: float(np.mean(rewards[names == e])) for e in envs},
+                      env_errors={e: errors[e] for e in envs}, **sampled)
 
 
 def _to_reward(value) -> float:

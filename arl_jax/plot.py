@@ -32,8 +32,10 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed (servers, CI, notebooks)
 import matplotlib.pyplot as plt  # noqa: E402
 
+from arl_jax.orchestrator import drop_ledger  # noqa: E402
+
 FIGURES = ("reward", "lag", "ratio_by_lag", "drops", "busy")
-DROP_REASONS = ("stale", "cancelled", "env_error", "truncated")
+DROP_REASONS = drop_ledger.REASONS
 
 
 class Run:
@@ -86,6 +88,14 @@ def plot_reward(runs: Sequence[Run], out_dir: str) -> str:
       timed = [e for e in rl_evals if "rl_wall_s" in e]  # older runs lack it
       by_time.plot([e["rl_wall_s"] for e in timed], [e["eval_reward"] for e in timed], "o--",
                    color=color)
+      sampled = [e for e in rl_evals if "eval_pass_at_k" in e]
+      if sampled:  # the sampled evaluation: pass@n and avg@n beside the greedy score
+        n = str(sampled[-1]["eval_samples"])
+        steps = [e["step"] for e in sampled]
+        by_step.plot(steps, [e["eval_pass_at_k"][n] for e in sampled], "s:", color=color,
+                     label=f"{run.label} held-out pass@{n}")
+        by_step.plot(steps, [e["eval_avg_at_n"] for e in sampled], "^:", color=color,
+                     label=f"{run.label} held-out avg@{n}")
   by_step.set(xlabel="update", ylabel="reward", title="reward by update")
   by_time.set(xlabel="RL wall time (s)", ylabel="reward", title="reward by wall time")
   by_step.legend(fontsize=8)

@@ -132,7 +132,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     print_fn(compile_cache.describe(cache_folder))
     checkpoints = start.open_checkpoints(spec.checkpoint, workdir)
     try:
-      optimizer = optim_lib.make_optimizer(spec.optim)
+      optimizer = optim_lib.make_optimizer(spec.optim, spec.num_steps, spec.loss.optimizer_steps)
       beginning = start.begin(spec, meshes.learner, checkpoints, optimizer=optimizer,
                               config=config_dict, set_aside=leader, print_fn=print_fn)
       if leader:  # (the other processes' records hold only their evaluations)
@@ -252,7 +252,8 @@ def _evaluator(spec, meshes, inputs, graphdef):
   return evaluation.Evaluator(
       graphdef=graphdef, model_cfg=spec.model, tokenizer=inputs.tokenizer,
       prompts=inputs.eval_prompts, env=inputs.eval_env, mesh=meshes.learner,
-      engine_cfg=spec.engine)
+      engine_cfg=spec.engine, samples=spec.eval_samples, temperature=spec.eval_temperature,
+      solved_reward=spec.eval_solved_reward)
 
 
 def _lead(run: run_context.RunContext, learner: run_context.Learner,
@@ -266,6 +267,9 @@ def _lead(run: run_context.RunContext, learner: run_context.Learner,
       env_name_of=env.env_name_of,
       max_new_tokens=spec.engine.max_new_tokens,
       mask_truncated_completions=spec.orchestrator.mask_truncated_completions,
+      filter_zero_variance=spec.orchestrator.filter_zero_variance,
+      overlong_buffer=spec.orchestrator.overlong_buffer,
+      overlong_penalty=spec.orchestrator.overlong_penalty,
       budget_fn=env.max_new_tokens_for, audit_fn=run.audit.write)
   multi = lockstep.is_multi_controller()
   sampling = rollouts.build(run, orchestrator=orchestrator, publisher=learner.publisher,
@@ -307,7 +311,9 @@ def _lead(run: run_context.RunContext, learner: run_context.Learner,
       f"version {result.version}, "
       f"{result.groups_trained} groups trained; dropped rollouts: {drops['dropped_stale']} "
       f"stale, {drops['dropped_cancelled']} cancelled in flight, "
-      f"{drops['dropped_env_error']} env errors, {drops['dropped_truncated']} truncated; "
+      f"{drops['dropped_env_error']} env errors, {drops['dropped_truncated']} truncated"
+      + (f", {drops['dropped_zero_variance']} in groups of equal rewards"
+         if drops['dropped_zero_variance'] else "") + "; "
       f"{drops['tasks_lost']} of {drops['tasks_seen']} tasks never trained"
       + _peak_note(run.clock.memory))
   return result

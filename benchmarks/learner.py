@@ -5,6 +5,7 @@ packed against padded rows on long-tailed completion lengths (part `packing`).
 
   python benchmarks/learner.py --out=/tmp/learner.jsonl     # ~18 min on 2 cores
   python benchmarks/learner.py --parts=packing              # one part
+  python benchmarks/learner.py --parts=objectives           # each loss and correction
   python benchmarks/learner.py --quick                      # tiny model, seconds
 
 Packing: groups of rollouts with 32-token prompts and lognormal completion
@@ -23,6 +24,13 @@ per device against the bound `params + AdamW moments + gradients + one
 logprob chunk's float32 logits`, with the memory controls on
 (`logprob_chunk`, `attention_chunk`, `remat`) and off, the layers unrolled
 or as one scan (`scan_layers`), and `--dry_run`'s rough estimate of the same.
+
+Objectives (part `objectives`): the ~3M decoder's update (one device, 16 rows
+of 256 tokens, one optimizer step) under each loss and mismatch correction,
+side by side: what a loss or a correction costs the learner. A correction
+makes the objective decoupled; with one optimizer step its proximal policy is
+the differentiated log-probs themselves (no second forward pass). Names:
+`--objectives=clipped_ratio,tis_cap,...` (`OBJECTIVES`).
 
 Model FLOPs per step (the PaLM convention, Chowdhery et al., 2022): forward +
 backward = 3 x forward, with forward = 2 x (matmul parameters) per token plus
@@ -153,6 +161,36 @@ def bench(model: str, fsdp: int, rows: int, length: int, steps: int, peak: float
   }
 
 
+# Part `objectives`: name -> `LossSettings.of` fields (the update's settings).
+OBJECTIVES = {
+    "clipped_ratio": {},
+    "tis_cap": dict(tis_cap=2.0),
+    "seq_mask": dict(mismatch_mask="sequence"),
+    "vtrace": dict(loss="vtrace"),
+    "m2po": dict(loss="m2po"),
+    "cispo": dict(loss="cispo"),
+    "gspo": dict(loss="gspo", aggregation="seq_mean_token_mean"),
+    "gspo_token": dict(loss="gspo_token", aggregation="seq_mean_token_mean"),
+}
+
+
+def bench_objective(name: str, model: str, rows: int, length: int, steps: int) -> dict:
+  """One update's median time under objective `name` (`OBJECTIVES`)."""
+  cfg = model_config_lib.ModelConfig(vocab_size=VOCAB, max_seq_len=length, **MODELS[model])
+  mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("fsdp", "tp"))
+  graphdef, params, _ = init_lib.init_params(cfg, mesh, rules_lib.LEARNER_RULES, 0)
+  optimizer = optax.adamw(1e-4)
+  state, shardings = train_state_lib.create(params, optimizer, mesh)
+  settings = loss_settings.LossSettings.of(**OBJECTIVES[name])
+  update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
+                                        settings=settings, state_shardings=shardings, mesh=mesh)
+  step = median_step_seconds(update_fn, state, _batch(rows, length, prompt=length // 4), steps)
+  return {"benchmark": "learner", "part": "objectives", "model": model,
+          "batch": f"{rows}x{length}", "objective": name,
+          "decoupled": settings.is_decoupled, "step ms": round(1e3 * step, 1),
+          "tokens/s": round(rows * length / step)}
+
+
 def long_tail_groups(num_rollouts: int, median: int, cap: int, prompt: int = 32,
                      group_size: int = 4, seed: int = 0) -> list[rollout_lib.Group]:
   """Groups of rollouts whose completion lengths are lognormal with this
@@ -246,9 +284,11 @@ def bench_long_row(model: str, vocab: int, length: int, controls: bool, scan: bo
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--quick", action="store_true", help="tiny model, fsdp 2, short rows")
-  parser.add_argument("--parts", default="mfu,packing,long_row",
+  parser.add_argument("--parts", default="mfu,packing,objectives,long_row",
                       help="comma-separated parts to run")
   parser.add_argument("--steps", type=int, default=5, help="timed steps per row (median)")
+  parser.add_argument("--objectives", default=",".join(OBJECTIVES),
+                      help="part objectives: comma-separated names of OBJECTIVES")
   parser.add_argument("--out", default=None, help="append JSON rows here")
   args = parser.parse_args()
   parts = set(args.parts.split(","))
@@ -269,6 +309,15 @@ def main() -> None:
     rows = [row for model, median, cap, n, pack_len in cases
             for row in bench_packing(model, median, cap, n, pack_len, steps)]
     report.print_table(rows, title="packed vs padded learner rows (clipped_ratio, AdamW)")
+    report.append_jsonl(rows, args.out)
+  if "objectives" in parts:
+    model, num_rows, length = ("tiny", 4, 64) if args.quick else ("3M", 16, 256)
+    names = [n for n in args.objectives.split(",") if n]
+    unknown = sorted(set(names) - set(OBJECTIVES))
+    if unknown:
+      parser.error(f"unknown objective(s) {unknown}; known: {list(OBJECTIVES)}")
+    rows = [bench_objective(name, model, num_rows, length, steps) for name in names]
+    report.print_table(rows, title="learner update per objective (AdamW, float32, one device)")
     report.append_jsonl(rows, args.out)
   if "long_row" in parts:
     cases = ([("tiny", 4096, 1024, True, True), ("tiny", 4096, 1024, False, False)] if args.quick

@@ -1,11 +1,15 @@
 r"""How much policy lag does the arith task tolerate, and which loss holds up?
 
-For each loss (`clipped_ratio`, `vtrace`, `m2po`), each K in (0, 1, 2, 4, 8)
+For each loss (`clipped_ratio`, `vtrace`, `m2po`, `cispo`, `gspo`), each K in (0, 1, 2, 4, 8)
 and each seed, runs the arith config (its 200-step warm-up included) for a
 fixed number of RL updates with `orchestrator.max_off_policy_steps = K` and
 `orchestrator.max_async_level = K`. K = 0 is the synchronous baseline and uses
 `sampler.weight_update = "drain"`, as `async_vs_sync.py` does; on-policy, the
-three losses have the same gradient, so their K = 0 rows should agree.
+token losses have the same gradient, so their K = 0 rows should agree (and
+`cispo`'s: its weight is 1 on-policy); `gspo` runs as published, with
+`aggregation="seq_mean_token_mean"` and its own clip range (3e-4, 4e-4), so
+its K = 0 row is its own. (`gspo_token` equals `gspo` when a rollout's
+advantage lies on all its tokens, as here: not run.)
 
 How lag is forced: the dispatcher admits a new group only while at most
 `(max_async_level + 1) * groups_per_batch` groups are started and not yet
@@ -97,7 +101,7 @@ from arl_jax.testing import tiny
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py, run as a script)
 
-LOSSES = ("clipped_ratio", "vtrace", "m2po")
+LOSSES = ("clipped_ratio", "vtrace", "m2po", "cispo", "gspo")
 KS = (0, 1, 2, 4, 8)
 # Learner metrics averaged over steps; a loss logs only some of them.
 _STEP_MEANS = ("ess", "ratio_m2", "abs_log_ratio", "kl_behaviour", "clip_fraction",
@@ -118,6 +122,8 @@ def _config(loss: str, k: int, seed: int, steps: int, quick: bool):
   config.eval_every = steps
   config.log_every = 0
   config.learner.loss = loss
+  if loss == "gspo":  # (the paper's objective: 1/G sum over sequences)
+    config.learner.aggregation = "seq_mean_token_mean"
   config.orchestrator.max_async_level = k
   config.orchestrator.max_off_policy_steps = k
   # K = 0 must be truly on-policy: drain in-flight groups before a swap, so no

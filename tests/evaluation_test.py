@@ -1,12 +1,16 @@
-"""Greedy evaluation: environment faults end an episode with reward 0 and are counted."""
+"""Evaluation: environment faults end an episode with reward 0 and are
+counted; the sampled pass reports the unbiased pass@k of its samples."""
 
 import collections
+import math
 
+import numpy as np
 import pytest
 
 from arl_jax import evaluation
 from arl_jax.envs import env_api
 from arl_jax.envs import tokenizer as tokenizer_lib
+from arl_jax.metrics import pass_at_k
 from arl_jax.sampler import engine_config
 from arl_jax.testing import tiny
 
@@ -81,3 +85,68 @@ def test_environment_faults_are_counted_per_environment_and_score_zero(model):
                                engine_cfg=engine_cfg)(params)
   assert clean.env_errors == {"even": 0, "odd": 0} and clean.num_env_errors == 0
   assert clean.reward == 1.0
+
+
+class ParityEnv(env_api.Environment):
+  """A completion is right when its first token is even; every score is kept."""
+
+  name = "parity"
+
+  def __init__(self):
+    self.scores = collections.defaultdict(list)
+
+  def encode_prompt(self, prompt):
+    return TOK.encode(prompt.text, add_bos=True)
+
+  def score(self, prompt, completion_ids):
+    reward = float(completion_ids[0] % 2 == 0)
+    self.scores[prompt.prompt_id].append(reward)
+    return reward
+
+
+def test_sampled_evaluation_reports_the_unbiased_pass_at_k_of_its_samples(model):
+  cfg, meshes, graphdef, params = model
+  env = ParityEnv()
+  prompts = [env_api.TextPrompt(prompt_id=i, text=f"q{i}", answer="") for i in range(4)]
+  engine_cfg = engine_config.EngineConfig(prompt_len=8, kv_cache="dense", decode_burst=1,
+                                          precompile=False, num_slots=8, group_size=4,
+                                          max_new_tokens=3, seed=5)
+  evaluator = evaluation.Evaluator(graphdef=graphdef, model_cfg=cfg, env=env, tokenizer=TOK,
+                                   prompts=prompts, mesh=meshes.learner, engine_cfg=engine_cfg,
+                                   samples=4, temperature=1.5)
+  result = evaluator(params)
+  # Each prompt was scored once greedily, then 4 times sampled (8 slots: two
+  # groups at a time, so the other two waited for slots).
+  assert all(len(env.scores[i]) == 5 for i in range(4))
+  solved = [int(sum(env.scores[i][1:])) for i in range(4)]
+  assert 0 < sum(solved) < 16, "the test needs some right and some wrong samples"
+  assert result.samples == 4 and sorted(result.pass_at_k) == [1, 2, 4]
+  for k in (1, 2, 4):
+    expected = sum(pass_at_k.pass_at_k(4, c, k) for c in solved) / 4
+    assert result.pass_at_k[k] == pytest.approx(expected)
+  assert result.avg_at_n == pytest.approx(sum(solved) / 16)
+  assert result.reward == pytest.approx(sum(env.scores[i][0] for i in range(4)) / 4)
+  assert result.sampled_by_env["parity"]["pass_at_k"] == result.pass_at_k
+  # Common random numbers: the same params draw the same samples.
+  again = evaluator(params)
+  assert again.pass_at_k == result.pass_at_k and again.avg_at_n == result.avg_at_n
+
+
+@pytest.mark.parametrize("n,c,k,expected", [
+    (4, 1, 1, 0.25), (4, 1, 2, 0.5), (4, 1, 4, 1.0), (4, 0, 4, 0.0), (4, 4, 1, 1.0),
+    (10, 3, 5, 1 - 21 / 252)])
+def test_pass_at_k_matches_the_binomial_formula(n, c, k, expected):
+  assert pass_at_k.pass_at_k(n, c, k) == pytest.approx(expected)
+  assert pass_at_k.pass_at_k(n, c, k) == pytest.approx(
+      1 - math.comb(n - c, k) / math.comb(n, k))
+
+
+def test_pass_at_k_reports_powers_of_two_and_n():
+  assert pass_at_k.ks(8) == (1, 2, 4, 8)
+  assert pass_at_k.ks(6) == (1, 2, 4, 6)
+  assert pass_at_k.ks(1) == (1,)
+  summary = pass_at_k.summarise(np.array([[1, 0, 0, 0], [1, 1, 1, 1]], bool),
+                                np.array([[1, 0, 0, 0], [1, 1, 1, 1]], float))
+  assert summary == {"pass_at_k": {1: 0.625, 2: 0.75, 4: 1.0}, "avg_at_n": 0.625}
+  with pytest.raises(ValueError, match="pass@k needs"):
+    pass_at_k.pass_at_k(4, 5, 1)

@@ -14,8 +14,10 @@ def two_runs(tmp_path_factory):
   config = tiny.load_config("arith", "tiny")
   config.num_steps = 4
   config.writers = "jsonl,tensorboard"
+  config.eval_samples = 4  # (sampled evaluation: pass@k beside the greedy score)
   run_lib.run(config, str(root / "async"), print_fn=lambda *_: None)
-  # A second, different run to overlay: the synchronous baseline.
+  # A second, different run to overlay: the synchronous baseline, greedy only.
+  config.eval_samples = 0
   config.orchestrator.update(max_async_level=0, max_off_policy_steps=0)
   config.sampler.weight_update = "drain"
   run_lib.run(config, str(root / "sync"), print_fn=lambda *_: None)
@@ -33,6 +35,11 @@ def test_every_figure_is_a_non_empty_png(two_runs, tmp_path):
   assert run.label == "async" and len(run.steps) == 4
   assert [e["step"] for e in run.evals if e["phase"] == "rl"] == [0, 2, 4]
   assert all("rl_wall_s" in e for e in run.evals if e["phase"] == "rl")
+  for e in run.evals:
+    assert sorted(e["eval_pass_at_k"]) == ["1", "2", "4"] and e["eval_samples"] == 4
+    assert e["eval_pass_at_k"]["1"] <= e["eval_pass_at_k"]["2"] <= e["eval_pass_at_k"]["4"]
+    assert set(e["eval_sampled_by_env"]) == set(e["eval_reward_by_env"])
+  assert not any("eval_pass_at_k" in e for e in plot.Run(two_runs[1]).evals)
 
 
 def test_the_cli_writes_next_to_the_run_and_names_bad_input(two_runs, tmp_path, capsys):
@@ -55,6 +62,6 @@ def test_tensorboard_event_files_hold_the_metrics(two_runs):
   acc.Reload()
   tags = acc.Tags()["scalars"]
   assert {"rl/reward_mean", "rl/lag_mean", "rl/loss", "eval/eval_reward",
-          "warmup/loss"} <= set(tags)
+          "eval/eval_pass_at_k/4", "warmup/loss", "rl/lr"} <= set(tags)
   assert [e.step for e in acc.Scalars("rl/loss")] == [0, 1, 2, 3]
   assert any(t.startswith("rl/lag_histogram/") for t in tags)  # nested dicts flattened

@@ -1,5 +1,6 @@
 """End-to-end: the tiny config, asynchronous, on 4 learner + 4 sampler devices."""
 
+import collections
 import json
 import os
 
@@ -7,6 +8,7 @@ import numpy as np
 import pytest
 
 from arl_jax import run_lib
+from arl_jax.learner import optim
 from arl_jax.testing import tiny
 
 
@@ -140,6 +142,12 @@ def test_tool_agent_episodes_span_policy_versions_while_tools_are_slow(tmp_path)
     (dict(loss="clipped_ratio", num_epochs=2, num_microbatches=2, tis_cap=2.0, age_decay=0.5,
           advantage="rloo"),
      ("tis_truncated_fraction", "behaviour_weight_mean")),
+    (dict(loss="gspo", aggregation="seq_mean_token_mean", mismatch_mask="sequence",
+          pack_len=64, lr_schedule="cosine", lr_warmup_steps=2, advantage="reinforce_pp"),
+     ("clip_fraction", "mismatch_masked_fraction")),
+    (dict(loss="cispo", seq_tis_cap=2.0, advantage="reinforce_pp_baseline",
+          lr_schedule="linear"),
+     ("clip_fraction", "seq_tis_truncated_fraction")),
 ])
 def test_every_loss_trains_end_to_end(tmp_path, learner, logged):
   config = tiny.load_config("arith", "tiny")
@@ -155,6 +163,11 @@ def test_every_loss_trains_end_to_end(tmp_path, learner, logged):
       "num_minibatches", 1)
   for key in logged:
     assert np.isfinite(last[key]), key
+  # Each update's row holds the rate it trained at.
+  rate = optim.learning_rate(optim.OptimConfig(
+      lr=config.learner.lr, **{k: v for k, v in learner.items() if k.startswith("lr_")}), 3)
+  np.testing.assert_allclose([r["lr"] for r in result.history], [rate(u) for u in range(3)],
+                             rtol=1e-6)
 
 
 def test_a_run_with_one_epoch_of_prompts_ends_when_they_are_used_up(tmp_path):
@@ -175,3 +188,39 @@ def test_a_run_with_one_epoch_of_prompts_ends_when_they_are_used_up(tmp_path):
   # ... and the run used the epoch up to its last full batch (what is left cannot fill one).
   assert num_train - 16 * result.final_version < 16
   assert any(line.startswith("data exhausted after") for line in lines)
+
+
+def test_dynamic_sampling_drops_zero_variance_groups_and_keeps_batches_full(tmp_path):
+  config = tiny.load_config("arith", "tiny")
+  config.num_steps = 3
+  config.eval_every = 0
+  config.orchestrator.filter_zero_variance = True
+  config.warmup.steps = 40  # (else the tiny model gets every sum wrong: no group varies)
+  lines = []
+  result = run_lib.run(config, str(tmp_path), print_fn=lines.append)
+  assert result.final_version == 3
+  last = result.history[-1]
+  events = [json.loads(line) for line in open(os.path.join(tmp_path, "groups.jsonl"))]
+  dropped = [e for e in events if e["event"] == "dropped_zero_variance"]
+  trained = collections.Counter(e["version"] for e in events if e["event"] == "trained")
+  g = config.orchestrator.group_size
+  # The tiny model mostly fails or mostly succeeds: groups of equal rewards
+  # came, were dropped, counted in rollouts, and replaced ...
+  assert dropped and last["dropped_zero_variance"] >= g * len(dropped) - g * 8
+  assert 0 < last["zero_variance_kept_fraction"] < 1
+  # ... and every batch was full, of groups whose rewards differ.
+  assert set(trained.values()) == {config.orchestrator.batch_size // g}
+  assert all(r["batch_rows"] == config.orchestrator.batch_size for r in result.history)
+  assert any(f" z{last['dropped_zero_variance']} " in line for line in lines)
+
+
+def test_a_run_without_signal_stops_and_says_why(tmp_path):
+  config = tiny.load_config("arith", "tiny")
+  config.num_steps = 3
+  config.eval_every = 0
+  config.orchestrator.filter_zero_variance = True  # the untrained model: every reward 0
+  lines = []
+  result = run_lib.run(config, str(tmp_path), print_fn=lines.append)
+  assert not result.complete and result.final_version == 0
+  assert "no group's rewards differed" in result.stop_reason
+  assert any("dropped the last 256 groups in a row" in line for line in lines)

@@ -17,6 +17,7 @@ from jax.sharding import Mesh
 from arl_jax import advantages as advantages_lib
 from arl_jax import settings
 from arl_jax.learner import losses as losses_lib
+from arl_jax.learner import mismatch as mismatch_lib
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import segment_attention as segment_attention_lib
 
@@ -35,10 +36,9 @@ class Objective:
 
   Attributes:
     loss: the policy loss, a key of `losses.LOSSES` (clipped_ratio, vtrace,
-      m2po); its knobs are its own dataclass's (`ClippedRatio`, `Vtrace`, `M2po`).
-    advantage: the group advantage estimator (`advantages.ADVANTAGE_ESTIMATORS`).
-    tis_cap: truncated importance sampling of the behaviour-to-proximal ratio
-      (a decoupled objective; 0: off).
+      m2po, cispo, gspo, gspo_token); its knobs are its own dataclass's
+      (`ClippedRatio`, `Vtrace`, `M2po`, `Cispo`, `Gspo`).
+    advantage: the advantage estimator (`advantages.ADVANTAGE_ESTIMATORS`).
     age_decay: the age-aware trust region: clip ranges shrink with a token's
       lag by this rate (0: off).
     decoupled: a decoupled objective (proximal policy recomputed) even for one
@@ -55,7 +55,6 @@ class Objective:
 
   loss: str = "clipped_ratio"
   advantage: str = "grpo"
-  tis_cap: float = 0.0
   age_decay: float = 0.0
   decoupled: bool = False
   aggregation: str = "token_mean"
@@ -70,8 +69,6 @@ class Objective:
            f"unknown loss {self.loss!r}; known: {sorted(losses_lib.LOSSES)}")
     _check(self.advantage in advantages_lib.ADVANTAGE_ESTIMATORS, "advantage",
            f"must be one of {advantages_lib.ADVANTAGE_ESTIMATORS}, got {self.advantage!r}")
-    _check(self.tis_cap == 0 or self.tis_cap >= 1, "tis_cap",
-           f"must be 0 (off) or >= 1, got {self.tis_cap}")
     _non_negative(self, "age_decay", "kl_coef", "entropy_coef")
     _check(isinstance(self.decoupled, bool), "decoupled",
            f"must be True or False, got {self.decoupled!r}")
@@ -136,6 +133,45 @@ class M2po:
 
   def __post_init__(self):
     _check(self.tau > 0, "tau", f"must be > 0, got {self.tau}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Cispo:
+  """CISPO's knobs (`losses.cispo`): the bounds of its stop-gradient weight.
+
+  Attributes:
+    cispo_eps_low: the weight's floor is 1 - cispo_eps_low (1: no floor, as
+      MiniMax-M1 ran it).
+    cispo_eps_high: the weight's cap is 1 + cispo_eps_high (MiniMax-M1 tuned
+      only this one).
+  """
+
+  cispo_eps_low: float = 1.0
+  cispo_eps_high: float = 2.0
+
+  def __post_init__(self):
+    _check(0 <= self.cispo_eps_low <= 1 and self.cispo_eps_high > 0, "cispo_eps_low",
+           f"the weight's bounds must satisfy 0 <= cispo_eps_low <= 1 and cispo_eps_high > 0, "
+           f"got {self.cispo_eps_low}, {self.cispo_eps_high}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Gspo:
+  """GSPO's knobs (`losses.gspo`, `losses.gspo_token`): the clip range of a
+  sequence's length-normalised ratio (the paper's 3e-4 and 4e-4: a sequence
+  ratio is a geometric mean, far closer to 1 than a token's).
+
+  Attributes:
+    gspo_eps_low: the ratio's lower clip, 1 - gspo_eps_low.
+    gspo_eps_high: the ratio's upper clip, 1 + gspo_eps_high.
+  """
+
+  gspo_eps_low: float = 3e-4
+  gspo_eps_high: float = 4e-4
+
+  def __post_init__(self):
+    _check(0 <= self.gspo_eps_low < 1 and self.gspo_eps_high >= 0, "gspo_eps_low",
+           "clip ranges must satisfy 0 <= gspo_eps_low < 1 and gspo_eps_high >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -218,8 +254,9 @@ class Scoring:
                 mesh=mesh)
 
 
-PARTS = {"objective": Objective, "clipped_ratio": ClippedRatio, "vtrace": Vtrace,
-          "m2po": M2po, "layout": StepLayout, "scoring": Scoring}
+PARTS = {"objective": Objective, "correction": mismatch_lib.Correction,
+         "clipped_ratio": ClippedRatio, "vtrace": Vtrace, "m2po": M2po, "cispo": Cispo,
+         "gspo": Gspo, "layout": StepLayout, "scoring": Scoring}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -229,9 +266,12 @@ class LossSettings:
   from their fields' names."""
 
   objective: Objective = Objective()
+  correction: mismatch_lib.Correction = mismatch_lib.Correction()
   clipped_ratio: ClippedRatio = ClippedRatio()
   vtrace: Vtrace = Vtrace()
   m2po: M2po = M2po()
+  cispo: Cispo = Cispo()
+  gspo: Gspo = Gspo()
   layout: StepLayout = StepLayout()
   scoring: Scoring = Scoring()
   # Not configuration: the learner mesh, set by `update.make_update_fn`.
@@ -257,10 +297,10 @@ class LossSettings:
 
   def __post_init__(self):
     o = self.objective
-    if o.loss == "vtrace" and (self.is_decoupled or o.tis_cap):
+    if o.loss == "vtrace" and self.is_decoupled:
       raise ValueError("vtrace truncates its importance weights itself (rho_bar): it takes "
-                       "neither a decoupled objective nor tis_cap, so it runs one optimizer "
-                       "step per batch")
+                       "neither a decoupled objective nor a mismatch correction (tis_cap, "
+                       "seq_tis_cap, mismatch_mask), so it runs one optimizer step per batch")
     if o.critic and o.loss != "vtrace":
       raise ValueError(f"a critic (model.value_head) is trained only by the vtrace loss, not "
                        f"{o.loss!r}")
@@ -273,7 +313,7 @@ class LossSettings:
 
   @property
   def is_decoupled(self) -> bool:
-    return bool(self.objective.decoupled or self.objective.tis_cap or self.optimizer_steps > 1)
+    return bool(self.objective.decoupled or self.correction.is_on or self.optimizer_steps > 1)
 
   @property
   def masks_minibatch_first(self) -> bool:
@@ -284,11 +324,17 @@ class LossSettings:
   def loss_knobs(self, m2po_keep=None) -> dict:
     """The keywords of `losses.LOSSES[objective.loss]` (None where off)."""
     o = self.objective
-    tis_cap = o.tis_cap or None
+    correction = self.correction if self.correction.is_on else None
     if o.loss == "clipped_ratio":
       c = self.clipped_ratio
       return dict(eps_low=c.eps_low, eps_high=c.eps_high, dual_clip=c.dual_clip or None,
-                  tis_cap=tis_cap, age_decay=o.age_decay)
+                  correction=correction, age_decay=o.age_decay)
     if o.loss == "vtrace":
       return dict(rho_bar=self.vtrace.rho_bar, age_decay=o.age_decay)
-    return dict(tau=self.m2po.tau, tis_cap=tis_cap, keep=m2po_keep)
+    if o.loss == "cispo":
+      return dict(eps_low=self.cispo.cispo_eps_low, eps_high=self.cispo.cispo_eps_high,
+                  correction=correction, age_decay=o.age_decay)
+    if o.loss in ("gspo", "gspo_token"):
+      return dict(eps_low=self.gspo.gspo_eps_low, eps_high=self.gspo.gspo_eps_high,
+                  correction=correction, age_decay=o.age_decay)
+    return dict(tau=self.m2po.tau, correction=correction, keep=m2po_keep)

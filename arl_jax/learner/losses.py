@@ -17,9 +17,14 @@ The decoupled objective (AReaL; Fu et al., 2025; Hilton et al., 2021): when a
 proximal policy `pi_prox` is given (recomputed at the start of a batch that
 takes several optimizer steps), the trust region is taken around `pi_prox`,
 `r_t = pi_theta / pi_prox`, and the off-policy correction is a separate
-constant weight `w_t = pi_prox / mu`, optionally truncated at `tis_cap`
-(truncated importance sampling for trainer/inference mismatch, Yao et al.,
-2025). Without a proximal policy, `r_t = rho_t` and `w_t = 1` (coupled).
+constant weight `w_t = pi_prox / mu`, which `mismatch.behaviour_weights`
+truncates or masks as the run's `mismatch.Correction` says (truncated
+importance sampling, IcePop, sequence masks). Without a proximal policy,
+`r_t = rho_t` and `w_t = 1` (coupled).
+
+Sequence-level losses (GSPO) reduce over each sequence's trained tokens: a
+sequence is a segment of `segment_ids` (`segments.py`; None: one a row), so
+a rollout is scored the same in a padded row of its own and in a packed row.
 
 Age-aware trust region (`age_decay > 0`, off by default): a token sampled
 `lag_t` versions ago gets the clip range `eps / (1 + age_decay * lag_t)` (and
@@ -42,15 +47,13 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from arl_jax.learner import mismatch as mismatch_lib
 from arl_jax.learner import segments as segments_lib
 
 AGGREGATIONS = ("token_mean", "seq_mean_token_mean", "seq_sum_norm")
 
 
-def masked_mean(x, mask):
-  """Mean of `x` over `mask` (0 when the mask is empty); entries of `x` where
-  the mask is 0 never count, even NaN or inf."""
-  return jnp.sum(jnp.where(mask > 0, x, 0.0) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+masked_mean = segments_lib.masked_mean
 
 
 def _zero_masked(loss_mask, *arrays):
@@ -126,27 +129,25 @@ def truncation_level(bar: float, token_lag=None, age_decay: float = 0.0):
   return jnp.minimum(bar, 1.0 + (bar - 1.0) * _age_scale(token_lag, age_decay))
 
 
-def _trust_region_ratio(logprobs, behaviour_logprobs, loss_mask, proximal_logprobs,
-                        tis_cap: float | None):
-  """`(r, w, metrics)`: the ratio the trust region acts on, and the constant
-  off-policy weight (see the module docstring). Inputs are already 0 off the
-  mask (`_zero_masked`), so both are 1 there."""
+def _trust_region_log_ratio(logprobs, behaviour_logprobs, loss_mask, proximal_logprobs,
+                            correction: mismatch_lib.Correction | None, segment_ids):
+  """`(log r, w, metrics)`: the log of the ratio the trust region acts on, and
+  the constant off-policy weight (see the module docstring). Inputs are
+  already 0 off the mask (`_zero_masked`), so `log r` is 0 there and `w` 0."""
   if proximal_logprobs is None:
-    return jnp.exp(logprobs - behaviour_logprobs), 1.0, {}
-  r = jnp.exp(logprobs - proximal_logprobs)
-  w = jnp.exp(jax.lax.stop_gradient(proximal_logprobs - behaviour_logprobs))
-  metrics = {"behaviour_weight_mean": masked_mean(w, loss_mask)}
-  if tis_cap is not None:
-    metrics["tis_truncated_fraction"] = masked_mean((w > tis_cap).astype(jnp.float32),
-                                                    loss_mask)
-    w = jnp.minimum(w, tis_cap)
-  return r, w, metrics
+    if correction is not None and correction.is_on:
+      raise ValueError("a mismatch correction weighs pi_prox / mu: it needs proximal_logprobs "
+                       "(the decoupled objective)")
+    return logprobs - behaviour_logprobs, 1.0, {}
+  w, metrics = mismatch_lib.behaviour_weights(proximal_logprobs - behaviour_logprobs, loss_mask,
+                                              correction, segment_ids)
+  return logprobs - proximal_logprobs, w, metrics
 
 
 def clipped_ratio(logprobs, behaviour_logprobs, advantages, loss_mask, *,
-                  proximal_logprobs=None, token_lag=None, eps_low: float = 0.2,
-                  eps_high: float = 0.2, dual_clip: float | None = None,
-                  tis_cap: float | None = None, age_decay: float = 0.0):
+                  proximal_logprobs=None, token_lag=None, segment_ids=None,
+                  eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
+                  correction: mismatch_lib.Correction | None = None, age_decay: float = 0.0):
   """PPO/GRPO clipped surrogate per token.
 
     loss_t = -w_t * min(r_t A_t, clip(r_t, 1 - eps_low_t, 1 + eps_high_t) A_t)
@@ -162,9 +163,11 @@ def clipped_ratio(logprobs, behaviour_logprobs, advantages, loss_mask, *,
     loss_mask: `[B, L]` float32, 1 on trained tokens.
     proximal_logprobs: optional `[B, L]`, the decoupled objective's pi_prox.
     token_lag: optional `[B, L]` int, versions since each token was sampled.
+    segment_ids: optional `[B, L]`, the rows' sequences (for sequence-level
+      corrections).
     eps_low, eps_high: clip ranges.
     dual_clip: optional c > 1.
-    tis_cap: optional truncation of the decoupled weight `pi_prox / mu`.
+    correction: optional corrections of the decoupled weight `pi_prox / mu`.
     age_decay: age-aware trust region (0: off).
 
   Returns:
@@ -173,8 +176,9 @@ def clipped_ratio(logprobs, behaviour_logprobs, advantages, loss_mask, *,
   _check(logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag)
   logprobs, behaviour_logprobs, advantages, proximal_logprobs = _zero_masked(
       loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
-  r, w, metrics = _trust_region_ratio(logprobs, behaviour_logprobs, loss_mask,
-                                      proximal_logprobs, tis_cap)
+  log_r, w, metrics = _trust_region_log_ratio(logprobs, behaviour_logprobs, loss_mask,
+                                              proximal_logprobs, correction, segment_ids)
+  r = jnp.exp(log_r)
   scale = _age_scale(token_lag, age_decay)
   clipped = jnp.clip(r, 1.0 - eps_low * scale, 1.0 + eps_high * scale)
   surrogate = jnp.minimum(r * advantages, clipped * advantages)
@@ -188,7 +192,7 @@ def clipped_ratio(logprobs, behaviour_logprobs, advantages, loss_mask, *,
 
 
 def vtrace(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logprobs=None,
-           token_lag=None, rho_bar: float = 1.0, age_decay: float = 0.0):
+           token_lag=None, segment_ids=None, rho_bar: float = 1.0, age_decay: float = 0.0):
   """Truncated importance-sampled policy gradient (IMPALA's V-trace actor loss,
   Espeholt et al., 2018):
 
@@ -202,6 +206,7 @@ def vtrace(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logp
   proximal policy. With `age_decay`, `rho_bar_t = truncation_level(rho_bar,
   lag_t, age_decay)`.
   """
+  del segment_ids  # (token-level)
   _check(logprobs, behaviour_logprobs, advantages, loss_mask, token_lag)
   if proximal_logprobs is not None:
     raise ValueError("vtrace corrects against the behaviour policy; it takes no proximal policy")
@@ -235,7 +240,8 @@ def m2po_keep_mask(log_ratio, loss_mask, tau: float):
 
 
 def m2po(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logprobs=None,
-         token_lag=None, tau: float = 0.04, tis_cap: float | None = None, keep=None):
+         token_lag=None, segment_ids=None, tau: float = 0.04,
+         correction: mismatch_lib.Correction | None = None, keep=None):
   """M2PO (Zheng et al., 2025): second-moment masking, then an importance-weighted
   policy gradient on the kept tokens, without ratio clipping:
 
@@ -249,8 +255,9 @@ def m2po(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logpro
   _check(logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag)
   logprobs, behaviour_logprobs, advantages, proximal_logprobs = _zero_masked(
       loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
-  r, w, metrics = _trust_region_ratio(logprobs, behaviour_logprobs, loss_mask,
-                                      proximal_logprobs, tis_cap)
+  log_r, w, metrics = _trust_region_log_ratio(logprobs, behaviour_logprobs, loss_mask,
+                                              proximal_logprobs, correction, segment_ids)
+  r = jnp.exp(log_r)
   log_ratio = jax.lax.stop_gradient(logprobs - behaviour_logprobs)
   if keep is None:
     keep = m2po_keep_mask(log_ratio, loss_mask, tau)
@@ -260,6 +267,96 @@ def m2po(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logpro
   metrics["masked_fraction"] = masked_mean(1.0 - keep, loss_mask)
   metrics["m2_kept"] = masked_mean(jnp.square(log_ratio), keep)
   return jnp.where(keep > 0, -w * r * advantages, 0.0), metrics
+
+
+def cispo(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logprobs=None,
+          token_lag=None, segment_ids=None, eps_low: float = 1.0, eps_high: float = 2.0,
+          correction: mismatch_lib.Correction | None = None, age_decay: float = 0.0):
+  """CISPO (MiniMax-M1, arXiv:2506.13585): a REINFORCE term weighted by the
+  clipped importance ratio, the weight stop-gradient:
+
+    loss_t = -w_t * sg(clip(r_t, 1 - eps_low_t, 1 + eps_high_t)) * A_t * logp_theta_t
+
+  Unlike the clipped ratio, no token's gradient is ever zeroed: a clipped
+  token still moves the policy, with a bounded weight (the low-probability
+  "fork" tokens PPO's clip drops after its first update keep training).
+  MiniMax-M1 set no lower bound (`eps_low` = 1: the weight's floor is 0) and
+  tuned only the upper one. The loss value is not a ratio: compare gradients,
+  not losses, with `clipped_ratio`. With `age_decay`, both bounds shrink with
+  a token's lag as the clipped ratio's do.
+  """
+  _check(logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag)
+  logprobs, behaviour_logprobs, advantages, proximal_logprobs = _zero_masked(
+      loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
+  log_r, w, metrics = _trust_region_log_ratio(logprobs, behaviour_logprobs, loss_mask,
+                                              proximal_logprobs, correction, segment_ids)
+  r = jnp.exp(jax.lax.stop_gradient(log_r))
+  scale = _age_scale(token_lag, age_decay)
+  low, high = 1.0 - eps_low * scale, 1.0 + eps_high * scale
+  metrics["clip_fraction"] = masked_mean(((r < low) | (r > high)).astype(jnp.float32),
+                                         loss_mask)
+  weight = jnp.clip(r, low, high)
+  return jnp.where(loss_mask > 0, -w * weight * advantages * logprobs, 0.0), metrics
+
+
+def _gspo_surrogate(s, advantages, loss_mask, token_lag, eps_low, eps_high, age_decay, w,
+                    metrics):
+  """GSPO's clipped surrogate on per-token sequence ratios `s` `[B, L]`."""
+  scale = _age_scale(token_lag, age_decay)
+  clipped = jnp.clip(s, 1.0 - eps_low * scale, 1.0 + eps_high * scale)
+  surrogate = jnp.minimum(s * advantages, clipped * advantages)
+  metrics["clip_fraction"] = masked_mean((s * advantages > clipped * advantages)
+                                         .astype(jnp.float32), loss_mask)
+  return jnp.where(loss_mask > 0, -w * surrogate, 0.0), metrics
+
+
+def gspo(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logprobs=None,
+         token_lag=None, segment_ids=None, eps_low: float = 3e-4, eps_high: float = 4e-4,
+         correction: mismatch_lib.Correction | None = None, age_decay: float = 0.0):
+  """GSPO (Zheng et al., 2025, arXiv:2507.18071): the clipped surrogate on the
+  sequence's length-normalised likelihood ratio,
+
+    s_i = exp(mean_{t in i} log r_t),
+    loss_i = -min(s_i A_i, clip(s_i, 1 - eps_low, 1 + eps_high) A_i)
+
+  placed on each of sequence i's tokens (times its off-policy weight `w_t`),
+  so `seq_mean_token_mean` aggregation gives the paper's objective
+  `1/G sum_i loss_i` (`token_mean` weighs long sequences more). A sequence
+  is clipped whole, not token by token, hence the paper's small ranges
+  (3e-4, 4e-4: the defaults). `advantages` are read per token; a rollout's
+  are constant over its tokens. With `age_decay` a token's bound shrinks with
+  its own lag.
+  """
+  _check(logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag)
+  logprobs, behaviour_logprobs, advantages, proximal_logprobs = _zero_masked(
+      loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
+  log_r, w, metrics = _trust_region_log_ratio(logprobs, behaviour_logprobs, loss_mask,
+                                              proximal_logprobs, correction, segment_ids)
+  s = jnp.exp(segments_lib.sequence_means(log_r, loss_mask, segment_ids))
+  return _gspo_surrogate(s, advantages, loss_mask, token_lag, eps_low, eps_high, age_decay, w,
+                         metrics)
+
+
+def gspo_token(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logprobs=None,
+               token_lag=None, segment_ids=None, eps_low: float = 3e-4, eps_high: float = 4e-4,
+               correction: mismatch_lib.Correction | None = None, age_decay: float = 0.0):
+  """GSPO-token (Zheng et al., 2025, section 4.3): per-token ratios whose value
+  is the sequence's and whose gradient is each token's own,
+
+    s_{i,t} = sg(s_i) * pi_theta(a_t) / sg(pi_theta(a_t)),
+    loss_{i,t} = -min(s_{i,t} A_{i,t}, clip(s_{i,t}, 1 - eps_low, 1 + eps_high) A_{i,t})
+
+  so advantages may differ token by token; with a rollout's advantage on all
+  its tokens the loss and its gradient equal `gspo`'s."""
+  _check(logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag)
+  logprobs, behaviour_logprobs, advantages, proximal_logprobs = _zero_masked(
+      loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
+  log_r, w, metrics = _trust_region_log_ratio(logprobs, behaviour_logprobs, loss_mask,
+                                              proximal_logprobs, correction, segment_ids)
+  log_s = jax.lax.stop_gradient(segments_lib.sequence_means(log_r, loss_mask, segment_ids))
+  s = jnp.exp(log_s + logprobs - jax.lax.stop_gradient(logprobs))
+  return _gspo_surrogate(s, advantages, loss_mask, token_lag, eps_low, eps_high, age_decay, w,
+                         metrics)
 
 
 def kl_to_reference(logprobs, reference_logprobs, loss_mask):
@@ -293,4 +390,7 @@ def ratio_statistics(log_ratio, mask):
   }
 
 
-LOSSES = {"clipped_ratio": clipped_ratio, "vtrace": vtrace, "m2po": m2po}
+LOSSES = {"clipped_ratio": clipped_ratio, "vtrace": vtrace, "m2po": m2po, "cispo": cispo,
+          "gspo": gspo, "gspo_token": gspo_token}
+# Losses whose ratio is a sequence's, not a token's.
+SEQUENCE_LOSSES = ("gspo", "gspo_token")

@@ -14,6 +14,29 @@ import jax
 import jax.numpy as jnp
 
 
+def masked_mean(x, mask):
+  """Mean of `x` over `mask` (0 when the mask is empty); entries of `x` where
+  the mask is 0 never count, even NaN or inf."""
+  return jnp.sum(jnp.where(mask > 0, x, 0.0) * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def sequence_sums(x, mask, segment_ids=None):
+  """`[B, L]`: at each column, the sum of `x` over the columns of its sequence
+  where `mask > 0` (each row one sequence when `segment_ids` is None); NaN or
+  inf off the mask never count."""
+  x = jnp.where(mask > 0, x, 0.0)
+  if segment_ids is None:
+    return jnp.broadcast_to(jnp.sum(x, axis=1, keepdims=True), x.shape)
+  return totals(x, segment_ids)
+
+
+def sequence_means(x, mask, segment_ids=None):
+  """`[B, L]`: at each column, the mean of `x` over its sequence's masked
+  columns (0 for a sequence with none)."""
+  return sequence_sums(x, mask, segment_ids) / jnp.maximum(
+      sequence_sums(jnp.ones_like(x), mask, segment_ids), 1.0)
+
+
 def _global_ids(segment_ids):
   """`[B * L]` ids unique over the batch: a row's ids are at most L."""
   rows, length = segment_ids.shape

@@ -5,8 +5,10 @@ One call consumes one TrainBatch `B_u` and may take several optimizer steps:
 accumulated over `num_microbatches` microbatches (so a big batch fits in
 memory). With more than one optimizer step per batch the policy at the start
 of the batch is recomputed as the proximal policy and the objective is
-decoupled (see `losses`); a single step may opt in with `decoupled=True` or
-`tis_cap`.
+decoupled (see `losses`); a single step may opt in with `decoupled=True` or a
+mismatch correction (`mismatch.Correction`), and then its proximal policy is
+its own log-probs, stop-gradient: the params at the start of the batch are
+the ones being differentiated, so no extra forward pass is needed.
 
 Minibatch `i` of `n` takes rows `i, i + n, i + 2n, ...` (and microbatches
 split a minibatch the same way), so every slice stays spread over the `fsdp`
@@ -137,9 +139,12 @@ def _objective(params, micro, weights, *, logprobs_fn,
   else:
     logp, entropy = logprobs_fn(params, mb)
     advantages, value_loss, critic_metrics = micro["advantages"], 0.0, {}
+  proximal = micro.get("proximal")
+  if proximal is None and s.is_decoupled:  # one optimizer step: these params are pi_prox
+    proximal = jax.lax.stop_gradient(logp)
   per_token, metrics = losses_lib.LOSSES[s.objective.loss](
-      logp, mb.behaviour_logprobs, advantages, mb.loss_mask,
-      proximal_logprobs=micro.get("proximal"), token_lag=micro["token_lag"],
+      logp, mb.behaviour_logprobs, advantages, mb.loss_mask, proximal_logprobs=proximal,
+      token_lag=micro["token_lag"], segment_ids=mb.segment_ids,
       **s.loss_knobs(micro.get("m2po_keep")))
   metrics.update(critic_metrics)
   on = mb.loss_mask > 0
@@ -191,7 +196,7 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     logp = jax.lax.map(lambda chunk: logprobs(params, chunk)[0], chunks)
     return jax.lax.stop_gradient(_unsplit(logp))
 
-  start_logp = frozen_logprobs(state.params) if s.is_decoupled else None
+  start_logp = frozen_logprobs(state.params) if s.optimizer_steps > 1 else None
   if start_logp is not None:
     rows["proximal"] = start_logp
   if reference_params is not None:

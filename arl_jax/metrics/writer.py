@@ -180,7 +180,8 @@ def progress_line(record: Mapping) -> str:
       f"{record['tokens_per_s']:.0f} tok/s",
       f"drops {100 * record['drop_rate']:.1f}% s{record['dropped_stale']:d} "
       f"c{record['dropped_cancelled']:d} e{record['dropped_env_error']:d} "
-      f"t{record['dropped_truncated']:d}",
+      f"t{record['dropped_truncated']:d}"
+      + (f" z{record['dropped_zero_variance']:d}" if record.get("dropped_zero_variance") else ""),
       f"loss {record['loss']:+.4f}",
       f"ratio max {record['ratio_max']:.3f}",
   ]

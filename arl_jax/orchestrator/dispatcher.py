@@ -16,6 +16,12 @@ Requeueing (`requeue_dropped = n`): the prompt of a group dropped as stale or
 cancelled is dispatched again, ahead of new prompts, up to `n` times, so that
 slow (often hard) tasks are not silently lost from training.
 
+Dynamic sampling (`zero_variance.py`): a group whose rewards do not differ
+is dropped as it finishes (`drop_finished`, no requeue), and admission counts
+a group in flight as the share of groups that are kept (`set_expected_yield`):
+the groups that will ship, finished ones plus the expected yield of those in
+flight, stay within the capacity, so more are generated at about the same lag.
+
 Reassignment (`reassign`): the groups of a sampler that died start again from
 scratch, with their ids and dispatch versions (their lag keeps counting from
 the original dispatch), handed out by `take` before anything else; they hold
@@ -31,6 +37,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import heapq
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -101,6 +108,8 @@ class Dispatcher:
     self._clock = clock
     self._cond = threading.Condition()
     self._next_group_id = 0
+    # The share of in-flight groups expected to ship (dynamic sampling; 1: all).
+    self._yield = 1.0
     self._in_system: dict[int, GroupRequest] = {}  # started, not yet retired
     self._generating: set[int] = set()  # in flight: sampler or environment
     self._oldest_sampled: dict[int, int] = {}  # group_id -> first sampled version
@@ -138,7 +147,7 @@ class Dispatcher:
     with self._cond:
       if not self._cond.wait_for(
           lambda: (self._closed or self._reassigned
-                   or len(self._in_system) < self._cfg.capacity), timeout):
+                   or self._has_room()), timeout):
         return []
       if live_version < self._live_version:
         return []
@@ -147,7 +156,7 @@ class Dispatcher:
         if request.group_id in self._in_system:  # else cancelled while it waited
           requests.append(request)
       while (not self._closed and len(requests) < max_groups
-             and len(self._in_system) < self._cfg.capacity):
+             and self._has_room()):
         if self._requeued:
           prompt, prompt_ids, attempt = self._requeued.popleft()
           if prompt_ids is None:
@@ -181,7 +190,45 @@ class Dispatcher:
     with self._cond:
       if self._closed:
         return 0
-      return len(self._reassigned) + max(0, self._cfg.capacity - len(self._in_system))
+      generating = len(self._generating)
+      room = (self._cfg.capacity - (len(self._in_system) - generating)) / self._yield
+      return len(self._reassigned) + max(0, math.ceil(room - generating))
+
+  def _has_room(self) -> bool:
+    """Admission (under the lock): the groups that will ship, finished ones
+    and the expected yield of those in flight, are below the capacity."""
+    generating = len(self._generating)
+    return (len(self._in_system) - generating + self._yield * generating
+            < self._cfg.capacity)
+
+  @property
+  def expected_yield(self) -> float:
+    with self._cond:
+      return self._yield
+
+  def set_expected_yield(self, share: float) -> None:
+    """The share of in-flight groups expected to ship, in (0, 1] (dynamic
+    sampling: the recent kept fraction)."""
+    if not 0 < share <= 1:
+      raise ValueError(f"expected yield must be in (0, 1], got {share}")
+    with self._cond:
+      self._yield = float(share)
+      self._cond.notify_all()
+
+  def drop_finished(self, group_id: int) -> GroupRequest | None:
+    """Retires a group that finished generating and will not train (dynamic
+    sampling), without requeueing its prompt. Returns its request, or None
+    when it was cancelled meanwhile (then it is counted as that)."""
+    with self._cond:
+      if group_id not in self._generating:
+        return None
+      request = self._in_system.pop(group_id)
+      self._generating.discard(group_id)
+      self._oldest_sampled.pop(group_id, None)
+      self.work.close([group_id])
+      self._cond.notify_all()
+    self._buffer.forget(group_id)
+    return request
 
   def note_sampling(self, group_id: int, version: int) -> None:
     """The sampler sampled a token of `group_id` with params of `version`."""
@@ -257,6 +304,9 @@ class Dispatcher:
             request.dispatch_version, self._oldest_sampled.get(gid), cfg.staleness_reference)
         if not staleness.can_still_ship(reference, live_version, cfg.max_off_policy_steps):
           doomed[gid] = request
+      # No longer generating as of now: a group finishing meanwhile is not
+      # also dropped by `drop_finished`.
+      self._generating.difference_update(doomed)
       doomed = [doomed[gid] for gid in sorted(doomed)]
     for request in doomed:
       self._buffer.forget(request.group_id)

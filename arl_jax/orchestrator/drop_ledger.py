@@ -7,7 +7,9 @@ Reasons:
 - `env_error`: a rollout its environment failed on (exception, timeout,
   malformed answer); it is masked out of the loss and of its group's baseline;
 - `truncated`: a rollout that hit `max_new_tokens`, masked the same way when
-  `mask_truncated_completions` is on (DAPO's overlong filtering).
+  `mask_truncated_completions` is on (DAPO's overlong filtering);
+- `zero_variance`: a finished group whose rewards do not differ, dropped by
+  dynamic sampling (`orchestrator.filter_zero_variance`, `zero_variance.py`).
 
 Everything is counted in rollouts (a dropped group counts G), so drop rates of
 all reasons share one denominator: every rollout retired so far (trained rows
@@ -30,7 +32,7 @@ import dataclasses
 
 from arl_jax import rollout as rollout_lib
 
-REASONS = ("stale", "cancelled", "env_error", "truncated")
+REASONS = ("stale", "cancelled", "env_error", "truncated", "zero_variance")
 UNFINISHED = "unfinished"
 NUM_LENGTH_BUCKETS = 4
 
@@ -107,20 +109,26 @@ class DropLedger:
     for g in groups:
       self._retire(g, trained=False)
 
-  def _retire(self, group: rollout_lib.Group, trained: bool) -> collections.Counter[str]:
-    """Counts a finished group's rollouts: dropped as stale, or trained with
-    masked rollouts (env errors, truncated when masked) counted as drops."""
+  def record_zero_variance(self, group: rollout_lib.Group) -> None:
+    self._retire(group, trained=False, reason="zero_variance")
+
+  def _retire(self, group: rollout_lib.Group, trained: bool,
+              reason: str = "stale") -> collections.Counter[str]:
+    """Counts a finished group's rollouts: dropped (as stale, or `reason`), or
+    trained with masked rollouts (env errors, truncated when masked) counted
+    as drops."""
     task = self._task(group.prompt_id, group.rollouts[0].env_name)
     if trained:
       task.groups_trained += 1
     else:
       task.groups_dropped += 1
     dropped = collections.Counter()
+    group_reason = reason
     for r in group.rollouts:
       bucket = self.length_bucket(r.completion_length)
       self._retired_by_length[bucket] += 1
       if not trained:
-        reason = "stale"
+        reason = group_reason
       elif r.finish_reason == "error":
         reason = "env_error"
       elif r.is_masked(self._mask_truncated):

@@ -5,7 +5,9 @@ buffer (staleness sweep, assembly policy) and the drop ledger, and applies
 them in one fixed order:
 
 - env workers hand in finished groups (`group_finished`), stamped with the
-  version live on arrival;
+  version live on arrival; with `filter_zero_variance`, a group whose rewards
+  do not differ is dropped there and then (`zero_variance.py`), counted by
+  the learner thread at its next call;
 - the learner cuts `B_u` (`cut`): every attempt sweeps stale groups first,
   retires them at once (so they never hold admission capacity while the
   learner waits) and counts them;
@@ -32,7 +34,7 @@ from arl_jax import rollout as rollout_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import drop_ledger as drop_ledger_lib
-from arl_jax.orchestrator import open_work, staleness
+from arl_jax.orchestrator import open_work, reward_shaping, staleness, zero_variance
 
 
 def histogram(values) -> dict[str, int]:
@@ -81,13 +83,19 @@ class DataExhausted(Exception):
   """The prompt stream ended and what is left cannot fill another batch."""
 
 
+class NoSignal(Exception):
+  """Dynamic sampling dropped every group for a long time: the rewards do not
+  differ within any group, so there is nothing to train on."""
+
+
 class Orchestrator:
   """Dispatcher + buffer + drop ledger, driven by the learner thread."""
 
   def __init__(self, *, dispatch_cfg: dispatcher_lib.DispatchConfig,
                buffer_cfg: buffer_lib.BufferConfig, prompts: Iterator, encode_fn,
                env_name_of: Callable[[object], str], max_new_tokens: int,
-               mask_truncated_completions: bool = False,
+               mask_truncated_completions: bool = False, filter_zero_variance: bool = False,
+               overlong_buffer: int = 0, overlong_penalty: float = 1.0,
                clock: Callable[[], float] = time.monotonic,
                budget_fn: Callable[[object], int | None] | None = None,
                audit_fn: Callable[[dict], None] | None = None):
@@ -110,6 +118,15 @@ class Orchestrator:
     self._lock = threading.Lock()
     self._live_version = 0
     self._stale_since_cut: list[rollout_lib.Group] = []
+    self._mask_truncated = mask_truncated_completions
+    self._max_new_tokens = max_new_tokens
+    self._overlong = (overlong_buffer, overlong_penalty)
+    self._filter_zero_variance = filter_zero_variance
+    # Dynamic sampling: groups dropped on arrival (env threads) wait here for
+    # the learner thread, which owns the ledger and the audit; the kept share
+    # over the last four batches' worth of arrivals is admission's expected yield.
+    self._zero_variance: list[tuple[rollout_lib.Group, int]] = []
+    self.kept = zero_variance.KeptFraction(4 * dispatch_cfg.groups_per_batch)
 
   @property
   def live_version(self) -> int:
@@ -118,10 +135,23 @@ class Orchestrator:
 
   def group_finished(self, group: rollout_lib.Group) -> bool:
     """A group's last rollout was scored (env worker threads). False: it was
-    cancelled meanwhile, and nothing keeps it."""
+    cancelled meanwhile, or dropped by dynamic sampling, and nothing keeps it."""
     # The sampler may hold a version before `publish` announces it here; the
     # group cannot have arrived before the newest version that sampled it.
     newest = max(r.version_span[1] for r in group.rollouts)
+    group = reward_shaping.shape(group, self._max_new_tokens, *self._overlong)
+    if self._filter_zero_variance:
+      kept = zero_variance.carries_signal(group, self._mask_truncated)
+      if not kept and self.dispatcher.drop_finished(group.group_id) is None:
+        return False  # cancelled meanwhile: counted as that
+      with self._lock:
+        self.kept.add(kept)
+        share = self.kept.expected_yield()
+        if not kept:
+          self._zero_variance.append((group, max(self._live_version, newest)))
+      self.dispatcher.set_expected_yield(share)
+      if not kept:
+        return False
     # Into the buffer before it stops counting as in flight, so that a learner
     # that sees the dispatcher drained has seen every group (see `cut`).
     kept = self.buffer.put(group, max(self.live_version, newest))
@@ -138,14 +168,17 @@ class Orchestrator:
     restored = self.dispatcher.restore_work(work)
     for group in restored:
       if group.complete is not None:
+        # (saved rewards are the environment's: shaped here, as on arrival)
+        complete = reward_shaping.shape(group.complete, self._max_new_tokens, *self._overlong)
         arrival = group.arrival_version
-        self.buffer.put(group.complete, self.live_version if arrival is None else arrival)
-        self.work.arrived(group.complete.group_id, group.complete.arrival_version)
+        self.buffer.put(complete, self.live_version if arrival is None else arrival)
+        self.work.arrived(complete.group_id, complete.arrival_version)
     return restored
 
   def try_cut(self, batch_version: int) -> Batch | None:
     """One attempt at `B_{batch_version}`: sweep, count and retire stale groups,
     then take a batch if the assembly policy has one ready."""
+    self._count_zero_variance()
     result = self.buffer.try_cut(batch_version, self.dispatch_cfg.groups_per_batch)
     if result.stale:
       self.ledger.record_stale(result.stale)
@@ -175,6 +208,7 @@ class Orchestrator:
       batch = self.try_cut(batch_version)
       if batch is not None:
         return batch
+      self._raise_if_no_signal()
       if self.buffer.closed:
         raise buffer_lib.BufferClosed()
       if self.dispatcher.drained and self.buffer.generation == generation:
@@ -186,10 +220,31 @@ class Orchestrator:
                            f"for B_{batch_version}")
       self.buffer.wait_for_change(generation, 0.5 if remaining is None else min(remaining, 0.5))
 
+  def _raise_if_no_signal(self) -> None:
+    with self._lock:
+      in_a_row = self.kept.dropped_in_a_row
+    if in_a_row >= zero_variance.no_signal_groups(self.dispatch_cfg.groups_per_batch):
+      raise NoSignal(
+          f"orchestrator.filter_zero_variance dropped the last {in_a_row} groups in a row: no "
+          f"group's rewards differed (every sample right, or every one wrong), so nothing "
+          f"could train; the task is too hard or too easy for this policy (a supervised "
+          f"warm-up, another task mix), or turn the filter off")
+
+  def _count_zero_variance(self) -> None:
+    """Counts and audits the groups dynamic sampling dropped since the last
+    call (learner thread)."""
+    with self._lock:
+      dropped, self._zero_variance = self._zero_variance, []
+    for group, version in dropped:
+      self.ledger.record_zero_variance(group)
+      self._audit(group.group_id, group.prompt_id, "dropped_zero_variance", version,
+                  group.dispatch_version)
+
   def publish(self, version: int, trained: list[rollout_lib.Group]) -> list[int]:
     """Announces a published version: cancels the in-flight groups that can no
     longer ship (returned, for the sampler and env workers to stop), then
     retires the groups trained by the update that produced it."""
+    self._count_zero_variance()
     with self._lock:
       self._live_version = version
     cancelled = self.dispatcher.on_publish(version)
@@ -220,10 +275,16 @@ class Orchestrator:
   def metrics(self) -> dict:
     """Drops (cumulative, in rollouts: drop_ledger.py), cancellations,
     requeues and what is in the system now, for the step records."""
+    self._count_zero_variance()
     dispatcher = self.dispatcher
-    return {**self.ledger.metrics(), "cancelled_groups": dispatcher.num_cancelled,
-            "requeued_groups": dispatcher.num_requeued, "buffer_size": len(self.buffer),
-            "in_system_groups": dispatcher.in_system}
+    metrics = {**self.ledger.metrics(), "cancelled_groups": dispatcher.num_cancelled,
+               "requeued_groups": dispatcher.num_requeued, "buffer_size": len(self.buffer),
+               "in_system_groups": dispatcher.in_system}
+    if self._filter_zero_variance:
+      with self._lock:
+        metrics["zero_variance_kept_fraction"] = self.kept.overall
+      metrics["admission_yield"] = dispatcher.expected_yield
+    return metrics
 
   def snapshot(self, open_segments: dict) -> dict:
     """The orchestrator's part of a checkpoint, as JSON: the open work (every
@@ -235,14 +296,19 @@ class Orchestrator:
         current segment (`SamplerEngine.open_segments`), read at the same
         instant: the caller holds the sampler still meanwhile.
     """
+    self._count_zero_variance()
+    with self._lock:
+      kept = self.kept.to_json()
     return {"work": self.dispatcher.snapshot_work(open_segments),
-            "drop_ledger": self.ledger.to_json()}
+            "drop_ledger": self.ledger.to_json(), "zero_variance": kept}
 
   def restore(self, saved: dict) -> list[open_work.RestoredGroup]:
     """Takes back a `snapshot` (before anything is dispatched); returns the
     groups whose parts go back to the sampler and the env workers."""
     restored = self.restore_work(saved["work"])
     self.ledger.restore(saved["drop_ledger"])
+    if "zero_variance" in saved:  # (checkpoints before dynamic sampling lack it)
+      self.kept.restore(saved["zero_variance"])
     return restored
 
   def _audit(self, group_id: int, prompt_id: int, event: str, version: int,

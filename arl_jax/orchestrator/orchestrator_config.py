@@ -36,6 +36,14 @@ class OrchestratorConfig:
     window_fraction: windowed_fifo: the window, as a fraction of a batch.
     requeue_dropped: times a dropped group's prompt is dispatched again.
     mask_truncated_completions: completions cut at the budget train no tokens.
+    filter_zero_variance: dynamic sampling (DAPO): a group whose trainable
+      rollouts' rewards do not differ is dropped as it finishes, and more
+      groups are admitted so batches stay full (`zero_variance.py`).
+    overlong_buffer: the soft overlong penalty's buffer, in tokens: a
+      completion that ends in the last this-many tokens of the budget loses
+      reward linearly, up to overlong_penalty at the budget
+      (`reward_shaping.py`; 0: off).
+    overlong_penalty: the penalty at the budget.
   """
 
   batch_size: int
@@ -47,6 +55,9 @@ class OrchestratorConfig:
   window_fraction: float = 0.3
   requeue_dropped: int = 0
   mask_truncated_completions: bool = False
+  filter_zero_variance: bool = False
+  overlong_buffer: int = 0
+  overlong_penalty: float = 1.0
 
   def __post_init__(self):
     g, batch = self.group_size, self.batch_size
@@ -72,6 +83,13 @@ class OrchestratorConfig:
     settings.check(isinstance(self.mask_truncated_completions, bool),
                    "mask_truncated_completions",
                    f"must be True or False, got {self.mask_truncated_completions!r}")
+    settings.check(isinstance(self.filter_zero_variance, bool), "filter_zero_variance",
+                   f"must be True or False, got {self.filter_zero_variance!r}")
+    settings.check(settings.is_int(self.overlong_buffer) and self.overlong_buffer >= 0,
+                   "overlong_buffer", f"must be an int >= 0 (tokens; 0: off), got "
+                   f"{self.overlong_buffer!r}")
+    settings.check(isinstance(self.overlong_penalty, (int, float)) and self.overlong_penalty > 0,
+                   "overlong_penalty", f"must be > 0, got {self.overlong_penalty!r}")
 
   @property
   def groups_per_batch(self) -> int:

@@ -60,6 +60,9 @@ class SimConfig:
       capped at `max_new_tokens` (capped completions finish with `length`).
     max_new_tokens: the completion budget.
     mask_truncated_completions: as the orchestrator option.
+    filter_zero_variance: as the orchestrator option.
+    reward_fn: `(prompt, sample index) -> reward` (None: index % 2, so every
+      group's rewards differ).
     env_name: environment name recorded on rollouts.
   """
 
@@ -71,6 +74,8 @@ class SimConfig:
   tokens_per_second: float = 4.0
   max_new_tokens: int = 64
   mask_truncated_completions: bool = False
+  filter_zero_variance: bool = False
+  reward_fn: Callable[[object, int], float] | None = None
   env_name: str = "sim"
 
 
@@ -149,7 +154,8 @@ class _Simulation:
         dispatch_cfg=cfg.dispatch, buffer_cfg=cfg.buffer, prompts=prompts,
         encode_fn=lambda prompt: [1], env_name_of=lambda prompt: cfg.env_name,
         max_new_tokens=cfg.max_new_tokens,
-        mask_truncated_completions=cfg.mask_truncated_completions, clock=self.clock)
+        mask_truncated_completions=cfg.mask_truncated_completions,
+        filter_zero_variance=cfg.filter_zero_variance, clock=self.clock)
     self.heap: list[tuple[float, int, str, int]] = []
     self.seq = itertools.count()
     self.version = 0
@@ -210,7 +216,8 @@ class _Simulation:
 
   def finish(self, gid: int) -> None:
     run = self.running.pop(gid)
-    self.orch.group_finished(_make_group(self.cfg, run, self.version_at))
+    if not self.orch.group_finished(_make_group(self.cfg, run, self.version_at)):
+      self.retired.add(gid)  # (dropped by dynamic sampling)
     self.start_waiting()
 
   def try_train(self) -> None:
@@ -263,7 +270,8 @@ def _make_group(cfg: SimConfig, run: _Running, version_at) -> rollout_lib.Group:
       completion_ids=np.full(length, 2, np.int32), loss_mask=np.ones(length, np.float32),
       behaviour_logprobs=np.full(length, -1.0, np.float32), token_versions=versions,
       dispatch_version=request.dispatch_version, finish_reason=finish_reason,
-      reward=float(s % 2), env_name=cfg.env_name,
+      reward=float(s % 2 if cfg.reward_fn is None else cfg.reward_fn(request.prompt, s)),
+      env_name=cfg.env_name,
       timings={"queued": run.start - request.dispatch_time, "generating": run.end - run.start})
       for s in range(request.group_size)]
   return rollout_lib.Group(group_id=request.group_id, prompt_id=request.prompt.prompt_id,

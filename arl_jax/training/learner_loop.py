@@ -32,6 +32,7 @@ import numpy as np
 
 from arl_jax import train_batch as train_batch_lib
 from arl_jax.distributed import lockstep
+from arl_jax.learner import optim as optim_lib
 from arl_jax.metrics import host_memory
 from arl_jax.metrics import progress as progress_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
@@ -94,6 +95,8 @@ class LearnerLoop:
     self._stop_request = run.stop
     self._broadcast_fn = broadcast_fn
     self._shards = shards
+    # The rate each update trains at (`optim.make_optimizer` follows the same).
+    self._rate = optim_lib.learning_rate(run.spec.optim, run.spec.num_steps)
     self.groups_trained = groups_trained
     self._saved_version = learner.version if start_saved else None
     self._batches: list[dict] = []
@@ -154,6 +157,10 @@ class LearnerLoop:
           self._rollouts.raise_if_failed()
       self._run.print_fn(f"stopping after {step} updates: {self._stop_request.reason}")
       return None
+    except orchestrator_lib.NoSignal as e:
+      self._stop_request.request(f"no signal: {e}")
+      self._run.print_fn(f"stopping after {step} updates: {e}")
+      return None
     except orchestrator_lib.DataExhausted as e:
       self._run.print_fn(f"data exhausted after {step} updates (data.num_epochs="
                          f"{self._spec.data.num_epochs}): {e}")
@@ -209,6 +216,7 @@ class LearnerLoop:
         step_seconds=now - self._last_time, rl_seconds=now - self._rl_start,
         learner_wait=self._learner_wait)
     self._last_time = now
+    record["lr"] = float(self._rate(step))
     # At the mean pace so far (evaluations included).
     record["eta_s"] = (now - self._rl_start) / (step + 1 - self._first_step) * (
         spec.num_steps - step - 1)

@@ -25,14 +25,17 @@ def warm_up(run: run_context.RunContext, params):
   chosen = inputs_lib.warmup_subset(spec, run.inputs)
   env = run.inputs.env
 
+  optim = w.optim()
+  rate = optim_lib.learning_rate(optim, w.steps)
+
   def log(step, metrics):
-    run.writer.write({"phase": "warmup", "step": step, **metrics})
+    run.writer.write({"phase": "warmup", "step": step, **metrics, "lr": float(rate(step))})
     run.print_fn(f"warmup {step:>4d} | loss {float(metrics['loss']):.4f}")
 
   stop.phase = "warm-up"
   params, done = warmup_lib.run_warmup(
       params=params, graphdef=run.graphdef, mesh=run.meshes.learner,
-      optimizer=optim_lib.make_optimizer(optim_lib.OptimConfig(lr=w.lr)), steps=w.steps,
+      optimizer=optim_lib.make_optimizer(optim, w.steps), steps=w.steps,
       batch_size=w.batch_size, prompt_ids=[env.encode_prompt(p) for p in chosen],
       demonstrations=[env.demonstration(p) for p in chosen], prompt_len=spec.engine.prompt_len,
       max_new_tokens=spec.engine.max_new_tokens, pad_id=run.pad_id, seed=spec.seed,

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from arl_jax import advantages as advantages_lib
-from arl_jax.learner import losses
+from arl_jax.learner import losses, mismatch
 from arl_jax.learner import vtrace as vtrace_lib
 
 LOGP = np.array([[-1.0, -2.0, -0.5], [-0.5, -1.3, -9.0]], np.float32)
@@ -68,7 +68,8 @@ def test_decoupled_objective_and_truncated_importance_weight(jit):
   fn = maybe_jit(losses.clipped_ratio, jit)
   per_token, metrics = fn(logp, behaviour, adv, mask, proximal_logprobs=proximal)
   np.testing.assert_allclose(per_token, [[-1.2 * np.exp(0.2), -np.exp(1.0)]], rtol=1e-6)
-  per_token, metrics = fn(logp, behaviour, adv, mask, proximal_logprobs=proximal, tis_cap=2.0)
+  fn = maybe_jit(losses.clipped_ratio, jit, correction=mismatch.Correction(tis_cap=2.0))
+  per_token, metrics = fn(logp, behaviour, adv, mask, proximal_logprobs=proximal)
   np.testing.assert_allclose(per_token, [[-1.2 * np.exp(0.2), -2.0]], rtol=1e-6)
   np.testing.assert_allclose(metrics["tis_truncated_fraction"], 0.5)
 
@@ -244,6 +245,26 @@ def test_grpo_advantages_ignore_errored_rollouts():
                              rtol=1e-5)
 
 
+def test_reinforce_pp_advantages_are_normalised_over_the_batch():
+  rewards = np.array([[1.0, 0.0, 0.0, 1.0], [1.0, 1.0, 1.0, 1.0]], np.float32)
+  # No baseline: batch mean 0.75, std sqrt(1.5 / 8) = 0.4330127; a group of
+  # equal rewards still gets (1 - 0.75) / 0.433 = 0.5773503.
+  adv = advantages_lib.group_advantages(rewards, "reinforce_pp")
+  np.testing.assert_allclose(adv, [[0.5773503, -1.7320508, -1.7320508, 0.5773503],
+                                   [0.5773503] * 4], rtol=1e-5)
+  # Group mean first (+-0.5 and 0), then the batch's std sqrt(1 / 8) = 0.3535534.
+  adv = advantages_lib.group_advantages(rewards, "reinforce_pp_baseline")
+  np.testing.assert_allclose(adv, [[1.4142135, -1.4142135, -1.4142135, 1.4142135], [0.0] * 4],
+                             rtol=1e-5)
+  # Invalid rollouts enter no statistic and get 0: the batch is the 7 valid ones.
+  valid = np.array([[True, False, True, True], [True] * 4])
+  adv = advantages_lib.group_advantages(rewards, "reinforce_pp", valid=valid)
+  kept = np.array([1.0, 0.0, 1.0, 1.0, 1.0, 1.0, 1.0])
+  expected = (kept - kept.mean()) / (kept.std() + 1e-6)
+  np.testing.assert_allclose(adv[valid], expected, rtol=1e-5)
+  assert adv[0, 1] == 0.0
+
+
 # Masked columns holding NaN and inf: (0, 0) and (0, 3) of row 0, (1, 2) and
 # (1, 3) of row 1 (a prompt column, padding, an errored token).
 WIDE_MASK = np.array([[0, 1, 1, 0], [1, 1, 0, 0]], np.float32)
@@ -266,10 +287,17 @@ def _wide_inputs():
 
 @pytest.mark.parametrize("name,knobs", [
     ("clipped_ratio", dict(dual_clip=3.0)),
-    ("clipped_ratio", dict(proximal=True, tis_cap=1.2, age_decay=0.5)),
+    ("clipped_ratio", dict(proximal=True, correction=mismatch.Correction(tis_cap=1.2),
+                           age_decay=0.5)),
     ("vtrace", dict(rho_bar=1.2, age_decay=0.5)),
     ("m2po", dict(tau=0.1)),
-    ("m2po", dict(proximal=True, tis_cap=1.2)),
+    ("m2po", dict(proximal=True, correction=mismatch.Correction(tis_cap=1.2))),
+    ("cispo", dict(proximal=True, age_decay=0.5,
+                   correction=mismatch.Correction(mismatch_mask="token", mismatch_low=0.9))),
+    ("gspo", dict(proximal=True, eps_low=0.05, eps_high=0.05,
+                  correction=mismatch.Correction(seq_tis_cap=1.1, mismatch_mask="sequence",
+                                                 mismatch_low=0.9, mismatch_high=1.1))),
+    ("gspo_token", dict(eps_low=0.05, eps_high=0.05)),
 ])
 @pytest.mark.parametrize("jit", [False, True])
 def test_nan_and_inf_on_masked_columns_reach_no_loss_metric_or_gradient(name, knobs, jit):
@@ -290,7 +318,7 @@ def test_nan_and_inf_on_masked_columns_reach_no_loss_metric_or_gradient(name, kn
       kl = losses.kl_to_reference(logp, inputs["reference"], WIDE_MASK)
       weights = losses.token_weights(jnp.asarray(WIDE_MASK), "token_mean")
       return jnp.sum(weights * (per_token + 0.1 * kl)), (per_token, kl, metrics)
-    fn = jax.value_and_grad(objective, has_aux=True)
+    fn = jax.value_and_grad(objective, has_aux=True)  # (knobs are closed over: static)
     (loss, aux), grad = (jax.jit(fn) if jit else fn)(jnp.asarray(inputs["logprobs"]))
     return loss, aux, grad
 

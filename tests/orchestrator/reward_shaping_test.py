@@ -1,0 +1,55 @@
+"""The soft overlong penalty: its values by hand, applied once as a group
+reaches the orchestrator, before dynamic sampling sees the rewards."""
+
+import numpy as np
+import pytest
+
+from arl_jax import rollout as rollout_lib
+from arl_jax.orchestrator import buffer as buffer_lib
+from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import orchestrator as orchestrator_lib
+from arl_jax.orchestrator import reward_shaping
+
+
+@pytest.mark.parametrize("length,expected", [(10, 0.0), (12, 0.0), (13, -0.125), (16, -0.5),
+                                             (20, -1.0)])
+def test_penalty_by_hand(length, expected):
+  # Budget 20, buffer 8: free up to 12 tokens, then -1/8 a token, -1 at 20.
+  assert reward_shaping.penalty(length, 20, 8, 1.0) == pytest.approx(expected)
+  assert reward_shaping.penalty(length, 20, 8, 0.5) == pytest.approx(expected / 2)
+  assert reward_shaping.penalty(length, 20, 0, 1.0) == 0.0
+
+
+class _Prompt:
+  prompt_id = 0
+
+
+def _group(group_id, lengths, rewards):
+  return rollout_lib.Group(group_id=group_id, prompt_id=0, dispatch_version=0, rollouts=[
+      rollout_lib.Rollout(group_id=group_id, sample_index=i, prompt_ids=np.array([1], np.int32),
+                          completion_ids=np.full(n, 2, np.int32), loss_mask=np.ones(n, np.float32),
+                          behaviour_logprobs=np.zeros(n, np.float32),
+                          token_versions=np.zeros(n, np.int32), dispatch_version=0,
+                          finish_reason="length" if n == 20 else "stop", reward=r,
+                          env_name="sim")
+      for i, (n, r) in enumerate(zip(lengths, rewards))])
+
+
+def test_the_orchestrator_shapes_once_and_before_the_filter():
+  orch = orchestrator_lib.Orchestrator(
+      dispatch_cfg=dispatcher_lib.DispatchConfig(group_size=2, groups_per_batch=1),
+      buffer_cfg=buffer_lib.BufferConfig(), prompts=iter([_Prompt()] * 4),
+      encode_fn=lambda p: [1], env_name_of=lambda p: "sim", max_new_tokens=20,
+      filter_zero_variance=True, overlong_buffer=8, overlong_penalty=1.0)
+  orch.publish(0, trained=[])
+  requests = orch.dispatcher.take(2, 0, timeout=0.0)
+  # Both right, one long: the penalty makes their rewards differ, so it is kept.
+  long_one = _group(requests[0].group_id, [10, 16], [1.0, 1.0])
+  assert orch.group_finished(long_one)
+  # A shaped copy: the rollouts the open work saves keep the environment's reward.
+  assert [r.reward for r in long_one.rollouts] == [1.0, 1.0]
+  # Both right and short: equal rewards, dropped.
+  assert not orch.group_finished(_group(requests[1].group_id, [5, 12], [1.0, 1.0]))
+  batch = orch.cut(0, timeout=1.0)
+  np.testing.assert_allclose(batch.groups[0].rewards, [1.0, 0.5])
+  assert orch.metrics()["dropped_zero_variance"] == 2
