@@ -27,8 +27,17 @@ Parts (every number measured or planned in this run):
   requests of 128 new tokens, one device) decoding with the adapters
   unmerged (two low-rank matmuls beside each adapted projection: what
   arl_jax runs) against the same weights merged into the base (a decoder
-  without adapters: what merging at publish would decode with), and the
-  seconds a merge takes (`peft_adapters.merged`, jitted).
+  without adapters: what merging at publish would decode with, and what a
+  full fine-tuning run decodes), and the seconds a merge takes
+  (`peft_adapters.merged`, jitted).
+- `smollm2` (not in the default parts: ~8 min): the real model's shape
+  (random weights) as `configs/smollm2.py` runs it: the learner's update
+  (8 rows of 512 tokens, 2 microbatches, logits scored 1,024 at a time, the
+  decoupled objective), full fine-tuning against rank 16 on every
+  projection, and `decode` with 48 new tokens: the sampler's tokens/s with
+  adapters (unmerged) against without (full fine-tuning's).
+
+  python benchmarks/lora.py --parts=smollm2 --out=/tmp/lora.jsonl
 """
 
 from __future__ import annotations
@@ -123,6 +132,34 @@ def step(model: str, rank: int, rows: int, length: int, steps: int) -> dict:
           "tokens/s": round(rows * length / seconds), "MiB/device": round(memory / 2**20, 1)}
 
 
+def real_step(rank: int, steps: int, quick: bool) -> dict:
+  """SmolLM2-135M's update as `configs/smollm2.py` runs it (random weights:
+  the time does not depend on them): 8 packed rows of 512 tokens, logits
+  scored 1,024 tokens at a time, 2 microbatches, the decoupled objective
+  (tis_cap), one device; full fine-tuning against LoRA."""
+  shape = dataclasses.replace(SMOLLM2, vocab_size=512, d_model=64, num_layers=2, num_heads=4,
+                              num_kv_heads=2, head_dim=16, mlp_dim=128) if quick else SMOLLM2
+  rows, length = (4, 64) if quick else (8, 512)
+  cfg = dataclasses.replace(shape, max_seq_len=length, lora=_lora(rank))
+  mesh = _mesh(jax.devices()[:1])
+  graphdef, params, _ = init_lib.init_params(cfg, mesh, rules_lib.LEARNER_RULES, 0)
+  trainable, frozen = lora.split(params)
+  optimizer = optax.adamw(1e-4)
+  state, shardings = train_state_lib.create(trainable, optimizer, mesh)
+  settings = loss_settings.LossSettings.of(num_microbatches=2, logprob_chunk=1024, tis_cap=2.0,
+                                           eps_high=0.28)
+  update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
+                                        settings=settings, state_shardings=shardings, mesh=mesh,
+                                        frozen=frozen)
+  batch = learner_bench._batch(rows, length, prompt=length // 2)  # noqa: SLF001
+  memory = learner_bench.compiled_bytes(update_fn, state, batch)
+  seconds = learner_bench.median_step_seconds(update_fn, state, batch, steps)
+  return {"model": "SmolLM2-135M" + (" (tiny)" if quick else ""), "rank": rank,
+          "trainable": cfg.adapter_params or cfg.num_params, "batch": f"{rows}x{length}",
+          "step s": round(seconds, 2), "tokens/s": round(rows * length / seconds),
+          "MiB/device": round(memory / 2**20, 1)}
+
+
 def publish(model: str, rank: int, repeats: int) -> dict:
   cfg = model_config_lib.ModelConfig(vocab_size=learner_bench.VOCAB, max_seq_len=256,
                                      lora=_lora(rank), **learner_bench.MODELS[model])
@@ -149,8 +186,11 @@ def publish(model: str, rank: int, repeats: int) -> dict:
 
 
 def decode(model: str, rank: int, new_tokens: int) -> list[dict]:
-  cfg = model_config_lib.ModelConfig(vocab_size=259, max_seq_len=16 + new_tokens + 16,
-                                     lora=_lora(rank), **learner_bench.MODELS[model])
+  if model == "SmolLM2-135M":  # (its shape and vocabulary, random weights)
+    cfg = dataclasses.replace(SMOLLM2, max_seq_len=16 + new_tokens + 16, lora=_lora(rank))
+  else:
+    cfg = model_config_lib.ModelConfig(vocab_size=259, max_seq_len=16 + new_tokens + 16,
+                                       lora=_lora(rank), **learner_bench.MODELS[model])
   meshes = mesh_lib.make_role_meshes(mesh_lib.MeshConfig(), devices=jax.devices()[:1])
   graphdef, params, _ = init_lib.init_params(cfg, meshes.sampler, rules_lib.SAMPLER_RULES, 0)
   adapters, base = lora.split(params)
@@ -197,6 +237,10 @@ def main() -> None:
   if "decode" in parts:
     tables["decode"] = [row for m in models[:1]
                         for row in decode(m, 16, 32 if args.quick else 128)]
+  if "smollm2" in parts:
+    tables["smollm2 step"] = [real_step(r, 2 if args.quick else 3, args.quick) for r in (0, 16)]
+    if not args.quick:
+      tables["smollm2 decode"] = decode("SmolLM2-135M", 16, 48)
   rows = []
   for part, table in tables.items():
     report.print_table(table, title=part)

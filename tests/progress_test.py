@@ -192,3 +192,11 @@ def test_sampler_compiles_show_lines_off_a_terminal_and_a_bar_in_one():
   assert lines[0] == "compiling 2 sampler programs (first: decode steps=1)"
   assert lines[-1].startswith("compiled 2 sampler programs in ")
   writer_lib.print_line("after")  # (the bar is closed: nothing left active)
+
+
+def test_the_line_shows_zero_variance_drops_and_the_sampled_pass_at_n():
+  line = writer_lib.progress_line(_record(3))
+  assert " z" not in line and "pass@" not in line
+  line = writer_lib.progress_line(_record(3, dropped_zero_variance=12, eval_reward=0.5,
+                                          eval_pass_at_k={"1": 0.25, "2": 0.4, "8": 0.75}))
+  assert "t0 z12 |" in line and "eval 0.500 | pass@8 0.750" in line

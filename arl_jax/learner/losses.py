@@ -392,5 +392,3 @@ def ratio_statistics(log_ratio, mask):
 
 LOSSES = {"clipped_ratio": clipped_ratio, "vtrace": vtrace, "m2po": m2po, "cispo": cispo,
           "gspo": gspo, "gspo_token": gspo_token}
-# Losses whose ratio is a sequence's, not a token's.
-SEQUENCE_LOSSES = ("gspo", "gspo_token")

@@ -187,6 +187,9 @@ def progress_line(record: Mapping) -> str:
   ]
   if "eval_reward" in record:
     parts.append(f"eval {record['eval_reward']:.3f}")
+  if "eval_pass_at_k" in record:  # the sampled evaluation: pass@n, n its samples
+    n = max(record["eval_pass_at_k"], key=int)
+    parts.append(f"pass@{n} {record['eval_pass_at_k'][n]:.3f}")
   if "eta_s" in record:
     minutes, seconds = divmod(int(round(record["eta_s"])), 60)
     parts.append(f"eta {minutes}m{seconds:02d}s")

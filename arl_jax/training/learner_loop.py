@@ -232,6 +232,9 @@ class LearnerLoop:
               + len(e.get("open", {}).get("tokens", ())) for g in groups for e in g["episodes"]))
     if evaluate:
       record["eval_reward"] = self._run.eval_log(self.params, version, "rl")
+      sampled = self._run.eval_log.history[-1].get("eval_pass_at_k")
+      if sampled:  # (the sampled evaluation's pass@k, for the progress line)
+        record["eval_pass_at_k"] = sampled
     if step == self._first_step:
       record.update(self._run.clock.record())
     peak = self._run.clock.memory.take()
