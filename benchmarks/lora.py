@@ -30,7 +30,7 @@ Parts (every number measured or planned in this run):
   without adapters: what merging at publish would decode with, and what a
   full fine-tuning run decodes), and the seconds a merge takes
   (`peft_adapters.merged`, jitted).
-- `smollm2` (not in the default parts: ~8 min): the real model's shape
+- `smollm2` (not in the default parts: ~17 min on 2 cores): the real model's shape
   (random weights) as `configs/smollm2.py` runs it: the learner's update
   (8 rows of 512 tokens, 2 microbatches, logits scored 1,024 at a time, the
   decoupled objective), full fine-tuning against rank 16 on every
