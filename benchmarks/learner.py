@@ -298,8 +298,9 @@ def main() -> None:
     if args.quick:
       grid = [("tiny", 2, 8, 32)]
     else:
+      # (as many fsdp devices as there are: one on a single GPU)
       grid = [(model, fsdp, rows, 128) for model, rows in (("3M", 32), ("50M", 16))
-              for fsdp in (1, 2, 4)]
+              for fsdp in (1, 2, 4) if fsdp <= jax.device_count()]
     rows = [bench(model, fsdp, r, length, steps, peak) for model, fsdp, r, length in grid]
     report.print_table(rows, title="learner step (clipped_ratio, AdamW, float32)")
     report.append_jsonl(rows, args.out)

@@ -144,6 +144,23 @@ def _trust_region_log_ratio(logprobs, behaviour_logprobs, loss_mask, proximal_lo
   return logprobs - proximal_logprobs, w, metrics
 
 
+def _clipped_surrogate(r, advantages, loss_mask, token_lag, eps_low, eps_high, age_decay, w,
+                       metrics, dual_clip=None):
+  """The clipped surrogate's per-token loss `-w * min(r A, clip(r) A)` of
+  ratios `r` `[B, L]` (each token's own: `clipped_ratio`; its sequence's:
+  the GSPO losses), with the dual clip when `dual_clip` is set, and the
+  fraction of tokens whose clipped branch is the active one."""
+  scale = _age_scale(token_lag, age_decay)
+  clipped = jnp.clip(r, 1.0 - eps_low * scale, 1.0 + eps_high * scale)
+  surrogate = jnp.minimum(r * advantages, clipped * advantages)
+  if dual_clip is not None:
+    surrogate = jnp.where(advantages < 0, jnp.maximum(surrogate, dual_clip * advantages),
+                          surrogate)
+  metrics["clip_fraction"] = masked_mean((r * advantages > clipped * advantages)
+                                         .astype(jnp.float32), loss_mask)
+  return jnp.where(loss_mask > 0, -w * surrogate, 0.0), metrics
+
+
 def clipped_ratio(logprobs, behaviour_logprobs, advantages, loss_mask, *,
                   proximal_logprobs=None, token_lag=None, segment_ids=None,
                   eps_low: float = 0.2, eps_high: float = 0.2, dual_clip: float | None = None,
@@ -178,17 +195,8 @@ def clipped_ratio(logprobs, behaviour_logprobs, advantages, loss_mask, *,
       loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
   log_r, w, metrics = _trust_region_log_ratio(logprobs, behaviour_logprobs, loss_mask,
                                               proximal_logprobs, correction, segment_ids)
-  r = jnp.exp(log_r)
-  scale = _age_scale(token_lag, age_decay)
-  clipped = jnp.clip(r, 1.0 - eps_low * scale, 1.0 + eps_high * scale)
-  surrogate = jnp.minimum(r * advantages, clipped * advantages)
-  if dual_clip is not None:
-    surrogate = jnp.where(advantages < 0, jnp.maximum(surrogate, dual_clip * advantages),
-                          surrogate)
-  # A token is "clipped" when the clipped branch is the active one.
-  is_clipped = (r * advantages > clipped * advantages).astype(jnp.float32)
-  metrics["clip_fraction"] = masked_mean(is_clipped, loss_mask)
-  return jnp.where(loss_mask > 0, -w * surrogate, 0.0), metrics
+  return _clipped_surrogate(jnp.exp(log_r), advantages, loss_mask, token_lag, eps_low,
+                            eps_high, age_decay, w, metrics, dual_clip=dual_clip)
 
 
 def vtrace(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logprobs=None,
@@ -299,17 +307,6 @@ def cispo(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logpr
   return jnp.where(loss_mask > 0, -w * weight * advantages * logprobs, 0.0), metrics
 
 
-def _gspo_surrogate(s, advantages, loss_mask, token_lag, eps_low, eps_high, age_decay, w,
-                    metrics):
-  """GSPO's clipped surrogate on per-token sequence ratios `s` `[B, L]`."""
-  scale = _age_scale(token_lag, age_decay)
-  clipped = jnp.clip(s, 1.0 - eps_low * scale, 1.0 + eps_high * scale)
-  surrogate = jnp.minimum(s * advantages, clipped * advantages)
-  metrics["clip_fraction"] = masked_mean((s * advantages > clipped * advantages)
-                                         .astype(jnp.float32), loss_mask)
-  return jnp.where(loss_mask > 0, -w * surrogate, 0.0), metrics
-
-
 def gspo(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logprobs=None,
          token_lag=None, segment_ids=None, eps_low: float = 3e-4, eps_high: float = 4e-4,
          correction: mismatch_lib.Correction | None = None, age_decay: float = 0.0):
@@ -333,7 +330,7 @@ def gspo(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logpro
   log_r, w, metrics = _trust_region_log_ratio(logprobs, behaviour_logprobs, loss_mask,
                                               proximal_logprobs, correction, segment_ids)
   s = jnp.exp(segments_lib.sequence_means(log_r, loss_mask, segment_ids))
-  return _gspo_surrogate(s, advantages, loss_mask, token_lag, eps_low, eps_high, age_decay, w,
+  return _clipped_surrogate(s, advantages, loss_mask, token_lag, eps_low, eps_high, age_decay, w,
                          metrics)
 
 
@@ -355,7 +352,7 @@ def gspo_token(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_
                                               proximal_logprobs, correction, segment_ids)
   log_s = jax.lax.stop_gradient(segments_lib.sequence_means(log_r, loss_mask, segment_ids))
   s = jnp.exp(log_s + logprobs - jax.lax.stop_gradient(logprobs))
-  return _gspo_surrogate(s, advantages, loss_mask, token_lag, eps_low, eps_high, age_decay, w,
+  return _clipped_surrogate(s, advantages, loss_mask, token_lag, eps_low, eps_high, age_decay, w,
                          metrics)
 
 

@@ -123,6 +123,12 @@ class WeightPublisher:
       return self._version, self._params, self._moved
 
   @property
+  def frozen_base(self):
+    """The frozen base on the sampler mesh, moved there once at construction
+    (None: the model has no adapters and every publish moves all of it)."""
+    return self._base
+
+  @property
   def has_frozen_base(self) -> bool:
     """Whether the params are a resident base plus published adapters."""
     return self._base is not None

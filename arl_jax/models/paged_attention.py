@@ -9,6 +9,8 @@ holds and no gathered `[B, KVH, width, Dh]` copy is made.
   `[KVH, pages, page_size, Dh]` for keys and for values. In interpret mode
   (`"pallas_interpret"`) it runs anywhere, which is how its numerics are
   tested on CPU against the XLA path (`tests/models/paged_attention_test.py`).
+  On one H200 (`benchmarks/attention_kernels.py`) it ran 1.3-2x the XLA path over
+  gathered pages, up to 2 TB/s, with float32 results within 1.2e-4 of it.
 - `"ragged"`: TPU's ragged paged attention kernel
   (`jax.experimental.pallas.ops.tpu.ragged_paged_attention`), over the
   "interleaved" layout `[pages, page_size, 2 * KVH, Dh]` (key of KV head h at

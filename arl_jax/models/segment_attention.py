@@ -26,13 +26,16 @@ the XLA path on CPU. Rows are padded to a multiple of 128 columns for them
 dot_product_attention` takes no segment ids, only a `[T, T]` mask). XLA
 cannot partition a Mosaic or Triton call, so under a sharded learner mesh
 the kernels run per device in a `shard_map` (rows over `fsdp`, key/value
-heads over `tp`; attention is independent per row and head). Not measured:
-either kernel's speed (no TPU or GPU was lent) and the GPU kernel's float32
-matmul precision there.
+heads over `tp`; attention is independent per row and head). On one H200
+(`benchmarks/attention_kernels.py`) the GPU kernel ran 2.2-4.1x the XLA path
+forward and backward in bfloat16 and 1.4-1.6x in float32, where its dots round as
+TF32 does (errors ~1e-3 against the XLA path's float32). The splash kernel's
+speed is not measured (no TPU was lent).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -170,6 +173,28 @@ def _per_shard(kernel, mesh: jax.sharding.Mesh, rows: int, kv_heads: int):
                        check_vma=False)
 
 
+# A GPU block's shared memory (232,448 bytes on an H200) holds the forward
+# kernel's pipelined key and value tiles: 2 stages x 2 x block_k x head_dim.
+# In float32 at head_dim 128 JAX's default 128-column tile asks 262,656 bytes
+# and fails to compile ("Shared memory size limit exceeded", measured on an
+# H200 with jax 0.11.2, `benchmarks/attention_kernels.py`), so the tile is
+# halved until the tiles fit in this budget (headroom for the other buffers).
+GPU_TILE_BUDGET_BYTES = 192 * 1024
+_GPU_STAGES = 2  # the kernel's default num_stages
+
+
+def gpu_block_sizes(head_dim: int, itemsize: int):
+  """The GPU flash kernel's tiles for a head width and dtype size: JAX's
+  defaults, with the forward key/value tile narrowed (to no less than 16
+  columns) until `GPU_TILE_BUDGET_BYTES` holds its pipelined copies."""
+  from jax.experimental.pallas.ops.gpu import attention as gpu_attention  # noqa: PLC0415
+  padded = 1 << max(head_dim - 1, 0).bit_length()  # (the kernel pads the head to a power of 2)
+  block_k = 128
+  while block_k > 16 and _GPU_STAGES * 2 * block_k * padded * itemsize > GPU_TILE_BUDGET_BYTES:
+    block_k //= 2
+  return dataclasses.replace(gpu_attention.BlockSizes.get_default(), block_k=block_k)
+
+
 def _pallas_gpu(q, k, v, ids, *, interpret: bool):
   """Pallas GPU flash attention of `q` `[B, K, G, T, Dh]` over `k`, `v`
   `[B, K, T, Dh]`: `[B, K, G, T, Dh]` float32. The kernel is multi-head only,
@@ -182,5 +207,6 @@ def _pallas_gpu(q, k, v, ids, *, interpret: bool):
   k, v = (jnp.repeat(x, group, axis=1).transpose(0, 2, 1, 3) for x in (k, v))
   q, k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
   out = gpu_attention.mha(q, k, v, jnp.pad(ids, ((0, 0), (0, pad))), sm_scale=1 / math.sqrt(dh),
-                          causal=True, interpret=interpret)
+                          causal=True, interpret=interpret,
+                          block_sizes=gpu_block_sizes(dh, q.dtype.itemsize))
   return out[:, :t].transpose(0, 2, 1, 3).reshape(b, kv_heads, group, t, dh).astype(jnp.float32)

@@ -43,10 +43,10 @@ MAX_SCALE = 4.0
 
 def carries_signal(group: rollout_lib.Group, mask_truncated_completions: bool) -> bool:
   """Whether at least two of the group's trainable rollouts differ in reward."""
+  # (two distinct rewards need two rollouts: no separate count)
   rewards = {float(r.reward) for r in group.rollouts
              if not r.is_masked(mask_truncated_completions)}
-  trainable = sum(not r.is_masked(mask_truncated_completions) for r in group.rollouts)
-  return trainable >= 2 and len(rewards) >= 2
+  return len(rewards) >= 2
 
 
 def no_signal_groups(groups_per_batch: int) -> int:

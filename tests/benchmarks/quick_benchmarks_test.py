@@ -31,6 +31,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                                     "group_prefill", "chunked_prefill"}),
     ("benchmarks/real_size.py", {"launch", "memory", "sampler", "learner"}),
     ("benchmarks/lora.py", {"sizes", "step", "publish", "decode"}),
+    ("benchmarks/attention_kernels.py", {"paged_decode", "segment_attention"}),
 ])
 def test_benchmark_quick_mode_writes_json_rows(tmp_path, script, parts):
   out = tmp_path / "rows.jsonl"

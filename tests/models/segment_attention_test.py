@@ -84,6 +84,44 @@ def test_the_tpu_and_gpu_kernels_in_interpret_mode_equal_the_xla_path(kernel):
   _assert_same(ids, (want, want_logits, want_grads), (got, got_logits, got_grads))
 
 
+def test_the_gpu_kernels_tiles_fit_its_shared_memory():
+  """The forward tile narrows where JAX's default asked more shared memory
+  than an H200 block has (float32, head_dim 128: 262,656 > 232,448 bytes,
+  measured) and stays the default where the default compiled there."""
+  sizes = segment_attention_lib.gpu_block_sizes
+  assert sizes(64, 4).block_k == sizes(128, 2).block_k == 128  # (compiled on the H200)
+  assert sizes(128, 4).block_k == 64 and sizes(256, 4).block_k == 32
+  for head_dim in (16, 64, 80, 128, 256):
+    for itemsize in (2, 4):
+      tiles = 2 * 2 * sizes(head_dim, itemsize).block_k * head_dim * itemsize
+      assert tiles <= segment_attention_lib.GPU_TILE_BUDGET_BYTES
+
+
+def test_the_gpu_kernel_with_a_narrowed_tile_equals_the_xla_path():
+  """float32 at head_dim 128 (key tiles of 64 columns), interpret mode:
+  values and gradients as the XLA path over packed rows."""
+  rng = np.random.default_rng(0)
+  ids = np.zeros((1, 150), np.int32)
+  ids[0, :70], ids[0, 70:140] = 1, 2
+  q = jnp.asarray(rng.normal(size=(1, 150, 2, 128)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(1, 1, 150, 128)), jnp.float32) for _ in range(2))
+  live = jnp.asarray(ids > 0)[:, :, None, None]
+
+  def loss_and_out(kernel, q, k, v):
+    out = segment_attention_lib.attend(
+        q, k, v, segment_attention_lib.Segments(jnp.asarray(ids), kernel=kernel))
+    return jnp.sum(jnp.where(live, jnp.tanh(out), 0.0)), out
+
+  want = jax.value_and_grad(lambda *a: loss_and_out("xla", *a), argnums=(0, 1, 2),
+                            has_aux=True)(q, k, v)
+  got = jax.value_and_grad(lambda *a: loss_and_out("pallas_gpu_interpret", *a),
+                           argnums=(0, 1, 2), has_aux=True)(q, k, v)
+  on = ids > 0
+  np.testing.assert_allclose(np.asarray(got[0][1])[on], np.asarray(want[0][1])[on], atol=1e-5)
+  for g, w in zip(got[1], want[1]):
+    np.testing.assert_allclose(g, w, atol=1e-4)
+
+
 def test_the_accelerator_kernels_need_their_platform():
   from arl_jax import config_lib
   from arl_jax.testing import tiny
