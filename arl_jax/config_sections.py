@@ -57,7 +57,8 @@ class RunSection:
     eval_size: held-out prompts per evaluation.
     eval_samples: besides the greedy answer, this many samples of each
       held-out prompt at eval_temperature, reported as unbiased pass@k and
-      avg@n (`metrics/pass_at_k.py`; 0: greedy only).
+      avg@n (`metrics/pass_at_k.py`; 0: greedy only); on the sampler
+      mesh beside training (`training/sampled_eval.py`).
     eval_temperature: the sampled evaluation's temperature.
     eval_solved_reward: a sample whose reward is at least this counts as
       solved for pass@k.

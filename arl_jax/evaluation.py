@@ -1,12 +1,14 @@
 """Held-out evaluation with the learner's current params: greedy, and sampled.
 
-It samples through the engine's scheduler and runner (`sampler/generate.py`)
-on the learner mesh, so evaluation measures exactly what the sampler would
-generate, pinned to the params it is given, without waiting for a publish.
-The greedy pass takes a slot per prompt. The sampled pass (`samples` > 0)
-draws that many completions of each prompt at `temperature` in groups, as
-many at once as the engine's slots hold (continuous batching), and reports
-the unbiased pass@k and avg@n (`metrics/pass_at_k.py`) per environment; its
+It samples through the engine's scheduler and runner (`sampler/generate.py`),
+so evaluation measures exactly what the sampler would generate, pinned to
+the params it is given. The greedy pass runs on the learner mesh with the
+learner's params and takes a slot per prompt. The sampled pass (`samples` >
+0) runs where it is told (`sampled_mesh`: a run gives it the sampler mesh and
+the published params, `training/sampled_eval.py` runs it beside training)
+and draws that many completions of each prompt at `temperature` in groups,
+as many at once as the engine's slots hold (continuous batching); it reports
+the unbiased pass@k and avg@n (`metrics/pass_at_k.py`) per environment. Its
 draws are keyed by the run's seed, prompt and sample, so two evaluations of
 the same params draw the same completions (common random numbers: a change
 between evaluations is the policy's, not the dice).
@@ -76,7 +78,8 @@ class Evaluator:
 
   def __init__(self, *, graphdef, model_cfg, env, tokenizer, prompts, mesh: Mesh,
                engine_cfg: engine_config.EngineConfig, samples: int = 0,
-               temperature: float = 1.0, solved_reward: float = 1.0):
+               temperature: float = 1.0, solved_reward: float = 1.0,
+               sampled_mesh: Mesh | None = None, sampled_model_cfg=None):
     """Args:
       graphdef: decoder graph definition.
       model_cfg: the decoder's ModelConfig.
@@ -89,6 +92,10 @@ class Evaluator:
       samples: sampled completions per prompt (0: greedy only).
       temperature: the sampled pass's temperature.
       solved_reward: a sample with at least this reward is solved (pass@k).
+      sampled_mesh: where the sampled pass runs (default `mesh`); its params
+        must be there.
+      sampled_model_cfg: the model as the sampled pass runs it (the
+        sampler's dtype; default `model_cfg`).
     """
     self._env = env
     self._tokenizer = tokenizer
@@ -127,7 +134,13 @@ class Evaluator:
           cfg=dataclasses.replace(cfg, num_slots=min(slots, samples * len(self._prompts)),
                                   group_size=samples),
           settings=dataclasses.replace(settings, greedy=False, temperature=float(temperature)),
-          graphdef=graphdef, model_cfg=model_cfg, mesh=mesh, stop_ids_fn=stop_ids_fn)
+          graphdef=graphdef, model_cfg=sampled_model_cfg or model_cfg,
+          mesh=sampled_mesh or mesh, stop_ids_fn=stop_ids_fn)
+
+  @property
+  def samples(self) -> int:
+    """Sampled completions per prompt (0: no sampled pass)."""
+    return self._samples
 
   def _env_call(self, errors: collections.Counter, fn, i: int, completion: list[int],
                 convert_fn):
@@ -183,28 +196,47 @@ class Evaluator:
         rewards[i, episode.sample_index] = 0.0 if reward is None else reward
     return rewards, [[e.completion_ids for e in group] for group in groups]
 
-  def __call__(self, params) -> EvalResult:
+  def greedy(self, params) -> EvalResult:
+    """The greedy pass over `params` (on the learner mesh)."""
     errors = collections.Counter()
     rewards, completions = self._play(self._generator, params, errors)
     rewards = rewards[:, 0]
     examples = tuple((p.text, self._tokenizer.decode(c[0]))
                      for p, c in zip(self._prompts[:3], completions[:3]))
-    names = np.array(self._env_names)
-    envs = sorted(set(self._env_names))
-    sampled = {}
-    if self._sampler is not None:
-      sampled_rewards, _ = self._play(self._sampler, params, errors)
-      solved = sampled_rewards >= self._solved_reward
-      overall = pass_at_k_lib.summarise(solved, sampled_rewards)
-      sampled = dict(samples=self._samples, pass_at_k=overall["pass_at_k"],
-                     avg_at_n=overall["avg_at_n"],
-                     sampled_by_env={e: pass_at_k_lib.summarise(solved[names == e],
-                                                                sampled_rewards[names == e])
-                                     for e in envs})
+    names, envs = np.array(self._env_names), sorted(set(self._env_names))
     return EvalResult(reward=float(np.mean(rewards)), num_prompts=len(rewards),
                       examples=examples,
                       reward_by_env={e: float(np.mean(rewards[names == e])) for e in envs},
-                      env_errors={e: errors[e] for e in envs}, **sampled)
+                      env_errors={e: errors[e] for e in envs})
+
+  def sampled(self, params) -> dict:
+    """The sampled pass over `params` (on `sampled_mesh`): `samples`,
+    `pass_at_k`, `avg_at_n`, `sampled_by_env` (as `EvalResult`'s) and its own
+    `env_errors`."""
+    if self._sampler is None:
+      raise ValueError("this Evaluator has no sampled pass (samples=0)")
+    errors = collections.Counter()
+    rewards, _ = self._play(self._sampler, params, errors)
+    solved = rewards >= self._solved_reward
+    names, envs = np.array(self._env_names), sorted(set(self._env_names))
+    overall = pass_at_k_lib.summarise(solved, rewards)
+    return dict(samples=self._samples, pass_at_k=overall["pass_at_k"],
+                avg_at_n=overall["avg_at_n"],
+                sampled_by_env={e: pass_at_k_lib.summarise(solved[names == e], rewards[names == e])
+                                for e in envs},
+                env_errors={e: errors[e] for e in envs})
+
+  def __call__(self, params, sampled_params=None) -> EvalResult:
+    """Both passes, one after the other: the greedy one over `params`, the
+    sampled one over `sampled_params` (`params` placed on `sampled_mesh`;
+    default `params`). `env_errors` counts both passes' faults."""
+    result = self.greedy(params)
+    if self._sampler is None:
+      return result
+    sampled = self.sampled(params if sampled_params is None else sampled_params)
+    errors = sampled.pop("env_errors")
+    return dataclasses.replace(
+        result, env_errors={e: n + errors[e] for e, n in result.env_errors.items()}, **sampled)
 
 
 def _to_reward(value) -> float:

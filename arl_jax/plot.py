@@ -32,6 +32,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed (servers, CI, notebooks)
 import matplotlib.pyplot as plt  # noqa: E402
 
+from arl_jax.metrics import writer as writer_lib  # noqa: E402
 from arl_jax.orchestrator import drop_ledger  # noqa: E402
 
 FIGURES = ("reward", "lag", "ratio_by_lag", "drops", "busy")
@@ -55,7 +56,7 @@ class Run:
           raise ValueError(f"{path}:{line_number}: not JSON ({e})") from e
         if record.get("phase") == "rl" and "reward_mean" in record:
           self.steps.append(record)
-        elif "eval_reward" in record and "reward_mean" not in record:
+        elif writer_lib.is_eval_record(record):
           self.evals.append(record)
     if not self.steps:
       raise ValueError(f"{path}: no RL step records to plot")
@@ -82,10 +83,11 @@ def plot_reward(runs: Sequence[Run], out_dir: str) -> str:
       ax.plot(xs, ys, color=color, alpha=0.2)
       ax.plot(xs, _smooth(ys), color=color, label=f"{run.label} batch (smoothed)")
     rl_evals = [e for e in run.evals if e.get("phase") == "rl"]
-    if rl_evals:
-      by_step.plot([e["step"] for e in rl_evals], [e["eval_reward"] for e in rl_evals], "o--",
+    greedy = [e for e in rl_evals if "eval_reward" in e]
+    if greedy:
+      by_step.plot([e["step"] for e in greedy], [e["eval_reward"] for e in greedy], "o--",
                    color=color, label=f"{run.label} held-out")
-      timed = [e for e in rl_evals if "rl_wall_s" in e]  # older runs lack it
+      timed = [e for e in greedy if "rl_wall_s" in e]  # older runs lack it
       by_time.plot([e["rl_wall_s"] for e in timed], [e["eval_reward"] for e in timed], "o--",
                    color=color)
       sampled = [e for e in rl_evals if "eval_pass_at_k" in e]

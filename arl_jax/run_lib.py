@@ -60,7 +60,8 @@ class RunResult:
   Attributes:
     history: this run's update rows, read back from `metrics.jsonl` (those of
       the updates it ran: from its starting version on).
-    eval_history: its evaluation rows.
+    eval_history: its evaluation rows (a sampled pass that ran beside training
+      has a row of its own, without `eval_reward`: `training/eval_log.py`).
     groups_trained: groups trained since the run began (resumes included).
     final_version: the last version trained.
     trained_batches: batch summaries (with `keep_batches`).
@@ -141,9 +142,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       # What happened to every group: trained at a version, or dropped (and why).
       audit = writer_lib.JsonlWriter(log_dir, "groups.jsonl")
       try:
-        eval_log = eval_log_lib.EvalLog(
-            _evaluator(spec, meshes, inputs, beginning.graphdef), writer=writer,
-            print_fn=print_fn, start_time=start_time)
+        eval_log = _eval_log(spec, meshes, inputs, beginning.graphdef, writer=writer,
+                             print_fn=print_fn, start_time=start_time)
         clock.mark("build")
         context = run_context.RunContext(
             spec=spec, config=config_dict, meshes=meshes, inputs=inputs,
@@ -246,14 +246,29 @@ def _follow_records(log_dir: str, beginning: start.Beginning, print_fn) -> None:
                                  reason=f"the run resumed from version {beginning.version}")
 
 
-def _evaluator(spec, meshes, inputs, graphdef):
+def _eval_log(spec, meshes, inputs, graphdef, **kwargs) -> eval_log_lib.EvalLog:
+  """The run's evaluation. One controller: the sampled pass on the sampler
+  mesh, in the sampler's dtype, beside training for published versions
+  (`training/sampled_eval.py`). Several: both passes on the learner mesh, in
+  the lockstep of every process (a pass on one process's own would race the
+  others' programs)."""
   if not (spec.eval_size and spec.eval_every):
-    return None
-  return evaluation.Evaluator(
+    return eval_log_lib.EvalLog(None, **kwargs)
+  single = not lockstep.is_multi_controller()
+  evaluator = evaluation.Evaluator(
       graphdef=graphdef, model_cfg=spec.model, tokenizer=inputs.tokenizer,
       prompts=inputs.eval_prompts, env=inputs.eval_env, mesh=meshes.learner,
       engine_cfg=spec.engine, samples=spec.eval_samples, temperature=spec.eval_temperature,
-      solved_reward=spec.eval_solved_reward)
+      solved_reward=spec.eval_solved_reward,
+      sampled_mesh=meshes.sampler if single else meshes.learner,
+      sampled_model_cfg=spec.sampler_model if single else spec.model)
+  place = None
+  if single and spec.eval_samples:
+    _, abstract_state = init_lib.abstract_model(spec.model)
+    place = publish_lib.Mover(meshes.learner, rules_lib.state_shardings(
+        abstract_state, meshes.sampler, rules_lib.SAMPLER_RULES),
+        dtype=spec.sampler_model.param_dtype)
+  return eval_log_lib.EvalLog(evaluator, place_sampled=place, background=single, **kwargs)
 
 
 def _lead(run: run_context.RunContext, learner: run_context.Learner,
@@ -288,6 +303,8 @@ def _lead(run: run_context.RunContext, learner: run_context.Learner,
     sampling.load_state_dict(counters["rollouts"])
     groups_trained = int(counters["groups_trained"])
   learner.publisher.publish(learner.state.params, learner.version)
+  if restored is not None and restored.run.get("sampled_eval_pending") == learner.version:
+    run.eval_log.resume_sampled(learner.version, "rl", learner.publisher.latest()[1])
   # The publish of the starting version: nothing to cancel on a fresh start
   # or a resume from format 3 (its snapshot follows the publish); a format-2
   # snapshot was taken before it, so its cancellations happen again here.

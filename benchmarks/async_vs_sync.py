@@ -61,7 +61,9 @@ def _config(workload: str, mode: str, steps: int, quick: bool, pack_len: int = 0
   config.num_steps = steps
   config.eval_every = 0 if quick else steps  # once, after the last update
   if quick:  # (a smoke test: a short warm-up; the policy rarely calls the tool)
-    config.warmup.steps = 5
+    config.warmup.steps = 2
+    if workload == "tool_agent":  # tool answers 10x sooner: a sync batch waits for its slowest
+      config.env.update(latency_median_s=0.005, latency_p99_s=0.05, latency_max_s=0.2)
   config.log_every = 0
   config.orchestrator.update(max_async_level=settings["max_async_level"],
                              max_off_policy_steps=settings["max_off_policy_steps"],
@@ -103,7 +105,7 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=100)
   parser.add_argument("--workloads", default=",".join(WORKLOADS))
   parser.add_argument("--quick", action="store_true",
-                      help="tool_agent's tiny config, 5 warm-up steps, 3 updates, no evaluation")
+                      help="tool_agent's tiny config, 2 warm-up steps, 3 updates, no evaluation")
   parser.add_argument("--pack_len", type=int, default=0,
                       help="learner.pack_len of every run (0: one padded row per rollout)")
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")

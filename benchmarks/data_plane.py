@@ -208,7 +208,7 @@ def bench_ingest(codec: str, senders: int, shape: tuple, count: int, tmp: str) -
 
 
 def bench_orchestrator(in_flight: int, groups_per_batch: int, assembly: str, reference: str,
-                       steps: int, regime: str = "learner-bound") -> dict:
+                       steps: int, regime: str = "learner-bound", collect: bool = True) -> dict:
   """Microseconds of the orchestrator's own work per group in steady state,
   with `in_flight` groups in the system: `take` (dispatch; under
   `oldest_token` with the sampler's first `note_sampling`), `group_finished`
@@ -271,7 +271,10 @@ def bench_orchestrator(in_flight: int, groups_per_batch: int, assembly: str, ref
   for step in range(level + 2 + steps):
     if step == level + 2:
       seconds.clear()
-    gc.collect()  # (between steps, untimed: a collection inside one call is noise)
+    if collect or step == level + 2:
+      # (between steps, untimed: a collection inside one call is noise; without
+      # `collect`, once, before the timed steps)
+      gc.collect()
     finish([pending.popleft() for _ in range(groups_per_batch)])
     batch = timed("cut", orch.try_cut, version)
     assert batch is not None and len(batch.groups) == groups_per_batch and not batch.stale
@@ -391,12 +394,15 @@ def main() -> None:
     report.print_table(rows, title=f"one group ({shape[0]} x ({shape[1]} + {shape[2]}) tokens)")
     report.append_jsonl(rows, args.out)
   if "orchestrator" in parts:
-    sizes = (512, 2048) if args.quick else (1024, 4096, 16384)
+    # --quick: batches of 64 groups, at 2 and 8 batches in flight (async levels 1 and 7)
+    sizes = (128, 512) if args.quick else (1024, 4096, 16384)
     cases = [("learner-bound", "fifo", "dispatch"), ("learner-bound", "windowed_fifo", "dispatch"),
              ("learner-bound", "first_done", "oldest_token"),
              ("sampler-bound", "fifo", "dispatch")]
-    rows = [bench_orchestrator(n, 256 if args.quick else 1024, assembly, reference,
-                               steps=2 if args.quick else 20, regime=regime)
+    rows = [bench_orchestrator(n, 64 if args.quick else 1024, assembly, reference,
+                               steps=2 if args.quick else 20, regime=regime,
+                               # (--quick: ~0.1 s a collection with JAX loaded: once a case)
+                               collect=not args.quick)
             for regime, assembly, reference in cases for n in sizes]
     report.print_table(rows, title="the orchestrator's own cost per group, by groups in flight")
     report.append_jsonl(rows, args.out)

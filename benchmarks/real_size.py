@@ -327,7 +327,7 @@ def main() -> None:
     folder = model_folder(args, scratch)
     _, resolved = resolved_config(folder, args.quick)
     if "launch" in parts:
-      steps = 3 if args.quick else args.launch_steps
+      steps = 2 if args.quick else args.launch_steps  # (--quick: a first update and a next)
       run_rows, memory = bench_launch(folder, resolved, steps=steps, quick=args.quick,
                                       scratch=scratch)
       tables += [("launch: start-up and first updates", run_rows),

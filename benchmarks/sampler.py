@@ -201,7 +201,8 @@ def decode_step_roofline(cfg, num_slots, context, flops_peak, bytes_peak):
 # -- 4. Pause per in-flight swap ------------------------------------------------------
 
 
-def swap_pause(cfg, meshes, graphdef, params, num_slots, kv_policy, seconds, publish_every):
+def swap_pause(cfg, meshes, graphdef, params, num_slots, kv_policy, seconds, publish_every,
+               quick=False):
   """Runs the engine while a thread publishes new versions; returns its stats."""
   _, abstract = init_lib.abstract_model(cfg)
   shardings = rules_lib.state_shardings(abstract, meshes.sampler, rules_lib.SAMPLER_RULES)
@@ -232,9 +233,14 @@ def swap_pause(cfg, meshes, graphdef, params, num_slots, kv_policy, seconds, pub
       dispatcher.on_publish(version)
 
   engine.start()
-  time.sleep(2.0)  # compile insert/decode before the clock starts mattering
-  publisher.publish(other, 10 ** 6)  # one swap outside the window (compiles a recompute)
-  time.sleep(1.0)
+  if quick:  # the same warm-up, waited for instead of slept through (seconds of a quick run)
+    _wait_for(engine, lambda: engine.stats.steps > 0)  # insert/decode compiled
+    publisher.publish(other, 10 ** 6)  # one swap outside the window (compiles a recompute)
+    _wait_for(engine, lambda: engine.stats.swaps >= 1)
+  else:
+    time.sleep(2.0)  # compile insert/decode before the clock starts mattering
+    publisher.publish(other, 10 ** 6)  # one swap outside the window (compiles a recompute)
+    time.sleep(1.0)
   base = dataclasses_snapshot(engine.stats)
   thread = threading.Thread(target=publish_loop)
   thread.start()
@@ -246,6 +252,15 @@ def swap_pause(cfg, meshes, graphdef, params, num_slots, kv_policy, seconds, pub
   return {k: now[k] - base[k] for k in now}
 
 
+def _wait_for(engine, condition, timeout=120.0):
+  deadline = time.monotonic() + timeout
+  while not condition():
+    engine.raise_if_failed()
+    if time.monotonic() > deadline:
+      raise TimeoutError("the engine did not get there")
+    time.sleep(0.01)
+
+
 def dataclasses_snapshot(stats):
   return {"swaps": stats.swaps, "swap_seconds": stats.swap_seconds,
           "decode_seconds": stats.decode_seconds, "steps": stats.steps}
@@ -254,7 +269,8 @@ def dataclasses_snapshot(stats):
 # -- 5. The engine with decode bursts --------------------------------------------------
 
 
-def engine_bursts(cfg, meshes, graphdef, params, num_slots, budgets, bursts, prompt_len):
+def engine_bursts(cfg, meshes, graphdef, params, num_slots, budgets, bursts, prompt_len,
+                  precompile=True):
   """The engine's sampling tokens/s (busy time: decode, prefill, swaps; the
   compiles before its first admission excluded) and device calls per token,
   at each `decode_burst`, on the same requests."""
@@ -262,7 +278,7 @@ def engine_bursts(cfg, meshes, graphdef, params, num_slots, budgets, bursts, pro
   for burst in bursts:
     ecfg = engine_config.EngineConfig(prompt_len=prompt_len, kv_cache="dense", num_slots=num_slots,
                                       group_size=1, max_new_tokens=int(budgets.max()),
-                                      precompile=True, decode_burst=burst)
+                                      precompile=precompile, decode_burst=burst)
     stats, _ = engine_harness.run_engine(cfg, meshes, graphdef, params, ecfg, budgets,
                                          prompt_len=prompt_len, pad_id=PAD)
     rows.append({"decode_burst": burst, "tokens": stats.sampled_tokens,
@@ -340,7 +356,8 @@ def main() -> None:
             "speedup": round(cont / static, 2)})
       for policy in ("keep", "recompute"):
         stats = swap_pause(cfg, meshes, graphdef, params, b, policy,
-                           seconds=1 if args.quick else 20, publish_every=0.5)
+                           seconds=1 if args.quick else 20, publish_every=0.5,
+                           quick=args.quick)
         emit({"benchmark": "sampler", "part": "swap_pause", "model": name, "slots": b,
               "kv_policy": policy, "swaps": stats["swaps"],
               "pause_ms_per_swap": round(1e3 * stats["swap_seconds"] / max(stats["swaps"], 1), 3),
@@ -353,11 +370,14 @@ def main() -> None:
   name = "tiny" if args.quick else "3M"
   cfg, meshes, graphdef, params = _model(name, prompt_len + max_len)
   rng = np.random.default_rng(5)
-  n, slots = (16, 4) if args.quick else (256, 32)
+  n, slots = (8, 4) if args.quick else (256, 32)
   budgets = np.clip(rng.lognormal(np.log(64), 0.7, n), 8, max_len).astype(np.int32)
   first = None
   bursts = ((1, 4) if args.quick else (1, 4, 8)) if "engine_burst" in parts else ()
-  for row in engine_bursts(cfg, meshes, graphdef, params, slots, budgets, bursts, prompt_len):
+  # --quick: nothing precompiled (every row bucket's programs: most of a quick run); the
+  # engines compile the shapes they use.
+  for row in engine_bursts(cfg, meshes, graphdef, params, slots, budgets, bursts, prompt_len,
+                           precompile=not args.quick):
     first = first or row
     emit({"benchmark": "sampler", "part": "engine_burst", "model": name, "slots": slots,
           "requests": n, "median_len": int(np.median(budgets)), **row,

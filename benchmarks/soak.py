@@ -194,8 +194,10 @@ class Probe:
     jax.config.update("jax_explain_cache_misses", self._explain)
 
 
-def _config(steps: int, eval_every: int):
+def _config(steps: int, eval_every: int, num_slots: int = 0):
   config = tiny.load_config("arith", "tiny")
+  if num_slots:  # (--quick: fewer row buckets for the precompile below)
+    config.sampler.num_slots = num_slots
   config.num_steps = steps
   config.eval_every = eval_every
   config.log_every = 1  # every update's line marks its end time for the probe
@@ -247,9 +249,10 @@ def _pure_step_seconds(history, eval_end, rl_start) -> list[float]:
   return out
 
 
-def _run(steps: int, eval_every: int, interval_s: float, progress_every: int):
+def _run(steps: int, eval_every: int, interval_s: float, progress_every: int,
+         num_slots: int = 0):
   """`(RunResult, Probe, seconds)` of one probed run in a temporary workdir."""
-  config = _config(steps, eval_every)
+  config = _config(steps, eval_every, num_slots)
   with tempfile.TemporaryDirectory() as workdir:
     with Probe(interval_s, progress_every, steps) as probe:
       start = time.monotonic()
@@ -279,10 +282,12 @@ def _window_row(lo: int, hi: int, t0: float, t1: float, step_s, eval_s: float, p
 
 
 def measure(steps: int, windows: int, eval_every: int, settle: int, interval_s: float,
-            rss_tolerance: float, drift_tolerance: float, quiet: bool) -> list[dict]:
+            rss_tolerance: float, drift_tolerance: float, quiet: bool,
+            num_slots: int = 0) -> list[dict]:
   """One soak run: a row per window of updates and a summary row (module docstring)."""
   window = math.ceil(steps / windows)
-  result, probe, total_s = _run(steps, eval_every, interval_s, 0 if quiet else window)
+  result, probe, total_s = _run(steps, eval_every, interval_s, 0 if quiet else window,
+                                num_slots)
   history = result.history
   n = len(history)
   rl_start, update_end, eval_end = _timeline(result, probe)
@@ -362,7 +367,10 @@ def main() -> None:
   steps, windows, eval_every = (30, 3, 10) if args.quick else (
       args.steps, args.windows, args.eval_every)
   rows = measure(steps, windows, eval_every, args.settle, args.rss_interval,
-                 args.rss_tolerance, args.drift_tolerance, quiet=args.quick)
+                 args.rss_tolerance, args.drift_tolerance, quiet=args.quick,
+                 # --quick: 8 slots (two groups), not the tiny config's 32: precompiling
+                 # every row bucket of 32 slots is most of a quick run.
+                 num_slots=8 if args.quick else 0)
   summary = rows[-1]
   report.print_table(rows[:-1], title=f"soak: configs/arith.py:tiny, {steps} updates")
   report.print_table([{k: v for k, v in summary.items() if k != "late_compile_sites"}],

@@ -44,9 +44,10 @@ def _check_axes_match(sampler_shardings, learner_mesh: Mesh, sampler_mesh: Mesh)
           "on both meshes")
 
 
-class _Mover:
+class Mover:
   """Moves a params State from the learner mesh onto its `sampler_shardings`
-  (steps 1 and 2 of the module docstring), cast to `dtype` when given."""
+  (steps 1 and 2 of the module docstring), cast to `dtype` when given: a
+  publish's move, and the placement of params a sampled evaluation reads."""
 
   def __init__(self, learner_mesh: Mesh, sampler_shardings, dtype=None):
     specs = rules_lib.specs_of(sampler_shardings)
@@ -89,8 +90,8 @@ class WeightPublisher:
     if bool(frozen is not None and jax.tree.leaves(frozen)) != bool(jax.tree.leaves(base)):
       raise ValueError("a model with adapters publishes them with its frozen base given "
                        "once (frozen=...); a model without takes no frozen base")
-    self._move = _Mover(learner_mesh, trainable, dtype)
-    self._base = _Mover(learner_mesh, base, dtype)(frozen) if jax.tree.leaves(base) else None
+    self._move = Mover(learner_mesh, trainable, dtype)
+    self._base = Mover(learner_mesh, base, dtype)(frozen) if jax.tree.leaves(base) else None
     self._cond = threading.Condition()
     self._version: int | None = None
     self._params = None

@@ -41,6 +41,12 @@ def check_available(name: str) -> None:
     raise ImportError(f"the {name} writer needs the `{package}` package: pip install {package}")
 
 
+
+def is_eval_record(record: Mapping) -> bool:
+  """Whether a record is an evaluation's: the greedy pass's (`eval_reward`)
+  or a sampled pass's written on its own (`eval_pass_at_k`), not an update's."""
+  return ("eval_reward" in record or "eval_pass_at_k" in record) and "reward_mean" not in record
+
 class JsonlWriter:
   """Appends one JSON object per call to `<workdir>/metrics.jsonl`.
 
@@ -97,8 +103,7 @@ class TensorBoardWriter:
   def write(self, record: Mapping) -> None:
     if "step" not in record:
       return  # e.g. the data-skipping record: nothing to plot against
-    phase = "eval" if "eval_reward" in record and "reward_mean" not in record else \
-        record.get("phase", "run")
+    phase = "eval" if is_eval_record(record) else record.get("phase", "run")
     values = [self._summary_pb2.Summary.Value(tag=tag, simple_value=value)
               for tag, value in _scalars(phase, {k: v for k, v in record.items()
                                                  if k not in ("phase", "step")})]
@@ -126,8 +131,7 @@ class WandbWriter:
   def write(self, record: Mapping) -> None:
     if "step" not in record:
       return
-    phase = "eval" if "eval_reward" in record and "reward_mean" not in record else \
-        record.get("phase", "run")
+    phase = "eval" if is_eval_record(record) else record.get("phase", "run")
     values = dict(_scalars(phase, {k: v for k, v in record.items() if k not in ("phase", "step")}))
     if values:
       self._run.log(values, step=int(record["step"]) if phase == "rl" else None)

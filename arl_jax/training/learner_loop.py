@@ -230,11 +230,12 @@ class LearnerLoop:
           checkpoint_open_tokens=sum(
               (e["completion_length"] if "held_by" in e else len(e["completion_ids"]))
               + len(e.get("open", {}).get("tokens", ())) for g in groups for e in g["episodes"]))
-    if evaluate:
-      record["eval_reward"] = self._run.eval_log(self.params, version, "rl")
-      sampled = self._run.eval_log.history[-1].get("eval_pass_at_k")
-      if sampled:  # (the sampled evaluation's pass@k, for the progress line)
-        record["eval_pass_at_k"] = sampled
+    if evaluate:  # (the sampled pass reads this version as published)
+      record["eval_reward"] = self._run.eval_log(self.params, version, "rl",
+                                                 published=learner.publisher.latest()[1])
+    sampled = self._run.eval_log.collect()  # (rows of sampled evaluations that finished)
+    if sampled:  # (the newest sampled pass@k, for the progress line)
+      record["eval_pass_at_k"] = sampled
     if step == self._first_step:
       record.update(self._run.clock.record())
     peak = self._run.clock.memory.take()
@@ -264,6 +265,9 @@ class LearnerLoop:
 
   def _save(self, run_record: dict) -> None:
     # How many lines of each record file belong to this checkpoint's run.
+    pending = self._run.eval_log.before_checkpoint(self.version)
+    if pending is not None:  # (still running: a resume from here evaluates it again)
+      run_record["sampled_eval_pending"] = pending
     run_record["records"] = {"metrics.jsonl": self._run.writer.lines,
                              "groups.jsonl": self._run.audit.lines}
     start = time.monotonic()
@@ -298,7 +302,11 @@ class LearnerLoop:
         self._stop_request.phase = "finishing the checkpoint being written"
         self._checkpointer.wait()
       if final_eval:
-        self._run.eval_log(self.params, self.version, "rl")
+        self._run.eval_log(self.params, self.version, "rl",
+                           published=self._learner.publisher.latest()[1])
+      if not failed:  # (nothing is lost: the sampled evaluation in flight finishes)
+        self._stop_request.phase = "finishing the sampled evaluation"
+        self._run.eval_log.collect(wait=True)
       if save_final:
         self._stop_request.phase = "saving the final checkpoint"
         with self._rollouts.paused():
