@@ -89,11 +89,7 @@ class EvalLog:
     if self._background is None:
       return None
     running = self._background.running_step
-    if running is not None and running < version:
-      self.collect(wait=True)
-    else:
-      for done in self._background.collect():
-        self._record_sampled(done)
+    self._write_finished(wait=running is not None and running < version)
     return self._background.running_step
 
   def resume_sampled(self, step: int, phase: str, published) -> None:
@@ -108,15 +104,18 @@ class EvalLog:
     (after waiting for the one in flight, with `wait`); returns the newest
     sampled pass@k recorded since the last call (None: none), for a
     progress line."""
-    if self._background is not None:
-      if wait and self._background.running_step is not None:
-        self._print(f"waiting for the sampled evaluation of step "
-                    f"{self._background.running_step}")
-        self._background.wait()
-      for done in self._background.collect():
-        self._record_sampled(done)
+    self._write_finished(wait)
     pass_at_k, self._new_pass_at_k = self._new_pass_at_k, None
     return pass_at_k
+
+  def _write_finished(self, wait: bool) -> None:
+    if self._background is None:
+      return
+    if wait and self._background.running_step is not None:
+      self._print(f"waiting for the sampled evaluation of step {self._background.running_step}")
+      self._background.wait()
+    for done in self._background.collect():
+      self._record_sampled(done)
 
   def _record_sampled(self, done: sampled_eval_lib.Finished) -> None:
     sampled = dict(done.result)

@@ -85,9 +85,12 @@ class BackgroundSampledEval:
     """The evaluations finished since the last call, oldest first (an error
     of one is raised here)."""
     self._raise_error()
+    # (alive first: a thread seen ended has already added its result below, so
+    # no finished evaluation is ever both unwritten and not `running_step`)
+    ended = self._thread is not None and not self._thread.is_alive()
     with self._lock:
       done, self._finished = self._finished, []
-    if self._thread is not None and not self._thread.is_alive():
+    if ended:
       self._thread, self.running_step = None, None
     return done
 
