@@ -226,14 +226,13 @@ class Evaluator:
                                 for e in envs},
                 env_errors={e: errors[e] for e in envs})
 
-  def __call__(self, params, sampled_params=None) -> EvalResult:
-    """Both passes, one after the other: the greedy one over `params`, the
-    sampled one over `sampled_params` (`params` placed on `sampled_mesh`;
-    default `params`). `env_errors` counts both passes' faults."""
+  def __call__(self, params) -> EvalResult:
+    """Both passes over `params`, one after the other (with `sampled_mesh`
+    left at `mesh`); `env_errors` counts both passes' faults."""
     result = self.greedy(params)
     if self._sampler is None:
       return result
-    sampled = self.sampled(params if sampled_params is None else sampled_params)
+    sampled = self.sampled(params)
     errors = sampled.pop("env_errors")
     return dataclasses.replace(
         result, env_errors={e: n + errors[e] for e, n in result.env_errors.items()}, **sampled)

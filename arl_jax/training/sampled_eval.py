@@ -12,8 +12,10 @@ goes on updating and the engine on sampling meanwhile.
   its own remainder (the wait is the `eval_sampled_wait_s` of the next row).
 - Its row is written by the learner thread, the one writer of the records,
   at the first update after it finished (`collect`), at the step it
-  evaluated; a checkpoint and the end of the run wait for it first, so a
-  resumed run neither loses nor repeats one.
+  evaluated. A checkpoint waits for one of an older version; one of its own
+  version runs on and is noted, and a resume evaluates it again
+  (`eval_log.EvalLog.before_checkpoint`), so a resumed run neither loses
+  nor repeats one. The end of the run waits for the last one.
 - An exception in it is re-raised in the learner thread, as a synchronous
   evaluation's would be.
 """
