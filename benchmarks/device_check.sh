@@ -45,7 +45,9 @@ step() {  # step NAME SECONDS COMMAND...: one step, its output in $OUT/log.txt
 step env 30 bash -c 'nvidia-smi -L; python3 -c "import jax, flax, optax, orbax.checkpoint, \
   grain, ml_collections; print(jax.__version__, flax.__version__, optax.__version__, \
   jax.devices())"'
-step kernels 240 python3 benchmarks/attention_kernels.py --out="$OUT/kernels.jsonl" --repeats=10
+# KERNELS_ARGS narrows it, e.g. "--parts=segment_attention --geometries=7b"
+step kernels 240 python3 benchmarks/attention_kernels.py --out="$OUT/kernels.jsonl" --repeats=10 \
+  ${KERNELS_ARGS:-}
 # (precompile off: its 55 programs alone took ~110 s on the GPU)
 step launch 120 python3 -m arl_jax.launch --config=configs/arith.py --workdir=/tmp/arith_gpu \
   --config.num_steps=300 --config.sampler.kv_cache=paged --config.sampler.paged_attention=pallas \
