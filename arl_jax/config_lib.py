@@ -332,9 +332,6 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
       peft_adapters.check_matches(model.lora.init_from, model.lora)
     except (OSError, ValueError) as e:
       raise ConfigError(f"config.learner.lora.init_from: {e}") from e
-  _require(not (model.value_head and model.lora.enabled), "learner.lora.rank",
-           "a LoRA run trains its adapters only, and a critic's value head is not one "
-           "(model.value_head=True): use full fine-tuning (rank 0) for an actor-critic run")
   tokenizer, eval_env = inputs.tokenizer, inputs.eval_env
   sampling = _build(config, "sampler", sampling_lib.SamplingSettings, eos_id=tokenizer.eos_id,
                     pad_id=tokenizer.pad_id,

@@ -135,7 +135,7 @@ def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
               num_params=cfg.num_params,
               learner=RolePlan("learner", learner_mesh, learner),
               sampler=RolePlan("sampler", sampler_mesh, sampler),
-              trainable_params=cfg.adapter_params, publish_bytes=publish)
+              trainable_params=cfg.trainable_params if adapters else 0, publish_bytes=publish)
 
 
 def learner_rows(spec: config_lib.RunSpec, fsdp: int) -> tuple[int, int]:
@@ -191,7 +191,7 @@ def format_plan(p: Plan, device_memory: int | None = None) -> str:
   lines = [f"devices: {p.num_devices} ({'colocated' if p.colocated else 'disaggregated'})",
            f"parameters: {p.num_params:,} ({p.num_params / 1e6:.2f}M)"]
   if p.trainable_params:
-    lines.append(f"trained: {p.trainable_params:,} LoRA adapter parameters "
+    lines.append(f"trained with LoRA: {p.trainable_params:,} parameters "
                  f"({100 * p.trainable_params / p.num_params:.2f}% of the base, frozen)")
   lines.append(f"each publish moves {p.publish_bytes / 2**20:,.1f} MiB to the sampler")
   for role in (p.learner, p.sampler):

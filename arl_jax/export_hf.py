@@ -105,11 +105,12 @@ def _with_adapters(reader, step: int, run: dict, cfg, hf_path: str, mesh):
   adapters = reader.restore_params(checkpointing.abstract_like(abstract_adapters, shardings),
                                    step)
   _, base = hf_params.load_params(hf_path, cfg.base, mesh, rules_lib.LEARNER_RULES)
+  params = lora.merge(adapters, base)  # (a critic's value head: the checkpoint's)
   trained_on = run.get("base", {})
-  if trained_on.get("fingerprint") not in (None, fingerprint.fingerprint(base)):
+  if trained_on.get("fingerprint") not in (None, fingerprint.fingerprint(lora.split(params)[1])):
     raise ValueError(f"--hf_path={hf_path} is not the base the adapters of {reader.directory} "
                      f"step {step} were trained on ({trained_on.get('source')})")
-  return lora.merge(adapters, base)
+  return params
 
 
 def main(argv):

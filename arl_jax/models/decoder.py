@@ -32,9 +32,10 @@ from arl_jax.models import segment_attention as segment_attention_lib
 _MASK_VALUE = -1e30
 
 
-def _param(rngs: nnx.Rngs, shape, logical_axes, dtype, stddev) -> nnx.Param:
+def _param(rngs: nnx.Rngs, shape, logical_axes, dtype, stddev,
+           kind: type[nnx.Param] = nnx.Param) -> nnx.Param:
   value = stddev * jax.random.normal(rngs.params(), shape, jnp.float32)
-  return nnx.Param(value.astype(dtype), logical_axes=logical_axes)
+  return kind(value.astype(dtype), logical_axes=logical_axes)
 
 
 def _adapter(cfg: model_config_lib.ModelConfig, module: str, name: str, in_shape, out_shape,
@@ -223,7 +224,10 @@ class Decoder(nnx.Module):
                             1.0 / math.sqrt(cfg.d_model))
     if cfg.value_head:
       # Zero-initialised: the critic starts predicting 0 and learns from targets.
-      self.value_head = _param(rngs, (cfg.d_model,), ("embed",), dtype, 0.0)
+      # New to any base, it trains in full beside LoRA adapters (and keeps
+      # the adapters' dtype, `param_dtype`).
+      self.value_head = _param(rngs, (cfg.d_model,), ("embed",), jnp.dtype(cfg.param_dtype),
+                               0.0, lora_lib.TrainsBesideAdapters)
 
   def __call__(self, tokens, positions, attn_mask, cache=None, cache_index=None,
                write_mask=None, last_only=False, with_values=False, hidden_only=False,

@@ -100,7 +100,14 @@ def adapter_name(projection: str) -> str:
   return f"{projection.removesuffix('_proj')}_lora"
 
 
-class LoraParam(nnx.Param):
+class TrainsBesideAdapters(nnx.Param):
+  """A parameter a LoRA run trains in full beside its adapters (PEFT's
+  `modules_to_save`): the critic's value head, which is new to the base
+  (zero-initialised), so no low-rank delta of a frozen weight could stand
+  for it. Without adapters it trains as every parameter does."""
+
+
+class LoraParam(TrainsBesideAdapters):
   """An adapter matrix: the parameters a LoRA run trains."""
 
 
@@ -128,12 +135,13 @@ class Adapter(nnx.Module):
 
 
 def split(params: nnx.State) -> tuple[nnx.State, nnx.State]:
-  """`(trainable, frozen)` of a model's params: its adapters and the base when
-  it has adapters, else everything and an empty State."""
+  """`(trainable, frozen)` of a model's params: its adapters (and any
+  `TrainsBesideAdapters`, a critic's value head) and the base when it has
+  adapters, else everything and an empty State."""
   adapters, base = nnx.split_state(params, LoraParam, ...)
   if not jax.tree.leaves(adapters):
     return base, adapters  # (everything, nothing)
-  return adapters, base
+  return nnx.split_state(params, TrainsBesideAdapters, ...)
 
 
 def merge(trainable: nnx.State, frozen: nnx.State) -> nnx.State:

@@ -88,6 +88,14 @@ class ModelConfig:
     return lora_lib.num_params(self, self.lora)
 
   @property
+  def trainable_params(self) -> int:
+    """Exact count of what trains: every parameter without LoRA; with it the
+    adapters and a critic's value head (`lora.TrainsBesideAdapters`)."""
+    if not self.lora.enabled:
+      return self.num_params
+    return self.adapter_params + (self.d_model if self.value_head else 0)
+
+  @property
   def block_params(self) -> int:
     """Exact parameter count of one decoder block."""
     attn = self.d_model * self.head_dim * (2 * self.num_heads + 2 * self.num_kv_heads)

@@ -20,6 +20,7 @@ import struct
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from arl_jax.models import hf_config, hf_params, init_lib, lora
 from arl_jax.models import model_config as model_config_lib
@@ -47,8 +48,9 @@ def _leaves(state) -> dict[tuple, jax.Array]:
 def merged(params, cfg: model_config_lib.ModelConfig):
   """The base's params with every adapter folded in (`W + (alpha / r) A B`),
   laid out as a decoder without adapters (`cfg.base`): what a merged
-  Hugging Face export writes."""
-  adapters, base = lora.split(params)
+  Hugging Face export writes. (A critic's value head, trained beside the
+  adapters, stays as it is.)"""
+  adapters, base = nnx.split_state(params, lora.LoraParam, ...)
   leaves, deltas = _leaves(adapters), {}
   for _, target, _, path in _paths(cfg):
     a, b = leaves[(*path, "a")], leaves[(*path, "b")]
@@ -133,7 +135,8 @@ def check_matches(folder: str, mine: lora.LoraConfig) -> None:
 
 def load(folder: str, cfg: model_config_lib.ModelConfig, mesh, rules):
   """The adapters of a PEFT folder as an adapter State of a decoder of `cfg`
-  (whose `lora` must be the folder's: rank, alpha and targets), on `mesh`.
+  (whose `lora` must be the folder's: rank, alpha and targets), on `mesh`;
+  with a critic, its value head (which trains beside them) at zero.
 
   Raises:
     hf_config.HfConfigError: a folder for other adapters (named), a tensor
@@ -151,6 +154,8 @@ def load(folder: str, cfg: model_config_lib.ModelConfig, mesh, rules):
   dtype = jnp.dtype(cfg.param_dtype)
 
   def read(path, leaf, sharding):
+    if hf_params.state_path(path) == ("value_head",):  # (not an adapter: zero, a fresh critic)
+      return jax.device_put(np.zeros(leaf.shape, leaf.dtype), sharding)
     name = wanted[hf_params.state_path(path)]
     if name not in source.files:
       raise hf_config.HfConfigError(f"{folder}/{WEIGHTS_FILE}: no tensor {name}")

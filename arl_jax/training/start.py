@@ -95,7 +95,8 @@ def initial_params(spec, mesh, resuming: bool, print_fn):
   else:  # (fresh, or the template a resume restores the saved ones onto)
     graphdef, adapters = init_lib.init_adapters(spec.model, mesh, rules, spec.seed)
   print_fn(f"LoRA: rank {spec.model.lora.rank} adapters on {', '.join(spec.model.lora.targets)}"
-           f" ({spec.model.adapter_params:,} trainable parameters; the base's "
+           f"{' and the value head' if spec.model.value_head else ''}"
+           f" ({spec.model.trainable_params:,} trainable parameters; the base's "
            f"{spec.model.num_params:,} frozen)")
   return graphdef, lora_lib.merge(adapters, base)
 

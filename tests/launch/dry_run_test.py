@@ -203,7 +203,7 @@ def test_a_lora_plan_holds_the_base_once_and_equals_what_a_run_allocates():
   assert plan.publish_bytes == publisher.published_bytes
   assert plan.trainable_params == spec.model.adapter_params
   text = dry_run.format_plan(plan)
-  assert f"trained: {spec.model.adapter_params:,} LoRA adapter parameters" in text
+  assert f"trained with LoRA: {spec.model.adapter_params:,} parameters" in text
   full = dry_run.plan(config_lib.build(tiny.load_config("tool_agent", "tiny")),
                       jax.device_count())
   assert plan.publish_bytes == 4 * spec.model.adapter_params

@@ -95,22 +95,30 @@ def test_targets_choose_the_projections_and_a_model_without_adapters_trains_whol
   assert not jax.tree.leaves(frozen)
 
 
-def test_an_update_trains_the_adapters_only_and_the_optimizer_holds_their_state():
-  cfg = _lora_cfg()
+@pytest.mark.parametrize("critic", [False, True])
+def test_an_update_trains_the_adapters_only_and_the_optimizer_holds_their_state(critic):
+  """With a critic (vtrace), its new value head trains whole beside the
+  adapters (PEFT's modules_to_save); the base stays frozen either way."""
+  cfg = tiny.tiny_model_config(lora=lora.LoraConfig(rank=RANK), value_head=critic)
   meshes = tiny.role_meshes()
   graphdef, params, _ = tiny.learner_and_sampler_params(cfg, meshes)
   adapters, base = lora.split(params)
+  assert ("value_head" in adapters, "value_head" in base) == (critic, False)
   optimizer = optim_lib.make_optimizer(optim_lib.OptimConfig(lr=1e-2))
   state, shardings = train_state_lib.create(adapters, optimizer, meshes.learner)
   moments = [x for x in jax.tree.leaves(state.opt_state) if x.ndim]
-  assert sum(x.size for x in moments) == 2 * cfg.adapter_params  # Adam's mu and nu
-  update = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
-                                     settings=loss_settings.LossSettings.of(),
+  assert cfg.trainable_params == cfg.adapter_params + critic * cfg.d_model
+  assert sum(x.size for x in moments) == 2 * cfg.trainable_params  # Adam's mu and nu
+  settings_ = (loss_settings.LossSettings.of(loss="vtrace", critic=True) if critic else
+               loss_settings.LossSettings.of())
+  update = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer, settings=settings_,
                                      state_shardings=shardings, mesh=meshes.learner,
                                      frozen=base)
   base_before = jax.tree.map(np.asarray, base)
   a_before = jax.tree.map(np.asarray, adapters)
   batch = _batch()
+  if critic:  # (rewards the zero-initialised critic must learn)
+    batch = batch.replace(rewards=np.where(np.asarray(batch.loss_mask) > 0, 1.0, 0.0).astype(np.float32))
   for _ in range(2):
     state, metrics = update(state, batch)
   assert float(metrics["skipped_steps"]) == 0 and float(metrics["grad_norm"]) > 0

@@ -2,6 +2,7 @@
 `peft` onto the base in `transformers` gives the learner's logits, the merged
 folder too, and the folder starts another run's adapters exactly."""
 
+import dataclasses
 import json
 import os
 
@@ -98,6 +99,28 @@ def test_the_peft_folder_on_the_base_gives_the_learner_s_logits(trained, tmp_pat
   assert np.abs(ours - want_merged).max() <= 1e-4
 
 
+def test_an_actor_critic_lora_run_exports_its_policy(trained, tmp_path):
+  """The value head trained beside the adapters is no part of the policy a
+  merged or PEFT folder holds; the export still checks the base."""
+  config = _config(trained["folder"])
+  config.learner.loss = "vtrace"
+  config.model.value_head = True
+  config.num_steps = 1
+  run_lib.run(config, str(tmp_path / "run"), print_fn=lambda *_: None)
+  peft_out = str(tmp_path / "peft")
+  export_hf.export(str(tmp_path / "run" / "checkpoints"), trained["folder"],
+                   str(tmp_path / "merged"), peft_out=peft_out)
+  tokens = np.random.default_rng(3).integers(0, 272, (2, 16))
+  with torch.no_grad():
+    base = transformers.AutoModelForCausalLM.from_pretrained(trained["folder"],
+                                                             dtype=torch.float32)
+    want = peft.PeftModel.from_pretrained(base, peft_out).eval()(torch.tensor(tokens))
+    merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"),
+                                                               dtype=torch.float32)
+    want_merged = merged(torch.tensor(tokens)).logits.numpy()
+  assert np.abs(want.logits.numpy() - want_merged).max() <= 1e-4
+
+
 def test_a_peft_folder_starts_a_run_s_adapters_and_other_shapes_are_refused(trained,
                                                                            tmp_path):
   peft_out = str(tmp_path / "peft")
@@ -106,6 +129,10 @@ def test_a_peft_folder_starts_a_run_s_adapters_and_other_shapes_are_refused(trai
                               rules_lib.LEARNER_RULES)
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, loaded),
                jax.tree.map(np.asarray, trained["adapters"]))
+  # With a critic the value head, which trains beside the adapters, starts at zero.
+  critic = dataclasses.replace(trained["spec"].model, value_head=True)
+  with_head = peft_adapters.load(peft_out, critic, trained["mesh"], rules_lib.LEARNER_RULES)
+  assert not np.any(np.asarray(with_head["value_head"][...]))
   config = _config(trained["folder"])
   config.learner.lora.init_from = peft_out
   config.num_steps = 1

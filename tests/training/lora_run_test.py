@@ -54,9 +54,8 @@ def test_the_lora_section_resolves_and_its_errors_name_the_key():
                      match=r"config.learner.lora.targets: unknown module\(s\) \['qkv'\]"):
     config_lib.build(config)
   config.learner.lora.targets = ("all",)
-  config.learner.loss = "vtrace"
-  config.model.value_head = True
-  with pytest.raises(config_lib.ConfigError, match="config.learner.lora.rank: .*value head"):
+  config.learner.lora.init_from = "/nonexistent/peft"
+  with pytest.raises(config_lib.ConfigError, match="config.learner.lora.init_from: "):
     config_lib.build(config)
 
 
@@ -97,6 +96,26 @@ def test_a_lora_checkpoint_is_refused_on_another_base(tmp_path):
   with pytest.raises(checkpointing.CheckpointFormatError,
                      match="its checkpoints hold LoRA adapters, not a model; merge them"):
     run_lib.run(full, str(tmp_path / "other"), print_fn=lambda *_: None)
+
+
+def test_a_critic_trains_in_full_beside_the_adapters(tmp_path):
+  """PEFT's `modules_to_save`: an actor-critic (vtrace) LoRA run trains the
+  new value head whole beside the adapters; the checkpoint holds both."""
+  config = _config(2)
+  config.learner.loss = "vtrace"
+  config.model.value_head = True
+  lines = []
+  assert run_lib.run(config, str(tmp_path), print_fn=lines.append).complete
+  spec = config_lib.build(config)
+  assert spec.model.trainable_params == spec.model.adapter_params + spec.model.d_model
+  assert any(f"and the value head ({spec.model.trainable_params:,} trainable" in line
+             for line in lines)
+  _, state, _ = _saved_state(tmp_path)
+  assert sum(np.size(x) for x in jax.tree.leaves(state["params"])) == spec.model.trainable_params
+  head = jax.tree.leaves(state["params"]["value_head"])[0]
+  assert head.shape == (spec.model.d_model,)  # (its training: lora_test's update test)
+  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
+  assert sum("value_loss" in r for r in rows) == 2
 
 
 @pytest.mark.parametrize("weight_update", ["pinned", "in_flight"])
