@@ -44,8 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arl_jax.models import paged_attention, paged_kv_cache
+from arl_jax.models import paged_attention
 from arl_jax.models import segment_attention as segment_attention_lib
+from arl_jax.testing import attention_reference
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py, run as a script)
@@ -73,23 +74,6 @@ def _max_diff(a, b) -> float:
 # -- 1. Decode attention over a paged pool ------------------------------------------
 
 
-def _xla_decode(q, keys, values, table, lengths):
-  """The XLA path: each row's pages gathered, then softmax attention over its
-  first `lengths` columns (float32 scores, as the decoder computes them)."""
-  width = table.shape[1] * keys.shape[2]
-  k = paged_kv_cache.gather(keys, table, width)  # [B, KVH, W, Dh]
-  v = paged_kv_cache.gather(values, table, width)
-  b, h, dh = q.shape
-  kvh = k.shape[1]
-  qg = q.reshape(b, kvh, h // kvh, dh)
-  scores = jnp.einsum("bkgd,bksd->bkgs", qg, k, preferred_element_type=jnp.float32)
-  live = jnp.arange(width)[None, None, None, :] < lengths[:, None, None, None]
-  probs = jax.nn.softmax(jnp.where(live, scores, -1e30), axis=-1)
-  out = jnp.einsum("bkgs,bksd->bkgd", probs.astype(v.dtype), v,
-                   preferred_element_type=jnp.float32)
-  return out.reshape(b, h, dh).astype(q.dtype)
-
-
 def _paged_inputs(geometry, batch, context, dtype, seed=0):
   """Scaled queries, split pools with every row's pages scattered, page
   tables (pages past a row's length are the trash page 0) and lengths spread
@@ -112,8 +96,8 @@ def _paged_inputs(geometry, batch, context, dtype, seed=0):
 def paged_decode(geometry, batch, context, dtype, *, interpret, repeats):
   q, keys, values, table, lengths = _paged_inputs(geometry, batch, context, dtype)
   f32 = [x.astype(jnp.float32) for x in (q, keys, values)]
-  want = jax.jit(_xla_decode)(*f32, table, lengths)
-  xla = jax.jit(_xla_decode)
+  want = jax.jit(attention_reference.paged_decode_attention)(*f32, table, lengths)
+  xla = jax.jit(attention_reference.paged_decode_attention)
   kernel = jax.jit(lambda *a: paged_attention.decode_attention(*a, interpret=interpret))
   row = {"xla_err": _max_diff(xla(q, keys, values, table, lengths), want),
          "kernel_err": _max_diff(kernel(q, keys, values, table, lengths), want)}

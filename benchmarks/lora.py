@@ -38,6 +38,9 @@ Parts (every number measured or planned in this run):
   adapters (unmerged) against without (full fine-tuning's).
 
   python benchmarks/lora.py --parts=smollm2 --out=/tmp/lora.jsonl
+- `smollm2_publish` (not in the default parts: ~1 min): `publish` for
+  SmolLM2-135M's shape: full fine-tuning against rank 16 on every
+  projection and on attention only.
 """
 
 from __future__ import annotations
@@ -160,9 +163,15 @@ def real_step(rank: int, steps: int, quick: bool) -> dict:
           "MiB/device": round(memory / 2**20, 1)}
 
 
-def publish(model: str, rank: int, repeats: int) -> dict:
-  cfg = model_config_lib.ModelConfig(vocab_size=learner_bench.VOCAB, max_seq_len=256,
-                                     lora=_lora(rank), **learner_bench.MODELS[model])
+ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def publish(model: str, rank: int, repeats: int, targets=tuple(lora.TARGETS)) -> dict:
+  if model == "SmolLM2-135M":  # (its shape, random weights)
+    cfg = dataclasses.replace(SMOLLM2, max_seq_len=256, lora=_lora(rank, targets))
+  else:
+    cfg = model_config_lib.ModelConfig(vocab_size=learner_bench.VOCAB, max_seq_len=256,
+                                       lora=_lora(rank, targets), **learner_bench.MODELS[model])
   # (a learner device and a sampler device; one device holds both where there is one)
   meshes = mesh_lib.make_role_meshes(mesh_lib.MeshConfig(), devices=jax.devices()[:2])
   _, params, _ = init_lib.init_params(cfg, meshes.learner, rules_lib.LEARNER_RULES, 0)
@@ -180,7 +189,9 @@ def publish(model: str, rank: int, repeats: int) -> dict:
     publisher.publish(trainable, version)
     jax.block_until_ready(publisher.latest()[1])
     times.append(time.perf_counter() - start)
-  return {"model": model, "rank": rank, "publish MiB": round(publisher.published_bytes / 2**20, 2),
+  return {"model": model, "rank": rank,
+          "targets": "-" if not rank else "attention" if targets == ATTENTION else "all",
+          "publish MiB": round(publisher.published_bytes / 2**20, 2),
           "publish ms": round(1e3 * statistics.median(times[1:]), 2),
           "base once ms": round(1e3 * base_s, 1) if rank else None}
 
@@ -248,6 +259,9 @@ def main() -> None:
     done("smollm2 step", [real_step(r, 2 if args.quick else 3, args.quick) for r in (0, 16)])
     if not args.quick:
       done("smollm2 decode", decode("SmolLM2-135M", 16, 48))
+  if "smollm2_publish" in parts:
+    done("smollm2 publish", [publish("SmolLM2-135M", r, 10, t)
+                             for r, t in ((0, ()), (16, tuple(lora.TARGETS)), (16, ATTENTION))])
 
 
 if __name__ == "__main__":

@@ -17,24 +17,7 @@ from arl_jax import rows as rows_lib
 from arl_jax.models import paged_attention, paged_blocks, paged_kv_cache
 from arl_jax.sampler import sampling, slot_fns, token_draw
 from arl_jax.sharding import mesh_lib
-from arl_jax.testing import tiny
-
-
-def _xla_attention(q, keys, values, table, lengths):
-  """Softmax attention of `q` `[B, H, Dh]` over each row's first `lengths`
-  columns, gathered from its pages (the decoder's grouping of heads)."""
-  width = table.shape[1] * keys.shape[2]
-  k = paged_kv_cache.gather(keys, table, width)  # [B, KVH, W, Dh]
-  v = paged_kv_cache.gather(values, table, width)
-  b, h, dh = q.shape
-  kvh = k.shape[1]
-  qg = q.reshape(b, kvh, h // kvh, dh)
-  scores = jnp.einsum("bkgd,bksd->bkgs", qg, k)
-  scores = jnp.where(jnp.arange(width)[None, None, None, :] < lengths[:, None, None, None],
-                     scores, -1e30)
-  out = jnp.einsum("bkgs,bksd->bkgd", jax.nn.softmax(scores, axis=-1), v)
-  return out.reshape(b, h, dh)
-
+from arl_jax.testing import attention_reference, tiny
 
 GEOMETRIES = [(4, 2, 4), (8, 1, 8), (2, 2, 6)]  # heads, KV heads, pages per row
 
@@ -58,7 +41,8 @@ def _pools_and_rows(heads, kv_heads, pages_per_row):
 def test_the_kernel_attends_as_the_xla_path(heads, kv_heads, pages_per_row):
   q, keys, values, table, lengths = _pools_and_rows(heads, kv_heads, pages_per_row)
   out = paged_attention.decode_attention(q, keys, values, table, lengths, interpret=True)
-  np.testing.assert_allclose(out, _xla_attention(q, keys, values, table, lengths), atol=1e-5)
+  want = attention_reference.paged_decode_attention(q, keys, values, table, lengths)
+  np.testing.assert_allclose(out, want, atol=1e-5)
 
 
 @pytest.mark.parametrize("heads,kv_heads,pages_per_row", GEOMETRIES)
@@ -73,7 +57,8 @@ def test_the_ragged_kernels_arguments_attend_as_the_xla_path(heads, kv_heads, pa
   args, kwargs = paged_attention.ragged_arguments(q, kv_pages, table, lengths)
   ragged_kernel.static_validate_inputs(*args, **kwargs)
   out = ragged_kernel.ref_ragged_paged_attention(*args, **kwargs)
-  np.testing.assert_allclose(out, _xla_attention(q, keys, values, table, lengths), atol=1e-5)
+  want = attention_reference.paged_decode_attention(q, keys, values, table, lengths)
+  np.testing.assert_allclose(out, want, atol=1e-5)
 
 
 def _decode(meshes, attention, layout=None, orders=((0, 1, 2, 3),), steps=12, vocab_size=259,
@@ -139,7 +124,7 @@ def test_attention_read_in_blocks_is_the_whole_widths(heads, kv_heads, pages_per
   divide every row, so the last block reads past the table: padded), read
   as many as the longest row needs, or more (the rest masked)."""
   q, keys, values, table, lengths = _pools_and_rows(heads, kv_heads, pages_per_row)
-  reference = _xla_attention(q, keys, values, table, lengths)
+  reference = attention_reference.paged_decode_attention(q, keys, values, table, lengths)
   block = block_pages * keys.shape[2]
   read = lambda pages: (paged_kv_cache.gather(keys, pages, block),
                         paged_kv_cache.gather(values, pages, block))
