@@ -105,7 +105,9 @@ def _with_adapters(reader, step: int, run: dict, cfg, hf_path: str, mesh):
   adapters = reader.restore_params(checkpointing.abstract_like(abstract_adapters, shardings),
                                    step)
   _, base = hf_params.load_params(hf_path, cfg.base, mesh, rules_lib.LEARNER_RULES)
-  params = lora.merge(adapters, base)  # (a critic's value head: the checkpoint's)
+  # (`cfg` is the Hugging Face folder's: no value head, so a critic's is not
+  # restored, and the policy exported has none)
+  params = lora.merge(adapters, base)
   trained_on = run.get("base", {})
   if trained_on.get("fingerprint") not in (None, fingerprint.fingerprint(lora.split(params)[1])):
     raise ValueError(f"--hf_path={hf_path} is not the base the adapters of {reader.directory} "

@@ -15,7 +15,8 @@ exists, else schedules one pull of version `v` under a fresh id and answers
 pull is scheduled per request, so any number of samplers can pull the same
 version. With LoRA (`models/lora.py`) a sampler's first pull is the whole
 model (`whole`: the frozen base and the adapters) and every later one the
-adapters alone, which it puts beside the base it keeps.
+adapters alone (with a critic's value head), which it puts beside the base
+it keeps.
 
 `WeightClient.latest()` has the interface of `WeightPublisher.latest()`, so a
 sampler engine in another process uses it unchanged.

@@ -12,9 +12,10 @@ samples on its own devices, so step (1) gathers a whole replica onto every
 learner device (a collective across processes, in the sampler's dtype) and
 step (2) moves this process's replica to its sampler mesh.
 
-With LoRA (`models/lora.py`) the learner trains only the adapters: the frozen
-base moves to the sampler mesh once, when the publisher is built, and every
-publish moves the adapters alone (`published_bytes` says how many bytes a
+With LoRA (`models/lora.py`) the learner trains only the adapters (and a
+critic's value head beside them): the frozen base moves to the sampler mesh
+once, when the publisher is built, and every publish moves what trains
+alone (`published_bytes` says how many bytes a
 publish moved); the sampler decodes with the resident base plus the newest
 adapters, unmerged, as the learner scores.
 """
@@ -81,7 +82,8 @@ class WeightPublisher:
         on the learner devices, before the transfer, so fewer bytes move.
       frozen: the frozen base on the learner mesh when the model has
         adapters (`lora.split`): moved to the sampler mesh here, once;
-        `publish` then takes the adapters only. None: `publish` takes the
+        `publish` then takes what trains (`lora.split`'s first part). None:
+        `publish` takes the
         whole model.
     """
     sampler_mesh = jax.tree.leaves(sampler_shardings)[0].mesh

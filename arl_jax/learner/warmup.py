@@ -74,7 +74,8 @@ def run_warmup(*, params, graphdef, mesh, optimizer, steps: int, batch_size: int
   Returns:
     `(params, steps_done)`: the updated params (same shardings as given) and
     how many steps ran (`steps` unless stopped). A model with LoRA adapters
-    trains them only, as RL does.
+    trains them only (and a critic's head, which gets no gradient here), as
+    RL does.
   """
   trainable, frozen = lora_lib.split(params)
   state, state_shardings = train_state_lib.create(trainable, optimizer, mesh)

@@ -38,7 +38,8 @@ def init_params(cfg: model_config_lib.ModelConfig, mesh: Mesh, rules: rules_lib.
 def init_adapters(cfg: model_config_lib.ModelConfig, mesh: Mesh, rules: rules_lib.Rules,
                   seed: int):
   """`(graphdef, adapters)`: the LoRA adapters of a decoder of `cfg` (which
-  has `cfg.lora` on), freshly initialised on `mesh`, without its base (the
+  has `cfg.lora` on), freshly initialised on `mesh` (with a critic's
+  zero value head: `lora.split`'s trainable part), without its base (the
   base's initialisers are traced but not returned, so XLA drops them)."""
   graphdef, abstract_state = abstract_model(cfg)
   adapter_shardings, _ = lora_lib.split(rules_lib.state_shardings(abstract_state, mesh, rules))

@@ -9,8 +9,10 @@
 5. A random init (also the layout template that 1 and 2 restore onto).
 
 With LoRA (`learner.lora.rank` > 0) 3-5 give the frozen base, and the
-adapters start fresh (B = 0: the base model); a checkpoint holds the
-adapters only, so a resume reads its base from 3-5 again, and refuses a
+adapters start fresh (B = 0: the base model); a critic's value head, which
+trains beside them, is the one 3-5 bring (trained, or zero). A checkpoint
+holds what trains (the adapters and that head), so a resume reads its base
+from 3-5 again, and refuses a
 checkpoint trained on another base (its record names the base it was
 trained on: `base_identity`).
 """
@@ -22,6 +24,9 @@ import dataclasses
 import json
 import os
 import time
+
+import jax
+from flax import nnx
 
 from arl_jax import checkpointing
 from arl_jax.learner import train_state as train_state_lib
@@ -98,6 +103,12 @@ def initial_params(spec, mesh, resuming: bool, print_fn):
            f"{' and the value head' if spec.model.value_head else ''}"
            f" ({spec.model.trainable_params:,} trainable parameters; the base's "
            f"{spec.model.num_params:,} frozen)")
+  if spec.model.value_head:
+    # The critic the base brings (a checkpoint's trained head, else zero)
+    # trains on beside the adapters, in their dtype.
+    head, base = nnx.split_state(base, lora_lib.TrainsBesideAdapters, ...)
+    adapters = nnx.split_state(adapters, lora_lib.LoraParam, ...)[0]
+    base = nnx.merge_state(base, jax.tree.map(lambda x: x.astype(spec.model.param_dtype), head))
   return graphdef, lora_lib.merge(adapters, base)
 
 

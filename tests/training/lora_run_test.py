@@ -100,22 +100,39 @@ def test_a_lora_checkpoint_is_refused_on_another_base(tmp_path):
 
 def test_a_critic_trains_in_full_beside_the_adapters(tmp_path):
   """PEFT's `modules_to_save`: an actor-critic (vtrace) LoRA run trains the
-  new value head whole beside the adapters; the checkpoint holds both."""
-  config = _config(2)
-  config.learner.loss = "vtrace"
-  config.model.value_head = True
+  value head whole beside the adapters, starting from the head its base
+  brings (here a full fine-tuning run's trained critic); the checkpoint
+  holds both, and no base."""
+  def critic(num_steps, rank):
+    config = _config(num_steps)
+    config.learner.update(loss="vtrace")
+    config.model.value_head = True
+    config.learner.lora.rank = rank
+    config.warmup.update(steps=20, lr=0.01)  # (some answers right: a reward to learn)
+    return config
+
+  run_lib.run(critic(2, rank=0), str(tmp_path / "full"), print_fn=lambda *_: None)
+  _, full, _ = _saved_state(tmp_path / "full")
+  trained_head = np.asarray(jax.tree.leaves(full["params"]["value_head"])[0])
+  assert np.abs(trained_head).max() > 0
+  config = critic(2, rank=RANK)
+  config.checkpoint.init_from = str(tmp_path / "full" / "checkpoints")
+  config.warmup.steps = 0
   lines = []
-  assert run_lib.run(config, str(tmp_path), print_fn=lines.append).complete
+  assert run_lib.run(config, str(tmp_path / "lora"), print_fn=lines.append).complete
   spec = config_lib.build(config)
   assert spec.model.trainable_params == spec.model.adapter_params + spec.model.d_model
   assert any(f"and the value head ({spec.model.trainable_params:,} trainable" in line
              for line in lines)
-  _, state, _ = _saved_state(tmp_path)
+  _, state, _ = _saved_state(tmp_path / "lora")
   assert sum(np.size(x) for x in jax.tree.leaves(state["params"])) == spec.model.trainable_params
-  head = jax.tree.leaves(state["params"]["value_head"])[0]
-  assert head.shape == (spec.model.d_model,)  # (its training: lora_test's update test)
-  rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
-  assert sum("value_loss" in r for r in rows) == 2
+  head = np.asarray(jax.tree.leaves(state["params"]["value_head"])[0])
+  assert not np.array_equal(head, trained_head)  # it trained on
+  rows = [r for r in map(json.loads, open(tmp_path / "lora" / "metrics.jsonl"))
+          if "value_loss" in r]
+  assert [r["value_loss"] > 0 for r in rows] == [True, True]
+  # Its first update saw the trained head's values (a fresh, zero head gives 0).
+  assert rows[0]["value_mean"] != 0
 
 
 @pytest.mark.parametrize("weight_update", ["pinned", "in_flight"])
