@@ -25,7 +25,7 @@ import math
 import jax
 import numpy as np
 
-from arl_jax import config_lib
+from arl_jax import config_lib, evaluation
 from arl_jax.models import init_lib, lora
 from arl_jax.sampler import engine_config
 from arl_jax.sharding import mesh_lib
@@ -130,12 +130,39 @@ def plan(spec: config_lib.RunSpec, num_devices: int) -> Plan:
     kv_name, kv = "kv_cache", slots * engine.length * per_column
   sampler.update({f"{what}_x{versions}_versions": versions * sampler_params, kv_name: kv,
                   "slot_state": slots * engine.length * (4 + 1 + 4 + 4 + 1)})
+  learner_eval, sampler_eval = evaluation_bytes(spec, lm, sm)
+  learner.update(learner_eval)
+  sampler.update(sampler_eval)
   publish = _sharded_bytes(trainable, {}, rules_lib.SAMPLER_RULES, sampler_dtype)
   return Plan(num_devices=num_devices, colocated=learner_devices == sampler_devices,
               num_params=cfg.num_params,
               learner=RolePlan("learner", learner_mesh, learner),
               sampler=RolePlan("sampler", sampler_mesh, sampler),
               trainable_params=cfg.trainable_params if adapters else 0, publish_bytes=publish)
+
+
+def evaluation_bytes(spec: config_lib.RunSpec, lm: dict, sm: dict) -> tuple[dict, dict]:
+  """`(learner, sampler)` bytes per device of the held-out evaluation
+  (`evaluation.Evaluator`; as one controller lays it out): the greedy
+  pass's dense KV cache, one slot a prompt, on the learner mesh (between
+  updates); with `eval_samples` the sampled pass beside training on the
+  sampler mesh: a whole copy of the params it evaluates (the sampler's
+  dtype) and its cache of groups of `eval_samples` slots."""
+  if not (spec.eval_every and spec.eval_size):
+    return {}, {}
+  greedy = evaluation.greedy_engine_config(spec.engine, spec.eval_size)
+  learner = {"eval_kv_cache": greedy.num_slots * greedy.length
+                              * engine_config.kv_bytes_per_column(spec.model, lm.get("tp", 1))}
+  if not spec.eval_samples:
+    return learner, {}
+  sampled = evaluation.sampled_engine_config(spec.engine, spec.eval_size, spec.eval_samples)
+  _, abstract_state = init_lib.abstract_model(spec.model)
+  return learner, {
+      "eval_sampled_params": _sharded_bytes(abstract_state, sm, rules_lib.SAMPLER_RULES,
+                                            spec.sampler_model.param_dtype),
+      "eval_sampled_kv_cache": math.ceil(sampled.num_slots / sm.get("data", 1)) * sampled.length
+                               * engine_config.kv_bytes_per_column(spec.sampler_model,
+                                                                   sm.get("tp", 1))}
 
 
 def learner_rows(spec: config_lib.RunSpec, fsdp: int) -> tuple[int, int]:

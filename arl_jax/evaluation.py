@@ -72,6 +72,27 @@ class EvalResult:
     return sum(self.env_errors.values())
 
 
+def greedy_engine_config(engine_cfg: engine_config.EngineConfig,
+                         num_prompts: int) -> engine_config.EngineConfig:
+  """The greedy pass's engine: a dense slot a prompt, each context prefilled
+  whole and on its own, as evaluation always did (a chunked or shared
+  prefill may round differently, and greedy answers with it)."""
+  return dataclasses.replace(
+      engine_cfg, num_slots=num_prompts, group_size=1, weight_update="in_flight",
+      kv_policy="keep", kv_cache="dense", kv_pages=0, kv_memory_fraction=0.0,
+      paged_attention="xla", precompile=False,
+      decode_burst=_DECODE_BURST, prefill_chunk=0, share_prompts=False)
+
+
+def sampled_engine_config(engine_cfg: engine_config.EngineConfig, num_prompts: int,
+                          samples: int) -> engine_config.EngineConfig:
+  """The sampled pass's engine: the greedy one's, in groups of `samples`, as
+  many at once as the run's engine has slots for."""
+  slots = max(engine_cfg.num_slots // samples, 1) * samples
+  return dataclasses.replace(greedy_engine_config(engine_cfg, num_prompts),
+                             num_slots=min(slots, samples * num_prompts), group_size=samples)
+
+
 class Evaluator:
   """Compiles greedy (and sampled) generation once for a fixed eval set and
   reuses it."""
@@ -112,13 +133,7 @@ class Evaluator:
     settings = sampling.SamplingSettings(
         greedy=True, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
         stop_ids=env_api.sampler_stop_ids(tokenizer, env))
-    # Each context prefilled whole and on its own, as evaluation always did (a
-    # chunked or shared prefill may round differently, and greedy answers with it).
-    cfg = dataclasses.replace(
-        engine_cfg, num_slots=len(self._prompts), group_size=1, weight_update="in_flight",
-        kv_policy="keep", kv_cache="dense", kv_pages=0, kv_memory_fraction=0.0,
-        paged_attention="xla", precompile=False,
-        decode_burst=_DECODE_BURST, prefill_chunk=0, share_prompts=False)
+    cfg = greedy_engine_config(engine_cfg, len(self._prompts))
     # Which stop tokens end each prompt's segments (they differ in a mixture).
     stop_ids_fn = lambda i: env_api.segment_stop_ids(tokenizer, env, self._prompts[i])  # noqa: E731
     self._generator = generate_lib.Generator(
@@ -128,11 +143,8 @@ class Evaluator:
     self._solved_reward = solved_reward
     self._sampler = None
     if samples:
-      # Groups of `samples`, as many at once as the engine's slots hold.
-      slots = max(engine_cfg.num_slots // samples, 1) * samples
       self._sampler = generate_lib.Generator(
-          cfg=dataclasses.replace(cfg, num_slots=min(slots, samples * len(self._prompts)),
-                                  group_size=samples),
+          cfg=sampled_engine_config(engine_cfg, len(self._prompts), samples),
           settings=dataclasses.replace(settings, greedy=False, temperature=float(temperature)),
           graphdef=graphdef, model_cfg=sampled_model_cfg or model_cfg,
           mesh=sampled_mesh or mesh, stop_ids_fn=stop_ids_fn)

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from arl_jax import config_lib, dry_run
+from arl_jax import config_lib, dry_run, evaluation
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import publish as publish_lib
 from arl_jax.models import init_lib, lora
@@ -48,6 +48,26 @@ def test_planned_params_and_kv_cache_equal_the_allocated_ones():
   cache = (*slots.cache.keys, *slots.cache.values)
   assert plan.sampler.memory["kv_cache"] == _device_bytes(cache)
   assert plan.per_device_peak() == max(plan.learner.total, plan.sampler.total)
+
+  # The evaluation: the greedy pass's cache on the learner mesh (a slot a
+  # prompt); the sampled pass's params copy and cache on the sampler mesh.
+  config.eval_samples = 4
+  spec = config_lib.build(config)
+  plan = dry_run.plan(spec, jax.device_count())
+
+  def eval_cache(model_cfg, mesh, engine):  # (what evaluation.Evaluator's generators hold)
+    slots = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
+                                      settings=spec.sampling, num_slots=engine.num_slots,
+                                      length=engine.length).init()
+    return _device_bytes((*slots.cache.keys, *slots.cache.values))
+
+  greedy = evaluation.greedy_engine_config(spec.engine, spec.eval_size)
+  sampled = evaluation.sampled_engine_config(spec.engine, spec.eval_size, 4)
+  assert (greedy.num_slots, sampled.num_slots) == (spec.eval_size, spec.engine.num_slots)
+  assert plan.learner.memory["eval_kv_cache"] == eval_cache(spec.model, meshes.learner, greedy)
+  assert plan.sampler.memory["eval_sampled_kv_cache"] == eval_cache(spec.sampler_model,
+                                                                    meshes.sampler, sampled)
+  assert plan.sampler.memory["eval_sampled_params"] == _device_bytes(sampler_params)
 
 
 def test_planning_for_more_devices_shards_further():
