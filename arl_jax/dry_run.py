@@ -4,7 +4,8 @@ The plan says, per role, the mesh, and the memory one device needs: exact for
 the arrays whose shapes and shardings are known before anything runs (params
 under each role's rule table, AdamW moments, gradients and their
 microbatch accumulator, the KL reference, the sampler's KV cache and slot
-state), and a labelled rough estimate for the learner's activations (which
+state, the evaluation's caches and the sampled pass's params copy:
+`evaluation_bytes`), and a labelled rough estimate for the learner's activations (which
 depend on what XLA keeps for the backward pass). On a CPU backend the
 process's own memory (compiled programs, the runtime, Python, host copies)
 comes on top: `benchmarks/real_size.py` measures both against a run. It
@@ -14,7 +15,7 @@ laptop: `num_devices` overrides the device count it plans for.
 With LoRA (`learner.lora.rank` > 0) the learner holds the frozen base once
 and the adapters with their moments, gradients and reference; the sampler
 holds the base once and each version's adapters; a publish moves the
-adapters alone (`Plan.publish_bytes`).
+adapters alone, with a critic's value head (`Plan.publish_bytes`).
 """
 
 from __future__ import annotations

@@ -224,8 +224,8 @@ class Decoder(nnx.Module):
                             1.0 / math.sqrt(cfg.d_model))
     if cfg.value_head:
       # Zero-initialised: the critic starts predicting 0 and learns from targets.
-      # New to any base, it trains in full beside LoRA adapters (and keeps
-      # the adapters' dtype, `param_dtype`).
+      # No Hugging Face base has one: with LoRA it trains in full beside the
+      # adapters (`lora.TrainsBesideAdapters`), in their dtype, `param_dtype`.
       self.value_head = _param(rngs, (cfg.d_model,), ("embed",), jnp.dtype(cfg.param_dtype),
                                0.0, lora_lib.TrainsBesideAdapters)
 

@@ -102,9 +102,10 @@ def adapter_name(projection: str) -> str:
 
 class TrainsBesideAdapters(nnx.Param):
   """A parameter a LoRA run trains in full beside its adapters (PEFT's
-  `modules_to_save`): the critic's value head, which is new to the base
-  (zero-initialised), so no low-rank delta of a frozen weight could stand
-  for it. Without adapters it trains as every parameter does."""
+  `modules_to_save`): the critic's value head, which no Hugging Face base
+  has (a run starts it at zero, or from a full fine-tuning checkpoint's
+  critic), so no low-rank delta of a frozen weight could stand for it.
+  Without adapters it trains as every parameter does."""
 
 
 class LoraParam(TrainsBesideAdapters):

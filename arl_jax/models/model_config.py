@@ -71,7 +71,8 @@ class ModelConfig:
 
   @property
   def base_dtype(self) -> str:
-    """The dtype of every parameter but the adapters (which keep `param_dtype`)."""
+    """The frozen base's dtype (the adapters, and a critic's value head that
+    trains beside them, keep `param_dtype`)."""
     if self.lora.enabled and self.lora.base_dtype != "auto":
       return self.lora.base_dtype
     return self.param_dtype

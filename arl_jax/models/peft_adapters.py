@@ -135,8 +135,9 @@ def check_matches(folder: str, mine: lora.LoraConfig) -> None:
 
 def load(folder: str, cfg: model_config_lib.ModelConfig, mesh, rules):
   """The adapters of a PEFT folder as an adapter State of a decoder of `cfg`
-  (whose `lora` must be the folder's: rank, alpha and targets), on `mesh`;
-  with a critic, its value head (which trains beside them) at zero.
+  (whose `lora` must be the folder's: rank, alpha and targets), on `mesh`:
+  the adapters only (a critic's value head, which trains beside them, is
+  not in a PEFT folder: `start.initial_params` takes the base's).
 
   Raises:
     hf_config.HfConfigError: a folder for other adapters (named), a tensor
@@ -145,7 +146,7 @@ def load(folder: str, cfg: model_config_lib.ModelConfig, mesh, rules):
   check_matches(folder, cfg.lora)
   source = hf_params.SafetensorsFolder(folder, WEIGHTS_FILE)
   _, abstract = init_lib.abstract_model(cfg)
-  adapters, _ = lora.split(abstract)
+  adapters, _ = nnx.split_state(abstract, lora.LoraParam, ...)
   shardings = rules_lib.state_shardings(adapters, mesh, rules)
   wanted = {}  # (both PEFT matrices are ours transposed, then shaped: save's inverse)
   for _, _, name, path in _paths(cfg):
@@ -154,8 +155,6 @@ def load(folder: str, cfg: model_config_lib.ModelConfig, mesh, rules):
   dtype = jnp.dtype(cfg.param_dtype)
 
   def read(path, leaf, sharding):
-    if hf_params.state_path(path) == ("value_head",):  # (not an adapter: zero, a fresh critic)
-      return jax.device_put(np.zeros(leaf.shape, leaf.dtype), sharding)
     name = wanted[hf_params.state_path(path)]
     if name not in source.files:
       raise hf_config.HfConfigError(f"{folder}/{WEIGHTS_FILE}: no tensor {name}")

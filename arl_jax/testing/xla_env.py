@@ -7,8 +7,9 @@ sharding propagation, collectives) and the same numbers to float rounding,
 at ~40% less compile time (measured on two compile-bound tests, 83 s -> 49
 s). They also emit fused computations with XLA's older elemental emitters
 instead of its MLIR fusion emitters (`--xla_cpu_use_fusion_emitters=false`;
-same fusions, fewer compiler passes): a further 30-45% off compile-bound test
-files (2026-12-04, fresh compilation cache each, side by side:
+fewer compiler passes; a program may fuse, so round, differently: the same
+numbers to float rounding): a further 30-50% off compile-bound test files
+(2026-12-04, fresh compilation cache each, side by side:
 `learner/packed_update_test.py` 68-83 s -> 40 s, `learner/update_test.py`
 111 -> 72 s, `sampler/chunked_prefill_test.py` 85 -> 59 s). The flags are
 jaxlib 0.10's (an unknown flag stops XLA at start-up). Benchmarks and runs

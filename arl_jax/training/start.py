@@ -102,10 +102,11 @@ def initial_params(spec, mesh, resuming: bool, print_fn):
   print_fn(f"LoRA: rank {spec.model.lora.rank} adapters on {', '.join(spec.model.lora.targets)}"
            f"{' and the value head' if spec.model.value_head else ''}"
            f" ({spec.model.trainable_params:,} trainable parameters; the base's "
-           f"{spec.model.num_params:,} frozen)")
+           f"{spec.model.num_params - spec.model.value_head * spec.model.d_model:,} frozen)")
   if spec.model.value_head:
     # The critic the base brings (a checkpoint's trained head, else zero)
-    # trains on beside the adapters, in their dtype.
+    # trains on beside the adapters, in their dtype (read in the base's:
+    # a bfloat16 `base_dtype` rounds a float32 critic once, here).
     head, base = nnx.split_state(base, lora_lib.TrainsBesideAdapters, ...)
     adapters = nnx.split_state(adapters, lora_lib.LoraParam, ...)[0]
     base = nnx.merge_state(base, jax.tree.map(lambda x: x.astype(spec.model.param_dtype), head))

@@ -101,7 +101,9 @@ def test_the_peft_folder_on_the_base_gives_the_learner_s_logits(trained, tmp_pat
 
 def test_an_actor_critic_lora_run_exports_its_policy(trained, tmp_path):
   """The value head trained beside the adapters is no part of the policy a
-  merged or PEFT folder holds; the export still checks the base."""
+  merged or PEFT folder holds, which still give the learner's logits; the
+  export's base check passes (its fingerprint leaves the head out, as the
+  run's does)."""
   config = _config(trained["folder"])
   config.learner.loss = "vtrace"
   config.model.value_head = True
@@ -110,7 +112,18 @@ def test_an_actor_critic_lora_run_exports_its_policy(trained, tmp_path):
   peft_out = str(tmp_path / "peft")
   export_hf.export(str(tmp_path / "run" / "checkpoints"), trained["folder"],
                    str(tmp_path / "merged"), peft_out=peft_out)
+  spec, mesh = config_lib.build(config), trained["mesh"]
+  graphdef, abstract = init_lib.abstract_model(spec.model)
+  trainable, _ = lora.split(abstract)  # (the adapters and the head)
+  shardings = rules_lib.state_shardings(trainable, mesh, rules_lib.LEARNER_RULES)
+  reader = checkpointing.Checkpointer(str(tmp_path / "run" / "checkpoints"),
+                                      checkpointing.CheckpointConfig())
+  trainable = reader.restore_params(checkpointing.abstract_like(trainable, shardings))
+  reader.close()
+  _, base = hf_params.load_params(trained["folder"], spec.model.base, mesh,
+                                  rules_lib.LEARNER_RULES)
   tokens = np.random.default_rng(3).integers(0, 272, (2, 16))
+  ours = _our_logits(graphdef, lora.merge(trainable, base), tokens)
   with torch.no_grad():
     base = transformers.AutoModelForCausalLM.from_pretrained(trained["folder"],
                                                              dtype=torch.float32)
@@ -118,7 +131,8 @@ def test_an_actor_critic_lora_run_exports_its_policy(trained, tmp_path):
     merged = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"),
                                                                dtype=torch.float32)
     want_merged = merged(torch.tensor(tokens)).logits.numpy()
-  assert np.abs(want.logits.numpy() - want_merged).max() <= 1e-4
+  assert np.abs(ours - want.logits.numpy()).max() <= 1e-4
+  assert np.abs(ours - want_merged).max() <= 1e-4
 
 
 def test_a_peft_folder_starts_a_run_s_adapters_and_other_shapes_are_refused(trained,
@@ -129,10 +143,10 @@ def test_a_peft_folder_starts_a_run_s_adapters_and_other_shapes_are_refused(trai
                               rules_lib.LEARNER_RULES)
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, loaded),
                jax.tree.map(np.asarray, trained["adapters"]))
-  # With a critic the value head, which trains beside the adapters, starts at zero.
+  # With a critic: the adapters alone (the value head is no part of the folder).
   critic = dataclasses.replace(trained["spec"].model, value_head=True)
   with_head = peft_adapters.load(peft_out, critic, trained["mesh"], rules_lib.LEARNER_RULES)
-  assert not np.any(np.asarray(with_head["value_head"][...]))
+  assert jax.tree.structure(with_head) == jax.tree.structure(loaded)
   config = _config(trained["folder"])
   config.learner.lora.init_from = peft_out
   config.num_steps = 1
