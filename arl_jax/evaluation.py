@@ -122,6 +122,8 @@ class Evaluator:
     self._tokenizer = tokenizer
     self._prompts = list(prompts)
     self._env_names = [env.env_name_of(p) for p in self._prompts]
+    self._names = np.array(self._env_names)  # (a mask per environment: names == e)
+    self._envs = sorted(set(self._env_names))
     self._vocab_size = model_cfg.vocab_size
     self._cfg = engine_cfg
     self._multi_turn = env.multi_turn
@@ -215,7 +217,7 @@ class Evaluator:
     rewards = rewards[:, 0]
     examples = tuple((p.text, self._tokenizer.decode(c[0]))
                      for p, c in zip(self._prompts[:3], completions[:3]))
-    names, envs = np.array(self._env_names), sorted(set(self._env_names))
+    names, envs = self._names, self._envs
     return EvalResult(reward=float(np.mean(rewards)), num_prompts=len(rewards),
                       examples=examples,
                       reward_by_env={e: float(np.mean(rewards[names == e])) for e in envs},
@@ -230,7 +232,7 @@ class Evaluator:
     errors = collections.Counter()
     rewards, _ = self._play(self._sampler, params, errors)
     solved = rewards >= self._solved_reward
-    names, envs = np.array(self._env_names), sorted(set(self._env_names))
+    names, envs = self._names, self._envs
     overall = pass_at_k_lib.summarise(solved, rewards)
     return dict(samples=self._samples, pass_at_k=overall["pass_at_k"],
                 avg_at_n=overall["avg_at_n"],
