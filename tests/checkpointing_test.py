@@ -119,8 +119,12 @@ def _final_state(workdir):
 def test_a_resumed_synchronous_run_ends_with_the_same_parameters(tmp_path):
   """Deterministic settings (synchronous, drain): stopping after 3 updates and
   resuming gives bit-for-bit the parameters of an uninterrupted run, because
-  the groups unfinished at the save are dispatched again with their group ids."""
+  the groups unfinished at the save are dispatched again with their group ids;
+  the resume falls in the middle of a learning-rate schedule (warm-up 0-1,
+  cosine decay 2-4), which goes on where it was."""
   base = tiny.load_config("arith", "tiny")
+  base.learner.update(lr_schedule="cosine", lr_warmup_steps=2, lr_decay_steps=3,
+                      lr_min=0.1 * base.learner.lr)
   base.orchestrator.update(max_async_level=0, max_off_policy_steps=0)
   base.sampler.weight_update = "drain"
   base.eval_every = 0
@@ -132,8 +136,13 @@ def test_a_resumed_synchronous_run_ends_with_the_same_parameters(tmp_path):
   run_lib.run(base, str(tmp_path / "split"), print_fn=lambda *_: None)
   base.num_steps = 6
   lines = []
-  run_lib.run(base, str(tmp_path / "split"), print_fn=lines.append)
+  resumed = run_lib.run(base, str(tmp_path / "split"), print_fn=lines.append)
   assert any("resumed from" in line and "version 3" in line for line in lines)
+  rate = optim_lib.learning_rate(optim_lib.OptimConfig(
+      lr=base.learner.lr, lr_schedule="cosine", lr_warmup_steps=2, lr_decay_steps=3,
+      lr_min=0.1 * base.learner.lr), 6)
+  np.testing.assert_allclose([r["lr"] for r in resumed.history], [rate(u) for u in (3, 4, 5)],
+                             rtol=1e-6)
   step_a, whole = _final_state(tmp_path / "whole")
   step_b, split = _final_state(tmp_path / "split")
   assert step_a == step_b == 6

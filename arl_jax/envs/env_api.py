@@ -130,11 +130,20 @@ class MultiTurnEnvironment(Environment):
 
 
 def encode_user_prompt(tokenizer, text: str) -> list[int]:
-  """Prompt ids for `text`: a user turn of the tokenizer's chat template (then
-  the assistant's turn prefix) when it has one, else the text after BOS."""
+  """Prompt ids for `text`, as the model's own tokenizer makes them: a user
+  turn of the tokenizer's chat template (then the assistant's turn prefix)
+  when it has one, else the plain text.
+
+  A model's own (Jinja) template writes whatever BOS the model was trained
+  with (Llama 3's `{{ bos_token }}`; none for SmolLM2), and nothing is added
+  to it: transformers' `apply_chat_template(tokenize=True)` adds no special
+  tokens either. A named template and plain text get the BOS the tokenizer
+  adds to text (`tokenizer.add_bos`), never a second one.
+  """
+  rendered_by_model = tokenizer.template.is_chat and tokenizer.template.jinja is not None
   if tokenizer.template.is_chat:
     text = tokenizer.template.format_chat([{"role": "user", "content": text}])
-  return tokenizer.encode(text, add_bos=True)
+  return tokenizer.encode(text, add_bos=tokenizer.add_bos and not rendered_by_model)
 
 
 def ended_turn(tokenizer, completion_ids: Sequence[int]) -> bool:

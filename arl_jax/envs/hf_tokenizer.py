@@ -1,7 +1,7 @@
 """An adapter over the Hugging Face `tokenizers` library (a local
 `tokenizer.json`) with the interface of `tokenizer.ByteTokenizer`: `pad_id`,
-`bos_id`, `eos_id`, `vocab_size`, `encode(text, add_bos)`, `decode(ids)`,
-`template`, `end_of_turn_id` and `stop_ids`.
+`bos_id`, `add_bos`, `eos_id`, `vocab_size`, `encode(text, add_bos)`,
+`decode(ids)`, `template`, `end_of_turn_id` and `stop_ids`.
 
 A chat template (`chat_template.py`) is checked against the vocabulary when
 the tokenizer is loaded (its special tokens must exist and encode as one id
@@ -26,7 +26,8 @@ AUTO = "auto"
 def _from_tokenizer_config(folder: str, *settings):
   """Replaces each `auto` setting (eos, bos, pad token, chat template) with what
   the folder's `tokenizer_config.json` says, as `transformers` would use it;
-  also returns the folder's Jinja chat template (None unless `auto`)."""
+  also returns the folder's Jinja chat template (None unless `auto`) and its
+  `add_bos_token` (None where it does not say)."""
   path = os.path.join(folder, "tokenizer_config.json")
   if not os.path.isfile(path):
     raise ValueError(f"{path}: no such file (needed by a tokenizer setting 'auto')")
@@ -58,7 +59,10 @@ def _from_tokenizer_config(folder: str, *settings):
     if isinstance(jinja, list):  # named templates: the default one
       jinja = next((t["template"] for t in jinja if t.get("name") == "default"), None)
     template = chat_template_lib.detect(jinja, path)
-  return eos, bos, pad, template, jinja
+  add_bos = config.get("add_bos_token")
+  if add_bos is not None and not isinstance(add_bos, bool):
+    raise ValueError(f"{path}: add_bos_token must be true or false, got {add_bos!r}")
+  return eos, bos, pad, template, jinja, add_bos
 
 
 class HfTokenizer:
@@ -70,7 +74,11 @@ class HfTokenizer:
       path: a `tokenizer.json` file (or a folder holding one).
       eos_token: the end-of-sequence token (required: it ends completions).
       bos_token: prepended by `encode(add_bos=True)`; None if the model has none
-        (then `add_bos` adds nothing).
+        (then `add_bos` adds nothing). Named here, plain text starts with it
+        (`self.add_bos`); `auto`: the folder's BOS, added to plain text only
+        where the folder's tokenizer adds it (`add_bos_token` in
+        `tokenizer_config.json`, else `tokenizer.json`'s post-processor), as
+        transformers does.
       pad_token: padding; defaults to the EOS token (padding is always masked).
       chat_template: one of chat_template_lib.CHAT_TEMPLATES.
 
@@ -86,10 +94,12 @@ class HfTokenizer:
       path = os.path.join(path, "tokenizer.json")
     if not os.path.isfile(path):
       raise ValueError(f"no tokenizer file {path!r}")
-    jinja = None
+    jinja = folder_adds_bos = None
+    bos_from_folder = bos_token == AUTO
     if AUTO in (eos_token, bos_token, pad_token, chat_template):
-      eos_token, bos_token, pad_token, chat_template, jinja = _from_tokenizer_config(
-          os.path.dirname(path), eos_token, bos_token, pad_token, chat_template)
+      eos_token, bos_token, pad_token, chat_template, jinja, folder_adds_bos = (
+          _from_tokenizer_config(os.path.dirname(path), eos_token, bos_token, pad_token,
+                                 chat_template))
     templates = chat_template_lib.CHAT_TEMPLATES
     if chat_template not in templates:
       raise ValueError(f"chat_template must be one of {sorted(templates)}, got {chat_template!r}")
@@ -108,6 +118,18 @@ class HfTokenizer:
           {"bos_token": bos_token, "eos_token": eos_token})
     self.eos_id = self._token_id(eos_token, "eos_token")
     self.bos_id = None if bos_token is None else self._token_id(bos_token, "bos_token")
+    # Whether plain text starts with BOS, as the model's own tokenizer encodes
+    # it. SmolLM2 names `<|im_start|>` its BOS but never adds it
+    # (`add_bos_token: false`): a BOS added anyway put a token before every
+    # prompt that no Hugging Face or vLLM deployment of the model sees.
+    if self.bos_id is None:
+      self.add_bos = False
+    elif not bos_from_folder:
+      self.add_bos = True
+    elif folder_adds_bos is not None:
+      self.add_bos = folder_adds_bos
+    else:  # (transformers then applies tokenizer.json's post-processor)
+      self.add_bos = self._tok.encode("a", add_special_tokens=True).ids[:1] == [self.bos_id]
     self.pad_id = self.eos_id if pad_token is None else self._token_id(pad_token, "pad_token")
     for token in self.template.specials:
       self._token_id(token, f"chat_template {chat_template!r}")
@@ -133,10 +155,13 @@ class HfTokenizer:
 
   def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
     """Token ids of `text`; special tokens written in it (e.g. the chat
-    template's) become their ids."""
+    template's) become their ids. `add_bos` prepends the BOS token unless the
+    text already starts with it (a template that writes `{{ bos_token }}`):
+    never two. Models without a BOS token (e.g. Qwen) start with the text."""
     ids = self._tok.encode(text, add_special_tokens=False).ids
-    # Models without a BOS token (e.g. Qwen) simply start with the text.
-    return [self.bos_id, *ids] if add_bos and self.bos_id is not None else ids
+    if add_bos and self.bos_id is not None and ids[:1] != [self.bos_id]:
+      return [self.bos_id, *ids]
+    return ids
 
   def decode(self, ids) -> str:
     """Decodes up to the first EOS; special tokens (the template's included)

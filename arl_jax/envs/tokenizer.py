@@ -4,7 +4,8 @@ local `tokenizer.json` through `hf_tokenizer.HfTokenizer`).
 
 Ids 0..255 are the UTF-8 bytes; the special tokens follow. Both kinds expose
 the same small interface: `pad_id`, `bos_id`, `eos_id`, `vocab_size`,
-`encode(text, add_bos)`, `decode(ids)`, and for chat:
+`encode(text, add_bos)`, `decode(ids)`, `add_bos` (whether the model's own
+tokenizer starts plain text with BOS), and for chat:
 - `template`: the `chat_template.ChatTemplate` prompts and observations use;
 - `end_of_turn_id`: the token the policy writes to end its turn (the
   template's end-of-turn token, else EOS);
@@ -27,6 +28,8 @@ class ByteTokenizer:
   pad_id: int = 256
   bos_id: int = 257
   eos_id: int = 258
+  # Plain text (the byte tokenizer has no chat template) starts with <bos>.
+  add_bos: bool = True
 
   @property
   def vocab_size(self) -> int:
@@ -71,7 +74,11 @@ class TokenizerConfig:
     path: `tokenizer.json` (or its folder), for `hf`.
     eos_token: the token that ends a completion, by name, for `hf`. For a
       chat model, usually its end-of-turn token (`<|im_end|>`, `<|eot_id|>`).
-    bos_token: the token a prompt starts with, by name, for `hf` ("": none).
+    bos_token: the BOS token, by name, for `hf` ("": none); named, plain-text
+      prompts start with it; `auto`, they do where the folder's tokenizer adds
+      it (`add_bos_token`). A prompt a chat template rendered starts as the
+      template writes it, never with a BOS added (as transformers'
+      `apply_chat_template`).
     pad_token: the filler token, by name, for `hf` ("": EOS).
     chat_template: `none`, `chatml` or `llama3`, for `hf`.
 

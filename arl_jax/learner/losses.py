@@ -343,8 +343,12 @@ def gspo_token(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_
     s_{i,t} = sg(s_i) * pi_theta(a_t) / sg(pi_theta(a_t)),
     loss_{i,t} = -min(s_{i,t} A_{i,t}, clip(s_{i,t}, 1 - eps_low, 1 + eps_high) A_{i,t})
 
-  so advantages may differ token by token; with a rollout's advantage on all
-  its tokens the loss and its gradient equal `gspo`'s."""
+  so advantages may differ token by token. With a rollout's advantage on all
+  its tokens the loss equals `gspo`'s, and so does the gradient when the
+  off-policy weight `w_t` is constant within each sequence (the coupled
+  objective, `w = 1`; or `seq_tis_cap`). A decoupled run's per-token weights
+  make them differ: GSPO spreads a sequence's summed weight evenly over its
+  tokens' gradients, GSPO-token weighs each token's gradient by its own."""
   _check(logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag)
   logprobs, behaviour_logprobs, advantages, proximal_logprobs = _zero_masked(
       loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
@@ -369,20 +373,22 @@ def ratio_statistics(log_ratio, mask):
   """Importance-ratio statistics over masked tokens: the signal to watch as lag grows.
 
   `ratio_m2` is `E[rho^2]`; `ess` is the normalised effective sample size
-  `E[rho]^2 / E[rho^2]` (1 on-policy, toward 0 as the weights degenerate).
+  `E[rho]^2 / E[rho^2]` (1 on-policy, toward 0 as the weights degenerate),
+  computed as `1 / (1 + Var[rho] / E[rho]^2)` from the two-pass variance, so
+  it is exactly 1 when the ratios are equal and never above 1.
   """
   (log_ratio,) = _zero_masked(mask, log_ratio)
   ratio = jnp.exp(log_ratio)
   big = jnp.finfo(jnp.float32).max
   mean = masked_mean(ratio, mask)
-  m2 = masked_mean(ratio * ratio, mask)
+  variance = segments_lib.masked_variance(ratio, mask, mean)
   return {
       "ratio_mean": mean,
-      "ratio_std": jnp.sqrt(jnp.maximum(m2 - mean * mean, 0.0)),
+      "ratio_std": jnp.sqrt(variance),
       "ratio_max": jnp.max(jnp.where(mask > 0, ratio, -big)),
       "ratio_min": jnp.min(jnp.where(mask > 0, ratio, big)),
-      "ratio_m2": m2,
-      "ess": mean * mean / jnp.maximum(m2, 1e-30),
+      "ratio_m2": masked_mean(ratio * ratio, mask),
+      "ess": 1.0 / (1.0 + variance / jnp.maximum(mean * mean, 1e-30)),
       "abs_log_ratio": masked_mean(jnp.abs(log_ratio), mask),
   }
 

@@ -24,9 +24,11 @@ huge weights. The corrections, in the order applied:
 
 The weights are constants (stop-gradient), computed once per token from
 log-probs already at hand, so a correction costs no forward pass. The
-fractions they drop and truncate are metrics (`*_fraction`, over trained
-tokens). A sequence is a segment of the rows (`segments.py`), so padded and
-packed rows are corrected alike.
+fractions they drop and truncate are metrics: `mismatch_masked_fraction` of
+the loss mask's tokens, `*_truncated_fraction` of the tokens that train (the
+ones the mask kept: a masked token's weight is not truncated, it is 0). A
+sequence is a segment of the rows (`segments.py`), so padded and packed rows
+are corrected alike.
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ class Correction:
     return bool(self.tis_cap or self.seq_tis_cap or self.mismatch_mask != "none")
 
 
-def _fraction(flag, loss_mask):
-  return segments_lib.masked_mean(flag.astype(jnp.float32), loss_mask)
+def _fraction(flag, tokens):
+  """The share of `tokens` (a 0/1 or bool mask) where `flag` holds."""
+  return segments_lib.masked_mean(flag.astype(jnp.float32), tokens.astype(jnp.float32))
 
 
 def behaviour_weights(log_w, loss_mask, correction: Correction | None, segment_ids=None):
@@ -121,12 +124,12 @@ def behaviour_weights(log_w, loss_mask, correction: Correction | None, segment_i
   if c.seq_tis_cap:
     log_seq = segments_lib.sequence_sums(log_w, loss_mask, segment_ids)
     cap = math.log(c.seq_tis_cap)
-    metrics["seq_tis_truncated_fraction"] = _fraction(log_seq > cap, loss_mask)
+    metrics["seq_tis_truncated_fraction"] = _fraction(log_seq > cap, keep)
     w = jnp.exp(jnp.minimum(log_seq, cap))  # (the product in log space: it may overflow)
   else:
     w = jnp.exp(log_w)
     if c.tis_cap:
-      metrics["tis_truncated_fraction"] = _fraction(w > c.tis_cap, loss_mask)
+      metrics["tis_truncated_fraction"] = _fraction(w > c.tis_cap, keep)
       w = jnp.minimum(w, c.tis_cap)
   return jnp.where(keep, w, 0.0), metrics
 

@@ -66,6 +66,7 @@ class OptimConfig:
 
   @property
   def is_constant(self) -> bool:
+    """Whether every update trains at `lr` (one warm-up update is at `lr` too)."""
     return self.lr_schedule == "constant" and self.lr_warmup_steps <= 1
 
 
@@ -80,7 +81,6 @@ def learning_rate(cfg: OptimConfig, num_updates: int) -> Callable:
   """
   warmup = cfg.lr_warmup_steps
   decay = cfg.lr_decay_steps or max(num_updates - warmup, 1)
-  ramp = optax.linear_schedule(cfg.lr / max(warmup, 1), cfg.lr, max(warmup - 1, 1))
   alpha = cfg.lr_min / cfg.lr
   if cfg.lr_schedule == "linear":
     after = optax.linear_schedule(cfg.lr, cfg.lr_min, decay)
@@ -88,7 +88,13 @@ def learning_rate(cfg: OptimConfig, num_updates: int) -> Callable:
     after = optax.cosine_decay_schedule(cfg.lr, decay, alpha=alpha)
   else:
     after = optax.constant_schedule(cfg.lr)
-  schedule = after if warmup <= 1 else optax.join_schedules([ramp, after], [warmup])
+  if warmup == 0:
+    return lambda u: jnp.asarray(after(u), jnp.float32)
+  # Updates 0..W-1 ramp to lr; the decay's p = 0 falls on update W. One
+  # warm-up update is a real one (update 0 at lr, the decay from update 1):
+  # taking it as "no warm-up" would start the decay an update early.
+  ramp = optax.linear_schedule(cfg.lr / warmup, cfg.lr, max(warmup - 1, 1))
+  schedule = optax.join_schedules([ramp, after], [warmup])
   return lambda u: jnp.asarray(schedule(u), jnp.float32)
 
 

@@ -46,6 +46,7 @@ from arl_jax import train_batch as train_batch_lib
 from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import loss_settings as loss_settings_lib
 from arl_jax.learner import losses as losses_lib
+from arl_jax.learner import segments as segments_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import vtrace as vtrace_lib
 from arl_jax.models import lora as lora_lib
@@ -112,10 +113,8 @@ def _critic_targets(logp, values, mb, token_lag, s: loss_settings_lib.LossSettin
       c_bar=losses_lib.truncation_level(s.vtrace.c_bar, token_lag, s.objective.age_decay),
       segment_ids=mb.segment_ids)
   value_loss = jnp.where(on, 0.5 * jnp.square(vs - values), 0.0)
-  error_var = losses_lib.masked_mean(jnp.square(vs - values), mask) - jnp.square(
-      losses_lib.masked_mean(vs - values, mask))
-  target_var = losses_lib.masked_mean(jnp.square(vs), mask) - jnp.square(
-      losses_lib.masked_mean(vs, mask))
+  error_var = segments_lib.masked_variance(vs - values, mask)
+  target_var = segments_lib.masked_variance(vs, mask)
   metrics = {"value_loss": losses_lib.masked_mean(value_loss, mask),
              "value_mean": losses_lib.masked_mean(values, mask),
              "explained_variance": 1.0 - error_var / jnp.maximum(target_var, 1e-8)}

@@ -181,7 +181,15 @@ def _byte_alphabet() -> dict[int, str]:
 
 def tokenizer_json(meta: dict, path: str) -> dict:
   """The `tokenizer.json` of the file's byte-level BPE vocabulary."""
-  from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415
+  from tokenizers import (  # noqa: PLC0415
+      AddedToken,
+      Regex,
+      Tokenizer,
+      decoders,
+      models,
+      pre_tokenizers,
+      processors,
+  )
 
   kind = meta.get("tokenizer.ggml.model")
   _require(kind == "gpt2", path, f"tokenizer.ggml.model {kind!r} is not supported (only "
@@ -212,6 +220,15 @@ def tokenizer_json(meta: dict, path: str) -> dict:
                                 if k == _CONTROL and set(t) <= alphabet])
   tokenizer.add_tokens([AddedToken(t, normalized=False, special=False)
                         for t, k in zip(tokens, types) if k == _USER_DEFINED and t in vocab])
+  bos_id = meta.get("tokenizer.ggml.bos_token_id")
+  if meta.get("tokenizer.ggml.add_bos_token") and bos_id is not None and bos_id < len(tokens):
+    # llama.cpp starts text with BOS by the file's flag (tokenizer_config.json
+    # gets it as add_bos_token); transformers by tokenizer.json's
+    # post-processor alone (5.x ignores add_bos_token for a plain tokenizer.json):
+    # the folder says it both ways, so both encode the same ids.
+    bos = next(t for t, i in vocab.items() if i == bos_id)
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)])
   return json.loads(tokenizer.to_str())
 
 

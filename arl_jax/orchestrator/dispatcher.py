@@ -230,6 +230,13 @@ class Dispatcher:
     self._buffer.forget(group_id)
     return request
 
+  def completion_budget(self, group_id: int, default: int) -> int:
+    """The completion budget of an open group's episodes (`GroupRequest.budget`;
+    `default` for a group no longer in the system)."""
+    with self._cond:
+      request = self._in_system.get(group_id)
+    return default if request is None else request.budget(default)
+
   def note_sampling(self, group_id: int, version: int) -> None:
     """The sampler sampled a token of `group_id` with params of `version`."""
     with self._cond:

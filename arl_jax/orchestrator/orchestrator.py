@@ -139,7 +139,7 @@ class Orchestrator:
     # The sampler may hold a version before `publish` announces it here; the
     # group cannot have arrived before the newest version that sampled it.
     newest = max(r.version_span[1] for r in group.rollouts)
-    group = reward_shaping.shape(group, self._max_new_tokens, *self._overlong)
+    group = self._shaped(group)
     if self._filter_zero_variance:
       kept = zero_variance.carries_signal(group, self._mask_truncated)
       if not kept and self.dispatcher.drop_finished(group.group_id) is None:
@@ -160,6 +160,13 @@ class Orchestrator:
     self.dispatcher.finished_generating(group.group_id)
     return kept
 
+  def _shaped(self, group: rollout_lib.Group) -> rollout_lib.Group:
+    """`group` with the overlong penalty, measured against its prompt's own
+    completion budget (an environment may give a prompt less than the
+    sampler's `max_new_tokens`)."""
+    budget = self.dispatcher.completion_budget(group.group_id, self._max_new_tokens)
+    return reward_shaping.shape(group, budget, *self._overlong)
+
   def restore_work(self, work: dict) -> list[open_work.RestoredGroup]:
     """Takes back the open work of a checkpoint (`Dispatcher.snapshot_work`),
     before anything is dispatched: saved complete groups go back into the
@@ -169,7 +176,7 @@ class Orchestrator:
     for group in restored:
       if group.complete is not None:
         # (saved rewards are the environment's: shaped here, as on arrival)
-        complete = reward_shaping.shape(group.complete, self._max_new_tokens, *self._overlong)
+        complete = self._shaped(group.complete)
         arrival = group.arrival_version
         self.buffer.put(complete, self.live_version if arrival is None else arrival)
         self.work.arrived(complete.group_id, complete.arrival_version)

@@ -136,8 +136,10 @@ CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\
 
 def write_llama(path: str, kind: str, *, arch: str = "llama", d_model: int = 256,
                 num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2,
-                mlp_dim: int = 256, tied: bool = True, seed: int = 0) -> dict[str, np.ndarray]:
-  """Writes a tiny model to `path`; returns `{hf tensor name: expected float32}`."""
+                mlp_dim: int = 256, tied: bool = True, seed: int = 0,
+                add_bos_token: bool = False) -> dict[str, np.ndarray]:
+  """Writes a tiny model to `path`; returns `{hf tensor name: expected float32}`.
+  Its BOS is `<|im_start|>`, added to text only with `add_bos_token`."""
   import gguf  # noqa: PLC0415
 
   rng = np.random.default_rng(seed)
@@ -160,7 +162,7 @@ def write_llama(path: str, kind: str, *, arch: str = "llama", d_model: int = 256
   writer.add_bos_token_id(tokens.index("<|im_start|>"))
   writer.add_eos_token_id(tokens.index("<|im_end|>"))
   writer.add_pad_token_id(tokens.index("<|endoftext|>"))
-  writer.add_add_bos_token(False)
+  writer.add_add_bos_token(add_bos_token)
   writer.add_chat_template(CHATML)
   expected = {}
 

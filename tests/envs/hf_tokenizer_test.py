@@ -3,6 +3,7 @@
 import pytest
 
 from arl_jax.envs import hf_tokenizer
+from arl_jax.testing import chat_templates
 
 pytest.importorskip("tokenizers")
 
@@ -127,13 +128,7 @@ def test_auto_settings_come_from_the_folder_s_tokenizer_config(tokenizer_path, t
   assert hf_tokenizer.HfTokenizer(str(folder), eos_token="auto").eos_id == tok._token_id("</s>", "")
 
 
-# SmolLM2-135M-Instruct's template: ChatML with a default system turn.
-SMOLLM2_JINJA = (
-    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
-    "{{ '<|im_start|>system\\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
-    "Face<|im_end|>\\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\\n' + "
-    "message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}"
-    "{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SMOLLM2_JINJA = chat_templates.SMOLLM2_JINJA
 
 
 def test_a_folder_s_own_jinja_template_renders_prompts_as_transformers_does(

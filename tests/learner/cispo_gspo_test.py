@@ -99,6 +99,23 @@ def test_gspo_token_equals_gspo_with_sequence_advantages_and_reads_token_advanta
   np.testing.assert_allclose(grad, -s * adv * MASK / 5, rtol=1e-6)
 
 
+def test_gspo_token_equals_gspo_only_where_the_off_policy_weight_is_constant_per_sequence():
+  """Decoupled, each token carries w_t = pi_prox / mu. GSPO's gradient spreads
+  the sequence's summed weight over all its tokens (sum_t w_t * mean_t' g_t'),
+  GSPO-token gives each token its own (sum_t w_t g_t): equal only when w is
+  constant within each sequence (coupled: w = 1; or `seq_tis_cap`, one weight a
+  sequence). Wide ranges so nothing clips."""
+  proximal = LOGP - np.array([[0.0, 0.3, -0.2], [0.1, -0.4, 0.0]], np.float32)
+  knobs = dict(eps_low=0.9, eps_high=9.0, proximal_logprobs=proximal)
+  varying = [_grad(fn, aggregation="seq_mean_token_mean", **knobs)
+             for fn in (losses.gspo, losses.gspo_token)]
+  assert np.max(np.abs(varying[0] - varying[1])) > 0.05 * np.max(np.abs(varying[0]))
+  per_sequence = mismatch.Correction(seq_tis_cap=10.0)
+  same = [_grad(fn, aggregation="seq_mean_token_mean", correction=per_sequence, **knobs)
+          for fn in (losses.gspo, losses.gspo_token)]
+  np.testing.assert_allclose(same[1], same[0], rtol=1e-5, atol=1e-7)
+
+
 # Two rollouts: A with 2 prompt + 3 completion tokens, B with 1 + 2. Padded:
 # a row each (width 6); packed: one row (A's 5 tokens, then B's 3).
 _PADDED_SEGMENTS = np.array([[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]], np.int32)

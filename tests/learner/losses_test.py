@@ -156,6 +156,24 @@ def test_kl_to_reference_and_ratio_statistics():
   np.testing.assert_allclose(stats["ess"], ratios.mean() ** 2 / (ratios ** 2).mean(), rtol=1e-6)
 
 
+def test_ratio_spread_is_exact_near_one_and_ess_never_passes_one():
+  """Ratios near 1 with a small spread (lag 0: the trainer/sampler mismatch):
+  `E[r^2] - E[r]^2` in float32 cancelled to noise (a std off by tens of
+  percent, an ESS above 1); the two-pass spread matches float64."""
+  rng = np.random.default_rng(0)
+  for scale in (0.0, 1e-4, 1e-3, 1e-2):
+    log_r = (scale * rng.standard_normal((8, 64))).astype(np.float32)
+    mask = (rng.random((8, 64)) < 0.8).astype(np.float32)
+    stats = losses.ratio_statistics(jnp.asarray(log_r), jnp.asarray(mask))
+    ratios = np.exp(log_r.astype(np.float64))[mask > 0]
+    np.testing.assert_allclose(stats["ratio_std"], ratios.std(), rtol=2e-3, atol=1e-7)
+    np.testing.assert_allclose(stats["ess"], ratios.mean() ** 2 / (ratios ** 2).mean(),
+                               rtol=1e-6)
+    assert float(stats["ess"]) <= 1.0
+    if scale == 0.0:
+      assert float(stats["ratio_std"]) == 0.0 and float(stats["ess"]) == 1.0
+
+
 def test_shape_mismatch_is_rejected():
   with pytest.raises(AssertionError):
     losses.clipped_ratio(LOGP, BEHAVIOUR[:, :2], ADV, MASK)

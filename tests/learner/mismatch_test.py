@@ -55,8 +55,20 @@ def test_token_truncation_after_the_mask():
   w, metrics = _weights(tis_cap=1.1, mismatch_mask="token", mismatch_low=0.7,
                         mismatch_high=1.3)
   np.testing.assert_allclose(w, [[1.1, 0.0, 1.0], [0.0, E(-0.3), 0.0]], rtol=1e-6)
-  np.testing.assert_allclose(metrics["tis_truncated_fraction"], 2 / 5)  # 1.2214, 1.6487
+  # Of the 3 tokens the mask kept (1.2214, 1, 0.7408) one is truncated; the
+  # masked 1.6487 trains nothing, so it is no truncated token.
+  np.testing.assert_allclose(metrics["tis_truncated_fraction"], 1 / 3)
   np.testing.assert_allclose(metrics["mismatch_masked_fraction"], 2 / 5)
+
+
+def test_sequence_truncation_counts_only_the_sequences_the_mask_kept():
+  # Band [0.92, 1.2] masks row 0 (geometric mean 0.905); its product 0.7408 is
+  # under the cap anyway. Row 1's product 1.2214 > 1.1: both its tokens, of
+  # the 2 kept, are truncated (the 3 masked ones are not counted).
+  w, metrics = _weights(seq_tis_cap=1.1, mismatch_mask="sequence", mismatch_low=0.92,
+                        mismatch_high=1.2)
+  np.testing.assert_allclose(w, [[0.0] * 3, [1.1, 1.1, 0.0]], rtol=1e-6)
+  np.testing.assert_allclose(metrics["seq_tis_truncated_fraction"], 1.0)  # (not 2 / 5)
 
 
 def test_a_masked_token_trains_nothing_but_keeps_its_place_in_the_mean():

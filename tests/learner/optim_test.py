@@ -64,3 +64,52 @@ def test_a_constant_rate_keeps_plain_adamws_state():
 def test_bad_schedules_are_named(fields, message):
   with pytest.raises(settings.SettingError, match=message):
     optim.OptimConfig(**fields)
+
+
+def _formula(u, *, lr, lr_schedule, lr_warmup_steps, lr_decay_steps, lr_min, num_updates):
+  """docs/algorithms.md's schedule, written out in float64."""
+  w = lr_warmup_steps
+  if u < w:
+    return lr * (u + 1) / w
+  decay = lr_decay_steps or max(num_updates - w, 1)
+  p = min(max((u - w) / decay, 0.0), 1.0)
+  if lr_schedule == "linear":
+    return lr + (lr_min - lr) * p
+  if lr_schedule == "cosine":
+    return lr_min + (lr - lr_min) * 0.5 * (1 + np.cos(np.pi * p))
+  return lr
+
+
+def test_the_reported_one_update_warm_up_starts_the_decay_at_update_one():
+  rate = optim.learning_rate(optim.OptimConfig(lr=1.0, lr_schedule="cosine",
+                                               lr_warmup_steps=1), 5)
+  np.testing.assert_allclose([float(rate(u)) for u in range(5)],
+                             [1.0, 1.0, 0.8535534, 0.5, 0.1464466], rtol=1e-6)
+  # With lr_decay_steps=D the decay's last step below lr_min is update W + D - 1.
+  rate = optim.learning_rate(optim.OptimConfig(lr=1.0, lr_schedule="linear", lr_warmup_steps=1,
+                                               lr_decay_steps=4), 10)
+  np.testing.assert_allclose([float(rate(u)) for u in range(7)],
+                             [1.0, 1.0, 0.75, 0.5, 0.25, 0.0, 0.0], atol=1e-7)
+
+
+@pytest.mark.parametrize("schedule", optim.SCHEDULES)
+def test_every_schedule_edge_matches_its_formula_at_every_update(schedule):
+  """Warm-up 0, 1, 2 and 5 updates; decay lengths 0 (the rest of the run), 1,
+  2 and 7; runs of 1 to 12 updates; lr_min 0 and above: every update's rate
+  is the formula's, the warm-up rises and the decay falls to lr_min."""
+  for num_updates in (1, 2, 3, 12):
+    for warmup in (0, 1, 2, 5):
+      for decay in (0, 1, 2, 7):
+        for lr_min in (0.0, 0.25):
+          fields = dict(lr=1.0, lr_schedule=schedule, lr_warmup_steps=warmup,
+                        lr_decay_steps=decay, lr_min=lr_min)
+          rate = optim.learning_rate(optim.OptimConfig(**fields), num_updates)
+          got = np.array([float(rate(u)) for u in range(num_updates + 3)])
+          want = np.array([_formula(u, num_updates=num_updates, **fields)
+                           for u in range(num_updates + 3)])
+          np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7, err_msg=str(fields))
+          # The first update trains; the warm-up rises to lr and the decay
+          # never rises, nor goes below lr_min.
+          assert got[0] > 0 and np.all(got <= 1.0 + 1e-7)
+          assert np.all(np.diff(got[:warmup]) > 0) and np.all(np.diff(got[warmup:]) <= 1e-7)
+          assert np.all(got[warmup:] >= lr_min - 1e-7)

@@ -208,3 +208,57 @@ def test_a_trained_policy_exports_to_a_folder_transformers_loads_and_generates_f
   got = completion.tokens.tolist()
   assert got == want, (got, want)
   assert len(set(got)) > 1
+
+
+def test_an_exported_model_answers_in_transformers_as_in_arl_jax_s_evaluator(converted, tmp_path):
+  """What arl_jax measures is what a deployment gets: a trained (perturbed)
+  policy exported with its tokenizer folder, the held-out evaluator's greedy
+  completions (prompts encoded by the environment) equal transformers'
+  greedy generation from `apply_chat_template(tokenize=True)`, token for
+  token, and so do the rewards."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from arl_jax import evaluation
+  from arl_jax.envs import env_api, math_answer
+
+  folder = str(converted / "hf")
+  meshes = tiny.single_device_meshes()
+  cfg = hf_config.model_config_from_hf(hf_config.read_config(folder))
+  graphdef, params = hf_params.load_params(folder, cfg, meshes.learner, rules_lib.LEARNER_RULES)
+  out = str(tmp_path / "export")
+  hf_params.save_params(tiny.perturb(params, 0.02, seed=2), cfg, out, "llama",
+                        base_config=hf_config.read_config(folder))
+  for name in export_hf.TOKENIZER_FILES:
+    if os.path.isfile(os.path.join(folder, name)):
+      shutil.copy(os.path.join(folder, name), os.path.join(out, name))
+  tok = hf_tokenizer.HfTokenizer(out, eos_token="auto", bos_token="auto", pad_token="auto",
+                                 chat_template="auto")
+  env = math_answer.MathAnswerEnv(math_answer.MathAnswerConfig(), tok)
+  prompts = [env_api.TextPrompt(i, text, answer) for i, (text, answer) in enumerate(
+      [("the 12 cats", "12"), ("a 12 in the", "7"), ("1 + 12 = ?", "13")])]
+  new = 12
+  evaluator = evaluation.Evaluator(
+      graphdef=graphdef, model_cfg=cfg, env=env, tokenizer=tok, prompts=prompts,
+      mesh=meshes.learner, engine_cfg=engine_config.EngineConfig(
+          prompt_len=64, kv_cache="dense", decode_burst=1, precompile=False, num_slots=4,
+          group_size=1, max_new_tokens=new))
+  _, exported = hf_params.load_params(out, cfg, meshes.learner, rules_lib.LEARNER_RULES)
+  ours = evaluator.greedy(exported)
+
+  theirs_tok = transformers.AutoTokenizer.from_pretrained(out)
+  model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+  rewards = []
+  for i, prompt in enumerate(prompts):
+    ids = theirs_tok.apply_chat_template([{"role": "user", "content": prompt.text}],
+                                         tokenize=True, add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert env.encode_prompt(prompt) == ids  # (one BOS at most: the template's own)
+    with torch.no_grad():
+      completion = model.generate(torch.tensor([ids]), max_new_tokens=new, do_sample=False,
+                                  eos_token_id=tok.stop_ids, pad_token_id=tok.pad_id)[0, len(ids):]
+    completion = completion.tolist()
+    assert len(set(completion)) > 1  # (not a degenerate model)
+    if i < len(ours.examples):  # (the evaluator keeps the first few completions' text)
+      assert ours.examples[i] == (prompt.text, tok.decode(completion))
+    rewards.append(env.score(prompt, completion))
+  assert ours.reward == pytest.approx(np.mean(rewards))

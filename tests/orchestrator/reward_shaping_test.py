@@ -53,3 +53,34 @@ def test_the_orchestrator_shapes_once_and_before_the_filter():
   batch = orch.cut(0, timeout=1.0)
   np.testing.assert_allclose(batch.groups[0].rewards, [1.0, 0.5])
   assert orch.metrics()["dropped_zero_variance"] == 2
+
+
+class _BudgetPrompt:
+  def __init__(self, prompt_id, budget):
+    self.prompt_id, self.budget = prompt_id, budget
+
+
+def test_the_penalty_measures_against_the_prompt_s_own_budget():
+  """An environment gives a prompt 12 tokens of the sampler's 20: a
+  10-token completion is 2 tokens into that prompt's buffer of 8, and one
+  that used all 12 gets the full penalty, as a 20-token one would at 20."""
+  orch = orchestrator_lib.Orchestrator(
+      dispatch_cfg=dispatcher_lib.DispatchConfig(group_size=2, groups_per_batch=2),
+      buffer_cfg=buffer_lib.BufferConfig(),
+      prompts=iter([_BudgetPrompt(0, 12), _BudgetPrompt(1, None)]),
+      encode_fn=lambda p: [1], env_name_of=lambda p: "sim", max_new_tokens=20,
+      overlong_buffer=8, overlong_penalty=1.0, budget_fn=lambda p: p.budget)
+  orch.publish(0, trained=[])
+  short_budget, full_budget = orch.dispatcher.take(2, 0, timeout=0.0)
+  assert orch.group_finished(_group(short_budget.group_id, [10, 12], [1.0, 1.0]))
+  assert orch.group_finished(_group(full_budget.group_id, [10, 12], [1.0, 1.0]))
+  batch = orch.cut(0, timeout=1.0)
+  rewards = {g.group_id: g.rewards for g in batch.groups}
+  np.testing.assert_allclose(rewards[short_budget.group_id], [0.25, 0.0])
+  np.testing.assert_allclose(rewards[full_budget.group_id], [1.0, 1.0])
+
+
+def test_a_budget_below_the_buffer_is_penalised_over_its_whole_length():
+  assert reward_shaping.penalty(0, 6, 8, 1.0) == 0.0
+  assert reward_shaping.penalty(3, 6, 8, 1.0) == pytest.approx(-0.5)
+  assert reward_shaping.penalty(6, 6, 8, 1.0) == pytest.approx(-1.0)
