@@ -22,13 +22,19 @@ from __future__ import annotations
 
 import importlib
 
+from arl_jax import _moved
+
+# Old module paths (before the top level got its packages) still import, with
+# a DeprecationWarning, for one release.
+_moved.install()
+
 # name -> (module, attribute)
 _API = {
-    "run": ("arl_jax.run_lib", "run"),
-    "load_config": ("arl_jax.builtin_configs", "load"),
-    "config_names": ("arl_jax.builtin_configs", "names"),
-    "build_spec": ("arl_jax.config_lib", "build"),
-    "ConfigError": ("arl_jax.config_lib", "ConfigError"),
+    "run": ("arl_jax.training.run_lib", "run"),
+    "load_config": ("arl_jax.config.builtin", "load"),
+    "config_names": ("arl_jax.config.builtin", "names"),
+    "build_spec": ("arl_jax.config.run_spec", "build"),
+    "ConfigError": ("arl_jax.config.run_spec", "ConfigError"),
     "Environment": ("arl_jax.envs.env_api", "Environment"),
     "MultiTurnEnvironment": ("arl_jax.envs.env_api", "MultiTurnEnvironment"),
     "TextPrompt": ("arl_jax.envs.env_api", "TextPrompt"),

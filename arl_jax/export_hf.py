@@ -27,7 +27,8 @@ import numpy as np
 from absl import app, flags
 from jax.sharding import Mesh
 
-from arl_jax import checkpointing, settings
+from arl_jax.core import settings
+from arl_jax.learner import checkpointing
 from arl_jax.models import fingerprint, hf_config, hf_params, init_lib, lora, peft_adapters
 from arl_jax.sharding import rules as rules_lib
 

@@ -4,7 +4,7 @@ Dotted overrides work on any key: `--config.learner.lr=1e-4`. The config is
 locked, so an unknown key is an error before anything runs.
 
 `--dry_run` validates the config and prints the resolved config, the mesh of
-each role, the parameter count and the memory per device (`arl_jax/dry_run.py`),
+each role, the parameter count and the memory per device (`arl_jax/training/dry_run.py`),
 then exits without compiling; `--dry_run_devices=N` plans for N devices instead
 of the ones present (e.g. a v5e-8 config on a laptop), `--dry_run_device_gib`
 for devices of that much memory (what `sampler.kv_memory_fraction` sizes the
@@ -111,12 +111,13 @@ def dry_run(config, num_devices: int | None, print_fn=print,
   """
   import jax  # noqa: PLC0415
 
-  from arl_jax import config_lib, dry_run  # noqa: PLC0415
+  from arl_jax.config import run_spec  # noqa: PLC0415
+  from arl_jax.training import dry_run  # noqa: PLC0415
 
   memory = None if device_gib is None else int(device_gib * 2**30)
   if memory is None and num_devices is None:
-    memory = config_lib.reported_memory(jax.devices())  # (None on CPU)
-  spec = config_lib.build(config, None if num_devices is None else list(range(num_devices)),
+    memory = run_spec.reported_memory(jax.devices())  # (None on CPU)
+  spec = run_spec.build(config, None if num_devices is None else list(range(num_devices)),
                           device_memory=memory)
   print_fn("resolved config:\n" + str(config))
   print_fn(f"process {jax.process_index()} of {jax.process_count()} (jax.distributed "
@@ -142,7 +143,7 @@ def _launch(stop):
     dry_run(_CONFIG.value, _DRY_RUN_DEVICES.value, device_gib=_DRY_RUN_DEVICE_GIB.value)
     return None
   # Imported here so that `--help` and flag errors do not initialise JAX.
-  from arl_jax import run_lib  # noqa: PLC0415
+  from arl_jax.training import run_lib  # noqa: PLC0415
 
   return run_lib.run(_CONFIG.value, workdir, stop=stop, started_at=_STARTED_AT)
 
@@ -163,14 +164,15 @@ def main(argv) -> None:
 
 def _main(stop) -> None:
   # (Importing these initialises no JAX backend: distributed init still comes first.)
-  from arl_jax import checkpointing, config_lib  # noqa: PLC0415
+  from arl_jax.config import run_spec  # noqa: PLC0415
+  from arl_jax.learner import checkpointing  # noqa: PLC0415
   from arl_jax.training import start, workdir_lock  # noqa: PLC0415
 
   # What the user can fix: a config key, a missing data, model or checkpoint
   # file, a checkpoint of another model or base, the workdir. Their messages name the
   # problem, so a traceback would only bury it; every other exception is a bug
   # and keeps its traceback.
-  bad_input = (_BadInput, config_lib.ConfigError, checkpointing.CheckpointFormatError,
+  bad_input = (_BadInput, run_spec.ConfigError, checkpointing.CheckpointFormatError,
                checkpointing.DamagedCheckpoint, FileNotFoundError, workdir_lock.WorkdirInUse,
                start.AnotherBase)
   try:
@@ -190,28 +192,28 @@ def _parse_flags(argv: list[str]) -> list[str]:
   of the wrong type (`--config.sampler.top_p=abc`) or an override of a key
   the config lacks (`--config.sampler.typo=1`, a bare AttributeError from
   ml_collections). `--config=NAME[:ARG]` loads a built-in config by name."""
-  from arl_jax import config_argument  # noqa: PLC0415 - (no JAX)
+  from arl_jax.config import cli_argument  # noqa: PLC0415 - (no JAX)
 
   try:
-    argv = config_argument.resolve(argv)
+    argv = cli_argument.resolve(argv)
     rest = flags.FLAGS(argv)
     # A config file whose get_config raised an OSError is a placeholder that
     # raises on first access (ml_collections): access it here.
     if flags.FLAGS["config"].value is not None:
       _ = flags.FLAGS["config"].value.lock
     return rest
-  except config_argument.MissingConfigFile as e:
+  except cli_argument.MissingConfigFile as e:
     _exit_bad_input(str(e))
   except Exception as e:  # noqa: BLE001 - sorted below; anything else re-raised
-    message = config_argument.load_error(e, argv)
+    message = cli_argument.load_error(e, argv)
     if message is not None:
       _exit_bad_input(message)
     if isinstance(e, flags.IllegalFlagValueError):  # e.g. --config.sampler.top_p=abc
       _exit_bad_input(str(e))
     if isinstance(e, (AttributeError, KeyError)):
-      from arl_jax import config_lib  # noqa: PLC0415 - only on this error
+      from arl_jax.config import run_spec  # noqa: PLC0415 - only on this error
 
-      _exit_bad_input(config_lib.unknown_key_message(argv, e))
+      _exit_bad_input(run_spec.unknown_key_message(argv, e))
     raise
 
 

@@ -2,7 +2,7 @@ r"""Checkpoint save and restore of the learner state: seconds and size on disk.
 
 For the ~3M and ~50M decoders of `benchmarks/learner.py` (with AdamW state:
 params + 2 moments, float32), sharded fsdp=4 over 4 of 8 fake CPU devices,
-`arl_jax.checkpointing.Checkpointer` as `run_lib` uses it:
+`arl_jax.learner.checkpointing.Checkpointer` as `run_lib` uses it:
 
 - `save blocking s`: the time `save()` holds the learner (the device-to-host
   copy; orbax then writes in a background thread);
@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 from absl import logging  # noqa: E402
 
-from arl_jax import checkpointing  # noqa: E402
+from arl_jax.learner import checkpointing  # noqa: E402
 from arl_jax.learner import optim as optim_lib  # noqa: E402
 from arl_jax.learner import train_state as train_state_lib  # noqa: E402
 from arl_jax.models import init_lib  # noqa: E402

@@ -61,9 +61,9 @@ import time
 import numpy as np
 import zmq
 
-from arl_jax import packing as packing_lib
-from arl_jax import rollout as rollout_lib
-from arl_jax import train_batch as train_batch_lib
+from arl_jax.core import packing as packing_lib
+from arl_jax.core import rollout as rollout_lib
+from arl_jax.core import train_batch as train_batch_lib
 from arl_jax.distributed import messages, shard_plan, wire
 from arl_jax.envs import env_api
 from arl_jax.orchestrator import buffer as buffer_lib

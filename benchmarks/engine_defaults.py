@@ -149,7 +149,7 @@ def measure(name, model, ecfg, requests, request_tokens=None):
 def start_only(name, ecfg, cache_dir) -> dict:
   """In this (fresh) process: JAX's persistent cache in `cache_dir`, an engine
   started until its first admission; the start-up row."""
-  from arl_jax import compile_cache  # noqa: PLC0415
+  from arl_jax.core import compile_cache  # noqa: PLC0415
 
   compile_cache.enable(cache_dir)
   with compile_cache.ProgramCounter() as programs:

@@ -8,7 +8,7 @@ import time
 
 import numpy as np
 
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.core import group_request as group_request_lib
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import sampling
 
@@ -40,7 +40,7 @@ class Requests:
       self._next += n
     if n == 0:
       time.sleep(timeout)
-    return [dispatcher_lib.GroupRequest(
+    return [group_request_lib.GroupRequest(
         group_id=i, prompt=i, prompt_ids=tuple(int(t) for t in self._prompts[i]),
         dispatch_version=live_version, group_size=self._group_size,
         dispatch_time=time.monotonic(),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import rollout as rollout_lib
 
 
 def group_to_json(group: rollout_lib.Group) -> dict:

@@ -62,16 +62,16 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from arl_jax import dry_run  # noqa: E402
-from arl_jax import packing as packing_lib  # noqa: E402
-from arl_jax import rollout as rollout_lib  # noqa: E402
-from arl_jax import train_batch as train_batch_lib  # noqa: E402
+from arl_jax.core import packing as packing_lib  # noqa: E402
+from arl_jax.core import rollout as rollout_lib  # noqa: E402
+from arl_jax.core import train_batch as train_batch_lib  # noqa: E402
 from arl_jax.learner import loss_settings  # noqa: E402
 from arl_jax.learner import train_state as train_state_lib  # noqa: E402
 from arl_jax.learner import update as update_lib  # noqa: E402
 from arl_jax.models import init_lib  # noqa: E402
 from arl_jax.models import model_config as model_config_lib  # noqa: E402
 from arl_jax.sharding import rules as rules_lib  # noqa: E402
+from arl_jax.training import dry_run  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py, run as a script)

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.core import group_request as group_request_lib
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import (
   engine_config,
@@ -204,7 +204,7 @@ class _LongPromptLater(engine_harness.Requests):
     if self.sent is None and self._stats().steps >= self._after_steps and max_groups >= len(
         requests) + len(self._long):
       self.sent = time.monotonic()
-      requests += [dispatcher_lib.GroupRequest(
+      requests += [group_request_lib.GroupRequest(
           group_id=LONG_ID + i, prompt=LONG_ID + i, prompt_ids=tuple(int(t) for t in long),
           dispatch_version=live_version, group_size=1, dispatch_time=self.sent,
           max_new_tokens=1) for i, long in enumerate(self._long)]

@@ -10,7 +10,7 @@ settings, on this machine.
 
 Without `--hf_path` the benchmark converts the wheel's GGUF file
 (`models/gguf_convert.py`) into a temporary folder first. Every part resolves
-the config the way `arl_jax.launch` does (`config_lib.resolve`) and builds
+the config the way `arl_jax.launch` does (`run_spec.resolve`) and builds
 its parts with the run's own constructors, so the shapes, the sampler's
 chosen settings and the loss settings are the run's. Parts:
 
@@ -75,8 +75,8 @@ import gguf_parity  # noqa: E402  (benchmarks/gguf_parity.py: the wheel's file)
 import learner as learner_bench  # noqa: E402  (benchmarks/learner.py: FLOPs, peak, timing)
 import report  # noqa: E402  (benchmarks/report.py)
 
-from arl_jax import builtin_configs, config_lib, dry_run  # noqa: E402
-from arl_jax import train_batch as train_batch_lib  # noqa: E402
+from arl_jax.config import builtin, run_spec  # noqa: E402
+from arl_jax.core import train_batch as train_batch_lib  # noqa: E402
 from arl_jax.learner import optim as optim_lib  # noqa: E402
 from arl_jax.learner import train_state as train_state_lib  # noqa: E402
 from arl_jax.learner import update as update_lib  # noqa: E402
@@ -84,6 +84,7 @@ from arl_jax.models import gguf_convert, hf_params  # noqa: E402
 from arl_jax.sampler import engine as engine_lib  # noqa: E402
 from arl_jax.sharding import mesh_lib  # noqa: E402
 from arl_jax.sharding import rules as rules_lib  # noqa: E402
+from arl_jax.training import dry_run  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _GIB = 1024**3
@@ -125,10 +126,10 @@ def model_folder(args, scratch: str) -> str:
 
 
 def resolved_config(folder: str, quick: bool):
-  config = builtin_configs.load("smollm2", folder)
+  config = builtin.load("smollm2", folder)
   for key, value in (QUICK.items() if quick else ()):
     _override(config, key, value)
-  return config, config_lib.resolve(config)
+  return config, run_spec.resolve(config)
 
 
 # -- sampler ---------------------------------------------------------------------

@@ -1,6 +1,6 @@
 r"""Soak test: thousands of RL updates of the tiny arith config, watched over time.
 
-One `arl_jax.run_lib.run` of `configs/arith.py:tiny` (its warm-up as
+One `arl_jax.training.run_lib.run` of `configs/arith.py:tiny` (its warm-up as
 configured, evaluation every `--eval_every` updates), with three probes:
 
 - resident memory (VmRSS of /proc/self/status), read by a background thread
@@ -61,8 +61,8 @@ import time  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from arl_jax import run_lib  # noqa: E402
 from arl_jax.testing import tiny  # noqa: E402
+from arl_jax.training import run_lib  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py, run as a script)

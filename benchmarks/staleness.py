@@ -95,8 +95,8 @@ import time
 import jax
 import numpy as np
 
-from arl_jax import run_lib
 from arl_jax.testing import tiny
+from arl_jax.training import run_lib
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py, run as a script)

@@ -33,13 +33,13 @@ memory. Lag is 1 for most batches (max_async_level=1), 0 for the rest.
 
 import ml_collections
 
-from arl_jax import config_base, sweep
+from arl_jax.config import base_config, sweep
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  # Every key not set here is at its default (`config_base.py`; what each key
-  # means: the schema's dataclasses, `config_sections.SECTIONS`).
-  config = config_base.make("arith")
+  # Every key not set here is at its default (`base_config.py`; what each key
+  # means: the schema's dataclasses, `schema.SECTIONS`).
+  config = base_config.make("arith")
   config.update(num_steps=3000, log_every=100, eval_every=250, eval_size=300)
   config.model.update(d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                       mlp_dim=384, max_seq_len=32, rope_theta=10_000.0, tie_embeddings=True)

@@ -30,14 +30,14 @@ on 40 held-out problems is 0 at initialisation, 0.025 after the warm-up (the
 
 import ml_collections
 
-from arl_jax import config_base
+from arl_jax.config import base_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  # Every key not set here is at its default (`config_base.py`; what each key
-  # means: the schema's dataclasses, `config_sections.SECTIONS`).
+  # Every key not set here is at its default (`base_config.py`; what each key
+  # means: the schema's dataclasses, `schema.SECTIONS`).
   # (env.path: the shipped sample, MathAnswerConfig.path)
-  config = config_base.make("math_answer")
+  config = base_config.make("math_answer")
   config.update(num_steps=500, log_every=25, eval_every=100, eval_size=40)
   config.model.update(d_model=128, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
                       mlp_dim=384, max_seq_len=96, rope_theta=10_000.0, tie_embeddings=True)

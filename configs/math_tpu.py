@@ -48,16 +48,16 @@ GSM8K GRPO does at this size; not verified here.
 
 import ml_collections
 
-from arl_jax import config_base, sweep
+from arl_jax.config import base_config, sweep
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   if not arg:
     raise ValueError("configs/math_tpu.py needs a Hugging Face model folder as its argument: "
                      "--config=configs/math_tpu.py:/path/to/Qwen2.5-0.5B-Instruct")
-  # Every key not set here is at its default (`config_base.py`; what each key
-  # means: the schema's dataclasses, `config_sections.SECTIONS`).
-  config = config_base.make("math_answer")
+  # Every key not set here is at its default (`base_config.py`; what each key
+  # means: the schema's dataclasses, `schema.SECTIONS`).
+  config = base_config.make("math_answer")
   config.update(num_steps=1000, log_every=50, eval_every=100, eval_size=256,
                 writers="jsonl,tensorboard")
   # Shapes (Qwen2.5-0.5B: d_model 896, 24 layers, 14 query / 2 KV heads of 64,

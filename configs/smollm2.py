@@ -28,21 +28,29 @@ decodes as fast here but compiles 2.5x longer). Hardware: 2 CPU cores and
 ~13-17 GiB of host memory (below). `benchmarks/real_size.py` measures all of
 these (`benchmarks/README.md`).
 
-What to expect (measured with exactly this command, seed 0, 2026-12-03, this
-2-core machine): greedy accuracy on the 200 held-out pairs 0.050 (10/200,
-standard error 0.015) before RL, 0.170 after 10 updates, 0.220 after 20,
-0.505 after 30 and 0.670 (134/200, s.e. 0.033) after 40: +0.62, about 17
-standard errors. The same command with --config.seed=1 (same start, other
-samples): 0.360 / 0.555 / 0.355 / 0.465 at 10/20/30/40 updates, so the
-spread between seeds is large and the curve not monotonic. Before, the model
+What to expect (measured with exactly this command, seed 0, 2026-12-05, this
+2-core machine, after issue 52: prompts start as the model's own chat
+template writes them, with no BOS added before it): greedy accuracy on the
+200 held-out pairs 0.050 (10/200, standard error 0.015) before RL, 0.585
+after 10 updates, 0.885 after 20, 0.960 after 30 and 0.925 (185/200, s.e.
+0.019) after 40. The trivial policies score 0.485 (always the first number)
+and 0.515 (always the second). The exported folder (`python -m
+arl_jax.export_hf`) scores the same 0.925 greedily in transformers with
+`apply_chat_template` (`benchmarks/transformers_eval.py`; 0.905 with one more
+BOS in front, the format runs used before issue 52). Before the fix the same
+command reached 0.670 after 40 updates (0.465 with --config.seed=1), trained
+and evaluated on prompts with an extra BOS: the spread between seeds and
+formats is large, so take one run as one sample. Before RL the model
 explains instead of answering and runs out of its 48 tokens; after, greedy
-completions end with "The larger number is 50." Sampled (T=1) completions
-still run long: 872 of the 1,280 rollouts were truncated and not trained on,
-and the batch reward stayed at 0.1-0.2.
-Wall time 33:54 (start-up 79 s: import 1.9, build 3.2, the first evaluation
-42.5, compile 31.4; 41 s an update; five evaluations of ~40 s); peak host
-memory 17.0 GiB (`--dry_run` now plans 7.6 GiB of device memory for the two
-roles on this one device; a 10-update run peaked at 12.6 GiB). Plots:
+completions end with "The larger number is 50." and take 9 tokens; 159 of
+the 1,280 sampled rollouts were truncated and not trained on, and the batch
+reward rose from 0.19 to 0.75-0.91.
+Wall time 30:39 (start-up 108 s: import 2.2, build 4.7, the first evaluation
+53.0, compile 47.7; 29 s an update, median of 40; the machine shared with
+short test runs, so upper bounds); peak resident memory 19.1 GB
+(`/usr/bin/time`; the run's own line said 22.4 GiB; `--dry_run` plans 7.6
+GiB of device memory for the two roles on this one device; issue 56 is the
+gap). Plots (the run before the fix):
 `docs/images/smollm2_larger_reward.png`.
 """
 
@@ -50,7 +58,7 @@ import os
 
 import ml_collections
 
-from arl_jax import config_base
+from arl_jax.config import base_config
 from arl_jax.envs import sample_data
 
 
@@ -59,15 +67,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     raise ValueError("configs/smollm2.py needs the converted SmolLM2 folder as its argument: "
                      "--config=configs/smollm2.py:/tmp/smollm2 (python -m "
                      "arl_jax.models.gguf_convert writes it; see this file's docstring)")
-  # Every key not set here is at its default (`config_base.py`; what each key
-  # means: the schema's dataclasses, `config_sections.SECTIONS`).
-  config = config_base.make("math_answer")
+  # Every key not set here is at its default (`base_config.py`; what each key
+  # means: the schema's dataclasses, `schema.SECTIONS`).
+  config = base_config.make("math_answer")
   config.update(num_steps=40, log_every=5, eval_every=10,
                 eval_size=200)  # (every held-out pair)
   # Shapes and starting weights from the folder's config.json and safetensors.
   config.model.update(hf_path=arg, max_seq_len=128)
   config.env.path = os.path.join(sample_data.DATA_DIR, "larger.jsonl")
-  # The chat-formatted prompts are 52 tokens (the default system turn
+  # The chat-formatted prompts are 51 tokens (the default system turn
   # included); completions get 48. (bfloat16 sampling is not faster on a CPU
   # and adds sampler/learner mismatch: the sampler keeps float32.)
   config.sampler.update(num_slots=64, prompt_len=56, max_new_tokens=48)

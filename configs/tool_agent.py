@@ -40,13 +40,13 @@ does most of the work here; RL mainly fixes copying slips. A longer warm-up
 
 import ml_collections
 
-from arl_jax import config_base, sweep
+from arl_jax.config import base_config, sweep
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  # Every key not set here is at its default (`config_base.py`; what each key
-  # means: the schema's dataclasses, `config_sections.SECTIONS`).
-  config = config_base.make("tool_agent")
+  # Every key not set here is at its default (`base_config.py`; what each key
+  # means: the schema's dataclasses, `schema.SECTIONS`).
+  config = base_config.make("tool_agent")
   config.update(num_steps=300, log_every=10, eval_every=50, eval_size=64)
   config.model.update(d_model=128, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=32,
                       mlp_dim=384, max_seq_len=32, rope_theta=10_000.0, tie_embeddings=True)

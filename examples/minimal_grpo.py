@@ -28,7 +28,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from arl_jax import config_lib
+from arl_jax.config import run_spec
 from arl_jax.envs import arith, prompt_data
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
@@ -124,7 +124,7 @@ def warm_up(graphdef, params, spec, env, train_prompts, log):
 
 def train(config, num_steps: int | None = None, log=print) -> list[dict]:
   """Runs warm-up then synchronous GRPO as configured; returns per-step records."""
-  spec = config_lib.build(config)
+  spec = run_spec.build(config)
   tokenizer = tokenizer_lib.ByteTokenizer()
   env = arith.ArithEnv(tokenizer)
   train_prompts = arith.make_prompts(spec.env, "train")

@@ -4,7 +4,7 @@ r"""Runs a grid of config overrides as local subprocesses and tabulates the resu
       --sweep=orchestrator.max_off_policy_steps=0,2,8 --sweep=learner.lr=1e-4,3e-4 \
       --parallel=1
   python -m launch.local_sweep --config=configs/arith.py:tiny --workdir=/tmp/sweep \
-      --from_config   # the config's own get_sweep (arl_jax/sweep.py)
+      --from_config   # the config's own get_sweep (arl_jax/config/sweep.py)
 
 Each point runs `python -m arl_jax.launch` with its own workdir
 (`<workdir>/<name>`); `--parallel` bounds how many run at once. When all are
@@ -82,8 +82,8 @@ def expand(axes: list[tuple[str, list[str]]]) -> list[Point]:
 
 
 def config_points(config: str) -> list[Point]:
-  """The points of the config file's own `get_sweep` (see `arl_jax/sweep.py`)."""
-  from arl_jax import sweep  # noqa: PLC0415 - only when asked for
+  """The points of the config file's own `get_sweep` (see `arl_jax/config/sweep.py`)."""
+  from arl_jax.config import sweep  # noqa: PLC0415 - only when asked for
 
   return [Point(name=sweep.name_of(p), overrides=tuple((k, str(v)) for k, v in p.items()))
           for p in sweep.from_config(config)]

@@ -9,7 +9,7 @@ r"""XManager launch script: one job per sweep point of a config.
   # The job list, without XManager (python -m launch.xm_launch takes the same flags)
   python -m launch.xm_launch --config=configs/arith.py --workdir=gs://BUCKET/k --print_jobs
 
-The points are the config file's `get_sweep()` (see `arl_jax/sweep.py`), times
+The points are the config file's `get_sweep()` (see `arl_jax/config/sweep.py`), times
 any `--sweep=KEY=V1,V2` axes (as `launch.local_sweep`). Each job runs
 `python -m arl_jax.launch --config=... --workdir=<workdir>/<point name>
 --config.<key>=<value> ...`: `--print_jobs` prints exactly these arguments, one
@@ -70,7 +70,7 @@ import tempfile
 
 from absl import app, flags
 
-from arl_jax import builtin_configs
+from arl_jax.config import builtin
 from launch import job_check, local_sweep
 
 # XManager's experiment database logs each of alembic's plugins at INFO.
@@ -160,7 +160,7 @@ def job_config(config: str, executor: str) -> str:
   to the working directory here; passed relative to the repository), or a
   built-in config by name, which the container's install has too."""
   path, sep, arg = config.partition(":")
-  if executor != "vertex" or (path in builtin_configs.names() and not os.path.isfile(path)):
+  if executor != "vertex" or (path in builtin.names() and not os.path.isfile(path)):
     return config
   relative = os.path.relpath(os.path.abspath(path), REPO)
   if relative.startswith(os.pardir) or not os.path.isfile(os.path.join(REPO, relative)):

@@ -40,8 +40,8 @@ def test_a_config_loads_by_name_or_by_path(tmp_path, monkeypatch):
   by_name = arl_jax.load_config("arith", "tiny")
   monkeypatch.chdir(tmp_path)
   (tmp_path / "mine.py").write_text(
-      "from arl_jax import builtin_configs\n\n\ndef get_config(arg=None):\n"
-      "  config = builtin_configs.load('arith', arg)\n  config.num_steps = 7\n  return config\n")
+      "import arl_jax\n\n\ndef get_config(arg=None):\n"
+      "  config = arl_jax.load_config('arith', arg)\n  config.num_steps = 7\n  return config\n")
   by_path = arl_jax.load_config("mine.py", "tiny")
   assert by_path.num_steps == 7 and by_name.num_steps != 7
   with pytest.raises(FileNotFoundError, match=r"no config file 'other.py' \(from .*\); built-in"):
@@ -50,6 +50,41 @@ def test_a_config_loads_by_name_or_by_path(tmp_path, monkeypatch):
   config.sampler.temperature = -1.0
   with pytest.raises(arl_jax.ConfigError, match="sampler.temperature"):
     arl_jax.build_spec(config)
+
+
+def test_a_config_file_written_against_the_old_module_paths_still_loads(tmp_path, monkeypatch):
+  """Before issue 53 a config imported `arl_jax.config_base` and `arl_jax.sweep`:
+  such a file loads for one more release, each old path a DeprecationWarning
+  that names the new one."""
+  import importlib
+  import warnings
+
+  from arl_jax import _moved
+  monkeypatch.chdir(tmp_path)
+  (tmp_path / "old.py").write_text(
+      "from arl_jax import config_base, sweep\n\n\ndef get_config(arg=None):\n"
+      "  config = config_base.make('arith')\n  config.update(num_steps=3)\n"
+      "  config.env.max_operand = 9\n"
+      "  config.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1,\n"
+      "                      head_dim=16, mlp_dim=64, max_seq_len=32, rope_theta=1e4,\n"
+      "                      tie_embeddings=True)\n"
+      "  config.sampler.update(num_slots=32, prompt_len=6, max_new_tokens=3)\n"
+      "  config.orchestrator.update(batch_size=32, group_size=4)\n"
+      "  return config\n\n\ndef get_sweep(arg=None):\n"
+      "  return sweep.product(sweep.axis('seed', [0, 1]))\n")
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    config = arl_jax.load_config("old.py")
+    for old, new in _moved.MOVED.items():
+      before, after = importlib.import_module(old), importlib.import_module(new)
+      public = [n for n in vars(after) if not n.startswith("_")]
+      assert public and all(getattr(before, n) is getattr(after, n) for n in public), old
+  assert arl_jax.build_spec(config).num_steps == 3
+  said = {str(w.message).split(" moved")[0] for w in caught
+          if issubclass(w.category, DeprecationWarning)}
+  assert {"arl_jax.config_base", "arl_jax.sweep"} <= said
+  assert any("arl_jax.config_base moved to arl_jax.config.base_config" in str(w.message)
+             for w in caught)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -117,3 +117,36 @@ def test_no_function_over_a_hundred_lines_and_no_file_over_450():
         if length > MAX_FUNCTION_LINES:
           long_functions.append(f"{module}.{node.name}: {length} lines")
   assert long_functions == [] and long_files == []
+
+
+# Each package's layer (its `__init__` docstring says the same): a module may
+# import its own package and the packages of lower layers, never a peer of its
+# own layer or one above. The commands and the API are the top-level modules.
+LAYERS = {
+    "arl_jax.core": 0,
+    "arl_jax.sharding": 1, "arl_jax.envs": 1, "arl_jax.metrics": 1,
+    "arl_jax.models": 2,
+    "arl_jax.sampler": 3, "arl_jax.orchestrator": 3, "arl_jax.learner": 3,
+    "arl_jax.distributed": 4,
+    "arl_jax.config": 5,
+    "arl_jax.training": 6,
+    "arl_jax": 7, "arl_jax.launch": 7, "arl_jax.plot": 7, "arl_jax.export_hf": 7,
+    "arl_jax._moved": 7,
+    "arl_jax.testing": 8,
+}
+
+
+def test_every_import_points_down_the_layers():
+  graph = _graph(_package_of)
+  assert set(graph) | {b for targets in graph.values() for b in targets} <= set(LAYERS), (
+      "a package or top-level module without a layer: add it to LAYERS and say so in its "
+      "__init__ docstring")
+  upward = sorted(f"{a} (layer {LAYERS[a]}) imports {b} (layer {LAYERS[b]})"
+                  for a, targets in graph.items() for b in targets if LAYERS[b] >= LAYERS[a]
+                  and not (a == "arl_jax" and b == "arl_jax._moved"))
+  assert upward == []
+
+
+def test_the_top_level_holds_the_commands_and_the_api_only():
+  top = sorted(name for name in os.listdir(PACKAGE) if name.endswith(".py"))
+  assert top == ["__init__.py", "_moved.py", "export_hf.py", "launch.py", "plot.py"]

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from arl_jax import config_lib
+from arl_jax.config import run_spec
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.testing import tiny
 
@@ -56,8 +56,8 @@ def test_a_writer_whose_package_is_missing_is_a_config_error(monkeypatch):
                       lambda name: None if name == "wandb" else object())
   config = tiny.load_config("arith", "tiny")
   config.writers = "jsonl,wandb"
-  with pytest.raises(config_lib.ConfigError, match="config.writers: .*pip install wandb"):
-    config_lib.build(config)
+  with pytest.raises(run_spec.ConfigError, match="config.writers: .*pip install wandb"):
+    run_spec.build(config)
   config.writers = "jsonl,csv"
-  with pytest.raises(config_lib.ConfigError, match=r"unknown writer\(s\) \['csv'\]"):
-    config_lib.build(config)
+  with pytest.raises(run_spec.ConfigError, match=r"unknown writer\(s\) \['csv'\]"):
+    run_spec.build(config)

@@ -4,8 +4,9 @@ import os
 
 import pytest
 
-from arl_jax import plot, run_lib
+from arl_jax import plot
 from arl_jax.testing import tiny
+from arl_jax.training import run_lib
 
 
 @pytest.fixture(scope="module")

@@ -43,8 +43,7 @@ import time
 
 import zmq
 
-from arl_jax import config_sections
-from arl_jax.distributed import messages, weight_transfer, wire
+from arl_jax.distributed import fleet_config, messages, weight_transfer, wire
 from arl_jax.sampler import engine_stats
 
 _ANY_INTERFACE = ("0.0.0.0", "*")
@@ -80,14 +79,14 @@ class SamplerFleet:
   wraps it as the run's rollout side; a multi-controller run's process 0 uses
   it beside its local engine for the other processes' samplers)."""
 
-  def __init__(self, cfg: config_sections.FleetConfig, *, orchestrator, publisher, spec: dict,
+  def __init__(self, cfg: fleet_config.FleetConfig, *, orchestrator, publisher, spec: dict,
                sampler_mesh_shape, workdir: str | None = None, print_fn=print,
                event_fn=lambda event: None, num_processes: int = 1):
     """Args:
       cfg: fleet settings.
       orchestrator: the run's orchestrator (dispatcher, buffer).
       publisher: the `WeightPublisher` whose versions samplers pull.
-      spec: the run's resolved settings (`config_lib.RunSpec` as
+      spec: the run's resolved settings (`run_spec.RunSpec` as
         `spec_codec.to_json` writes it); joining samplers run them.
       sampler_mesh_shape: `[(axis, size), ...]` the samplers must build (the
         layout `publisher` stages versions in).

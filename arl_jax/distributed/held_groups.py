@@ -20,7 +20,7 @@ import threading
 
 import numpy as np
 
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import rollout as rollout_lib
 
 
 class HeldGroups:

@@ -2,7 +2,7 @@ r"""A sampler process: `python -m arl_jax.distributed.sampler_worker --learner=A
 
 It joins a learner whose config has `fleet.remote = True` (the address is
 printed by the learner and written to `WORKDIR/fleet.json`), receives the
-run's resolved settings (a `config_lib.RunSpec`, decided and validated by the
+run's resolved settings (a `run_spec.RunSpec`, decided and validated by the
 learner: `spec_codec.py`) and the sampler mesh to build, and runs the same
 `SamplerEngine` and `EnvRunner` a local run would, on this process's devices:
 
@@ -28,7 +28,7 @@ import sys
 import threading
 import time
 
-from arl_jax import compile_cache, spec_codec
+from arl_jax.core import compile_cache, spec_codec
 from arl_jax.distributed import learner_link, wire
 
 EXIT_STOPPED, EXIT_FAILED = learner_link.EXIT_STOPPED, learner_link.EXIT_FAILED
@@ -56,7 +56,7 @@ class LocalSampling:
   def __init__(self, spec, *, mesh, graphdef, weights, link: learner_link.LearnerLink,
                held=None, process_index: int = 0):
     """Args:
-      spec: the run's `config_lib.RunSpec`.
+      spec: the run's `run_spec.RunSpec`.
       mesh: this process's sampler mesh.
       graphdef: the decoder's graph definition.
       weights: source of `(version, params)` (`latest()`).

@@ -26,7 +26,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from arl_jax import train_batch as train_batch_lib
+from arl_jax.core import train_batch as train_batch_lib
 from arl_jax.distributed import held_groups, lockstep
 from arl_jax.distributed import shard_plan as shard_plan_lib
 from arl_jax.learner import update as update_lib

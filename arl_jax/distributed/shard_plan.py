@@ -34,8 +34,8 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from arl_jax import packing as packing_lib
-from arl_jax import train_batch as train_batch_lib
+from arl_jax.core import packing as packing_lib
+from arl_jax.core import train_batch as train_batch_lib
 
 # The plan's per-rollout integer rows, in `to_arrays` order.
 _INT_ROWS = ("group_ids", "sample_index", "holder", "block", "row", "start", "prompt_length",

@@ -30,9 +30,9 @@ import time
 
 import numpy as np
 
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import group_request as group_request_lib
+from arl_jax.core import rollout as rollout_lib
 from arl_jax.envs import prompt_codec
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.sampler import engine_stats
 
 # Bumped whenever a message's layout changes; peers of another version are refused.
@@ -123,17 +123,17 @@ def _array(ref: dict, buffers: list, used: set) -> np.ndarray:
   return array if len(shape) == 1 else array.reshape(shape)
 
 
-def request_to_wire(request: dispatcher_lib.GroupRequest) -> dict:
+def request_to_wire(request: group_request_lib.GroupRequest) -> dict:
   return {"group_id": request.group_id, "prompt": prompt_codec.to_json(request.prompt),
           "prompt_ids": np.asarray(request.prompt_ids, np.int32),
           "dispatch_version": request.dispatch_version, "group_size": request.group_size,
           "attempt": request.attempt, "max_new_tokens": request.max_new_tokens}
 
 
-def request_from_wire(record: dict) -> dispatcher_lib.GroupRequest:
+def request_from_wire(record: dict) -> group_request_lib.GroupRequest:
   """The request as the sampler process sees it; its `dispatch_time` is this
   process's clock at arrival (the learner's clock means nothing here)."""
-  return dispatcher_lib.GroupRequest(
+  return group_request_lib.GroupRequest(
       group_id=int(record["group_id"]), prompt=prompt_codec.from_json(record["prompt"]),
       prompt_ids=tuple(int(t) for t in record["prompt_ids"]),
       dispatch_version=int(record["dispatch_version"]), group_size=int(record["group_size"]),

@@ -4,7 +4,7 @@ or its bundled sample), or the user's JSONL files (`data.train_path`,
 
 A file's record is checked by its environment too (`EnvEntry.check_record_fn`), and one
 whose prompt is longer than `sampler.prompt_len` is a bad line of its file
-like any other: `config_lib.build` (which has the tokenizer) finds them with
+like any other: `run_spec.build` (which has the tokenizer) finds them with
 `drop_long_prompts` and lists them in `DataConfig.too_long`, so that every
 later `load` of the same config skips them (with `on_malformed="skip"`).
 """
@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from arl_jax import settings
+from arl_jax.core import settings
 from arl_jax.envs import env_api, jsonl_source, mixture, registry
 
 
@@ -28,7 +28,7 @@ class DataConfig:
       early, after the last full batch, when they are used up.
     too_long: `(file:line, problem)` of the lines whose prompt is longer than
       `sampler.prompt_len`, skipped by `load`. Not a config key: set by
-      `config_lib.build` through `drop_long_prompts`.
+      `run_spec.build` through `drop_long_prompts`.
   """
 
   train_path: str = ""

@@ -1,7 +1,7 @@
 """The learner update's settings, split by what they are: the objective, each
 loss's own knobs, the optimizer-step layout and how the forward pass is
 scored. Each is a frozen dataclass whose fields are keys of the config's
-`learner` section (`config_sections.SECTIONS`; with `optim.OptimConfig`);
+`learner` section (`schema.SECTIONS`; with `optim.OptimConfig`);
 `LossSettings` holds one of each and is what `update.train_step` takes.
 
 A loss reads its own dataclass only (`LossSettings.loss_knobs`), so a knob of
@@ -14,8 +14,8 @@ import dataclasses
 
 from jax.sharding import Mesh
 
-from arl_jax import advantages as advantages_lib
-from arl_jax import settings
+from arl_jax.core import advantages as advantages_lib
+from arl_jax.core import settings
 from arl_jax.learner import losses as losses_lib
 from arl_jax.learner import mismatch as mismatch_lib
 from arl_jax.models import decoder as decoder_lib

@@ -39,7 +39,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from arl_jax import settings
+from arl_jax.core import settings
 from arl_jax.learner import segments as segments_lib
 
 MASKS = ("none", "token", "sequence")

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 import optax
 
-from arl_jax import settings
+from arl_jax.core import settings
 
 SCHEDULES = ("constant", "linear", "cosine")
 

@@ -42,7 +42,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from arl_jax import train_batch as train_batch_lib
+from arl_jax.core import train_batch as train_batch_lib
 from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import loss_settings as loss_settings_lib
 from arl_jax.learner import losses as losses_lib

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from arl_jax import rows as rows_lib
-from arl_jax import train_batch as train_batch_lib
+from arl_jax.core import rows as rows_lib
+from arl_jax.core import train_batch as train_batch_lib
 from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import losses as losses_lib
 from arl_jax.learner import train_state as train_state_lib

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arl_jax import settings
+from arl_jax.core import settings
 
 # The projections that can carry adapters, named as a PEFT user writes them
 # (`target_modules`), with the decoder attribute each adapts.

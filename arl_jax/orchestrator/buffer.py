@@ -36,7 +36,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import rollout as rollout_lib
 from arl_jax.orchestrator import staleness
 
 ASSEMBLY_POLICIES = ("fifo", "windowed_fifo", "first_done")

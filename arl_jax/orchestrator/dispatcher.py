@@ -42,6 +42,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 
+from arl_jax.core import group_request as group_request_lib
 from arl_jax.envs import prompt_codec
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import open_work, staleness
@@ -59,25 +60,6 @@ class DispatchConfig:
   @property
   def capacity(self) -> int:
     return (self.max_async_level + 1) * self.groups_per_batch
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupRequest:
-  """What the sampler needs to generate one group."""
-
-  group_id: int
-  prompt: object  # the environment's prompt record
-  prompt_ids: tuple[int, ...]
-  dispatch_version: int
-  group_size: int
-  dispatch_time: float
-  attempt: int = 0  # how many dropped groups of this prompt were dispatched before it
-  # The prompt's own completion budget (`Environment.max_new_tokens_for`), None: the sampler's.
-  max_new_tokens: int | None = None
-
-  def budget(self, default: int) -> int:
-    """Completion tokens an episode of this group may hold (observations included)."""
-    return default if self.max_new_tokens is None else min(self.max_new_tokens, default)
 
 
 class Dispatcher:
@@ -110,7 +92,7 @@ class Dispatcher:
     self._next_group_id = 0
     # The share of in-flight groups expected to ship (dynamic sampling; 1: all).
     self._yield = 1.0
-    self._in_system: dict[int, GroupRequest] = {}  # started, not yet retired
+    self._in_system: dict[int, group_request_lib.GroupRequest] = {}  # started, not yet retired
     self._generating: set[int] = set()  # in flight: sampler or environment
     self._oldest_sampled: dict[int, int] = {}  # group_id -> first sampled version
     # (in-flight reference version, group id) of generating groups, as soon as
@@ -123,7 +105,7 @@ class Dispatcher:
     self._requeued: collections.deque[tuple[object, tuple[int, ...] | None, int]] = (
         collections.deque())
     # Open groups whose sampler was lost, to be generated again (`reassign`).
-    self._reassigned: collections.deque[GroupRequest] = collections.deque()
+    self._reassigned: collections.deque[group_request_lib.GroupRequest] = collections.deque()
     # Every open group at its restart points, for checkpoints.
     self.work = work if work is not None else open_work.OpenWork()
     self._closed = False
@@ -135,7 +117,8 @@ class Dispatcher:
     self.exhausted = False  # the prompt stream has ended
     self.prompts_drawn = 0  # taken from the stream (requeued prompts not counted again)
 
-  def take(self, max_groups: int, live_version: int, timeout: float) -> list[GroupRequest]:
+  def take(self, max_groups: int, live_version: int,
+           timeout: float) -> list[group_request_lib.GroupRequest]:
     """Starts up to `max_groups` groups at `live_version`.
 
     Returns no groups when the caller's `live_version` is older than the newest
@@ -172,7 +155,7 @@ class Dispatcher:
         budget = self._budget_fn(prompt) if self._budget_fn is not None else None
         if budget is not None and budget < 1:
           raise ValueError(f"prompt {prompt.prompt_id}: completion budget {budget} is < 1")
-        request = GroupRequest(
+        request = group_request_lib.GroupRequest(
             group_id=self._next_group_id, prompt=prompt, prompt_ids=prompt_ids,
             dispatch_version=live_version, group_size=self._cfg.group_size,
             dispatch_time=self._clock(), attempt=attempt, max_new_tokens=budget)
@@ -215,7 +198,7 @@ class Dispatcher:
       self._yield = float(share)
       self._cond.notify_all()
 
-  def drop_finished(self, group_id: int) -> GroupRequest | None:
+  def drop_finished(self, group_id: int) -> group_request_lib.GroupRequest | None:
     """Retires a group that finished generating and will not train (dynamic
     sampling), without requeueing its prompt. Returns its request, or None
     when it was cancelled meanwhile (then it is counted as that)."""
@@ -231,7 +214,7 @@ class Dispatcher:
     return request
 
   def completion_budget(self, group_id: int, default: int) -> int:
-    """The completion budget of an open group's episodes (`GroupRequest.budget`;
+    """The completion budget of an open group's episodes (`group_request_lib.GroupRequest.budget`;
     `default` for a group no longer in the system)."""
     with self._cond:
       request = self._in_system.get(group_id)
@@ -294,7 +277,7 @@ class Dispatcher:
       self._cond.notify_all()
     return ids
 
-  def on_publish(self, live_version: int) -> list[GroupRequest]:
+  def on_publish(self, live_version: int) -> list[group_request_lib.GroupRequest]:
     """Announces a newly published version; cancels, retires and returns the
     in-flight groups that can no longer ship."""
     cfg, heap = self._cfg, self._by_reference
@@ -359,7 +342,7 @@ class Dispatcher:
       restored = []
       for record in work["groups"]:
         prompt = prompt_codec.from_json(record["prompt"])
-        request = GroupRequest(
+        request = group_request_lib.GroupRequest(
             group_id=int(record["group_id"]), prompt=prompt,
             prompt_ids=tuple(int(t) for t in record["prompt_ids"]),
             dispatch_version=int(record["dispatch_version"]), group_size=self._cfg.group_size,

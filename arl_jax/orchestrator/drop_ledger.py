@@ -30,7 +30,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import rollout as rollout_lib
 
 REASONS = ("stale", "cancelled", "env_error", "truncated", "zero_variance")
 UNFINISHED = "unfinished"

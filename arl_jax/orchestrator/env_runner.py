@@ -22,8 +22,8 @@ import threading
 import time
 from collections.abc import Callable
 
-from arl_jax import episode as episode_lib
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import episode as episode_lib
+from arl_jax.core import rollout as rollout_lib
 
 
 class EnvFault(Exception):

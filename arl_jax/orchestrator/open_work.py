@@ -37,8 +37,8 @@ import threading
 
 import numpy as np
 
-from arl_jax import episode as episode_lib
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import episode as episode_lib
+from arl_jax.core import rollout as rollout_lib
 
 STAGES = ("sample", "env", "done")
 
@@ -57,7 +57,7 @@ class _Point:
 
 @dataclasses.dataclass
 class _Group:
-  request: object  # dispatcher.GroupRequest
+  request: object  # group_request.GroupRequest
   points: list[_Point]
   arrival_version: int | None = None  # set once the group is in the buffer
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import rollout as rollout_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import drop_ledger as drop_ledger_lib

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from arl_jax import settings
+from arl_jax.core import settings
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import staleness

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import rollout as rollout_lib
 
 
 def penalty(completion_length: int, budget: int, buffer: int, factor: float) -> float:

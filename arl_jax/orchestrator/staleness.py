@@ -9,7 +9,7 @@ the buffer counts, because `u` keeps growing while the group waits.
 
 from __future__ import annotations
 
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import rollout as rollout_lib
 
 REFERENCES = ("dispatch", "oldest_token")
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import collections
 
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import rollout as rollout_lib
 
 # At most this many groups are in flight per group expected to ship (a task
 # where nearly every group is solved or failed would otherwise flood the sampler).

@@ -15,7 +15,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from arl_jax import episode as episode_lib
+from arl_jax.core import episode as episode_lib
 from arl_jax.sampler import engine_config, kv_slots, prefill_budget, sources, waiting_rows
 
 

@@ -51,7 +51,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from arl_jax import episode as episode_lib
+from arl_jax.core import episode as episode_lib
 from arl_jax.sampler import (
   engine_config,
   engine_stats,

@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 
-from arl_jax import settings
+from arl_jax.core import settings
 from arl_jax.models import paged_names
 from arl_jax.sampler import weight_updates
 

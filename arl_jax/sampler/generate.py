@@ -24,8 +24,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from arl_jax import episode as episode_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.core import episode as episode_lib
+from arl_jax.core import group_request as group_request_lib
 from arl_jax.sampler import (
   engine_config,
   insert_batch,
@@ -112,7 +112,7 @@ class Generator:
     records = list(range(n)) if records is None else list(records)
     budgets = [None] * n if budgets is None else list(budgets)
     now = time.monotonic()
-    requests = [dispatcher_lib.GroupRequest(
+    requests = [group_request_lib.GroupRequest(
         group_id=i, prompt=records[i], prompt_ids=tuple(int(t) for t in prompts[i]),
         dispatch_version=version, group_size=self.cfg.group_size, dispatch_time=now,
         max_new_tokens=budgets[i]) for i in range(n)]

@@ -21,8 +21,8 @@ from collections.abc import Callable
 import jax
 import numpy as np
 
-from arl_jax import episode as episode_lib
-from arl_jax import rows as rows_lib
+from arl_jax.core import episode as episode_lib
+from arl_jax.core import rows as rows_lib
 from arl_jax.sampler import engine_config, sampling, token_draw
 
 

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from arl_jax import episode as episode_lib
+from arl_jax.core import episode as episode_lib
 from arl_jax.sampler import engine_config, page_pool
 
 # The cost model `PagedSlots.calls` merges width groups by, in attended

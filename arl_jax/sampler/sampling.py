@@ -28,8 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from arl_jax import rollout as rollout_lib
-from arl_jax import settings as settings_lib
+from arl_jax.core import rollout as rollout_lib
+from arl_jax.core import settings as settings_lib
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import kv_cache as kv_cache_lib
 from arl_jax.models import paged_kv_cache

@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from arl_jax import episode as episode_lib
+from arl_jax.core import episode as episode_lib
 from arl_jax.sampler import (
   admission,
   engine_config,

@@ -18,8 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from arl_jax import trace_counter
-from arl_jax.sampler import engine_config, paged_decode, prefill_chunks, sampling
+from arl_jax.sampler import engine_config, paged_decode, prefill_chunks, sampling, trace_counter
 from arl_jax.sharding import rules as rules_lib
 
 

@@ -15,7 +15,7 @@ class RequestSource(Protocol):
   """Where group requests come from (e.g. `dispatcher.Dispatcher`)."""
 
   def take(self, max_groups: int, live_version: int, timeout: float) -> list:
-    """Up to `max_groups` group requests (`dispatcher.GroupRequest`) started
+    """Up to `max_groups` group requests (`group_request.GroupRequest`) started
     at `live_version`, waiting up to `timeout` seconds when none is ready."""
 
   def note_sampling(self, group_id: int, version: int) -> None:

@@ -13,7 +13,7 @@ import collections
 import dataclasses
 import threading
 
-from arl_jax import episode as episode_lib
+from arl_jax.core import episode as episode_lib
 
 
 @dataclasses.dataclass

@@ -33,7 +33,8 @@ from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import group_request as group_request_lib
+from arl_jax.core import rollout as rollout_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
@@ -130,7 +131,7 @@ class SimResult:
 
 @dataclasses.dataclass
 class _Running:
-  request: dispatcher_lib.GroupRequest
+  request: group_request_lib.GroupRequest
   start: float | None = None
   end: float | None = None
   first_version: int | None = None  # version live when its first token was sampled

@@ -46,7 +46,7 @@ def synthetic_groups(num_groups: int, group_size: int, num_processes: int, place
   length mixes alike (lengths follow i // N), so each block's groups are its
   own share and nothing needs to move; `spread`: the same processes, random
   lengths (balance may move a few); `process0`: all on process 0."""
-  from arl_jax import rollout as rollout_lib  # noqa: PLC0415 - JAX after flags
+  from arl_jax.core import rollout as rollout_lib  # noqa: PLC0415 - JAX after flags
 
   groups, holders = [], []
   for i in range(num_groups):
@@ -160,9 +160,9 @@ def main() -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}",
                              num_processes=args.num_processes, process_id=args.process_id)
-  from arl_jax import packing as packing_lib  # noqa: PLC0415
-  from arl_jax import rollout as rollout_lib  # noqa: PLC0415
-  from arl_jax import train_batch as train_batch_lib  # noqa: PLC0415
+  from arl_jax.core import packing as packing_lib  # noqa: PLC0415
+  from arl_jax.core import rollout as rollout_lib  # noqa: PLC0415
+  from arl_jax.core import train_batch as train_batch_lib  # noqa: PLC0415
   from arl_jax.distributed import lockstep, shard_batch, shard_plan  # noqa: PLC0415
 
   me, leader = jax.process_index(), jax.process_index() == 0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from arl_jax import rows as rows_lib
+from arl_jax.core import rows as rows_lib
 from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.sampler import slot_fns, token_draw

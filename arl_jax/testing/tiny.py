@@ -6,7 +6,7 @@ import jax
 import ml_collections
 import numpy as np
 
-from arl_jax import builtin_configs
+from arl_jax.config import builtin
 from arl_jax.learner import publish as publish_lib
 from arl_jax.models import init_lib
 from arl_jax.models import model_config as model_config_lib
@@ -16,7 +16,7 @@ from arl_jax.sharding import rules as rules_lib
 
 def load_config(name: str = "arith", arg: str | None = "tiny") -> ml_collections.ConfigDict:
   """An unlocked copy of built-in config `configs/<name>.py`'s `get_config(arg)`."""
-  return builtin_configs.load(name, arg)
+  return builtin.load(name, arg)
 
 
 def tiny_model_config(**overrides) -> model_config_lib.ModelConfig:

@@ -30,7 +30,7 @@ import time
 import jax
 import numpy as np
 
-from arl_jax import train_batch as train_batch_lib
+from arl_jax.core import train_batch as train_batch_lib
 from arl_jax.distributed import lockstep
 from arl_jax.learner import optim as optim_lib
 from arl_jax.metrics import host_memory

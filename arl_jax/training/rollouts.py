@@ -19,7 +19,7 @@ from typing import Protocol
 
 import jax
 
-from arl_jax import spec_codec
+from arl_jax.core import spec_codec
 from arl_jax.distributed import fleet as fleet_lib
 from arl_jax.envs import env_api
 from arl_jax.metrics import progress as progress_lib

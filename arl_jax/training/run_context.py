@@ -16,13 +16,13 @@ from typing import TYPE_CHECKING, Any
 from arl_jax.models import lora as lora_lib
 
 if TYPE_CHECKING:  # (annotations only: the phases import this module)
+  from arl_jax.config.inputs import Inputs
   from arl_jax.learner.publish import WeightPublisher
   from arl_jax.learner.train_state import TrainState
   from arl_jax.metrics.startup import StartupClock
   from arl_jax.metrics.writer import JsonlWriter
   from arl_jax.sharding.mesh_lib import RoleMeshes
   from arl_jax.training.eval_log import EvalLog
-  from arl_jax.training.inputs import Inputs
   from arl_jax.training.start import Checkpoints
   from arl_jax.training.stop import StopRequest
 
@@ -32,7 +32,7 @@ class RunContext:
   """The run-wide things every phase reads (none is replaced during a run).
 
   Attributes:
-    spec: the resolved `config_lib.RunSpec`.
+    spec: the resolved `run_spec.RunSpec`.
     config: the run's config as a plain dict (checkpoints carry it).
     meshes: the role meshes (`mesh_lib.RoleMeshes`).
     inputs: tokenizer, environment and prompts (`training/inputs.Inputs`).
@@ -48,7 +48,7 @@ class RunContext:
     keep_batches: keep a summary of every trained batch (tests).
   """
 
-  spec: Any  # config_lib.RunSpec (config_lib imports training: no import back)
+  spec: Any  # run_spec.RunSpec (config_lib imports training: no import back)
   config: dict
   meshes: RoleMeshes
   inputs: Inputs

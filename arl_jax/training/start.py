@@ -28,7 +28,7 @@ import time
 import jax
 from flax import nnx
 
-from arl_jax import checkpointing
+from arl_jax.learner import checkpointing
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.models import fingerprint as fingerprint_lib
 from arl_jax.models import hf_params, init_lib, peft_adapters

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+from arl_jax.config import inputs as inputs_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import warmup as warmup_lib
-from arl_jax.training import inputs as inputs_lib
 from arl_jax.training import run_context
 
 

@@ -32,6 +32,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("benchmarks/real_size.py", {"launch", "memory", "sampler", "learner"}),
     ("benchmarks/lora.py", {"sizes", "step", "publish", "decode"}),
     ("benchmarks/attention_kernels.py", {"paged_decode", "segment_attention"}),
+    ("benchmarks/transformers_eval.py", None),
 ])
 def test_benchmark_quick_mode_writes_json_rows(tmp_path, script, parts):
   out = tmp_path / "rows.jsonl"

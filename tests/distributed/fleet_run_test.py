@@ -10,10 +10,9 @@ import sys
 import threading
 import time
 
-from arl_jax import run_lib
 from arl_jax.distributed import fleet as fleet_lib
 from arl_jax.testing import tiny, xla_env
-from arl_jax.training import rollouts
+from arl_jax.training import rollouts, run_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 import zmq
 
-from arl_jax import config_sections
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import rollout as rollout_lib
 from arl_jax.distributed import fleet as fleet_lib
-from arl_jax.distributed import wire
+from arl_jax.distributed import fleet_config, wire
 from arl_jax.envs import env_api
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
@@ -92,7 +91,7 @@ def fleet():
   orchestrator = _orchestrator()
   events = []
   fleet = fleet_lib.SamplerFleet(
-      config_sections.FleetConfig(remote=True, heartbeat_s=0.05, timeout_s=0.5),
+      fleet_config.FleetConfig(remote=True, heartbeat_s=0.05, timeout_s=0.5),
       orchestrator=orchestrator, publisher=_NoWeights(), spec={"seed": 0},
       sampler_mesh_shape=[("data", 4), ("tp", 1)], print_fn=lambda line: None,
       event_fn=events.append)
@@ -257,7 +256,7 @@ def test_counters_add_what_each_sampler_reports_since_its_last_report(fleet):
 
 def test_fleet_config_checks():
   with pytest.raises(ValueError, match="timeout_s=1.0 must be >= 4 x heartbeat_s=0.5"):
-    config_sections.FleetConfig(heartbeat_s=0.5, timeout_s=1.0)
+    fleet_config.FleetConfig(heartbeat_s=0.5, timeout_s=1.0)
 
 
 @pytest.mark.parametrize("message", [

@@ -12,11 +12,13 @@ import sys
 import jax
 import numpy as np
 
-from arl_jax import checkpointing, config_lib, run_lib
+from arl_jax.config import run_spec
+from arl_jax.learner import checkpointing
 from arl_jax.models import init_lib
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
 from arl_jax.testing import tiny, xla_env
+from arl_jax.training import run_lib
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -117,7 +119,7 @@ def test_two_processes_train_like_one(tmp_path):
   # The same parameters, to float rounding (the gradient sums run in another
   # order over gloo), while training moved them by far more. The checkpoint
   # was written by both processes (each its shards); its run record by process 0.
-  spec = config_lib.build(config)
+  spec = run_spec.build(config)
   meshes = mesh_lib.make_role_meshes(spec.mesh)
   want, _ = _final_params(single, spec, meshes)
   got, record = _final_params(multi, spec, meshes)

@@ -14,7 +14,8 @@ import time
 import pytest
 import zmq
 
-from arl_jax import config_lib, spec_codec
+from arl_jax.config import run_spec
+from arl_jax.core import spec_codec
 from arl_jax.distributed import learner_link, sampler_worker, wire
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.testing import tiny, xla_env
@@ -90,7 +91,7 @@ def test_settings_this_host_cannot_use_are_one_error_line(tmp_path):
   """A fake learner welcomes the sampler with resolved settings whose
   tokenizer file is missing on this host: the sampler says so and exits, no
   traceback."""
-  spec = config_lib.build(tiny.load_config("arith", "tiny"))
+  spec = run_spec.build(tiny.load_config("arith", "tiny"))
   missing = str(tmp_path / "tokenizer.json")
   spec = dataclasses.replace(spec, tokenizer=tokenizer_lib.TokenizerConfig(
       kind="hf", path=missing, eos_token="<eos>"))

@@ -5,9 +5,9 @@ minibatch's rollouts in its rows, and the plan survives its broadcast form."""
 import numpy as np
 import pytest
 
-from arl_jax import packing as packing_lib
-from arl_jax import rollout as rollout_lib
-from arl_jax import train_batch as train_batch_lib
+from arl_jax.core import packing as packing_lib
+from arl_jax.core import rollout as rollout_lib
+from arl_jax.core import train_batch as train_batch_lib
 from arl_jax.distributed import shard_plan
 from arl_jax.testing import lockstep_worker
 

@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import rollout as rollout_lib
 from arl_jax.distributed import wire
 
 

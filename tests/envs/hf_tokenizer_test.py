@@ -61,8 +61,9 @@ def test_a_chat_agent_run_with_a_tokenizer_json(tokenizer_path, tmp_path):
   sampler stops on <|im_end|>, the tool answers in a `tool` turn."""
   import numpy as np
 
-  from arl_jax import config_lib, run_lib
+  from arl_jax.config import run_spec
   from arl_jax.testing import tiny
+  from arl_jax.training import run_lib
   config = tiny.load_config("tool_agent", "tiny")
   config.tokenizer.update(kind="hf", path=tokenizer_path, eos_token="</s>", pad_token="<pad>",
                           chat_template="chatml")
@@ -71,7 +72,7 @@ def test_a_chat_agent_run_with_a_tokenizer_json(tokenizer_path, tmp_path):
   config.model.max_seq_len = 64
   config.num_steps = 2
   config.eval_every = 2
-  spec = config_lib.build(config)
+  spec = run_spec.build(config)
   tok = hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>", pad_token="<pad>",
                                  chat_template="chatml")
   eot = tok.end_of_turn_id
@@ -95,8 +96,8 @@ def test_a_chat_agent_run_with_a_tokenizer_json(tokenizer_path, tmp_path):
       observed += 1
   assert observed > 0, "no episode called the tool"
   config.tokenizer.eos_token = "<eos>"
-  with pytest.raises(config_lib.ConfigError, match="config.tokenizer: .*'<eos>' is not in"):
-    config_lib.build(config)
+  with pytest.raises(run_spec.ConfigError, match="config.tokenizer: .*'<eos>' is not in"):
+    run_spec.build(config)
 
 
 def test_auto_settings_come_from_the_folder_s_tokenizer_config(tokenizer_path, tmp_path):

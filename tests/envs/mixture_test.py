@@ -6,10 +6,11 @@ import os
 import numpy as np
 import pytest
 
-from arl_jax import config_lib, run_lib
+from arl_jax.config import run_spec
 from arl_jax.envs import env_api, mixture, prompt_data, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.testing import tiny
+from arl_jax.training import run_lib
 
 
 def _mixture_cfg(**components):
@@ -93,7 +94,7 @@ def test_a_mixed_run_reports_reward_and_drops_per_environment(tmp_path):
   config.num_steps = 4
   config.eval_every = 4
   config.orchestrator.max_off_policy_steps = 0  # drop something, to see it per environment
-  spec = config_lib.build(config)
+  spec = run_spec.build(config)
   assert spec.engine.multi_turn
   result = run_lib.run(config, str(tmp_path), print_fn=lambda *_: None)
   assert result.final_version == 4

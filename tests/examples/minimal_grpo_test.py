@@ -5,8 +5,8 @@ import sys
 
 import numpy as np
 
-from arl_jax import run_lib
 from arl_jax.testing import tiny
+from arl_jax.training import run_lib
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "examples"))
 import minimal_grpo  # noqa: E402

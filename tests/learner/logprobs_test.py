@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arl_jax import config_lib
+from arl_jax.config import run_spec
 from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import loss_settings
 from arl_jax.models import decoder as decoder_lib
@@ -107,5 +107,5 @@ def test_a_train_step_with_chunked_scoring_equals_the_whole_one():
 def test_a_negative_chunk_is_a_config_error():
   config = tiny.load_config()
   config.learner.logprob_chunk = -1
-  with pytest.raises(config_lib.ConfigError, match="learner.logprob_chunk"):
-    config_lib.resolve(config)
+  with pytest.raises(run_spec.ConfigError, match="learner.logprob_chunk"):
+    run_spec.resolve(config)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arl_jax import advantages as advantages_lib
+from arl_jax.core import advantages as advantages_lib
 from arl_jax.learner import losses, mismatch
 from arl_jax.learner import vtrace as vtrace_lib
 

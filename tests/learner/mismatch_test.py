@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arl_jax import settings
+from arl_jax.core import settings
 from arl_jax.learner import loss_settings, losses, mismatch
 
 # log w = log pi_prox - log mu: w = 1.2214, 0.6065, 1 | 1.6487, 0.7408 (+ padding).

@@ -7,7 +7,7 @@ import numpy as np
 import optax
 import pytest
 
-from arl_jax import settings
+from arl_jax.core import settings
 from arl_jax.learner import optim
 
 

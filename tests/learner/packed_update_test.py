@@ -11,15 +11,15 @@ import numpy as np
 import optax
 import pytest
 
-from arl_jax import packing as packing_lib
-from arl_jax import train_batch as train_batch_lib
+from arl_jax.core import packing as packing_lib
+from arl_jax.core import train_batch as train_batch_lib
 from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import loss_settings
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import update as update_lib
 from arl_jax.sharding import mesh_lib
 from arl_jax.testing import tiny
-from tests.packing_test import random_groups
+from tests.core.packing_test import random_groups
 
 FSDP = 2
 KW = dict(prompt_len=8, max_new_tokens=24, pad_id=256, advantage_estimator="grpo")
@@ -114,7 +114,7 @@ def test_learner_logprobs_of_packed_rows_equal_the_samplers_records():
   rollouts = [r for rs in groups[:4] for r in rs]
   for i, r in enumerate(rollouts):  # assemble wants rewards and whole groups
     r.reward = float(i % 2)
-  from arl_jax import rollout as rollout_lib
+  from arl_jax.core import rollout as rollout_lib
   batch_groups = [rollout_lib.Group(group_id=g, prompt_id=g, dispatch_version=0,
                                     rollouts=rollouts[4 * g:4 * g + 4]) for g in range(4)]
   packed = train_batch_lib.assemble(
@@ -131,17 +131,17 @@ def test_learner_logprobs_of_packed_rows_equal_the_samplers_records():
 
 
 def test_pack_len_reaches_the_learner_loop_through_the_config():
-  from arl_jax import config_lib
+  from arl_jax.config import run_spec
   config = tiny.load_config()
   config.learner.pack_len = 64
   config.learner.num_minibatches = 2
-  spec = config_lib.build(config)
+  spec = run_spec.build(config)
   assert spec.packing == packing_lib.Packing(
       pack_len=64, num_slices=2, row_multiple=4,
       attention_width=packing_lib.attention_width(spec.model))
   config.learner.pack_len = -1
-  with pytest.raises(config_lib.ConfigError, match="learner.pack_len"):
-    config_lib.build(config)
+  with pytest.raises(run_spec.ConfigError, match="learner.pack_len"):
+    run_spec.build(config)
   config.learner.pack_len = 0
-  assert config_lib.build(config).packing is None
+  assert run_spec.build(config).packing is None
 

@@ -6,13 +6,13 @@ import numpy as np
 import optax
 import pytest
 
-from arl_jax import trace_counter
-from arl_jax import train_batch as train_batch_lib
+from arl_jax.core import train_batch as train_batch_lib
 from arl_jax.learner import logprobs as logprobs_lib
 from arl_jax.learner import loss_settings
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import update as update_lib
+from arl_jax.sampler import trace_counter
 from arl_jax.sharding import mesh_lib
 from arl_jax.testing import tiny
 

@@ -218,8 +218,8 @@ def test_an_exported_model_answers_in_transformers_as_in_arl_jax_s_evaluator(con
   token, and so do the rewards."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
-  from arl_jax import evaluation
   from arl_jax.envs import env_api, math_answer
+  from arl_jax.training import evaluation
 
   folder = str(converted / "hf")
   meshes = tiny.single_device_meshes()

@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from arl_jax import config_lib
+from arl_jax.config import run_spec
 from arl_jax.models import hf_config, hf_params
 from arl_jax.models import rope as rope_lib
 from arl_jax.testing import tiny
@@ -147,10 +147,10 @@ def test_config_validation_names_hf_path_the_file_and_the_key(tmp_path):
   config.model = dict(hf_path=str(folder), max_seq_len=64, param_dtype="float32",
                       value_head=False)
   path = os.path.join(str(folder), "config.json")
-  with pytest.raises(config_lib.ConfigError, match=re.escape(
+  with pytest.raises(run_spec.ConfigError, match=re.escape(
       f"config.model.hf_path: {path}: tie_word_embeddings must be true or false, got \"false\" "
       "(a string)")):
-    config_lib.build(config)
+    run_spec.build(config)
 
 
 def test_export_config_carries_the_model_s_rope():

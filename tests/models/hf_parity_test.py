@@ -222,8 +222,11 @@ def test_a_run_starts_from_a_hugging_face_folder(tmp_path):
   """`model.hf_path`: shapes from config.json, weights as the run's start. The
   first batch was sampled by the imported weights: its behaviour log-probs are
   what `transformers` computes for those tokens."""
-  from arl_jax import checkpointing, config_lib, export_hf, run_lib  # noqa: PLC0415
+  from arl_jax import export_hf  # noqa: PLC0415
+  from arl_jax.config import run_spec  # noqa: PLC0415
+  from arl_jax.learner import checkpointing  # noqa: PLC0415
   from arl_jax.models import init_lib  # noqa: PLC0415
+  from arl_jax.training import run_lib  # noqa: PLC0415
 
   folder = str(tmp_path / "hf")
   config_cls, extra = FAMILIES["qwen2"]
@@ -233,8 +236,8 @@ def test_a_run_starts_from_a_hugging_face_folder(tmp_path):
   model.save_pretrained(folder, safe_serialization=True)
   config = tiny.load_config("arith", "tiny")
   config.model.hf_path = folder  # beside the tiny config's own shapes: ambiguous
-  with pytest.raises(config_lib.ConfigError, match=r"model.hf_path: \['d_model', .* come from"):
-    config_lib.build(config)
+  with pytest.raises(run_spec.ConfigError, match=r"model.hf_path: \['d_model', .* come from"):
+    run_spec.build(config)
   config.model = dict(hf_path=folder, max_seq_len=64, param_dtype="float32", value_head=False)
   config.num_steps, config.eval_every, config.warmup.steps = 1, 0, 0
   config.checkpoint = {"save_final": True}

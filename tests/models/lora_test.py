@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arl_jax import settings
-from arl_jax import train_batch as train_batch_lib
+from arl_jax.core import settings
+from arl_jax.core import train_batch as train_batch_lib
 from arl_jax.learner import loss_settings
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from jax.experimental.pallas.ops.tpu import ragged_paged_attention as ragged_kernel
 
-from arl_jax import config_lib
-from arl_jax import rows as rows_lib
+from arl_jax.config import run_spec
+from arl_jax.core import rows as rows_lib
 from arl_jax.models import paged_attention, paged_blocks, paged_kv_cache
 from arl_jax.sampler import sampling, slot_fns, token_draw
 from arl_jax.sharding import mesh_lib
@@ -199,22 +199,22 @@ def test_the_kernels_are_refused_without_their_devices():
   config = tiny.load_config()
   config.sampler.kv_cache = "paged"
   config.sampler.paged_attention = "pallas"
-  with pytest.raises(config_lib.ConfigError, match="sampler.paged_attention.*GPU kernel"):
-    config_lib.resolve(config)
+  with pytest.raises(run_spec.ConfigError, match="sampler.paged_attention.*GPU kernel"):
+    run_spec.resolve(config)
   config.sampler.paged_attention = "ragged"
-  with pytest.raises(config_lib.ConfigError, match="sampler.paged_attention.*TPU kernel"):
-    config_lib.resolve(config)
+  with pytest.raises(run_spec.ConfigError, match="sampler.paged_attention.*TPU kernel"):
+    run_spec.resolve(config)
   # Planned devices have no platform to check; the model and the mesh are.
-  with pytest.raises(config_lib.ConfigError, match="needs a head_dim that is a multiple of 128"):
-    config_lib.resolve(config, devices=list(range(1)))
+  with pytest.raises(run_spec.ConfigError, match="needs a head_dim that is a multiple of 128"):
+    run_spec.resolve(config, devices=list(range(1)))
   config.model.head_dim = 128
-  config_lib.resolve(config, devices=list(range(8)))  # (per device on a sampler mesh)
+  run_spec.resolve(config, devices=list(range(8)))  # (per device on a sampler mesh)
   # The kernel tiles each device's heads: 12 KV heads do, a tp = 2 shard's 6 do not.
   config.model.update(num_heads=24, num_kv_heads=12)
-  config_lib.resolve(config, devices=list(range(8)))
+  run_spec.resolve(config, devices=list(range(8)))
   config.mesh.sampler = (("data", -1), ("tp", 2))
-  with pytest.raises(config_lib.ConfigError, match="cannot tile 6 KV heads in float32"):
-    config_lib.resolve(config, devices=list(range(8)))
+  with pytest.raises(run_spec.ConfigError, match="cannot tile 6 KV heads in float32"):
+    run_spec.resolve(config, devices=list(range(8)))
   assert "cannot tile 3 KV heads" in paged_attention.ragged_geometry_problem(
       num_heads=6, num_kv_heads=3, head_dim=128, dtype="float32")
   assert "cannot tile 12 KV heads" in paged_attention.ragged_geometry_problem(
@@ -226,8 +226,8 @@ def test_the_kernels_are_refused_without_their_devices():
                                       head_dim=8, num_pages=4, page_size=4,
                                       attention="ragged", layout="split")
   config.sampler.kv_cache = "dense"
-  with pytest.raises(config_lib.ConfigError, match="sampler.paged_attention.*needs kv_cache"):
-    config_lib.resolve(config)
+  with pytest.raises(run_spec.ConfigError, match="sampler.paged_attention.*needs kv_cache"):
+    run_spec.resolve(config)
 
 
 def test_the_ragged_kernel_builds_from_a_decode_steps_arguments():

@@ -12,11 +12,14 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from arl_jax import checkpointing, config_lib, export_hf, run_lib
+from arl_jax import export_hf
+from arl_jax.config import run_spec
+from arl_jax.learner import checkpointing
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import hf_params, init_lib, lora, peft_adapters
 from arl_jax.sharding import rules as rules_lib
 from arl_jax.testing import tiny
+from arl_jax.training import run_lib
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
@@ -55,7 +58,7 @@ def trained(tmp_path_factory):
   base_model = _base_folder(folder)
   config = _config(folder)
   run_lib.run(config, str(root / "run"), print_fn=lambda *_: None)
-  spec = config_lib.build(config)
+  spec = run_spec.build(config)
   mesh = tiny.role_meshes().learner
   graphdef, abstract = init_lib.abstract_model(spec.model)
   abstract_adapters, _ = lora.split(abstract)
@@ -112,7 +115,7 @@ def test_an_actor_critic_lora_run_exports_its_policy(trained, tmp_path):
   peft_out = str(tmp_path / "peft")
   export_hf.export(str(tmp_path / "run" / "checkpoints"), trained["folder"],
                    str(tmp_path / "merged"), peft_out=peft_out)
-  spec, mesh = config_lib.build(config), trained["mesh"]
+  spec, mesh = run_spec.build(config), trained["mesh"]
   graphdef, abstract = init_lib.abstract_model(spec.model)
   trainable, _ = lora.split(abstract)  # (the adapters and the head)
   shardings = rules_lib.state_shardings(trainable, mesh, rules_lib.LEARNER_RULES)
@@ -154,9 +157,9 @@ def test_a_peft_folder_starts_a_run_s_adapters_and_other_shapes_are_refused(trai
   run_lib.run(config, str(tmp_path / "run"), print_fn=lines.append)
   assert f"LoRA adapters from {peft_out}" in lines
   config.learner.lora.rank = 8
-  with pytest.raises(config_lib.ConfigError, match=r"config.learner.lora.init_from: .*rank 4, "
+  with pytest.raises(run_spec.ConfigError, match=r"config.learner.lora.init_from: .*rank 4, "
                      r"alpha 8.0.*learner.lora has rank 8"):
-    config_lib.build(config)
+    run_spec.build(config)
   # A run that trained the whole model has no adapters to write.
   plain = _config(trained["folder"])
   plain.learner.lora.rank = 0

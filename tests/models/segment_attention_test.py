@@ -123,20 +123,20 @@ def test_the_gpu_kernel_with_a_narrowed_tile_equals_the_xla_path():
 
 
 def test_the_accelerator_kernels_need_their_platform():
-  from arl_jax import config_lib
+  from arl_jax.config import run_spec
   from arl_jax.testing import tiny
   config = tiny.load_config()
   config.learner.attention = "splash"
-  with pytest.raises(config_lib.ConfigError, match="learner.attention: 'splash' is the TPU"):
-    config_lib.build(config)
+  with pytest.raises(run_spec.ConfigError, match="learner.attention: 'splash' is the TPU"):
+    run_spec.build(config)
   config.learner.attention = "pallas_gpu"
-  with pytest.raises(config_lib.ConfigError, match="learner.attention: 'pallas_gpu' is the GPU"):
-    config_lib.build(config)
+  with pytest.raises(run_spec.ConfigError, match="learner.attention: 'pallas_gpu' is the GPU"):
+    run_spec.build(config)
   config.learner.attention = "auto"  # the platform's kernel: XLA's on CPU
-  assert config_lib.build(config).loss.scoring.attention == "xla"
+  assert run_spec.build(config).loss.scoring.attention == "xla"
   config.learner.attention = "flash"
-  with pytest.raises(config_lib.ConfigError, match="learner.attention: must be one of"):
-    config_lib.build(config)
+  with pytest.raises(run_spec.ConfigError, match="learner.attention: must be one of"):
+    run_spec.build(config)
 
 
 @pytest.mark.parametrize("remat", ["block", "dots"])

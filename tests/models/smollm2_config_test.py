@@ -5,10 +5,11 @@ its byte-level tokenizer and its own Jinja chat template, the shipped
 
 import pytest
 
-from arl_jax import config_lib, run_lib
+from arl_jax.config import run_spec
 from arl_jax.envs import env_api
 from arl_jax.models import gguf_convert
 from arl_jax.testing import gguf_files, tiny
+from arl_jax.training import run_lib
 
 pytest.importorskip("gguf")
 
@@ -27,7 +28,7 @@ def test_the_smollm2_config_runs_on_a_converted_gguf_folder(tmp_path):
   config.learner.pack_len = 0
   config.update(num_steps=1, eval_every=1, eval_size=4)
   config.checkpoint.update(every_steps=0, save_final=False)
-  resolved = config_lib.resolve(config)
+  resolved = run_spec.resolve(config)
   prompt = resolved.inputs.eval_prompts[0]
   text = resolved.inputs.tokenizer.decode(env_api.encode_user_prompt(
       resolved.inputs.tokenizer, prompt.text))

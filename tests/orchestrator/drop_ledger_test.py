@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import rollout as rollout_lib
 from arl_jax.orchestrator import drop_ledger as drop_ledger_lib
 
 
@@ -59,7 +59,7 @@ def test_counts_by_reason_env_length_and_task(mask_truncated):
 
 
 def test_masked_rollouts_leave_the_loss_and_the_baseline():
-  from arl_jax import train_batch as train_batch_lib
+  from arl_jax.core import train_batch as train_batch_lib
   g = group(0, 0, [3, 3, 3, 8], ["stop", "stop", "error", "length"])
   for r, reward in zip(g.rollouts, (1.0, 0.0, 5.0, 7.0)):
     r.reward = reward

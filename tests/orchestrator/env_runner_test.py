@@ -6,10 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from arl_jax import episode as episode_lib
-from arl_jax import train_batch as train_batch_lib
+from arl_jax.core import episode as episode_lib
+from arl_jax.core import group_request as group_request_lib
+from arl_jax.core import train_batch as train_batch_lib
 from arl_jax.envs import env_api
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import env_runner as env_runner_lib
 from tests.orchestrator.staleness_test import make_group
 
@@ -21,7 +21,7 @@ class _Prompt:
 
 
 def _request(group_id=0, group_size=3, prompt=None):
-  return dispatcher_lib.GroupRequest(group_id=group_id, prompt=prompt or _Prompt(),
+  return group_request_lib.GroupRequest(group_id=group_id, prompt=prompt or _Prompt(),
                                      prompt_ids=(1, 2), dispatch_version=0,
                                      group_size=group_size, dispatch_time=time.monotonic())
 

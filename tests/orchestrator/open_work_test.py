@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from arl_jax import episode as episode_lib
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import episode as episode_lib
+from arl_jax.core import rollout as rollout_lib
 from arl_jax.envs import env_api
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib

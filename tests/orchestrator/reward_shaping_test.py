@@ -4,7 +4,7 @@ reaches the orchestrator, before dynamic sampling sees the rewards."""
 import numpy as np
 import pytest
 
-from arl_jax import rollout as rollout_lib
+from arl_jax.core import rollout as rollout_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib

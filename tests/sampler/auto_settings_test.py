@@ -5,7 +5,7 @@ what was chosen."""
 import jax
 import pytest
 
-from arl_jax import config_lib
+from arl_jax.config import run_spec
 from arl_jax.sampler import auto_settings
 from arl_jax.testing import tiny
 
@@ -41,22 +41,22 @@ def test_a_config_s_auto_settings_resolve_and_are_named(max_new_tokens, kv_cache
   config = tiny.load_config("arith", None)
   config.sampler.max_new_tokens = max_new_tokens
   config.model.max_seq_len = 2048
-  spec = config_lib.build(config, jax.devices()[:1])
+  spec = run_spec.build(config, jax.devices()[:1])
   assert spec.engine.kv_cache == kv_cache
   assert any(c.startswith(f"kv_cache={kv_cache} (auto: ") for c in spec.choices)
   # 0.43M parameters on 128 CPU slots: ~1.2 ms a step estimated, no bursts.
   assert spec.engine.decode_burst == 1
   assert any(c.startswith("decode_burst=1 (auto: a cpu decode step") for c in spec.choices)
-  planned = config_lib.build(config, list(range(8)))  # (--dry_run_devices: an accelerator)
+  planned = run_spec.build(config, list(range(8)))  # (--dry_run_devices: an accelerator)
   assert planned.engine.decode_burst == 4
 
 
 def test_explicit_settings_are_kept_and_not_reported():
   config = tiny.load_config("arith", None)
   config.sampler.update(kv_cache="paged", decode_burst=2)
-  spec = config_lib.build(config, jax.devices()[:1])
+  spec = run_spec.build(config, jax.devices()[:1])
   assert (spec.engine.kv_cache, spec.engine.decode_burst, spec.choices) == ("paged", 2, ())
   config.sampler.update(kv_cache="auto", kv_memory_fraction=0.5, decode_burst=-1)
-  with pytest.raises(config_lib.ConfigError, match=r"sampler.decode_burst: must be an int >= 1 "
+  with pytest.raises(run_spec.ConfigError, match=r"sampler.decode_burst: must be an int >= 1 "
                                                    r"\(0: auto\), got -1"):
-    config_lib.build(config, jax.devices()[:1])
+    run_spec.build(config, jax.devices()[:1])

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from arl_jax import rows as rows_lib
+from arl_jax.core import rows as rows_lib
 from arl_jax.sampler import (
   engine_config,
   precompile,

@@ -2,15 +2,15 @@
 
 import numpy as np
 
-from arl_jax import episode as episode_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.core import episode as episode_lib
+from arl_jax.core import group_request as group_request_lib
 from arl_jax.sampler import insert_batch, sampling
 
 PAD = 99
 
 
 def _episode(group_id, prompt, *, completion=(), open_tokens=(), budget=None, turns=0):
-  request = dispatcher_lib.GroupRequest(group_id=group_id, prompt=f"p{group_id}",
+  request = group_request_lib.GroupRequest(group_id=group_id, prompt=f"p{group_id}",
                                         prompt_ids=tuple(prompt), dispatch_version=0,
                                         group_size=1, dispatch_time=0.0, max_new_tokens=budget)
   episode = episode_lib.Episode(request=request, sample_index=0, turns=turns)

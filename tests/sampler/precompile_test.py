@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.core import group_request as group_request_lib
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import engine_config, precompile, sampling
 from arl_jax.testing import tiny
@@ -96,7 +96,7 @@ class _Requests:
       time.sleep(timeout)
     ids = range(self._next, self._next + n)
     self._next += n
-    return [dispatcher_lib.GroupRequest(
+    return [group_request_lib.GroupRequest(
         group_id=i, prompt=i, prompt_ids=tuple(int(t) for t in self._prompts[i]),
         dispatch_version=live_version, group_size=1, dispatch_time=time.monotonic(),
         max_new_tokens=int(self._budgets[i])) for i in ids]

@@ -21,7 +21,7 @@ from tests.sampler.fake_device import FakeDevice
 
 @dataclasses.dataclass(frozen=True)
 class Request:
-  """The fields of a `dispatcher.GroupRequest` the scheduler reads."""
+  """The fields of a `group_request.GroupRequest` the scheduler reads."""
 
   group_id: int
   prompt_ids: tuple[int, ...]

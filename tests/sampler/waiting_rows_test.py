@@ -2,13 +2,13 @@
 
 import threading
 
-from arl_jax import episode as episode_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.core import episode as episode_lib
+from arl_jax.core import group_request as group_request_lib
 from arl_jax.sampler import waiting_rows
 
 
 def _row(group_id, sample_index=0):
-  request = dispatcher_lib.GroupRequest(group_id=group_id, prompt=None, prompt_ids=(1,),
+  request = group_request_lib.GroupRequest(group_id=group_id, prompt=None, prompt_ids=(1,),
                                         dispatch_version=0, group_size=2, dispatch_time=0.0)
   episode = episode_lib.Episode(request=request, sample_index=sample_index)
   return waiting_rows.Row(episode=episode, ready_time=0.0)

@@ -8,9 +8,10 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from arl_jax import checkpointing, config_lib, run_lib
+from arl_jax.config import run_spec
+from arl_jax.learner import checkpointing
 from arl_jax.testing import tiny
-from arl_jax.training import start
+from arl_jax.training import run_lib, start
 
 RANK = 4
 
@@ -36,27 +37,27 @@ def _saved_state(workdir):
 
 def test_the_lora_section_resolves_and_its_errors_name_the_key():
   config = tiny.load_config("arith", "tiny")
-  assert config_lib.build(config).model.lora.rank == 0  # every config has it, off
+  assert run_spec.build(config).model.lora.rank == 0  # every config has it, off
   config.learner.lora.update(rank=8, alpha=16, targets=("q_proj", "v_proj"),
                              base_dtype="bfloat16")
-  spec = config_lib.build(config)
+  spec = run_spec.build(config)
   assert (spec.model.lora.rank, spec.model.lora.scale, spec.model.base_dtype) == (8, 2.0,
                                                                                    "bfloat16")
   # The sampler runs every parameter in its own dtype.
   assert spec.sampler_model.base_dtype == spec.sampler_model.param_dtype
   config.learner.lora.rnak = 2
-  with pytest.raises(config_lib.ConfigError, match=r"config.learner.lora: unknown key\(s\) "
+  with pytest.raises(run_spec.ConfigError, match=r"config.learner.lora: unknown key\(s\) "
                      r"\['rnak'\]"):
-    config_lib.build(config)
+    run_spec.build(config)
   del config.learner.lora.rnak
   config.learner.lora.targets = ("qkv",)
-  with pytest.raises(config_lib.ConfigError,
+  with pytest.raises(run_spec.ConfigError,
                      match=r"config.learner.lora.targets: unknown module\(s\) \['qkv'\]"):
-    config_lib.build(config)
+    run_spec.build(config)
   config.learner.lora.targets = ("all",)
   config.learner.lora.init_from = "/nonexistent/peft"
-  with pytest.raises(config_lib.ConfigError, match="config.learner.lora.init_from: "):
-    config_lib.build(config)
+  with pytest.raises(run_spec.ConfigError, match="config.learner.lora.init_from: "):
+    run_spec.build(config)
 
 
 def test_a_resumed_lora_run_equals_an_uninterrupted_one_and_saves_adapters_only(tmp_path):
@@ -71,7 +72,7 @@ def test_a_resumed_lora_run_equals_an_uninterrupted_one_and_saves_adapters_only(
   for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(split), strict=True):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # The checkpoint: the adapters, Adam's two moments of them, and scalars; no base.
-  spec = config_lib.build(_config(4))
+  spec = run_spec.build(_config(4))
   params = sum(np.size(x) for x in jax.tree.leaves(whole["params"]))
   assert params == spec.model.adapter_params
   assert sum(np.size(x) for x in jax.tree.leaves(whole)) < 3 * params + 16
@@ -120,7 +121,7 @@ def test_a_critic_trains_in_full_beside_the_adapters(tmp_path):
   config.warmup.steps = 0
   lines = []
   assert run_lib.run(config, str(tmp_path / "lora"), print_fn=lines.append).complete
-  spec = config_lib.build(config)
+  spec = run_spec.build(config)
   assert spec.model.trainable_params == spec.model.adapter_params + spec.model.d_model
   assert any(f"and the value head ({spec.model.trainable_params:,} trainable" in line
              for line in lines)

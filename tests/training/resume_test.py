@@ -8,8 +8,9 @@ import os
 
 import pytest
 
-from arl_jax import checkpointing, run_lib
+from arl_jax.learner import checkpointing
 from arl_jax.testing import tiny
+from arl_jax.training import run_lib
 
 
 def _config(num_steps):

@@ -10,9 +10,8 @@ import time
 
 import pytest
 
-from arl_jax import evaluation, run_lib
 from arl_jax.testing import tiny
-from arl_jax.training import sampled_eval
+from arl_jax.training import evaluation, run_lib, sampled_eval
 
 
 def _rows(workdir):

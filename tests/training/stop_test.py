@@ -49,8 +49,8 @@ def test_a_run_stopped_after_its_warm_up_saves_version_0_and_resumes_without_war
   """The stop arrives once the warm-up is done but before the first update:
   the run is incomplete (launch exits 75), version 0 (the warmed-up params)
   is saved, and a rerun resumes from it instead of warming up again."""
-  from arl_jax import run_lib  # noqa: PLC0415
   from arl_jax.testing import tiny  # noqa: PLC0415
+  from arl_jax.training import run_lib  # noqa: PLC0415
 
   config = tiny.load_config("arith", "tiny")
   config.checkpoint.save_final = True
