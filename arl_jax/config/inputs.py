@@ -10,6 +10,7 @@ import itertools
 import numpy as np
 
 from arl_jax.envs import prompt_data, prompt_source
+from arl_jax.orchestrator import work_record
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,7 +59,7 @@ def skipped_records(inputs: Inputs) -> list[dict]:
           if source.skipped]
 
 
-def prompt_stream(spec, inputs: Inputs, work: dict | None):
+def prompt_stream(spec, inputs: Inputs, work: work_record.WorkRecord | None):
   """The training prompts as the dispatcher draws them: one shuffled stream,
   or for a mixture a stream drawing from each environment by its weight;
   where a resumed run left it when `work` (a checkpoint's open work) is given.
@@ -78,10 +79,10 @@ def prompt_stream(spec, inputs: Inputs, work: dict | None):
     stream = prompt_data.mixed_iterator(by_env, weights, spec.seed, **whole)
   if work is None:
     return stream
-  if work["stream_state"] is not None:  # the grain iterator's saved position
-    stream.set_state(work["stream_state"])
+  if work.stream_state is not None:  # the grain iterator's saved position
+    stream.set_state(work.stream_state)
     return stream
-  return itertools.islice(stream, work["prompts_drawn"], None)
+  return itertools.islice(stream, work.prompts_drawn, None)
 
 
 def warmup_subset(spec, inputs: Inputs) -> list:

@@ -23,6 +23,8 @@ block from the groups its own sampler (and any sampler process) delivered.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import numpy as np
 
@@ -128,17 +130,18 @@ def _bucket(size: int) -> int:
 
 def collect_held(run_record: dict | None, here, mesh) -> None:
   """Before a save: the completions of held groups in process 0's open work
-  (`run_record`, whose `done` episodes with `held_by` get their arrays) come
+  (`run_record["work"]`, a `work_record.WorkRecord` whose `done` episodes with
+  `held_by` are replaced by ones with their arrays) come
   from their holders (`here`, as in `local_batch`; the others pass
   `run_record` None). Every process calls it at the same point."""
   leader = run_record is not None
   entries = []
   if leader:
-    for group in run_record["work"]["groups"]:
-      for index, episode in enumerate(group["episodes"]):
-        if "held_by" in episode:
-          entries.append((group["group_id"], index, episode["held_by"],
-                          episode["completion_length"], episode))
+    for g, group in enumerate(run_record["work"].groups):
+      for index, episode in enumerate(group.episodes):
+        if episode.held_by is not None:
+          entries.append((group.group_id, index, episode.held_by, episode.completion_length,
+                          (g, episode)))
   count = int(lockstep.broadcast(np.array([len(entries)], np.int32), mesh)[0])
   if not count:
     return
@@ -154,14 +157,20 @@ def collect_held(run_record: dict | None, here, mesh) -> None:
   gathered, offsets = _exchange(data, table[:, 2], sizes, mesh)
   if not leader:
     return
-  for (_, _, holder, length, episode), offset in zip(entries, offsets):
+  work = run_record["work"]
+  groups = [list(group.episodes) for group in work.groups]
+  for (_, index, holder, length, (g, episode)), offset in zip(entries, offsets):
     arrays = held_groups.from_bytes(gathered[holder], int(offset), 0, length,
-                                    episode["reward"], prompt=False)
-    del episode["held_by"], episode["completion_length"]
-    episode.update(completion_ids=arrays.completion_ids.tolist(),
-                   loss_mask=arrays.loss_mask.tolist(),
-                   logprobs=arrays.behaviour_logprobs.tolist(),
-                   versions=arrays.token_versions.tolist())
+                                    episode.reward, prompt=False)
+    groups[g][index] = dataclasses.replace(
+        episode, held_by=None, completion_length=None,
+        completion_ids=tuple(arrays.completion_ids.tolist()),
+        loss_mask=tuple(arrays.loss_mask.tolist()),
+        logprobs=tuple(arrays.behaviour_logprobs.tolist()),
+        versions=tuple(arrays.token_versions.tolist()))
+  run_record["work"] = dataclasses.replace(work, groups=tuple(
+      dataclasses.replace(group, episodes=tuple(episodes))
+      for group, episodes in zip(work.groups, groups)))
 
 
 class LeaderShards:

@@ -45,7 +45,7 @@ from collections.abc import Callable, Iterator
 from arl_jax.core import group_request as group_request_lib
 from arl_jax.envs import prompt_codec
 from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import open_work, staleness
+from arl_jax.orchestrator import open_work, staleness, work_record
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -305,9 +305,9 @@ class Dispatcher:
       self.num_cancelled += len(doomed)
     return doomed
 
-  def snapshot_work(self, partials: dict, exclude=frozenset()) -> dict:
-    """What a resumed run needs to go on with this dispatcher's work, as JSON:
-    the prompt stream's position, every open group with its episodes at their
+  def snapshot_work(self, partials: dict, exclude=frozenset()) -> work_record.WorkRecord:
+    """What a resumed run needs to go on with this dispatcher's work: the
+    prompt stream's position, every open group with its episodes at their
     restart points (`open_work.py`; `partials`: the open segments of episodes
     in sampler slots), the requeued prompts and the counters.
 
@@ -318,18 +318,18 @@ class Dispatcher:
     """
     with self._cond:
       get_state = getattr(self._prompts, "get_state", None)  # a grain iterator's position
-      return {
-          "prompts_drawn": self.prompts_drawn,
-          "stream_state": get_state() if get_state is not None else None,
-          "groups": self.work.snapshot(partials, exclude, prompt_codec.to_json),
-          "requeued": [[prompt_codec.to_json(prompt), attempt]
-                       for prompt, _, attempt in self._requeued],
-          "next_group_id": self._next_group_id,
-          "counters": {"started": self.num_started, "cancelled": self.num_cancelled,
-                       "requeued": self.num_requeued, "reassigned": self.num_reassigned},
-      }
+      return work_record.WorkRecord(
+          prompts_drawn=self.prompts_drawn,
+          stream_state=get_state() if get_state is not None else None,
+          groups=tuple(self.work.snapshot(partials, exclude, prompt_codec.to_json)),
+          requeued=tuple((prompt_codec.to_json(prompt), attempt)
+                         for prompt, _, attempt in self._requeued),
+          next_group_id=self._next_group_id,
+          counters=work_record.WorkCounters(
+              started=self.num_started, cancelled=self.num_cancelled,
+              requeued=self.num_requeued, reassigned=self.num_reassigned))
 
-  def restore_work(self, work: dict) -> list[open_work.RestoredGroup]:
+  def restore_work(self, work: work_record.WorkRecord) -> list[open_work.RestoredGroup]:
     """Takes back a `snapshot_work` (before any `take`): its groups are open
     again with their ids and dispatch versions (in the buffer's dispatch queue
     in id order, ahead of anything new), its requeued prompts come before new
@@ -340,13 +340,12 @@ class Dispatcher:
       if self._next_group_id or self._in_system:
         raise RuntimeError("restore_work must come before any dispatch")
       restored = []
-      for record in work["groups"]:
-        prompt = prompt_codec.from_json(record["prompt"])
+      for record in work.groups:
+        prompt = prompt_codec.from_json(record.prompt)
         request = group_request_lib.GroupRequest(
-            group_id=int(record["group_id"]), prompt=prompt,
-            prompt_ids=tuple(int(t) for t in record["prompt_ids"]),
-            dispatch_version=int(record["dispatch_version"]), group_size=self._cfg.group_size,
-            dispatch_time=self._clock(), attempt=int(record["attempt"]),
+            group_id=record.group_id, prompt=prompt, prompt_ids=record.prompt_ids,
+            dispatch_version=record.dispatch_version, group_size=self._cfg.group_size,
+            dispatch_time=self._clock(), attempt=record.attempt,
             max_new_tokens=self._budget_fn(prompt) if self._budget_fn is not None else None)
         group = self.work.restore_group(record, request)
         self._in_system[request.group_id] = request
@@ -356,15 +355,15 @@ class Dispatcher:
             self._oldest_sampled[request.group_id] = group.oldest_sampled
           self._start_generating(request.group_id)
         restored.append(group)
-      self._requeued.extend((prompt_codec.from_json(p), None, int(attempt))
-                            for p, attempt in work["requeued"])
-      self._next_group_id = int(work["next_group_id"])
-      self.prompts_drawn = int(work["prompts_drawn"])
-      counters = work["counters"]
-      self.num_started = int(counters["started"])
-      self.num_cancelled = int(counters["cancelled"])
-      self.num_requeued = int(counters["requeued"])
-      self.num_reassigned = int(counters.get("reassigned", 0))
+      self._requeued.extend((prompt_codec.from_json(p), None, attempt)
+                            for p, attempt in work.requeued)
+      self._next_group_id = work.next_group_id
+      self.prompts_drawn = work.prompts_drawn
+      counters = work.counters
+      self.num_started = counters.started
+      self.num_cancelled = counters.cancelled
+      self.num_requeued = counters.requeued
+      self.num_reassigned = counters.reassigned
     return restored
 
   @property

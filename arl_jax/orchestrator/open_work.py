@@ -39,8 +39,9 @@ import numpy as np
 
 from arl_jax.core import episode as episode_lib
 from arl_jax.core import rollout as rollout_lib
+from arl_jax.orchestrator import work_record
 
-STAGES = ("sample", "env", "done")
+STAGES = work_record.STAGES
 
 
 @dataclasses.dataclass
@@ -149,8 +150,9 @@ class OpenWork:
       for gid in group_ids:
         self._groups.pop(gid, None)
 
-  def snapshot(self, partials: dict, exclude=frozenset(), prompt_to_json=lambda p: p) -> list:
-    """Every open group as JSON, in group-id order.
+  def snapshot(self, partials: dict, exclude=frozenset(),
+               prompt_to_json=lambda p: p) -> list[work_record.GroupRecord]:
+    """Every open group as a record, in group-id order.
 
     Args:
       partials: `{(group_id, sample_index): (tokens, logprobs, versions)}`, the
@@ -160,94 +162,86 @@ class OpenWork:
       prompt_to_json: prompt record -> JSON.
     """
     with self._lock:
-      return [self._group_json(g, partials, prompt_to_json)
+      return [self._group_record(g, partials, prompt_to_json)
               for gid, g in sorted(self._groups.items()) if gid not in exclude]
 
   @staticmethod
-  def _group_json(group: _Group, partials: dict, prompt_to_json) -> dict:
+  def _group_record(group: _Group, partials: dict, prompt_to_json) -> work_record.GroupRecord:
     request = group.request
     episodes = []
     for index, point in enumerate(group.points):
-      if point.stage == "done" and point.rollout.holder is not None:
-        # Arrays in another process: `shard_batch.collect_held` fills them in
-        # before the save.
-        r = point.rollout
-        episodes.append({"stage": "done", "held_by": r.holder,
-                         "completion_length": r.completion_length,
-                         "finish_reason": r.finish_reason, "reward": r.reward,
-                         "env_name": r.env_name})
-        continue
       if point.stage == "done":
         r = point.rollout
-        episodes.append({
-            "stage": "done", **_arrays_json(r.completion_ids, r.loss_mask,
-                                            r.behaviour_logprobs, r.token_versions),
-            "finish_reason": r.finish_reason, "reward": r.reward, "env_name": r.env_name})
+        scored = dict(stage="done", finish_reason=r.finish_reason, reward=r.reward,
+                      env_name=r.env_name)
+        if r.holder is not None:
+          # Arrays in another process: `shard_batch.collect_held` fills them in
+          # before the save.
+          episodes.append(work_record.EpisodeRecord(
+              held_by=r.holder, completion_length=r.completion_length, **scored))
+        else:
+          episodes.append(work_record.EpisodeRecord(**_arrays(
+              r.completion_ids, r.loss_mask, r.behaviour_logprobs, r.token_versions), **scored))
         continue
       e, n = point.episode, point.length
-      record = {"stage": point.stage, "turns": point.turns, "last_stopped": point.last_stopped,
-                **_arrays_json(*(([], [], [], []) if e is None else (
-                    e.completion_ids[:n], e.loss_mask[:n], e.logprobs[:n], e.versions[:n])))}
+      arrays = _arrays(*(((), (), (), ()) if e is None else (
+          e.completion_ids[:n], e.loss_mask[:n], e.logprobs[:n], e.versions[:n])))
+      segment = None
       if point.stage == "sample":
         open_segment = partials.get((request.group_id, index))
         if open_segment is None and e is not None:  # restored and not admitted again yet
           open_segment = (e.open_tokens, e.open_logprobs, e.open_versions)
         if open_segment is not None and len(open_segment[0]):
           tokens, logprobs, versions = open_segment
-          record["open"] = {"tokens": [int(t) for t in tokens],
-                            "logprobs": [float(x) for x in logprobs],
-                            "versions": [int(v) for v in versions]}
-      episodes.append(record)
-    return {
-        "group_id": request.group_id, "prompt": prompt_to_json(request.prompt),
-        "prompt_ids": [int(t) for t in request.prompt_ids], "attempt": request.attempt,
-        "dispatch_version": request.dispatch_version,
-        "arrival_version": group.arrival_version, "episodes": episodes,
-    }
+          segment = work_record.OpenSegment(tokens=tuple(int(t) for t in tokens),
+                                            logprobs=tuple(float(x) for x in logprobs),
+                                            versions=tuple(int(v) for v in versions))
+      episodes.append(work_record.EpisodeRecord(
+          stage=point.stage, turns=point.turns, last_stopped=point.last_stopped, open=segment,
+          **arrays))
+    return work_record.GroupRecord(
+        group_id=request.group_id, prompt=prompt_to_json(request.prompt),
+        prompt_ids=tuple(int(t) for t in request.prompt_ids), attempt=request.attempt,
+        dispatch_version=request.dispatch_version, arrival_version=group.arrival_version,
+        episodes=tuple(episodes))
 
-  def restore_group(self, record: dict, request) -> RestoredGroup:
+  def restore_group(self, record: work_record.GroupRecord, request) -> RestoredGroup:
     """Rebuilds one group of a `snapshot` for `request` (made by the
     dispatcher from the record) and opens it here again."""
-    saved = record["episodes"]
+    saved = record.episodes
     if len(saved) != request.group_size:
       raise ValueError(f"group {request.group_id} was saved with {len(saved)} rollouts; this "
                        f"run samples groups of {request.group_size} (orchestrator.group_size)")
     to_sample, to_env, scored, points = [], [], [], []
     sampled_versions = []
     for index, item in enumerate(saved):
-      if item["stage"] not in STAGES:
-        raise ValueError(f"group {request.group_id}: unknown restart point {item['stage']!r}")
-      if "held_by" in item:
+      if item.held_by is not None:
         raise ValueError(f"group {request.group_id}: rollout {index} was saved without its "
-                         f"arrays (held by process {item['held_by']})")
-      loss_mask = np.asarray(item["loss_mask"], np.float32)
-      versions = np.asarray(item["versions"], np.int32)
+                         f"arrays (held by process {item.held_by})")
+      loss_mask = np.asarray(item.loss_mask, np.float32)
+      versions = np.asarray(item.versions, np.int32)
       sampled_versions += versions[loss_mask > 0].tolist()
-      if item["stage"] == "done":
+      if item.stage == "done":
         rollout = rollout_lib.Rollout(
             group_id=request.group_id, sample_index=index,
             prompt_ids=np.asarray(request.prompt_ids, np.int32),
-            completion_ids=np.asarray(item["completion_ids"], np.int32), loss_mask=loss_mask,
-            behaviour_logprobs=np.asarray(item["logprobs"], np.float32), token_versions=versions,
-            dispatch_version=request.dispatch_version, finish_reason=item["finish_reason"],
-            reward=item["reward"], env_name=item["env_name"])
+            completion_ids=np.asarray(item.completion_ids, np.int32), loss_mask=loss_mask,
+            behaviour_logprobs=np.asarray(item.logprobs, np.float32), token_versions=versions,
+            dispatch_version=request.dispatch_version, finish_reason=item.finish_reason,
+            reward=item.reward, env_name=item.env_name)
         scored.append(rollout)
         points.append(_Point("done", rollout=rollout))
         continue
-      open_segment = item.get("open", {"tokens": [], "logprobs": [], "versions": []})
-      sampled_versions += open_segment["versions"]
+      segment = item.open or work_record.OpenSegment(tokens=(), logprobs=(), versions=())
+      sampled_versions += list(segment.versions)
       episode = episode_lib.Episode(
-          request=request, sample_index=index,
-          completion_ids=[int(t) for t in item["completion_ids"]],
-          loss_mask=[float(x) for x in item["loss_mask"]],
-          logprobs=[float(x) for x in item["logprobs"]],
-          versions=[int(v) for v in item["versions"]], turns=int(item["turns"]),
-          last_stopped=bool(item["last_stopped"]),
-          open_tokens=[int(t) for t in open_segment["tokens"]],
-          open_logprobs=[float(x) for x in open_segment["logprobs"]],
-          open_versions=[int(v) for v in open_segment["versions"]])
-      (to_sample if item["stage"] == "sample" else to_env).append(episode)
-      points.append(_Point(item["stage"], episode, len(episode.completion_ids), episode.turns,
+          request=request, sample_index=index, completion_ids=list(item.completion_ids),
+          loss_mask=list(item.loss_mask), logprobs=list(item.logprobs),
+          versions=list(item.versions), turns=item.turns, last_stopped=item.last_stopped,
+          open_tokens=list(segment.tokens), open_logprobs=list(segment.logprobs),
+          open_versions=list(segment.versions))
+      (to_sample if item.stage == "sample" else to_env).append(episode)
+      points.append(_Point(item.stage, episode, len(episode.completion_ids), episode.turns,
                            episode.last_stopped))
     complete = None
     if len(scored) == len(saved):
@@ -256,16 +250,17 @@ class OpenWork:
       scored = []
     with self._lock:
       self._groups[request.group_id] = _Group(request=request, points=points,
-                                              arrival_version=record.get("arrival_version"))
+                                              arrival_version=record.arrival_version)
     return RestoredGroup(group_id=request.group_id, to_sample=to_sample, to_env=to_env,
                          scored=scored, complete=complete,
-                         arrival_version=record.get("arrival_version"),
+                         arrival_version=record.arrival_version,
                          oldest_sampled=min(sampled_versions) if sampled_versions else None)
 
 
-def _arrays_json(completion_ids, loss_mask, logprobs, versions) -> dict:
-  """Per-token lists as JSON (float32 log-probs round-trip exactly through a double)."""
-  return {"completion_ids": [int(t) for t in completion_ids],
-          "loss_mask": [float(x) for x in loss_mask],
-          "logprobs": [float(x) for x in logprobs],
-          "versions": [int(v) for v in versions]}
+def _arrays(completion_ids, loss_mask, logprobs, versions) -> dict:
+  """Per-token fields as plain numbers (float32 log-probs round-trip exactly
+  through a double)."""
+  return {"completion_ids": tuple(int(t) for t in completion_ids),
+          "loss_mask": tuple(float(x) for x in loss_mask),
+          "logprobs": tuple(float(x) for x in logprobs),
+          "versions": tuple(int(v) for v in versions)}

@@ -34,7 +34,7 @@ from arl_jax.core import rollout as rollout_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import drop_ledger as drop_ledger_lib
-from arl_jax.orchestrator import open_work, reward_shaping, staleness, zero_variance
+from arl_jax.orchestrator import open_work, reward_shaping, staleness, work_record, zero_variance
 
 
 def histogram(values) -> dict[str, int]:
@@ -167,7 +167,7 @@ class Orchestrator:
     budget = self.dispatcher.completion_budget(group.group_id, self._max_new_tokens)
     return reward_shaping.shape(group, budget, *self._overlong)
 
-  def restore_work(self, work: dict) -> list[open_work.RestoredGroup]:
+  def restore_work(self, work: work_record.WorkRecord) -> list[open_work.RestoredGroup]:
     """Takes back the open work of a checkpoint (`Dispatcher.snapshot_work`),
     before anything is dispatched: saved complete groups go back into the
     buffer at the version they arrived at (the staleness sweep judges them as
@@ -294,9 +294,10 @@ class Orchestrator:
     return metrics
 
   def snapshot(self, open_segments: dict) -> dict:
-    """The orchestrator's part of a checkpoint, as JSON: the open work (every
-    group in flight or in the buffer at its restart point, with the prompt
-    stream's position; `Dispatcher.snapshot_work`) and the drop ledger.
+    """The orchestrator's part of a checkpoint: the open work (a
+    `work_record.WorkRecord`: every group in flight or in the buffer at its
+    restart point, with the prompt stream's position;
+    `Dispatcher.snapshot_work`), the drop ledger and the kept fraction (JSON).
 
     Args:
       open_segments: what each occupied sampler slot has sampled of its

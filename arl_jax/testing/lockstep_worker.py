@@ -123,20 +123,27 @@ def _collect(groups, holders, here, mesh) -> bool:
   import jax  # noqa: PLC0415
 
   from arl_jax.distributed import shard_batch  # noqa: PLC0415
+  from arl_jax.orchestrator import work_record  # noqa: PLC0415
 
   elsewhere = [g for g in groups if holders[g.group_id] != 0]
-  record = {"work": {"groups": [{"group_id": g.group_id, "episodes": [
-      {"stage": "done", "held_by": holders[g.group_id],
-       "completion_length": r.completion_length, "reward": r.reward}
-      for r in g.rollouts]} for g in elsewhere]}}
+  work = work_record.WorkRecord(
+      prompts_drawn=0, stream_state=None, requeued=(), next_group_id=0,
+      counters=work_record.WorkCounters(started=0, cancelled=0, requeued=0),
+      groups=tuple(work_record.GroupRecord(
+          group_id=g.group_id, prompt=None, prompt_ids=(), attempt=0, dispatch_version=0,
+          arrival_version=None, episodes=tuple(work_record.EpisodeRecord(
+              stage="done", held_by=holders[g.group_id], completion_length=r.completion_length,
+              reward=r.reward, finish_reason=r.finish_reason, env_name=r.env_name)
+              for r in g.rollouts)) for g in elsewhere))
+  record = {"work": work}
   leader = jax.process_index() == 0
   shard_batch.collect_held(record if leader else None, here, mesh)
   return leader and all(
-      e["completion_ids"] == r.completion_ids.tolist()
-      and e["logprobs"] == r.behaviour_logprobs.tolist()
-      and e["versions"] == r.token_versions.tolist() and "held_by" not in e
-      for g, saved in zip(elsewhere, record["work"]["groups"])
-      for r, e in zip(g.rollouts, saved["episodes"]))
+      list(e.completion_ids) == r.completion_ids.tolist()
+      and list(e.logprobs) == r.behaviour_logprobs.tolist()
+      and list(e.versions) == r.token_versions.tolist() and e.held_by is None
+      for g, saved in zip(elsewhere, record["work"].groups)
+      for r, e in zip(g.rollouts, saved.episodes))
 
 
 def main() -> None:

@@ -223,13 +223,9 @@ class LearnerLoop:
     if run_record is not None:
       # The learner's pause to read the open work, and how much sampled work
       # the checkpoint keeps.
-      groups = run_record["work"]["groups"]
-      record.update(
-          checkpoint_snapshot_s=time.monotonic() - snapshot_start,
-          checkpoint_open_groups=len(groups),
-          checkpoint_open_tokens=sum(
-              (e["completion_length"] if "held_by" in e else len(e["completion_ids"]))
-              + len(e.get("open", {}).get("tokens", ())) for g in groups for e in g["episodes"]))
+      work = run_record["work"]
+      record.update(checkpoint_snapshot_s=time.monotonic() - snapshot_start,
+                    checkpoint_open_groups=len(work.groups), checkpoint_open_tokens=work.tokens)
     if evaluate:  # (the sampled pass reads this version as published)
       record["eval_reward"] = self._run.eval_log(self.params, version, "rl",
                                                  published=learner.publisher.latest()[1])
@@ -273,6 +269,7 @@ class LearnerLoop:
     start = time.monotonic()
     if self._shards is not None:  # the held groups' arrays, from their processes
       self._shards.collect(run_record)
+    run_record["work"] = run_record["work"].to_json()
     self._checkpointer.save(self.version, self._learner.state, run_record, self._learner.reference)
     self._blocking_s += time.monotonic() - start
     self._saved_version = self.version

@@ -19,7 +19,6 @@ trained on: `base_identity`).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import json
 import os
@@ -33,6 +32,7 @@ from arl_jax.learner import train_state as train_state_lib
 from arl_jax.models import fingerprint as fingerprint_lib
 from arl_jax.models import hf_params, init_lib, peft_adapters
 from arl_jax.models import lora as lora_lib
+from arl_jax.orchestrator import work_record
 from arl_jax.sharding import rules as rules_lib
 
 # Config keys a resumed run may change without a warning: how long it runs,
@@ -183,7 +183,7 @@ def begin(spec, mesh, checkpoints: Checkpoints, *, optimizer, config: dict, set_
                     reference=state.params if spec.loss.objective.kl_coef > 0 else None,
                     config=config, print_fn=print_fn, set_aside=set_aside, base=base)
   print_fn(f"resumed from {checkpoints.resume.directory} at version {restored.run['version']}: "
-           f"{describe_work(restored.run['work'])}")
+           f"{restored.run['work'].describe()}")
   return Beginning(graphdef=graphdef, params=lora_lib.merge(restored.state.params, frozen),
                    restored=restored, state_shardings=state_shardings, own=checkpoints.own,
                    base=base)
@@ -231,17 +231,6 @@ def check_base(run: dict, base: dict | None, where: str) -> None:
       "were trained on: resume with that base (model.hf_path, checkpoint.init_from, seed)")
 
 
-def describe_work(work: dict) -> str:
-  groups = work["groups"]
-  stages = collections.Counter(e["stage"] for g in groups for e in g["episodes"])
-  open_tokens = sum(len(e.get("open", {}).get("tokens", ())) for g in groups
-                    for e in g["episodes"])
-  return (f"{work['prompts_drawn']} prompts drawn; {len(groups)} open groups go on (rollouts: "
-          f"{stages['done']} scored, {stages['env']} at their environment, {stages['sample']} "
-          f"at the sampler, {open_tokens} tokens of open segments kept); "
-          f"{len(work['requeued'])} requeued prompts")
-
-
 def resume(checkpoints: Checkpoints, *, state, state_shardings, reference, config: dict,
            print_fn, set_aside: bool = True, base: dict | None = None) -> checkpointing.Restored:
   """Restores the newest intact checkpoint of `checkpoints.resume` onto the
@@ -282,10 +271,13 @@ def resume(checkpoints: Checkpoints, *, state, state_shardings, reference, confi
 
 
 def prepare_run_record(run: dict) -> dict:
-  """`run` in this code's format (records of format 2 are upgraded).
+  """`run` in this code's format (records of format 2 are upgraded), its open
+  work read into a `work_record.WorkRecord` (an untyped one of format 3
+  included).
 
   Raises:
-    KeyError, TypeError: naming the key, if `run` lacks what a resume reads.
+    KeyError, TypeError, work_record.WorkRecordError: naming the key, if
+      `run` lacks what a resume reads.
   """
   if run.get("format_version") == 2:  # flat counters, no record positions or config
     flat = _require(run, "counters", dict)
@@ -298,18 +290,13 @@ def prepare_run_record(run: dict) -> dict:
                              "timeouts": flat.get("env_timeouts"),
                              "turns": flat.get("env_turns")}}}}
   check_run_record(run)
-  return run
+  return {**run, "work": work_record.WorkRecord.from_json(run["work"])}
 
 
 def check_run_record(run: dict) -> None:
   """Raises (naming the key) if `run` lacks what a resume reads."""
   _require(run, "version", int)
-  work = _require(run, "work", dict)
-  for key, kind in (("groups", list), ("prompts_drawn", int), ("requeued", list),
-                    ("next_group_id", int), ("counters", dict)):
-    _require(work, key, kind, f"work.{key}")
-  if "stream_state" not in work:
-    raise KeyError("work.stream_state is missing")
+  _require(run, "work", dict)  # (its fields: `work_record.WorkRecord.from_json`)
   _require(run, "drop_ledger", dict)
   counters = _require(run, "counters", dict)
   _require(counters, "groups_trained", int, "counters.groups_trained")

@@ -320,7 +320,7 @@ def test_a_held_group_arrives_as_metadata_and_a_late_one_is_forgotten(fleet):
         and fleet.bad_groups == 2)
   assert sorted(fleet.take_forgotten(lambda gid: True)) == [(1, 8), (3, 7)]
   # In the open work (a checkpoint's): metadata, the arrays to be collected.
-  (saved,) = [g for g in fleet.orchestrator.work.snapshot({}) if g["group_id"] == 0]
+  (saved,) = [g.to_json() for g in fleet.orchestrator.work.snapshot({}) if g.group_id == 0]
   assert [e["stage"] for e in saved["episodes"]] == ["done"] * _G
   assert all(e["held_by"] == 1 and e["completion_length"] == 2 and "completion_ids" not in e
              for e in saved["episodes"])

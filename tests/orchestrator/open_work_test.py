@@ -12,6 +12,7 @@ from arl_jax.envs import env_api
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
+from arl_jax.orchestrator import work_record
 
 
 def _orchestrator(group_size=2, first_prompt=0):
@@ -34,10 +35,10 @@ def _sampled(episode, tokens, version, stopped=True):
 
 
 def _save_then_restore(orch, partials, exclude=()):
-  work = json.loads(json.dumps(orch.dispatcher.snapshot_work(partials, exclude)))
+  work = json.loads(json.dumps(orch.dispatcher.snapshot_work(partials, exclude).to_json()))
   fresh = _orchestrator(first_prompt=1000)  # a stream that is not the saved one's
   fresh.publish(3, trained=[])
-  return work, fresh, {g.group_id: g for g in fresh.restore_work(work)}
+  return work, fresh, {g.group_id: g for g in fresh.restore_work(work_record.WorkRecord.from_json(work))}
 
 
 def test_every_restart_point_round_trips_through_json():
@@ -98,7 +99,7 @@ def test_every_restart_point_round_trips_through_json():
   assert (new.group_id, new.prompt.prompt_id) == (4, 1000)
   assert fresh.dispatcher.num_started == 5
   # Saving again right away gives the same open work (restored points are recorded).
-  again = json.loads(json.dumps(fresh.dispatcher.snapshot_work({})))
+  again = json.loads(json.dumps(fresh.dispatcher.snapshot_work({}).to_json()))
   assert again["groups"][:3] == saved["groups"]
 
 
@@ -113,6 +114,6 @@ def test_a_restored_group_that_can_no_longer_ship_is_cancelled_at_the_first_publ
 def test_a_group_size_change_is_named():
   orch = _orchestrator()
   orch.dispatcher.take(1, live_version=0, timeout=0.01)
-  work = json.loads(json.dumps(orch.dispatcher.snapshot_work({})))
+  work = work_record.WorkRecord.from_json(orch.dispatcher.snapshot_work({}).to_json())
   with pytest.raises(ValueError, match="saved with 2 rollouts.*groups of 3"):
     _orchestrator(group_size=3).restore_work(work)

@@ -11,6 +11,7 @@ import pytest
 from arl_jax.envs import env_api
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import work_record
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import engine_config, sampling
 from arl_jax.testing import tiny
@@ -85,7 +86,7 @@ def snapshot(setup):
 
   def half_sampled():
     with engine.paused():
-      work = dispatcher.snapshot_work(engine.open_segments())
+      work = dispatcher.snapshot_work(engine.open_segments()).to_json()
     lengths = [len(e.get("open", {}).get("tokens", ())) for g in work["groups"]
                for e in g["episodes"]]
     if sum(2 <= n <= NEW - 3 for n in lengths) >= 4:
@@ -102,7 +103,7 @@ def _resume(setup, work, version, prefill_chunk=0):
   on_group = lambda req, rs: groups.setdefault(req.group_id, rs)
   engine, dispatcher = _engine(setup, version, on_group, precompile=True,
                                prefill_chunk=prefill_chunk)
-  restored = dispatcher.restore_work(work)
+  restored = dispatcher.restore_work(work_record.WorkRecord.from_json(work))
   engine.restore([e for g in restored for e in g.to_sample])
   on_segment = engine_test.single_turn_groups(on_group)
   for episode in (e for g in restored for e in g.to_env):  # what an env runner would take
