@@ -10,6 +10,7 @@ import itertools
 import numpy as np
 
 from arl_jax.envs import prompt_data, prompt_source
+from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.orchestrator import work_record
 
 
@@ -24,7 +25,7 @@ class Inputs:
     eval_prompts: the `eval_size` held-out prompts evaluation uses.
   """
 
-  tokenizer: object
+  tokenizer: tokenizer_lib.Tokenizer
   env: object
   eval_env: object
   train: prompt_source.Prompts

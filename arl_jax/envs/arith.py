@@ -86,7 +86,7 @@ class ArithEnv(env_api.Environment):
 
   name = "arith"
 
-  def __init__(self, tokenizer: tokenizer_lib.ByteTokenizer):
+  def __init__(self, tokenizer: tokenizer_lib.Tokenizer):
     self._tokenizer = tokenizer
 
   def score(self, prompt: Prompt, completion_ids) -> float:

@@ -18,6 +18,8 @@ import abc
 import dataclasses
 from collections.abc import Sequence
 
+from arl_jax.envs import tokenizer as tokenizer_lib
+
 # Prompt splits every environment provides (`make_prompts(config, split)`).
 SPLITS = ("train", "heldout")
 
@@ -129,7 +131,7 @@ class MultiTurnEnvironment(Environment):
     """See `Environment.step`."""
 
 
-def encode_user_prompt(tokenizer, text: str) -> list[int]:
+def encode_user_prompt(tokenizer: tokenizer_lib.Tokenizer, text: str) -> list[int]:
   """Prompt ids for `text`, as the model's own tokenizer makes them: a user
   turn of the tokenizer's chat template (then the assistant's turn prefix)
   when it has one, else the plain text.
@@ -146,7 +148,7 @@ def encode_user_prompt(tokenizer, text: str) -> list[int]:
   return tokenizer.encode(text, add_bos=tokenizer.add_bos and not rendered_by_model)
 
 
-def ended_turn(tokenizer, completion_ids: Sequence[int]) -> bool:
+def ended_turn(tokenizer: tokenizer_lib.Tokenizer, completion_ids: Sequence[int]) -> bool:
   """Whether a single-turn completion holds one of the tokenizer's stop tokens
   (EOS or the end of turn), as opposed to being cut off by the length limit.
   An answer that was cut off is wrong even if its text matches."""
@@ -154,13 +156,13 @@ def ended_turn(tokenizer, completion_ids: Sequence[int]) -> bool:
   return any(int(i) in stops for i in completion_ids)
 
 
-def segment_stop_ids(tokenizer, env, prompt) -> tuple[int, ...]:
+def segment_stop_ids(tokenizer: tokenizer_lib.Tokenizer, env, prompt) -> tuple[int, ...]:
   """Every token that ends a segment of `prompt`'s episode: the tokenizer's
   (EOS, end of turn) and the environment's for this prompt."""
   return tuple(dict.fromkeys((*tokenizer.stop_ids, *env.stop_ids_for(prompt))))
 
 
-def sampler_stop_ids(tokenizer, env) -> tuple[int, ...]:
+def sampler_stop_ids(tokenizer: tokenizer_lib.Tokenizer, env) -> tuple[int, ...]:
   """The stop tokens besides EOS that any segment may end on (the sampler's
   `SamplingSettings.stop_ids`; each row then says which apply to it)."""
   env_stops = tuple(env.stop_ids) if env.multi_turn else ()

@@ -123,7 +123,7 @@ class MathAnswerEnv(env_api.Environment):
 
   name = "math_answer"
 
-  def __init__(self, cfg: MathAnswerConfig, tokenizer: tokenizer_lib.ByteTokenizer):
+  def __init__(self, cfg: MathAnswerConfig, tokenizer: tokenizer_lib.Tokenizer):
     self._cfg = cfg
     self._tokenizer = tokenizer
 

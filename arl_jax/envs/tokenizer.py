@@ -1,24 +1,64 @@
-"""Tokenizers: a byte-level one with special tokens for CPU demos and tests,
-and `make_tokenizer`, which builds the configured one (`byte`, or `hf`: a
-local `tokenizer.json` through `hf_tokenizer.HfTokenizer`).
+"""Tokenizers: the interface every one implements (`Tokenizer`), a byte-level
+one with special tokens for CPU demos and tests, and `make_tokenizer`, which
+builds the configured one (`byte`, or `hf`: a local `tokenizer.json` through
+`hf_tokenizer.HfTokenizer`). Environments, evaluation and the run take a
+`Tokenizer`, never a particular class.
 
-Ids 0..255 are the UTF-8 bytes; the special tokens follow. Both kinds expose
-the same small interface: `pad_id`, `bos_id`, `eos_id`, `vocab_size`,
-`encode(text, add_bos)`, `decode(ids)`, `add_bos` (whether the model's own
-tokenizer starts plain text with BOS), and for chat:
-- `template`: the `chat_template.ChatTemplate` prompts and observations use;
-- `end_of_turn_id`: the token the policy writes to end its turn (the
-  template's end-of-turn token, else EOS);
-- `stop_ids`: every token that ends a segment (EOS and the end of turn).
+The byte tokenizer's ids 0..255 are the UTF-8 bytes; the special tokens follow.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
 from arl_jax.envs import chat_template
+
+
+@runtime_checkable
+class Tokenizer(Protocol):
+  """What the rest of arl_jax may use of a tokenizer.
+
+  Attributes:
+    pad_id: the filler token (always masked).
+    bos_id: the beginning-of-sequence token, None if the model has none.
+    eos_id: the token that ends a completion.
+    add_bos: whether the model's own tokenizer starts plain text with BOS
+      (a prompt a chat template rendered gets none added: `env_api`).
+    vocab_size: ids are in [0, vocab_size).
+    template: the chat template prompts and observations use (`none` for
+      plain text).
+    end_of_turn_id: the token the policy writes to end its turn (the
+      template's end-of-turn token, else EOS).
+    stop_ids: every token that ends a segment (EOS and the end of turn).
+  """
+
+  pad_id: int
+  bos_id: int | None
+  eos_id: int
+  add_bos: bool
+
+  @property
+  def vocab_size(self) -> int: ...
+
+  @property
+  def template(self) -> chat_template.ChatTemplate: ...
+
+  @property
+  def end_of_turn_id(self) -> int: ...
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]: ...
+
+  def encode(self, text: str, *, add_bos: bool = False) -> list[int]:
+    """Token ids of `text` (special tokens written in it become their ids);
+    `add_bos` prepends BOS unless the text already starts with it."""
+
+  def decode(self, ids: Sequence[int]) -> str:
+    """Text of `ids` up to the first EOS, special tokens skipped."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,7 +141,7 @@ class TokenizerConfig:
       raise ValueError("tokenizer.kind='hf' needs tokenizer.path and tokenizer.eos_token")
 
 
-def make_tokenizer(cfg: TokenizerConfig):
+def make_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
   """The configured tokenizer (loading and checking an `hf` file now)."""
   if cfg.kind == "byte":
     return ByteTokenizer()

@@ -129,7 +129,7 @@ class ToolAgentEnv(env_api.MultiTurnEnvironment):
 
   name = "tool_agent"
 
-  def __init__(self, cfg: ToolAgentConfig, tokenizer: tokenizer_lib.ByteTokenizer,
+  def __init__(self, cfg: ToolAgentConfig, tokenizer: tokenizer_lib.Tokenizer,
                for_eval: bool = False):
     self._cfg = cfg
     self._tokenizer = tokenizer

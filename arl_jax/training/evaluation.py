@@ -33,6 +33,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from arl_jax.envs import env_api
+from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.metrics import pass_at_k as pass_at_k_lib
 from arl_jax.sampler import engine_config, sampling
 from arl_jax.sampler import generate as generate_lib
@@ -97,7 +98,8 @@ class Evaluator:
   """Compiles greedy (and sampled) generation once for a fixed eval set and
   reuses it."""
 
-  def __init__(self, *, graphdef, model_cfg, env, tokenizer, prompts, mesh: Mesh,
+  def __init__(self, *, graphdef, model_cfg, env, tokenizer: tokenizer_lib.Tokenizer, prompts,
+               mesh: Mesh,
                engine_cfg: engine_config.EngineConfig, samples: int = 0,
                temperature: float = 1.0, solved_reward: float = 1.0,
                sampled_mesh: Mesh | None = None, sampled_model_cfg=None):

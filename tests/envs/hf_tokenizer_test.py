@@ -180,3 +180,23 @@ def test_a_corrupt_tokenizer_file_is_named(tokenizer_path, tmp_path):
   with pytest.raises(ValueError,
                      match=re.escape(f"{tmp_path / 'tokenizer_config.json'}: not JSON")):
     hf_tokenizer.HfTokenizer(str(tmp_path), eos_token="auto")
+
+
+def test_both_tokenizers_implement_the_tokenizer_protocol(tokenizer_path):
+  """Every member `tokenizer.Tokenizer` declares, with the types it says."""
+  import inspect
+
+  from arl_jax.envs import tokenizer as tokenizer_lib
+  chat = hf_tokenizer.HfTokenizer(tokenizer_path, eos_token="</s>", bos_token="<s>",
+                                  chat_template="chatml")
+  for tok in (tokenizer_lib.ByteTokenizer(), chat):
+    assert isinstance(tok, tokenizer_lib.Tokenizer)
+    assert all(isinstance(getattr(tok, name), int) for name in
+               ("pad_id", "bos_id", "eos_id", "vocab_size", "end_of_turn_id"))
+    assert isinstance(tok.add_bos, bool) and isinstance(tok.template.is_chat, bool)
+    assert tok.eos_id in tok.stop_ids and tok.end_of_turn_id in tok.stop_ids
+    for method in ("encode", "decode"):
+      assert (list(inspect.signature(getattr(tok, method)).parameters)
+              == list(inspect.signature(getattr(tokenizer_lib.Tokenizer, method)).parameters)[1:])
+    ids = tok.encode("12", add_bos=True)
+    assert ids[0] == tok.bos_id and tok.decode(ids) == "12"
