@@ -62,6 +62,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from arl_jax.config import base_config  # noqa: E402
 from arl_jax.core import packing as packing_lib  # noqa: E402
 from arl_jax.core import rollout as rollout_lib  # noqa: E402
 from arl_jax.core import train_batch as train_batch_lib  # noqa: E402
@@ -77,7 +78,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py, run as a script)
 
 MODELS = {
-    "tiny": dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64),
+    "tiny": base_config.TINY_MODEL,
     "3M": dict(d_model=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, mlp_dim=768),
     "50M": dict(d_model=640, num_layers=10, num_heads=10, num_kv_heads=5, head_dim=64,
                 mlp_dim=1920),

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from arl_jax.config import base_config
 from arl_jax.learner import publish as publish_lib
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import init_lib
@@ -43,7 +44,7 @@ import report  # noqa: E402  (benchmarks/report.py, run as a script)
 
 PAD, EOS = 256, 258
 MODELS = {
-    "tiny": dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16, mlp_dim=64),
+    "tiny": base_config.TINY_MODEL,
     "3M": dict(d_model=256, num_layers=4, num_heads=8, num_kv_heads=4, head_dim=32, mlp_dim=768),
     "50M": dict(d_model=640, num_layers=10, num_heads=10, num_kv_heads=5, head_dim=64,
                 mlp_dim=1920),

@@ -55,19 +55,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.orchestrator.max_off_policy_steps = 0
     config.sampler.weight_update = "drain"
   elif arg == "tiny":
-    config.sampler.precompile = False  # (a few updates: a late compile cannot stall them)
-    config.checkpoint.update(every_steps=0, save_final=False)  # (tests save when they test it)
-    # (Tests time their waits by decode steps; tests/sampler covers bursts.)
-    config.sampler.decode_burst = 1
-    config.num_steps = 4
-    config.eval_every = 2
-    config.eval_size = 16
-    config.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                        mlp_dim=64)
+    base_config.make_tiny(config, num_steps=4, eval_every=2, eval_size=16, num_slots=32,
+                          batch_size=32)
+    config.log_every = 100
     config.env.max_operand = 9
-    config.sampler.update(num_slots=32, prompt_len=6, max_new_tokens=3)
-    config.orchestrator.update(batch_size=32, group_size=4)
-    config.warmup.update(steps=2, batch_size=16)
+    config.sampler.update(prompt_len=6, max_new_tokens=3)
   elif arg == "accelerator":
     config.mesh.placement = "disaggregated"
     config.model.update(d_model=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64,

@@ -50,19 +50,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     config.orchestrator.max_off_policy_steps = 0
     config.sampler.weight_update = "drain"
   elif arg == "tiny":
-    config.sampler.precompile = False  # (a few updates: a late compile cannot stall them)
-    config.checkpoint.update(every_steps=0, save_final=False)  # (tests save when they test it)
-    # (Tests time their waits by decode steps; tests/sampler covers bursts.)
-    config.sampler.decode_burst = 1
-    config.num_steps = 3
-    config.log_every = 1
-    config.eval_every = 3
-    config.eval_size = 8
-    config.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                        mlp_dim=64)
-    config.sampler.update(num_slots=16)
-    config.orchestrator.update(batch_size=16, group_size=4)
-    config.warmup.update(steps=2, batch_size=16)
+    base_config.make_tiny(config, num_steps=3)
   elif arg:
     raise ValueError(f"configs/math_answer.py: unknown variant {arg!r}; use '', 'sync' or "
                      "'tiny'")

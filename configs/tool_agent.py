@@ -71,20 +71,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                         arith=dict(weight=0.5, max_operand=99, operator="+",
                                    heldout_fraction=0.1))))
   elif arg == "tiny":
-    config.sampler.precompile = False  # (a few updates: a late compile cannot stall them)
-    config.checkpoint.update(every_steps=0, save_final=False)  # (tests save when they test it)
-    # (Tests time their waits by decode steps; tests/sampler covers bursts.)
-    config.sampler.decode_burst = 1
-    config.num_steps = 6
-    config.log_every = 1
-    config.eval_every = 3
-    config.eval_size = 8
-    config.model.update(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
-                        mlp_dim=64)
+    base_config.make_tiny(config, num_steps=6, warmup_steps=60)
     config.env.update(num_workers=32, num_keys=40)
-    config.sampler.update(num_slots=16)
-    config.orchestrator.update(batch_size=16, group_size=4)
-    config.warmup.update(steps=60, batch_size=16)
   elif arg:
     raise ValueError(f"configs/tool_agent.py: unknown variant {arg!r}; use '', 'sync', 'mixed' "
                      "or 'tiny'")

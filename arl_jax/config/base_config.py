@@ -11,6 +11,10 @@ the environment's own keys at theirs. A config file states what differs:
 so a key added to the schema reaches every config, and `--config.KEY=...`,
 with its default, without touching them. Keys without a default (the
 model's shape, the batch, the prompt length) are the config's to give.
+
+`make_tiny(config, ...)` turns any config into its `tiny` variant (a few
+updates of a tiny model, seconds on a CPU), the one the tests run; its model
+is `TINY_MODEL`, which the benchmarks' tiny rows use too.
 """
 
 from __future__ import annotations
@@ -41,3 +45,25 @@ def make(env: str) -> ml_collections.ConfigDict:
     parent, _, key = name.rpartition(".")  # (`learner.lora`: inside `learner`)
     (config[parent] if parent else config)[key] = ml_collections.ConfigDict(section)
   return config
+
+
+# The tiny decoder of every config's `tiny` variant and of the benchmarks'
+# tiny rows (with the config's vocabulary and context length).
+TINY_MODEL = dict(d_model=32, num_layers=1, num_heads=2, num_kv_heads=1, head_dim=16,
+                  mlp_dim=64)
+
+
+def make_tiny(config: ml_collections.ConfigDict, *, num_steps: int, eval_every: int = 3,
+              eval_size: int = 8, num_slots: int = 16, batch_size: int = 16,
+              warmup_steps: int = 2) -> None:
+  """Shrinks `config` in place to a tiny variant: `TINY_MODEL`, groups of 4,
+  `num_steps` updates, a progress line each, no checkpoints (tests save when
+  they test it), the sampler compiling on first use (a few updates: a late
+  compile cannot stall them) and one decode step a call (tests time their
+  waits by decode steps; tests/sampler covers bursts)."""
+  config.update(num_steps=num_steps, log_every=1, eval_every=eval_every, eval_size=eval_size)
+  config.model.update(TINY_MODEL)
+  config.sampler.update(precompile=False, decode_burst=1, num_slots=num_slots)
+  config.orchestrator.update(batch_size=batch_size, group_size=4)
+  config.checkpoint.update(every_steps=0, save_final=False)
+  config.warmup.update(steps=warmup_steps, batch_size=16)
