@@ -30,8 +30,7 @@ import time
 
 import numpy as np
 
-from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import orchestrator_config
 from arl_jax.testing import fake_sampler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -60,14 +59,12 @@ def _durations(base: float, seed: int):
 
 def _simulate(name, *, assembly, k, max_async_level, requeue, steps, window_fraction=0.3,
               reference="dispatch", base=0.3, train_seconds=1.0, seed=0):
-  window = max(1, round(window_fraction * GROUPS_PER_BATCH))
   cfg = fake_sampler.SimConfig(
-      dispatch=dispatcher_lib.DispatchConfig(
-          group_size=GROUP_SIZE, groups_per_batch=GROUPS_PER_BATCH,
+      orchestrator=orchestrator_config.OrchestratorConfig(
+          group_size=GROUP_SIZE, batch_size=GROUP_SIZE * GROUPS_PER_BATCH,
           max_async_level=max_async_level, max_off_policy_steps=k,
-          staleness_reference=reference, requeue_dropped=requeue),
-      buffer=buffer_lib.BufferConfig(max_off_policy_steps=k, staleness_reference=reference,
-                                     assembly=assembly, window_groups=window),
+          staleness_reference=reference, requeue_dropped=requeue, assembly=assembly,
+          window_fraction=window_fraction),
       num_steps=steps, train_seconds=train_seconds, num_slots=64 // GROUP_SIZE)
   start = time.perf_counter()
   result = fake_sampler.simulate(cfg, _tasks(2000, seed), _durations(base, seed))

@@ -33,6 +33,7 @@ from arl_jax.models import init_lib
 from arl_jax.models import model_config as model_config_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import orchestrator_config
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import engine_config, sampling, slot_fns, token_draw
 from arl_jax.sharding import mesh_lib
@@ -211,13 +212,14 @@ def swap_pause(cfg, meshes, graphdef, params, num_slots, kv_policy, seconds, pub
   other = jax.tree.map(lambda x: x * 1.01, params)
   publisher.publish(params, 0)
   group = 4
-  dispatch = dispatcher_lib.DispatchConfig(group_size=group, groups_per_batch=num_slots,
-                                           max_async_level=10 ** 6, max_off_policy_steps=10 ** 6)
+  dispatch = orchestrator_config.OrchestratorConfig(
+      group_size=group, batch_size=group * num_slots, max_async_level=10 ** 6,
+      max_off_policy_steps=10 ** 6)
   prompts = iter(lambda: type("P", (), {"prompt_id": 0})(), None)
   rng = np.random.default_rng(0)
   dispatcher = dispatcher_lib.Dispatcher(dispatch, prompts,
                                          lambda p: rng.integers(0, 256, 16).tolist(),
-                                         buffer_lib.RolloutBuffer(buffer_lib.BufferConfig()))
+                                         buffer_lib.RolloutBuffer(dispatch))
   engine = engine_lib.SamplerEngine(
       cfg=engine_config.EngineConfig(prompt_len=16, kv_cache="dense", decode_burst=1,
                                      precompile=False, num_slots=num_slots, group_size=group,

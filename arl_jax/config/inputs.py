@@ -44,7 +44,7 @@ def warnings(spec, inputs: Inputs) -> list[str]:
     if source.skipped:
       lines.append(f"warning: skipped {len(source.skipped)} malformed {split} line(s), first: "
                    f"{source.skipped[0]}")
-  dispatch = spec.orchestrator.dispatch
+  dispatch = spec.orchestrator
   if dispatch.max_async_level > dispatch.max_off_policy_steps:
     lines.append(f"warning: max_async_level={dispatch.max_async_level} > K="
                  f"{dispatch.max_off_policy_steps}: the sampler may run further ahead than "

@@ -63,7 +63,7 @@ class RunSpec:
   engine: engine_config.EngineConfig
   sampler_model: model_config_lib.ModelConfig  # the model as the sampler runs it (dtype)
   sampling: sampling_lib.SamplingSettings
-  # The dispatcher's and buffer's settings are its views (`.dispatch`, `.buffer`).
+  # (the orchestrator, its dispatcher and its buffer each take it whole)
   orchestrator: orchestrator_config.OrchestratorConfig
   loss: loss_settings_lib.LossSettings
   packing: packing_lib.Packing | None  # how the learner's rows hold rollouts (None: padded)

@@ -365,7 +365,7 @@ class SamplerFleet:
       sampler.owned.discard(gid)
     try:
       group = wire.group_from_wire(record)
-      size = self._orchestrator.dispatch_cfg.group_size
+      size = self._orchestrator.cfg.group_size
       if [r.sample_index for r in group.rollouts] != list(range(size)):
         raise ValueError(f"sample indices {[r.sample_index for r in group.rollouts]} for a "
                          f"group of {size}")

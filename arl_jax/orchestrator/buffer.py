@@ -37,17 +37,7 @@ import time
 from collections.abc import Callable
 
 from arl_jax.core import rollout as rollout_lib
-from arl_jax.orchestrator import staleness
-
-ASSEMBLY_POLICIES = ("fifo", "windowed_fifo", "first_done")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class BufferConfig:
-  max_off_policy_steps: int = 8
-  staleness_reference: str = "dispatch"
-  assembly: str = "fifo"
-  window_groups: int = 1
+from arl_jax.orchestrator import orchestrator_config, staleness
 
 
 @dataclasses.dataclass
@@ -67,11 +57,10 @@ class BufferClosed(Exception):
 class RolloutBuffer:
   """Finished groups, the dispatch queue, and the batch cut."""
 
-  def __init__(self, cfg: BufferConfig, clock: Callable[[], float] = time.monotonic):
-    if cfg.assembly not in ASSEMBLY_POLICIES:
-      raise ValueError(f"assembly must be one of {ASSEMBLY_POLICIES}, got {cfg.assembly!r}")
-    if cfg.staleness_reference not in staleness.REFERENCES:
-      raise ValueError(f"staleness_reference must be one of {staleness.REFERENCES}")
+  def __init__(self, cfg: orchestrator_config.OrchestratorConfig,
+               clock: Callable[[], float] = time.monotonic):
+    """`cfg`: reads the staleness bound and reference, the assembly policy
+    and its window."""
     self._cfg = cfg
     self._clock = clock
     self._cond = threading.Condition()

@@ -35,7 +35,6 @@ stream's position, across a restart.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import heapq
 import math
 import threading
@@ -45,32 +44,19 @@ from collections.abc import Callable, Iterator
 from arl_jax.core import group_request as group_request_lib
 from arl_jax.envs import prompt_codec
 from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import open_work, staleness, work_record
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class DispatchConfig:
-  group_size: int
-  groups_per_batch: int
-  max_async_level: int = 1
-  max_off_policy_steps: int = 8
-  staleness_reference: str = "dispatch"
-  requeue_dropped: int = 0
-
-  @property
-  def capacity(self) -> int:
-    return (self.max_async_level + 1) * self.groups_per_batch
+from arl_jax.orchestrator import open_work, orchestrator_config, staleness, work_record
 
 
 class Dispatcher:
   """Thread-safe source of group requests under admission control."""
 
-  def __init__(self, cfg: DispatchConfig, prompts: Iterator, encode_fn,
+  def __init__(self, cfg: orchestrator_config.OrchestratorConfig, prompts: Iterator, encode_fn,
                buffer: buffer_lib.RolloutBuffer, clock: Callable[[], float] = time.monotonic,
                budget_fn: Callable[[object], int | None] | None = None,
                work: open_work.OpenWork | None = None):
     """Args:
-      cfg: dispatch settings.
+      cfg: the orchestrator's settings (the batch's shape, admission,
+        staleness, requeues).
       prompts: iterator of prompt records (e.g. from a grain pipeline).
       encode_fn: prompt record -> list of token ids.
       buffer: receives each group's dispatch registration (for FIFO order).
@@ -80,8 +66,6 @@ class Dispatcher:
       work: the open-work registry this dispatcher opens and closes groups
         in (its orchestrator's); None: a registry of its own.
     """
-    if cfg.staleness_reference not in staleness.REFERENCES:
-      raise ValueError(f"staleness_reference must be one of {staleness.REFERENCES}")
     self._cfg = cfg
     self._prompts = prompts
     self._encode_fn = encode_fn

@@ -34,7 +34,14 @@ from arl_jax.core import rollout as rollout_lib
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import drop_ledger as drop_ledger_lib
-from arl_jax.orchestrator import open_work, reward_shaping, staleness, work_record, zero_variance
+from arl_jax.orchestrator import (
+    open_work,
+    orchestrator_config,
+    reward_shaping,
+    staleness,
+    work_record,
+    zero_variance,
+)
 
 
 def histogram(values) -> dict[str, int]:
@@ -91,26 +98,31 @@ class NoSignal(Exception):
 class Orchestrator:
   """Dispatcher + buffer + drop ledger, driven by the learner thread."""
 
-  def __init__(self, *, dispatch_cfg: dispatcher_lib.DispatchConfig,
-               buffer_cfg: buffer_lib.BufferConfig, prompts: Iterator, encode_fn,
-               env_name_of: Callable[[object], str], max_new_tokens: int,
-               mask_truncated_completions: bool = False, filter_zero_variance: bool = False,
-               overlong_buffer: int = 0, overlong_penalty: float = 1.0,
+  def __init__(self, cfg: orchestrator_config.OrchestratorConfig, *, prompts: Iterator,
+               encode_fn, env_name_of: Callable[[object], str], max_new_tokens: int,
                clock: Callable[[], float] = time.monotonic,
                budget_fn: Callable[[object], int | None] | None = None,
                audit_fn: Callable[[dict], None] | None = None):
-    if dispatch_cfg.staleness_reference != buffer_cfg.staleness_reference:
-      raise ValueError("the dispatcher and the buffer must use the same staleness_reference")
-    self.dispatch_cfg = dispatch_cfg
-    self.buffer_cfg = buffer_cfg
-    self.buffer = buffer_lib.RolloutBuffer(buffer_cfg, clock)
+    """Args:
+      cfg: the config's `orchestrator` section (its dispatcher and buffer
+        read it too).
+      prompts: iterator of prompt records.
+      encode_fn: prompt record -> its token ids.
+      env_name_of: prompt record -> its environment's name.
+      max_new_tokens: the sampler's completion budget.
+      clock: time source (tests and the simulator pass a fake one).
+      budget_fn: prompt record -> its own completion budget, or None.
+      audit_fn: receives one event per retired group (`groups.jsonl`).
+    """
+    self.cfg = cfg
+    self.buffer = buffer_lib.RolloutBuffer(cfg, clock)
     # Every open group at its restart points, for checkpoints: owned here,
     # opened and closed by the dispatcher, fed by the rollout side through
     # `segment_ended`, `episode_resumed` and `rollout_scored`.
     self.work = open_work.OpenWork()
-    self.dispatcher = dispatcher_lib.Dispatcher(dispatch_cfg, prompts, encode_fn, self.buffer,
+    self.dispatcher = dispatcher_lib.Dispatcher(cfg, prompts, encode_fn, self.buffer,
                                                 clock, budget_fn, work=self.work)
-    self.ledger = drop_ledger_lib.DropLedger(max_new_tokens, mask_truncated_completions)
+    self.ledger = drop_ledger_lib.DropLedger(max_new_tokens, cfg.mask_truncated_completions)
     self._env_name_of = env_name_of  # prompt record -> environment name
     # Receives one event per retired group: trained, or dropped as stale or
     # cancelled (`groups.jsonl`: the run's record of what happened to each prompt).
@@ -118,15 +130,12 @@ class Orchestrator:
     self._lock = threading.Lock()
     self._live_version = 0
     self._stale_since_cut: list[rollout_lib.Group] = []
-    self._mask_truncated = mask_truncated_completions
     self._max_new_tokens = max_new_tokens
-    self._overlong = (overlong_buffer, overlong_penalty)
-    self._filter_zero_variance = filter_zero_variance
     # Dynamic sampling: groups dropped on arrival (env threads) wait here for
     # the learner thread, which owns the ledger and the audit; the kept share
     # over the last four batches' worth of arrivals is admission's expected yield.
     self._zero_variance: list[tuple[rollout_lib.Group, int]] = []
-    self.kept = zero_variance.KeptFraction(4 * dispatch_cfg.groups_per_batch)
+    self.kept = zero_variance.KeptFraction(4 * cfg.groups_per_batch)
 
   @property
   def live_version(self) -> int:
@@ -140,8 +149,8 @@ class Orchestrator:
     # group cannot have arrived before the newest version that sampled it.
     newest = max(r.version_span[1] for r in group.rollouts)
     group = self._shaped(group)
-    if self._filter_zero_variance:
-      kept = zero_variance.carries_signal(group, self._mask_truncated)
+    if self.cfg.filter_zero_variance:
+      kept = zero_variance.carries_signal(group, self.cfg.mask_truncated_completions)
       if not kept and self.dispatcher.drop_finished(group.group_id) is None:
         return False  # cancelled meanwhile: counted as that
       with self._lock:
@@ -165,7 +174,8 @@ class Orchestrator:
     completion budget (an environment may give a prompt less than the
     sampler's `max_new_tokens`)."""
     budget = self.dispatcher.completion_budget(group.group_id, self._max_new_tokens)
-    return reward_shaping.shape(group, budget, *self._overlong)
+    return reward_shaping.shape(group, budget, self.cfg.overlong_buffer,
+                                self.cfg.overlong_penalty)
 
   def restore_work(self, work: work_record.WorkRecord) -> list[open_work.RestoredGroup]:
     """Takes back the open work of a checkpoint (`Dispatcher.snapshot_work`),
@@ -186,7 +196,7 @@ class Orchestrator:
     """One attempt at `B_{batch_version}`: sweep, count and retire stale groups,
     then take a batch if the assembly policy has one ready."""
     self._count_zero_variance()
-    result = self.buffer.try_cut(batch_version, self.dispatch_cfg.groups_per_batch)
+    result = self.buffer.try_cut(batch_version, self.cfg.groups_per_batch)
     if result.stale:
       self.ledger.record_stale(result.stale)
       self.dispatcher.retire([g.group_id for g in result.stale], dropped=True)
@@ -198,7 +208,7 @@ class Orchestrator:
     masked = self.ledger.record_trained(result.groups)
     stale, self._stale_since_cut = self._stale_since_cut, []
     return Batch(batch_version=batch_version, groups=result.groups, stale=stale, masked=masked,
-                 staleness_reference=self.buffer_cfg.staleness_reference)
+                 staleness_reference=self.cfg.staleness_reference)
 
   def cut(self, batch_version: int, timeout: float | None = None) -> Batch:
     """Blocks until `B_{batch_version}` can be cut.
@@ -223,14 +233,14 @@ class Orchestrator:
                             f"cannot fill B_{batch_version}")
       remaining = None if deadline is None else deadline - time.monotonic()
       if remaining is not None and remaining <= 0:
-        raise TimeoutError(f"no full batch of {self.dispatch_cfg.groups_per_batch} groups "
+        raise TimeoutError(f"no full batch of {self.cfg.groups_per_batch} groups "
                            f"for B_{batch_version}")
       self.buffer.wait_for_change(generation, 0.5 if remaining is None else min(remaining, 0.5))
 
   def _raise_if_no_signal(self) -> None:
     with self._lock:
       in_a_row = self.kept.dropped_in_a_row
-    if in_a_row >= zero_variance.no_signal_groups(self.dispatch_cfg.groups_per_batch):
+    if in_a_row >= zero_variance.no_signal_groups(self.cfg.groups_per_batch):
       raise NoSignal(
           f"orchestrator.filter_zero_variance dropped the last {in_a_row} groups in a row: no "
           f"group's rewards differed (every sample right, or every one wrong), so nothing "
@@ -287,7 +297,7 @@ class Orchestrator:
     metrics = {**self.ledger.metrics(), "cancelled_groups": dispatcher.num_cancelled,
                "requeued_groups": dispatcher.num_requeued, "buffer_size": len(self.buffer),
                "in_system_groups": dispatcher.in_system}
-    if self._filter_zero_variance:
+    if self.cfg.filter_zero_variance:
       with self._lock:
         metrics["zero_variance_kept_fraction"] = self.kept.overall
       metrics["admission_yield"] = dispatcher.expected_yield

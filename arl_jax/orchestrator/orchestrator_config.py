@@ -1,9 +1,10 @@
 """The orchestrator's settings: the config's `orchestrator` section.
 
-One dataclass declares every key (its default, its doc, its check); the
-dispatcher's and the buffer's settings are views of it (`dispatch`,
-`buffer`), since both read the staleness bound and its reference and the
-batch's shape, and a key is declared once.
+One dataclass declares every key (its default, its doc, its check), and the
+orchestrator, its dispatcher and its buffer each take it whole: they share
+the staleness bound, its reference and the batch's shape, and a key is
+declared once. What they derive from it (`groups_per_batch`, `capacity`,
+`window_groups`) are its properties.
 """
 
 from __future__ import annotations
@@ -11,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 
 from arl_jax.core import settings
-from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import staleness
+
+ASSEMBLY_POLICIES = ("fifo", "windowed_fifo", "first_done")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,7 +33,7 @@ class OrchestratorConfig:
     staleness_reference: what a group's lag is counted from: "dispatch" (the
       version it was dispatched under) or "oldest_token".
     assembly: how batches are cut from finished groups: "fifo",
-      "windowed_fifo" or "first_done" (`buffer.ASSEMBLY_POLICIES`).
+      "windowed_fifo" or "first_done" (`ASSEMBLY_POLICIES`, `buffer.py`).
     window_fraction: windowed_fifo: the window, as a fraction of a batch.
     requeue_dropped: times a dropped group's prompt is dispatched again.
     mask_truncated_completions: completions cut at the budget train no tokens.
@@ -73,8 +74,8 @@ class OrchestratorConfig:
                    "max_async_level", f"must be an int >= 0, got {self.max_async_level!r}")
     settings.check(self.staleness_reference in staleness.REFERENCES, "staleness_reference",
                    f"must be one of {staleness.REFERENCES}, got {self.staleness_reference!r}")
-    settings.check(self.assembly in buffer_lib.ASSEMBLY_POLICIES, "assembly",
-                   f"must be one of {buffer_lib.ASSEMBLY_POLICIES}, got {self.assembly!r}")
+    settings.check(self.assembly in ASSEMBLY_POLICIES, "assembly",
+                   f"must be one of {ASSEMBLY_POLICIES}, got {self.assembly!r}")
     settings.check(0.0 < self.window_fraction <= 1.0, "window_fraction",
                    f"must be in (0, 1], got {self.window_fraction}")
     settings.check(settings.is_int(self.requeue_dropped) and self.requeue_dropped >= 0,
@@ -96,18 +97,11 @@ class OrchestratorConfig:
     return self.batch_size // self.group_size
 
   @property
-  def dispatch(self) -> dispatcher_lib.DispatchConfig:
-    """What the dispatcher reads: the batch's shape, admission, staleness, requeues."""
-    return dispatcher_lib.DispatchConfig(
-        group_size=self.group_size, groups_per_batch=self.groups_per_batch,
-        max_async_level=self.max_async_level, max_off_policy_steps=self.max_off_policy_steps,
-        staleness_reference=self.staleness_reference, requeue_dropped=self.requeue_dropped)
+  def capacity(self) -> int:
+    """Groups admission lets into the system (started, not yet retired)."""
+    return (self.max_async_level + 1) * self.groups_per_batch
 
   @property
-  def buffer(self) -> buffer_lib.BufferConfig:
-    """What the buffer reads: staleness and how batches are cut (the window
-    in whole groups, at least one)."""
-    return buffer_lib.BufferConfig(
-        max_off_policy_steps=self.max_off_policy_steps,
-        staleness_reference=self.staleness_reference, assembly=self.assembly,
-        window_groups=max(1, round(self.window_fraction * self.groups_per_batch)))
+  def window_groups(self) -> int:
+    """windowed_fifo's window in whole groups (at least one)."""
+    return max(1, round(self.window_fraction * self.groups_per_batch))

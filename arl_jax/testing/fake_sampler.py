@@ -35,9 +35,8 @@ import numpy as np
 
 from arl_jax.core import group_request as group_request_lib
 from arl_jax.core import rollout as rollout_lib
-from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
+from arl_jax.orchestrator import orchestrator_config
 
 
 class FakeClock:
@@ -53,29 +52,24 @@ class FakeClock:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SimConfig:
   """Attributes:
-    dispatch, buffer: the orchestrator's settings, as in a real run.
+    orchestrator: the orchestrator's settings, as in a real run.
     num_steps: learner updates to simulate.
     train_seconds: simulated duration of one learner update.
     num_slots: groups the fake sampler generates at once (None: all admitted).
     tokens_per_second: completion length of a group is `duration * this`,
       capped at `max_new_tokens` (capped completions finish with `length`).
     max_new_tokens: the completion budget.
-    mask_truncated_completions: as the orchestrator option.
-    filter_zero_variance: as the orchestrator option.
     reward_fn: `(prompt, sample index) -> reward` (None: index % 2, so every
       group's rewards differ).
     env_name: environment name recorded on rollouts.
   """
 
-  dispatch: dispatcher_lib.DispatchConfig
-  buffer: buffer_lib.BufferConfig
+  orchestrator: orchestrator_config.OrchestratorConfig
   num_steps: int
   train_seconds: float = 1.0
   num_slots: int | None = None
   tokens_per_second: float = 4.0
   max_new_tokens: int = 64
-  mask_truncated_completions: bool = False
-  filter_zero_variance: bool = False
   reward_fn: Callable[[object, int], float] | None = None
   env_name: str = "sim"
 
@@ -152,11 +146,9 @@ class _Simulation:
     self.cfg, self.duration_fn = cfg, duration_fn
     self.clock = FakeClock()
     self.orch = orchestrator_lib.Orchestrator(
-        dispatch_cfg=cfg.dispatch, buffer_cfg=cfg.buffer, prompts=prompts,
+        cfg.orchestrator, prompts=prompts,
         encode_fn=lambda prompt: [1], env_name_of=lambda prompt: cfg.env_name,
-        max_new_tokens=cfg.max_new_tokens,
-        mask_truncated_completions=cfg.mask_truncated_completions,
-        filter_zero_variance=cfg.filter_zero_variance, clock=self.clock)
+        max_new_tokens=cfg.max_new_tokens, clock=self.clock)
     self.heap: list[tuple[float, int, str, int]] = []
     self.seq = itertools.count()
     self.version = 0

@@ -279,15 +279,10 @@ def _lead(run: run_context.RunContext, learner: run_context.Learner,
   spec, env = run.spec, run.inputs.env
   work = restored.run["work"] if restored is not None else None
   orchestrator = orchestrator_lib.Orchestrator(
-      dispatch_cfg=spec.orchestrator.dispatch, buffer_cfg=spec.orchestrator.buffer,
-      prompts=inputs_lib.prompt_stream(spec, run.inputs, work), encode_fn=env.encode_prompt,
-      env_name_of=env.env_name_of,
-      max_new_tokens=spec.engine.max_new_tokens,
-      mask_truncated_completions=spec.orchestrator.mask_truncated_completions,
-      filter_zero_variance=spec.orchestrator.filter_zero_variance,
-      overlong_buffer=spec.orchestrator.overlong_buffer,
-      overlong_penalty=spec.orchestrator.overlong_penalty,
-      budget_fn=env.max_new_tokens_for, audit_fn=run.audit.write)
+      spec.orchestrator, prompts=inputs_lib.prompt_stream(spec, run.inputs, work),
+      encode_fn=env.encode_prompt, env_name_of=env.env_name_of,
+      max_new_tokens=spec.engine.max_new_tokens, budget_fn=env.max_new_tokens_for,
+      audit_fn=run.audit.write)
   multi = lockstep.is_multi_controller()
   sampling = rollouts.build(run, orchestrator=orchestrator, publisher=learner.publisher,
                             multi_controller=multi)

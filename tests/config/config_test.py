@@ -25,10 +25,10 @@ def _config(**overrides):
 def test_tiny_and_default_configs_build():
   for arg in ("tiny", None, "sync"):
     spec = run_spec.build(tiny.load_config("arith", arg))
-    assert spec.orchestrator.dispatch.groups_per_batch * spec.orchestrator.dispatch.group_size > 0
+    assert spec.orchestrator.groups_per_batch * spec.orchestrator.group_size > 0
   sync = run_spec.build(tiny.load_config("arith", "sync"))
-  assert (sync.orchestrator.dispatch.max_async_level,
-          sync.orchestrator.dispatch.max_off_policy_steps,
+  assert (sync.orchestrator.max_async_level,
+          sync.orchestrator.max_off_policy_steps,
           sync.engine.weight_update) == (0, 0, "drain")
 
 

@@ -12,9 +12,8 @@ from arl_jax.core import rollout as rollout_lib
 from arl_jax.distributed import fleet as fleet_lib
 from arl_jax.distributed import fleet_config, wire
 from arl_jax.envs import env_api
-from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
+from arl_jax.orchestrator import orchestrator_config
 
 _G = 2
 
@@ -29,10 +28,9 @@ def _orchestrator(groups_per_batch=2):
   prompts = (env_api.TextPrompt(prompt_id=i, text=f"p{i}", answer="a")
              for i in itertools.count())
   return orchestrator_lib.Orchestrator(
-      dispatch_cfg=dispatcher_lib.DispatchConfig(
-          group_size=_G, groups_per_batch=groups_per_batch, max_async_level=1,
+      orchestrator_config.OrchestratorConfig(
+          group_size=_G, batch_size=_G * groups_per_batch, max_async_level=1,
           max_off_policy_steps=k),
-      buffer_cfg=buffer_lib.BufferConfig(max_off_policy_steps=k),
       prompts=prompts, encode_fn=lambda p: [5, p.prompt_id + 1], env_name_of=lambda p: "t",
       max_new_tokens=8)
 

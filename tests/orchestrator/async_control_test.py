@@ -9,8 +9,7 @@ import itertools
 import numpy as np
 import pytest
 
-from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import orchestrator_config
 from arl_jax.testing import fake_sampler
 
 
@@ -35,12 +34,11 @@ def simulate(*, assembly="fifo", k=8, max_async_level=2, groups_per_batch=8, win
              num_slots=None, num_steps=60, reference="dispatch", requeue_dropped=0,
              train_seconds=1.0, prompts=None, duration_fn=duration):
   cfg = fake_sampler.SimConfig(
-      dispatch=dispatcher_lib.DispatchConfig(
-          group_size=2, groups_per_batch=groups_per_batch, max_async_level=max_async_level,
+      orchestrator=orchestrator_config.OrchestratorConfig(
+          group_size=2, batch_size=2 * groups_per_batch, max_async_level=max_async_level,
           max_off_policy_steps=k, staleness_reference=reference,
-          requeue_dropped=requeue_dropped),
-      buffer=buffer_lib.BufferConfig(max_off_policy_steps=k, staleness_reference=reference,
-                                     assembly=assembly, window_groups=window_groups),
+          requeue_dropped=requeue_dropped, assembly=assembly,
+          window_fraction=window_groups / groups_per_batch),
       num_steps=num_steps, train_seconds=train_seconds, num_slots=num_slots)
   return fake_sampler.simulate(cfg, prompts or tasks(), duration_fn)
 

@@ -3,12 +3,15 @@
 import threading
 
 from arl_jax.orchestrator import buffer as buffer_lib
+from arl_jax.orchestrator import orchestrator_config
 from tests.orchestrator.staleness_test import make_group
 
 
 def _buffer(assembly, window_groups=1, k=8):
-  return buffer_lib.RolloutBuffer(buffer_lib.BufferConfig(
-      max_off_policy_steps=k, assembly=assembly, window_groups=window_groups))
+  # (the window is a fraction of a batch: of 100 groups here)
+  return buffer_lib.RolloutBuffer(orchestrator_config.OrchestratorConfig(
+      batch_size=200, group_size=2, max_off_policy_steps=k, assembly=assembly,
+      window_fraction=window_groups / 100))
 
 
 def _dispatch(buffer, n, version=0):

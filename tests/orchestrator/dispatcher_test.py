@@ -6,6 +6,7 @@ import pytest
 
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import orchestrator_config
 
 
 class _Prompt:
@@ -15,12 +16,11 @@ class _Prompt:
 
 def _dispatcher(max_async_level=1, groups_per_batch=2, k=2, reference="dispatch",
                 requeue_dropped=0):
-  buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig(max_off_policy_steps=k,
-                                                            staleness_reference=reference))
-  cfg = dispatcher_lib.DispatchConfig(group_size=2, groups_per_batch=groups_per_batch,
-                                      max_async_level=max_async_level, max_off_policy_steps=k,
-                                      staleness_reference=reference,
-                                      requeue_dropped=requeue_dropped)
+  cfg = orchestrator_config.OrchestratorConfig(group_size=2, batch_size=2 * groups_per_batch,
+                                          max_async_level=max_async_level,
+                                          max_off_policy_steps=k, staleness_reference=reference,
+                                          requeue_dropped=requeue_dropped)
+  buffer = buffer_lib.RolloutBuffer(cfg)
   prompts = (_Prompt(i) for i in itertools.count())
   return dispatcher_lib.Dispatcher(cfg, prompts, lambda p: [1, 2, 3], buffer), buffer
 
@@ -101,8 +101,8 @@ def test_dropped_prompts_are_requeued_ahead_of_new_ones_up_to_the_limit():
 
 
 def test_a_finite_stream_ends_dispatch_and_drains():
-  buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig())
-  cfg = dispatcher_lib.DispatchConfig(group_size=2, groups_per_batch=4, requeue_dropped=1)
+  cfg = orchestrator_config.OrchestratorConfig(group_size=2, batch_size=8, requeue_dropped=1)
+  buffer = buffer_lib.RolloutBuffer(cfg)
   dispatcher = dispatcher_lib.Dispatcher(cfg, iter([_Prompt(0), _Prompt(1), _Prompt(2)]),
                                          lambda p: [1], buffer)
   got = dispatcher.take(10, live_version=0, timeout=0.01)
@@ -119,8 +119,8 @@ def test_a_finite_stream_ends_dispatch_and_drains():
 
 
 def test_a_prompt_budget_rides_on_its_request_and_must_be_positive():
-  buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig())
-  cfg = dispatcher_lib.DispatchConfig(group_size=2, groups_per_batch=4)
+  cfg = orchestrator_config.OrchestratorConfig(group_size=2, batch_size=8)
+  buffer = buffer_lib.RolloutBuffer(cfg)
   budgets = {0: 5, 1: None, 2: 0}
   dispatcher = dispatcher_lib.Dispatcher(cfg, (_Prompt(i) for i in itertools.count()),
                                          lambda p: [1], buffer,

@@ -9,10 +9,8 @@ import pytest
 from arl_jax.core import episode as episode_lib
 from arl_jax.core import rollout as rollout_lib
 from arl_jax.envs import env_api
-from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
-from arl_jax.orchestrator import work_record
+from arl_jax.orchestrator import orchestrator_config, work_record
 
 
 def _orchestrator(group_size=2, first_prompt=0):
@@ -20,11 +18,9 @@ def _orchestrator(group_size=2, first_prompt=0):
   prompts = (env_api.TextPrompt(prompt_id=i, text=f"p{i}", answer="a")
              for i in itertools.count(first_prompt))
   return orchestrator_lib.Orchestrator(
-      dispatch_cfg=dispatcher_lib.DispatchConfig(
-          group_size=group_size, groups_per_batch=2, max_async_level=1, max_off_policy_steps=k,
-          staleness_reference="oldest_token"),
-      buffer_cfg=buffer_lib.BufferConfig(max_off_policy_steps=k,
-                                         staleness_reference="oldest_token"),
+      orchestrator_config.OrchestratorConfig(
+          group_size=group_size, batch_size=2 * group_size, max_async_level=1,
+          max_off_policy_steps=k, staleness_reference="oldest_token"),
       prompts=prompts, encode_fn=lambda p: [5, p.prompt_id % 7 + 1], env_name_of=lambda p: "t",
       max_new_tokens=16)
 

@@ -5,10 +5,8 @@ import numpy as np
 import pytest
 
 from arl_jax.core import rollout as rollout_lib
-from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
-from arl_jax.orchestrator import reward_shaping
+from arl_jax.orchestrator import orchestrator_config, reward_shaping
 
 
 @pytest.mark.parametrize("length,expected", [(10, 0.0), (12, 0.0), (13, -0.125), (16, -0.5),
@@ -37,10 +35,10 @@ def _group(group_id, lengths, rewards):
 
 def test_the_orchestrator_shapes_once_and_before_the_filter():
   orch = orchestrator_lib.Orchestrator(
-      dispatch_cfg=dispatcher_lib.DispatchConfig(group_size=2, groups_per_batch=1),
-      buffer_cfg=buffer_lib.BufferConfig(), prompts=iter([_Prompt()] * 4),
-      encode_fn=lambda p: [1], env_name_of=lambda p: "sim", max_new_tokens=20,
-      filter_zero_variance=True, overlong_buffer=8, overlong_penalty=1.0)
+      orchestrator_config.OrchestratorConfig(group_size=2, batch_size=2, filter_zero_variance=True,
+                                         overlong_buffer=8, overlong_penalty=1.0),
+      prompts=iter([_Prompt()] * 4), encode_fn=lambda p: [1], env_name_of=lambda p: "sim",
+      max_new_tokens=20)
   orch.publish(0, trained=[])
   requests = orch.dispatcher.take(2, 0, timeout=0.0)
   # Both right, one long: the penalty makes their rewards differ, so it is kept.
@@ -65,11 +63,11 @@ def test_the_penalty_measures_against_the_prompt_s_own_budget():
   10-token completion is 2 tokens into that prompt's buffer of 8, and one
   that used all 12 gets the full penalty, as a 20-token one would at 20."""
   orch = orchestrator_lib.Orchestrator(
-      dispatch_cfg=dispatcher_lib.DispatchConfig(group_size=2, groups_per_batch=2),
-      buffer_cfg=buffer_lib.BufferConfig(),
+      orchestrator_config.OrchestratorConfig(group_size=2, batch_size=4, overlong_buffer=8,
+                                         overlong_penalty=1.0),
       prompts=iter([_BudgetPrompt(0, 12), _BudgetPrompt(1, None)]),
       encode_fn=lambda p: [1], env_name_of=lambda p: "sim", max_new_tokens=20,
-      overlong_buffer=8, overlong_penalty=1.0, budget_fn=lambda p: p.budget)
+      budget_fn=lambda p: p.budget)
   orch.publish(0, trained=[])
   short_budget, full_budget = orch.dispatcher.take(2, 0, timeout=0.0)
   assert orch.group_finished(_group(short_budget.group_id, [10, 12], [1.0, 1.0]))

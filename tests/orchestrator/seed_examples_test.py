@@ -10,8 +10,8 @@ import pytest
 
 from arl_jax.core import rollout as rollout_lib
 from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
+from arl_jax.orchestrator import orchestrator_config
 from arl_jax.testing import fake_sampler
 
 
@@ -26,11 +26,9 @@ class Script:
   def __init__(self, k, reference, assembly="first_done"):
     self.clock = fake_sampler.FakeClock()
     self.orch = orchestrator_lib.Orchestrator(
-        dispatch_cfg=dispatcher_lib.DispatchConfig(
-            group_size=2, groups_per_batch=1, max_async_level=8, max_off_policy_steps=k,
-            staleness_reference=reference),
-        buffer_cfg=buffer_lib.BufferConfig(max_off_policy_steps=k, staleness_reference=reference,
-                                           assembly=assembly),
+        orchestrator_config.OrchestratorConfig(
+            group_size=2, batch_size=2, max_async_level=8, max_off_policy_steps=k,
+            staleness_reference=reference, assembly=assembly),
         prompts=(_Prompt(i) for i in itertools.count()), encode_fn=lambda p: [1],
         env_name_of=lambda prompt: "seed", max_new_tokens=128, clock=self.clock)
     self.version = 0

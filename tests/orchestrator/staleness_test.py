@@ -5,7 +5,7 @@ import pytest
 
 from arl_jax.core import rollout as rollout_lib
 from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import staleness
+from arl_jax.orchestrator import orchestrator_config, staleness
 
 
 def make_group(group_id, dispatch_version, token_versions_per_rollout):
@@ -39,8 +39,9 @@ CODING_VERSIONS = [9] * 30 + [10] * 45 + [11] * 20
 def test_seed_worked_example_k2_drops_the_coding_rollout(reference):
   coding = make_group(0, 9, [CODING_VERSIONS, CODING_VERSIONS])
   assert coding.rollouts[0].version_span == (9, 11)
-  buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig(
-      max_off_policy_steps=2, staleness_reference=reference, assembly="first_done"))
+  buffer = buffer_lib.RolloutBuffer(orchestrator_config.OrchestratorConfig(
+      batch_size=2, group_size=2, max_off_policy_steps=2, staleness_reference=reference,
+      assembly="first_done"))
   fresh = make_group(1, 11, [[11, 11], [11, 11]])
   # It finishes while the trainer collects B_12: lag 12 - 9 = 3 > K = 2.
   result = _cut(buffer, [coding, fresh], batch_version=12, num_groups=1)
@@ -50,7 +51,8 @@ def test_seed_worked_example_k2_drops_the_coding_rollout(reference):
 
 def test_seed_worked_example_k4_trains_the_coding_rollout():
   coding = make_group(0, 9, [CODING_VERSIONS, CODING_VERSIONS])
-  buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig(max_off_policy_steps=4))
+  buffer = buffer_lib.RolloutBuffer(orchestrator_config.OrchestratorConfig(batch_size=2, group_size=2,
+                                                                        max_off_policy_steps=4))
   result = _cut(buffer, [coding], batch_version=12, num_groups=1)
   assert result.stale == []
   assert [g.group_id for g in result.groups] == [0]
@@ -82,7 +84,8 @@ def test_oldest_token_reference_is_less_conservative_than_dispatch():
 
 def test_time_waiting_in_the_buffer_counts():
   group = make_group(0, 3, [[3], [3]])
-  buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig(max_off_policy_steps=2))
+  buffer = buffer_lib.RolloutBuffer(orchestrator_config.OrchestratorConfig(batch_size=2, group_size=2,
+                                                                        max_off_policy_steps=2))
   buffer.register_dispatch(0, 3)
   buffer.put(group, live_version=4)
   # Not cut at B_4 (a batch of 2 groups was wanted), still waiting at B_6.

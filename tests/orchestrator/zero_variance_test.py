@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 
 from arl_jax.core import rollout as rollout_lib
-from arl_jax.orchestrator import buffer as buffer_lib
-from arl_jax.orchestrator import dispatcher as dispatcher_lib
-from arl_jax.orchestrator import zero_variance
+from arl_jax.orchestrator import orchestrator_config, zero_variance
 from arl_jax.testing import fake_sampler
 
 G = 4
@@ -53,13 +51,11 @@ def _simulate(filter_zero_variance, num_steps=30, requeue_dropped=0, max_async_l
     return 1.0 if task.prompt_id % 3 else float(sample % 2)
   rng = np.random.default_rng(0)
   cfg = fake_sampler.SimConfig(
-      dispatch=dispatcher_lib.DispatchConfig(group_size=G, groups_per_batch=4,
-                                             max_async_level=max_async_level,
-                                             max_off_policy_steps=4,
-                                             requeue_dropped=requeue_dropped),
-      buffer=buffer_lib.BufferConfig(max_off_policy_steps=4), num_steps=num_steps,
-      train_seconds=1.0, num_slots=64, filter_zero_variance=filter_zero_variance,
-      reward_fn=reward)
+      orchestrator=orchestrator_config.OrchestratorConfig(
+          group_size=G, batch_size=4 * G, max_async_level=max_async_level,
+          max_off_policy_steps=4, requeue_dropped=requeue_dropped,
+          filter_zero_variance=filter_zero_variance),
+      num_steps=num_steps, train_seconds=1.0, num_slots=64, reward_fn=reward)
   durations = rng.uniform(0.5, 3.0, 100_000)
   return fake_sampler.simulate(cfg, (Task(i) for i in itertools.count()),
                                lambda task: float(durations[task.prompt_id]))

@@ -11,7 +11,7 @@ import pytest
 from arl_jax.envs import env_api
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
-from arl_jax.orchestrator import work_record
+from arl_jax.orchestrator import orchestrator_config, work_record
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import engine_config, sampling
 from arl_jax.testing import tiny
@@ -33,9 +33,8 @@ def _engine(setup, version, on_group, precompile=False, prefill_chunk=0):
   rng = np.random.default_rng(0)
   prompts = (env_api.TextPrompt(prompt_id=i, text="", answer="") for i in itertools.count())
   encode = lambda p: rng.integers(0, 256, 5).tolist()
-  dispatcher = dispatcher_lib.Dispatcher(
-      dispatcher_lib.DispatchConfig(group_size=4, groups_per_batch=2, max_async_level=0),
-      prompts, encode, buffer_lib.RolloutBuffer(buffer_lib.BufferConfig()))
+  cfg = orchestrator_config.OrchestratorConfig(group_size=4, batch_size=8, max_async_level=0)
+  dispatcher = dispatcher_lib.Dispatcher(cfg, prompts, encode, buffer_lib.RolloutBuffer(cfg))
   to_env = engine_test.single_turn_groups(on_group)
 
   def on_segment(episode):

@@ -8,6 +8,7 @@ import pytest
 
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
+from arl_jax.orchestrator import orchestrator_config
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import engine_config, sampling
 from arl_jax.testing import slots as slots_lib
@@ -64,10 +65,10 @@ HAND_BUILT = dict(kv_cache="dense", decode_burst=1, precompile=False)
 def _engine(publisher, setup, weight_update, on_group, *, kv_policy="keep", take_hook=None,
             prompt_tokens=(4, 4), max_async_level=0, budget_fn=None, **engine_options):
   meshes, graphdef, cfg = setup["meshes"], setup["graphdef"], setup["cfg"]
-  dispatch = dispatcher_lib.DispatchConfig(group_size=4, groups_per_batch=2,
-                                           max_async_level=max_async_level,
-                                           max_off_policy_steps=4)
-  buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig())
+  dispatch = orchestrator_config.OrchestratorConfig(group_size=4, batch_size=8,
+                                               max_async_level=max_async_level,
+                                               max_off_policy_steps=4)
+  buffer = buffer_lib.RolloutBuffer(dispatch)
   rng = np.random.default_rng(0)
   prompts = (_Prompt(i) for i in itertools.count())
   encode = lambda p: rng.integers(0, 256, rng.integers(prompt_tokens[0],

@@ -13,6 +13,7 @@ from arl_jax.envs import env_api
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import env_runner as env_runner_lib
+from arl_jax.orchestrator import orchestrator_config
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import engine_config, sampling
 from arl_jax.testing import tiny
@@ -60,9 +61,9 @@ def setup():
 
 def _run(setup, publisher, weight_update, latency_s, num_groups, context_bucket=8,
          **engine_options):
-  dispatch = dispatcher_lib.DispatchConfig(group_size=G, groups_per_batch=2, max_async_level=0,
-                                           max_off_policy_steps=4)
-  buffer = buffer_lib.RolloutBuffer(buffer_lib.BufferConfig())
+  dispatch = orchestrator_config.OrchestratorConfig(group_size=G, batch_size=2 * G, max_async_level=0,
+                                               max_off_policy_steps=4)
+  buffer = buffer_lib.RolloutBuffer(dispatch)
   rng = np.random.default_rng(0)
   prompts = (_Prompt(i) for i in itertools.count())
   encode = lambda p: rng.integers(0, 256, rng.integers(2, PROMPT_LEN + 1)).tolist()
