@@ -208,7 +208,7 @@ def bench_learner(resolved, *, steps: int, peak: float) -> dict:
   meshes = mesh_lib.make_role_meshes(spec.mesh)
   graphdef, params = hf_params.load_params(spec.model_hf_path, spec.model, meshes.learner,
                                            rules_lib.LEARNER_RULES)
-  optimizer = optim_lib.make_optimizer(spec.optim, spec.num_steps, spec.loss.optimizer_steps)
+  optimizer = optim_lib.make_optimizer(spec.optim, spec.run.num_steps, spec.loss.optimizer_steps)
   state, shardings = train_state_lib.create(params, optimizer, meshes.learner)
   update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
                                         settings=spec.loss, state_shardings=shardings,

@@ -90,12 +90,12 @@ def warm_up(graphdef, params, spec, env, train_prompts, log):
   """Supervised steps on the correct answers of a fixed subset of the prompts."""
   w = spec.warmup
   num_chosen = max(1, int(w.fraction * len(train_prompts)))
-  subset = np.random.default_rng((spec.seed, 0)).permutation(len(train_prompts))[:num_chosen]
+  subset = np.random.default_rng((spec.run.seed, 0)).permutation(len(train_prompts))[:num_chosen]
   chosen = [train_prompts[i] for i in subset]
   optimizer = optim_lib.make_optimizer(optim_lib.OptimConfig(lr=w.lr))
   opt_state = optimizer.init(params)
   p_len, n_new = spec.engine.prompt_len, spec.engine.max_new_tokens
-  rng = np.random.default_rng((spec.seed, 1))
+  rng = np.random.default_rng((spec.run.seed, 1))
 
   @jax.jit
   def step(params, opt_state, tokens, mask, target_mask):
@@ -128,8 +128,8 @@ def train(config, num_steps: int | None = None, log=print) -> list[dict]:
   tokenizer = tokenizer_lib.ByteTokenizer()
   env = arith.ArithEnv(tokenizer)
   train_prompts = arith.make_prompts(spec.env, "train")
-  prompts = prompt_data.prompt_iterator(train_prompts, spec.seed)
-  model = decoder_lib.Decoder(spec.model, rngs=nnx.Rngs(spec.seed))
+  prompts = prompt_data.prompt_iterator(train_prompts, spec.run.seed)
+  model = decoder_lib.Decoder(spec.model, rngs=nnx.Rngs(spec.run.seed))
   graphdef, params = nnx.split(model)
   params = warm_up(graphdef, params, spec, env, train_prompts, log)
   optimizer = optim_lib.make_optimizer(spec.optim)
@@ -142,11 +142,11 @@ def train(config, num_steps: int | None = None, log=print) -> list[dict]:
   g, groups = spec.orchestrator.group_size, spec.orchestrator.groups_per_batch
   group_ids = itertools.count()
   records = []
-  for step in range(spec.num_steps if num_steps is None else num_steps):
+  for step in range(spec.run.num_steps if num_steps is None else num_steps):
     batch_prompts = [next(prompts) for _ in range(groups)]
     ids = [next(group_ids) for _ in range(groups)]
     rows = [(gid, s) for gid in ids for s in range(g)]
-    keys = token_draw.row_keys(spec.seed, [r[0] for r in rows], [r[1] for r in rows])
+    keys = token_draw.row_keys(spec.run.seed, [r[0] for r in rows], [r[1] for r in rows])
     tokens, mask, behaviour = sample(
         graphdef, params, [env.encode_prompt(p) for p in batch_prompts for _ in range(g)], keys,
         prompt_len=spec.engine.prompt_len, max_new_tokens=spec.engine.max_new_tokens,

@@ -71,13 +71,13 @@ def prompt_stream(spec, inputs: Inputs, work: work_record.WorkRecord | None):
   # multi-controller run only process 0's orchestrator draws prompts.
   whole = {"shard_index": 0, "shard_count": 1}
   if not weights:
-    stream = prompt_data.prompt_iterator(prompts, spec.seed,
+    stream = prompt_data.prompt_iterator(prompts, spec.run.seed,
                                          num_epochs=spec.data.num_epochs or None, **whole)
   else:
     by_env = collections.defaultdict(list)
     for p in prompts:
       by_env[env.env_name_of(p)].append(p)
-    stream = prompt_data.mixed_iterator(by_env, weights, spec.seed, **whole)
+    stream = prompt_data.mixed_iterator(by_env, weights, spec.run.seed, **whole)
   if work is None:
     return stream
   if work.stream_state is not None:  # the grain iterator's saved position
@@ -90,7 +90,7 @@ def warmup_subset(spec, inputs: Inputs) -> list:
   """The training prompts the supervised warm-up teaches (`warmup.fraction`)."""
   prompts = inputs.train.prompts
   count = max(1, int(spec.warmup.fraction * len(prompts)))
-  chosen = np.random.default_rng((spec.seed, 0)).permutation(len(prompts))[:count]
+  chosen = np.random.default_rng((spec.run.seed, 0)).permutation(len(prompts))[:count]
   return [prompts[i] for i in chosen]
 
 

@@ -37,16 +37,9 @@ from arl_jax.sharding import mesh_lib
 class RunSpec:
   """Everything a run needs, validated, as small frozen dataclasses."""
 
-  seed: int
-  num_steps: int
-  log_every: int
-  eval_every: int
-  eval_size: int
-  eval_samples: int  # (these three: the sampled evaluation, `schema.RunSection`)
-  eval_temperature: float
-  eval_solved_reward: float
-  writers: tuple[str, ...]  # metric sinks besides the progress line (metrics/writer.py)
-  compilation_cache: str  # "auto", a folder, or "" (compile_cache.py)
+  # The top-level keys: seed, length, logging, evaluation, writers, the
+  # compilation cache (`spec.run.seed`, ...).
+  run: sections.RunSection
   checkpoint: checkpointing.CheckpointConfig
   fleet: fleet_config.FleetConfig  # where sampling runs: here, or in sampler processes
   model: model_config_lib.ModelConfig
@@ -69,6 +62,7 @@ class RunSpec:
   packing: packing_lib.Packing | None  # how the learner's rows hold rollouts (None: padded)
   optim: optim_lib.OptimConfig
   warmup: sections.WarmupSection
+  warmup_optim: optim_lib.OptimConfig  # (the warmup section's optimizer keys)
   # Settings left to `auto`, as chosen (`sampler/auto_settings.py`; the header prints them).
   choices: tuple[str, ...] = ()
 
@@ -344,11 +338,7 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
            f"orchestrator.batch_size={o.batch_size} rows do not split into num_minibatches x "
            f"num_microbatches = {slices} equal slices")
   return RunSpec(
-      seed=run.seed, num_steps=run.num_steps, log_every=run.log_every,
-      eval_every=run.eval_every, eval_size=run.eval_size, eval_samples=run.eval_samples,
-      eval_temperature=float(run.eval_temperature),
-      eval_solved_reward=float(run.eval_solved_reward), writers=run.writer_names,
-      compilation_cache=run.compilation_cache, checkpoint=parts["checkpoint"],
+      run=run, checkpoint=parts["checkpoint"],
       fleet=parts["fleet"], model=model,
       model_hf_path=parts["model"].hf_path, mesh=_mesh(parts["mesh"]), env_name=parts["env"].name,
       env=env, data=data, tokenizer=parts["tokenizer"], num_env_workers=parts["env"].num_workers,
@@ -362,7 +352,7 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
       sampling=sampling,
       orchestrator=o,
       loss=loss, packing=None, optim=_build(config, "learner", optim_lib.OptimConfig),
-      warmup=parts["warmup"])
+      warmup=parts["warmup"], warmup_optim=_build(config, "warmup", sections.WarmupOptim))
 
 
 def _loss(config: Mapping, objective: loss_settings_lib.Objective,

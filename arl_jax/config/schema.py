@@ -11,7 +11,8 @@ every config derives from out of their defaults.
 `loss_settings.LossSettings` and `optim.OptimConfig`), `orchestrator`
 (`OrchestratorConfig`, whose views the dispatcher and buffer take), `mesh`,
 `data`, `tokenizer`, `checkpoint` and `fleet` are the components' own
-dataclasses; `warmup` is defined here and read as it is by the warm-up phase.
+dataclasses; `warmup` is defined here (its optimizer keys are the learner's,
+`WarmupOptim`) and read as it is by the warm-up phase.
 `model` and `env` are defined here and turned into the model's config (from a
 Hugging Face folder, when given) and the environment's by `config_lib`. Checks that span
 sections (a batch that must split over the learner's fsdp axis, a prompt
@@ -179,39 +180,30 @@ class EnvSection:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class WarmupSection:
   """The `warmup` section: supervised updates on the correct answers of some
-  train prompts before RL.
+  train prompts before RL (its optimizer's keys: `WarmupOptim`).
 
   Attributes:
     steps: supervised updates (0: no warm-up).
     batch_size: demonstrations per update.
-    lr: the warm-up's learning rate (the peak of a schedule).
-    lr_schedule: constant | linear | cosine, over the warm-up's steps, as
-      the learner's (`optim.OptimConfig`).
-    lr_warmup_steps: steps whose rate rises linearly to lr (0: none).
-    lr_min: the rate a decay ends at.
     fraction: share of the train prompts whose answers are shown.
   """
 
   steps: int = 0
   batch_size: int = 64
-  lr: float = 1e-3
-  lr_schedule: str = "constant"
-  lr_warmup_steps: int = 0
-  lr_min: float = 0.0
   fraction: float = 0.3
 
   def __post_init__(self):
     _check(_is_int(self.steps) and self.steps >= 0, "warmup.steps", "must be an int >= 0")
     _check(0 < self.fraction <= 1, "warmup.fraction", "must be in (0, 1]")
-    try:
-      self.optim()
-    except settings.SettingError as e:
-      raise ValueError(f"warmup.{e}") from None
 
-  def optim(self) -> optim.OptimConfig:
-    """The warm-up's optimizer settings (AdamW's others at their defaults)."""
-    return optim.OptimConfig(lr=self.lr, lr_schedule=self.lr_schedule,
-                             lr_warmup_steps=self.lr_warmup_steps, lr_min=self.lr_min)
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class WarmupOptim(optim.OptimConfig):
+  """The warm-up's optimizer: the learner's keys (`optim.OptimConfig`: `lr`,
+  `lr_schedule` over the warm-up's steps, `lr_warmup_steps`, `lr_min`, AdamW's
+  own), with a larger default rate (supervised targets, a few hundred steps)."""
+
+  lr: float = 1e-3
 
 
 # Section name -> the dataclasses whose fields are its keys (`settings.keys`;
@@ -228,7 +220,7 @@ SECTIONS = {
                 loss_settings.Vtrace, loss_settings.M2po, loss_settings.Cispo, loss_settings.Gspo,
                 loss_settings.StepLayout, loss_settings.Scoring, optim.OptimConfig),
     "learner.lora": (lora.LoraConfig,),
-    "warmup": (WarmupSection,),
+    "warmup": (WarmupSection, WarmupOptim),
     "data": (prompt_source.DataConfig,),
     "tokenizer": (tokenizer_lib.TokenizerConfig,),
     "checkpoint": (checkpointing.CheckpointConfig,),

@@ -84,9 +84,19 @@ def defaults(cls) -> dict:
 
 
 def attribute_docs(cls) -> dict[str, str]:
-  """Each field's text from `cls`'s docstring `Attributes:` section (Google
-  style: `name: text`, continued on lines indented deeper), one line each."""
-  doc = cls.__doc__ or ""
+  """Each field's text from the docstring `Attributes:` section (Google
+  style: `name: text`, continued on lines indented deeper), one line each,
+  of `cls` or of the dataclass it derives from (a subclass that changes a
+  default documents what differs, not every field again)."""
+  out = {}
+  for klass in reversed(cls.__mro__):
+    if dataclasses.is_dataclass(klass):
+      out.update(_own_attribute_docs(klass))
+  return out
+
+
+def _own_attribute_docs(cls) -> dict[str, str]:
+  doc = cls.__dict__.get("__doc__") or ""
   lines = doc.splitlines()
   start = next((i for i, line in enumerate(lines) if line.strip() == "Attributes:"), None)
   if start is None:

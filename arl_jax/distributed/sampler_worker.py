@@ -196,7 +196,7 @@ def _build(link: learner_link.LearnerLink):
 
   welcome = link.welcome
   spec = spec_codec.from_json(welcome.spec)
-  compile_cache.enable(spec.compilation_cache)  # (this machine's folder, when "auto")
+  compile_cache.enable(spec.run.compilation_cache)  # (this machine's folder, when "auto")
   axes = [(str(a), int(n)) for a, n in welcome.sampler_mesh]
   size = int(np.prod([n for _, n in axes]))
   # The layout each version arrives in: the learner's `mesh.sampler` as

@@ -150,14 +150,14 @@ def evaluation_bytes(spec: run_spec.RunSpec, lm: dict, sm: dict) -> tuple[dict, 
   updates); with `eval_samples` the sampled pass beside training on the
   sampler mesh: a whole copy of the params it evaluates (the sampler's
   dtype) and its cache of groups of `eval_samples` slots."""
-  if not (spec.eval_every and spec.eval_size):
+  if not (spec.run.eval_every and spec.run.eval_size):
     return {}, {}
-  greedy = evaluation.greedy_engine_config(spec.engine, spec.eval_size)
+  greedy = evaluation.greedy_engine_config(spec.engine, spec.run.eval_size)
   learner = {"eval_kv_cache": greedy.num_slots * greedy.length
                               * engine_config.kv_bytes_per_column(spec.model, lm.get("tp", 1))}
-  if not spec.eval_samples:
+  if not spec.run.eval_samples:
     return learner, {}
-  sampled = evaluation.sampled_engine_config(spec.engine, spec.eval_size, spec.eval_samples)
+  sampled = evaluation.sampled_engine_config(spec.engine, spec.run.eval_size, spec.run.eval_samples)
   _, abstract_state = init_lib.abstract_model(spec.model)
   return learner, {
       "eval_sampled_params": _sharded_bytes(abstract_state, sm, rules_lib.SAMPLER_RULES,

@@ -53,7 +53,7 @@ def follow(run: run_context.RunContext, learner: run_context.Learner) -> bool:
       # Into the collective only once process 0 is (a collective waiting for
       # it would hold back this process's sampler, whose rollouts process 0
       # may be waiting for; lockstep.py).
-      link.wait_for_lockstep(min(index, spec.num_steps))
+      link.wait_for_lockstep(min(index, spec.run.num_steps))
       step = lockstep.share(None, meshes.learner)
       if step.kind == lockstep.BATCH:
         plan = step.plan

@@ -96,7 +96,7 @@ class LearnerLoop:
     self._broadcast_fn = broadcast_fn
     self._shards = shards
     # The rate each update trains at (`optim.make_optimizer` follows the same).
-    self._rate = optim_lib.learning_rate(run.spec.optim, run.spec.num_steps)
+    self._rate = optim_lib.learning_rate(run.spec.optim, run.spec.run.num_steps)
     self.groups_trained = groups_trained
     self._saved_version = learner.version if start_saved else None
     self._batches: list[dict] = []
@@ -118,14 +118,14 @@ class LearnerLoop:
   def run(self) -> LoopResult:
     failed = True
     self._progress = progress_lib.Progress(
-        total=self._spec.num_steps, initial=self.version, log_every=self._spec.log_every,
+        total=self._spec.run.num_steps, initial=self.version, log_every=self._spec.run.log_every,
         print_fn=self._run.print_fn, bar=progress_lib.wants_bar(self._run.print_fn),
         # (at the first update: the programs it compiled count)
         first_line_suffix=self._run.clock.summary)
     try:
       self._rl_start = self._last_time = time.monotonic()
       self._run.eval_log.rl_start = self._rl_start
-      for step in range(self.version, self._spec.num_steps):
+      for step in range(self.version, self._spec.run.num_steps):
         batch = self._cut(step)
         if batch is None:
           break
@@ -140,7 +140,7 @@ class LearnerLoop:
   @property
   def _complete(self) -> bool:
     """Nothing is left to train: every update ran, or the data ran out."""
-    return self.version >= self._spec.num_steps or self._data_exhausted
+    return self.version >= self._spec.run.num_steps or self._data_exhausted
 
   # -- one update ---------------------------------------------------------------
 
@@ -219,7 +219,7 @@ class LearnerLoop:
     record["lr"] = float(self._rate(step))
     # At the mean pace so far (evaluations included).
     record["eta_s"] = (now - self._rl_start) / (step + 1 - self._first_step) * (
-        spec.num_steps - step - 1)
+        spec.run.num_steps - step - 1)
     if run_record is not None:
       # The learner's pause to read the open work, and how much sampled work
       # the checkpoint keeps.
@@ -245,9 +245,9 @@ class LearnerLoop:
       self._save(run_record)
 
   def _eval_due(self, version: int) -> bool:
-    every = self._spec.eval_every
+    every = self._spec.run.eval_every
     return bool(self._run.eval_log.enabled and every
-                and (version % every == 0 or version == self._spec.num_steps))
+                and (version % every == 0 or version == self._spec.run.num_steps))
 
   def _run_record(self) -> dict:
     """What a resume needs besides the TrainState (JSON), read while the
@@ -284,7 +284,7 @@ class LearnerLoop:
     try:
       self._orchestrator.dispatcher.close()  # nothing new starts; what runs, runs on
       final_eval = (not failed and self._data_exhausted and self._run.eval_log.enabled
-                    and spec.eval_every and self.version % spec.eval_every != 0)
+                    and spec.run.eval_every and self.version % spec.run.eval_every != 0)
       # Not after an error, nor over a state whose buffers an interrupted
       # update donated, nor with a sampler whose slots cannot be read.
       save_final = (self._checkpointer is not None and spec.checkpoint.save_final
@@ -292,7 +292,7 @@ class LearnerLoop:
                     and not self._rollouts.failed
                     and not any(x.is_deleted() for x in jax.tree.leaves(self._learner.state)))
       if self._broadcast_fn is not None:  # the other processes stop with us
-        self._broadcast_fn(spec.num_steps, lockstep.Step(
+        self._broadcast_fn(spec.run.num_steps, lockstep.Step(
             lockstep.STOP, evaluate=bool(final_eval), save=bool(save_final),
             complete=self._complete))
       if self._checkpointer is not None:

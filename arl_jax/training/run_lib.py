@@ -114,7 +114,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   clock = startup_lib.StartupClock(started_at, programs=programs)
   resolved = run_spec.resolve(config)
   spec, inputs = resolved.spec, resolved.inputs
-  cache_folder = compile_cache.enable(spec.compilation_cache)
+  cache_folder = compile_cache.enable(spec.run.compilation_cache)
   config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   meshes = mesh_lib.make_role_meshes(spec.mesh)
   # Multi-controller (jax.distributed): process 0 leads (orchestrator, logs);
@@ -135,12 +135,13 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
     print_fn(compile_cache.describe(cache_folder))
     checkpoints = start.open_checkpoints(spec.checkpoint, workdir)
     try:
-      optimizer = optim_lib.make_optimizer(spec.optim, spec.num_steps, spec.loss.optimizer_steps)
+      optimizer = optim_lib.make_optimizer(spec.optim, spec.run.num_steps,
+                                           spec.loss.optimizer_steps)
       beginning = start.begin(spec, meshes.learner, checkpoints, optimizer=optimizer,
                               config=config_dict, set_aside=leader, print_fn=print_fn)
       if leader:  # (the other processes' records hold only their evaluations)
         _follow_records(log_dir, beginning, print_fn)
-      writer = writer_lib.make_writer(log_dir, spec.writers, run_config=config_dict)
+      writer = writer_lib.make_writer(log_dir, spec.run.writer_names, run_config=config_dict)
       # What happened to every group: trained at a version, or dropped (and why).
       audit = writer_lib.JsonlWriter(log_dir, "groups.jsonl")
       try:
@@ -173,7 +174,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
 def _stopped_line(spec, result: learner_loop.LoopResult, workdir: str,
                   saved_version: int | None) -> str:
   """The last line of a run a stop request ended early: where a rerun starts."""
-  head = (f"stopped at version {result.version} of {spec.num_steps} "
+  head = (f"stopped at version {result.version} of {spec.run.num_steps} "
           f"({result.stop_reason or 'stop requested'}): ")
   if saved_version is None:
     why = ("nothing was saved yet" if spec.checkpoint.enabled else
@@ -254,18 +255,18 @@ def _eval_log(spec, meshes, inputs, graphdef, **kwargs) -> eval_log_lib.EvalLog:
   (`training/sampled_eval.py`). Several: both passes on the learner mesh, in
   the lockstep of every process (a pass on one process's own would race the
   others' programs)."""
-  if not (spec.eval_size and spec.eval_every):
+  if not (spec.run.eval_size and spec.run.eval_every):
     return eval_log_lib.EvalLog(None, **kwargs)
   single = not lockstep.is_multi_controller()
   evaluator = evaluation.Evaluator(
       graphdef=graphdef, model_cfg=spec.model, tokenizer=inputs.tokenizer,
       prompts=inputs.eval_prompts, env=inputs.eval_env, mesh=meshes.learner,
-      engine_cfg=spec.engine, samples=spec.eval_samples, temperature=spec.eval_temperature,
-      solved_reward=spec.eval_solved_reward,
+      engine_cfg=spec.engine, samples=spec.run.eval_samples, temperature=spec.run.eval_temperature,
+      solved_reward=spec.run.eval_solved_reward,
       sampled_mesh=meshes.sampler if single else meshes.learner,
       sampled_model_cfg=spec.sampler_model if single else spec.model)
   place = None
-  if single and spec.eval_samples:
+  if single and spec.run.eval_samples:
     _, abstract_state = init_lib.abstract_model(spec.model)
     place = publish_lib.Mover(meshes.learner, rules_lib.state_shardings(
         abstract_state, meshes.sampler, rules_lib.SAMPLER_RULES),

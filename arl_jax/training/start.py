@@ -98,7 +98,7 @@ def initial_params(spec, mesh, resuming: bool, print_fn):
     adapters = peft_adapters.load(lora.init_from, spec.model, mesh, rules)
     print_fn(f"LoRA adapters from {lora.init_from}")
   else:  # (fresh, or the template a resume restores the saved ones onto)
-    graphdef, adapters = init_lib.init_adapters(spec.model, mesh, rules, spec.seed)
+    graphdef, adapters = init_lib.init_adapters(spec.model, mesh, rules, spec.run.seed)
   print_fn(f"LoRA: rank {spec.model.lora.rank} adapters on {', '.join(spec.model.lora.targets)}"
            f"{' and the value head' if spec.model.value_head else ''}"
            f" ({spec.model.trainable_params:,} trainable parameters; the base's "
@@ -138,7 +138,7 @@ def base_params(spec, mesh, resuming: bool, print_fn):
     print_fn(f"imported {spec.model_hf_path} ({model.num_params / 1e6:.1f}M params, "
              f"{time.monotonic() - start:.1f}s)")
     return params
-  return init_lib.init_params(model, mesh, rules, spec.seed)[1]
+  return init_lib.init_params(model, mesh, rules, spec.run.seed)[1]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,7 +194,7 @@ def base_identity(spec, frozen) -> dict:
   content fingerprint (`models/fingerprint.py`), saved in every checkpoint."""
   source = (f"checkpoint {spec.checkpoint.init_from}" if spec.checkpoint.init_from else
             f"Hugging Face folder {spec.model_hf_path}" if spec.model_hf_path else
-            f"random init (seed {spec.seed})")
+            f"random init (seed {spec.run.seed})")
   return {"source": source, "fingerprint": fingerprint_lib.fingerprint(frozen)}
 
 

@@ -25,7 +25,7 @@ def warm_up(run: run_context.RunContext, params):
   chosen = inputs_lib.warmup_subset(spec, run.inputs)
   env = run.inputs.env
 
-  optim = w.optim()
+  optim = spec.warmup_optim
   rate = optim_lib.learning_rate(optim, w.steps)
 
   def log(step, metrics):
@@ -38,7 +38,7 @@ def warm_up(run: run_context.RunContext, params):
       optimizer=optim_lib.make_optimizer(optim, w.steps), steps=w.steps,
       batch_size=w.batch_size, prompt_ids=[env.encode_prompt(p) for p in chosen],
       demonstrations=[env.demonstration(p) for p in chosen], prompt_len=spec.engine.prompt_len,
-      max_new_tokens=spec.engine.max_new_tokens, pad_id=run.pad_id, seed=spec.seed,
+      max_new_tokens=spec.engine.max_new_tokens, pad_id=run.pad_id, seed=spec.run.seed,
       log_fn=log, should_stop=lambda: bool(stop))
   if done == w.steps:
     return params, True

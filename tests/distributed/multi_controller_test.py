@@ -124,7 +124,7 @@ def test_two_processes_train_like_one(tmp_path):
   want, _ = _final_params(single, spec, meshes)
   got, record = _final_params(multi, spec, meshes)
   _, start, _ = init_lib.init_params(spec.model, meshes.learner, rules_lib.LEARNER_RULES,
-                                     spec.seed)
+                                     spec.run.seed)
   start = {jax.tree_util.keystr(k): np.asarray(v)
            for k, v in jax.tree_util.tree_flatten_with_path(start)[0]}
   assert set(got) == set(want) == set(start)

@@ -275,7 +275,7 @@ def test_init_from_starts_a_new_run_from_another_runs_params(tmp_path):
   spec = run_spec.build(config)
   meshes = mesh_lib.make_role_meshes(spec.mesh)
   graphdef, scratch, _ = init_lib.init_params(spec.model, meshes.learner,
-                                              rules_lib.LEARNER_RULES, spec.seed)
+                                              rules_lib.LEARNER_RULES, spec.run.seed)
   reader = checkpointing.Checkpointer(str(tmp_path / "a" / "checkpoints"),
                                       checkpointing.CheckpointConfig())
   trained = reader.restore_params(checkpointing.abstract_like(

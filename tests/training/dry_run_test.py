@@ -62,9 +62,9 @@ def test_planned_params_and_kv_cache_equal_the_allocated_ones():
                                       length=engine.length).init()
     return _device_bytes((*slots.cache.keys, *slots.cache.values))
 
-  greedy = evaluation.greedy_engine_config(spec.engine, spec.eval_size)
-  sampled = evaluation.sampled_engine_config(spec.engine, spec.eval_size, 4)
-  assert (greedy.num_slots, sampled.num_slots) == (spec.eval_size, spec.engine.num_slots)
+  greedy = evaluation.greedy_engine_config(spec.engine, spec.run.eval_size)
+  sampled = evaluation.sampled_engine_config(spec.engine, spec.run.eval_size, 4)
+  assert (greedy.num_slots, sampled.num_slots) == (spec.run.eval_size, spec.engine.num_slots)
   assert plan.learner.memory["eval_kv_cache"] == eval_cache(spec.model, meshes.learner, greedy)
   assert plan.sampler.memory["eval_sampled_kv_cache"] == eval_cache(spec.sampler_model,
                                                                     meshes.sampler, sampled)
