@@ -20,7 +20,7 @@ from arl_jax.core import settings
 from arl_jax.distributed import fleet_config
 from arl_jax.envs import env_api, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
-from arl_jax.learner import checkpointing
+from arl_jax.learner import checkpointing, loss_registry
 from arl_jax.learner import loss_settings as loss_settings_lib
 from arl_jax.learner import optim as optim_lib
 from arl_jax.metrics import writer as writer_lib
@@ -364,7 +364,9 @@ def _loss(config: Mapping, objective: loss_settings_lib.Objective,
   objective = dataclasses.replace(objective, critic=model.value_head,
                                   norm_constant=float(engine.max_new_tokens),
                                   temperature=float(sampling.temperature))
-  return _wrap("learner", loss_settings_lib.LossSettings, objective=objective, **parts)
+  knobs = tuple(_build(config, "learner", cls) for cls in loss_registry.KNOBS)
+  return _wrap("learner", loss_settings_lib.LossSettings, objective=objective, knobs=knobs,
+               **parts)
 
 
 def _mesh(mesh: mesh_lib.MeshConfig) -> mesh_lib.MeshConfig:

@@ -28,7 +28,7 @@ from arl_jax.core import settings
 from arl_jax.distributed import fleet_config
 from arl_jax.envs import prompt_source
 from arl_jax.envs import tokenizer as tokenizer_lib
-from arl_jax.learner import checkpointing, loss_settings, mismatch, optim
+from arl_jax.learner import checkpointing, loss_registry, loss_settings, mismatch, optim
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import lora
 from arl_jax.orchestrator import orchestrator_config
@@ -216,8 +216,8 @@ SECTIONS = {
     "env": (EnvSection,),
     "sampler": (engine_config.EngineConfig, sampling.SamplingSettings),
     "orchestrator": (orchestrator_config.OrchestratorConfig,),
-    "learner": (loss_settings.Objective, mismatch.Correction, loss_settings.ClippedRatio,
-                loss_settings.Vtrace, loss_settings.M2po, loss_settings.Cispo, loss_settings.Gspo,
+    # (each loss's knobs: `loss_registry.KNOBS`, declared beside the loss)
+    "learner": (loss_settings.Objective, mismatch.Correction, *loss_registry.KNOBS,
                 loss_settings.StepLayout, loss_settings.Scoring, optim.OptimConfig),
     "learner.lora": (lora.LoraConfig,),
     "warmup": (WarmupSection, WarmupOptim),

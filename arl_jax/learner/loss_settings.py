@@ -1,5 +1,6 @@
-"""The learner update's settings, split by what they are: the objective, each
-loss's own knobs, the optimizer-step layout and how the forward pass is
+"""The learner update's settings, split by what they are: the objective, the
+mismatch corrections, each loss's own knobs (declared beside the loss,
+`learner/objectives/`), the optimizer-step layout and how the forward pass is
 scored. Each is a frozen dataclass whose fields are keys of the config's
 `learner` section (`schema.SECTIONS`; with `optim.OptimConfig`);
 `LossSettings` holds one of each and is what `update.train_step` takes.
@@ -16,6 +17,7 @@ from jax.sharding import Mesh
 
 from arl_jax.core import advantages as advantages_lib
 from arl_jax.core import settings
+from arl_jax.learner import loss_entry, loss_registry
 from arl_jax.learner import losses as losses_lib
 from arl_jax.learner import mismatch as mismatch_lib
 from arl_jax.models import decoder as decoder_lib
@@ -24,20 +26,14 @@ from arl_jax.models import segment_attention as segment_attention_lib
 _check = settings.check
 
 
-def _non_negative(obj, *keys: str) -> None:
-  for key in keys:
-    value = getattr(obj, key)
-    _check(isinstance(value, (int, float)) and value >= 0, key, f"must be >= 0, got {value!r}")
-
-
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Objective:
   """What the update optimises, whatever the loss.
 
   Attributes:
-    loss: the policy loss, a key of `losses.LOSSES` (clipped_ratio, vtrace,
-      m2po, cispo, gspo, gspo_token); its knobs are its own dataclass's
-      (`ClippedRatio`, `Vtrace`, `M2po`, `Cispo`, `Gspo`).
+    loss: the policy loss, a key of `loss_registry.LOSSES` (clipped_ratio,
+      vtrace, m2po, cispo, gspo, gspo_token); its knobs are its own
+      dataclass's, beside it in `learner/objectives/`.
     advantage: the advantage estimator (`advantages.ADVANTAGE_ESTIMATORS`).
     age_decay: the age-aware trust region: clip ranges shrink with a token's
       lag by this rate (0: off).
@@ -65,113 +61,15 @@ class Objective:
   temperature: float = settings.derived(1.0, "sampler.temperature")
 
   def __post_init__(self):
-    _check(self.loss in losses_lib.LOSSES, "loss",
-           f"unknown loss {self.loss!r}; known: {sorted(losses_lib.LOSSES)}")
+    _check(self.loss in loss_registry.LOSSES, "loss",
+           f"unknown loss {self.loss!r}; known: {sorted(loss_registry.LOSSES)}")
     _check(self.advantage in advantages_lib.ADVANTAGE_ESTIMATORS, "advantage",
            f"must be one of {advantages_lib.ADVANTAGE_ESTIMATORS}, got {self.advantage!r}")
-    _non_negative(self, "age_decay", "kl_coef", "entropy_coef")
+    loss_entry.non_negative(self, "age_decay", "kl_coef", "entropy_coef")
     _check(isinstance(self.decoupled, bool), "decoupled",
            f"must be True or False, got {self.decoupled!r}")
     _check(self.aggregation in losses_lib.AGGREGATIONS, "aggregation",
            f"must be one of {losses_lib.AGGREGATIONS}, got {self.aggregation!r}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class ClippedRatio:
-  """The clipped ratio loss's knobs (`losses.clipped_ratio`).
-
-  Attributes:
-    eps_low: the ratio's lower clip, 1 - eps_low.
-    eps_high: the ratio's upper clip, 1 + eps_high (> eps_low: clip-higher, DAPO).
-    dual_clip: bound of negative-advantage terms, c > 1 (0: off).
-  """
-
-  eps_low: float = 0.2
-  eps_high: float = 0.2
-  dual_clip: float = 0.0
-
-  def __post_init__(self):
-    _check(0 <= self.eps_low < 1 and self.eps_high >= 0, "eps_low",
-           "clip ranges must satisfy 0 <= eps_low < 1 and eps_high >= 0")
-    _check(self.dual_clip == 0 or self.dual_clip > 1, "dual_clip",
-           f"must be 0 (off) or > 1, got {self.dual_clip}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Vtrace:
-  """V-trace's knobs (`losses.vtrace`, `vtrace.py`).
-
-  Attributes:
-    rho_bar: truncation of the importance weights.
-    c_bar: with a critic: truncation of the trace coefficients.
-    lam: with a critic: the traces' lambda.
-    vf_coef: with a critic: weight of the critic's loss.
-  """
-
-  rho_bar: float = 1.0
-  c_bar: float = 1.0
-  lam: float = 1.0
-  vf_coef: float = 0.5
-
-  def __post_init__(self):
-    _check(self.rho_bar >= 1, "rho_bar", f"must be >= 1, got {self.rho_bar}")
-    _check(0 < self.c_bar <= self.rho_bar, "c_bar",
-           f"must be in (0, rho_bar={self.rho_bar}], got {self.c_bar}")
-    _check(0 <= self.lam <= 1, "lam", f"must be in [0, 1], got {self.lam}")
-    _non_negative(self, "vf_coef")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class M2po:
-  """M2PO's knob (`losses.m2po`).
-
-  Attributes:
-    tau: the bound of the second moment of the log-ratio over kept tokens.
-  """
-
-  tau: float = 0.04
-
-  def __post_init__(self):
-    _check(self.tau > 0, "tau", f"must be > 0, got {self.tau}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Cispo:
-  """CISPO's knobs (`losses.cispo`): the bounds of its stop-gradient weight.
-
-  Attributes:
-    cispo_eps_low: the weight's floor is 1 - cispo_eps_low (1: no floor, as
-      MiniMax-M1 ran it).
-    cispo_eps_high: the weight's cap is 1 + cispo_eps_high (MiniMax-M1 tuned
-      only this one).
-  """
-
-  cispo_eps_low: float = 1.0
-  cispo_eps_high: float = 2.0
-
-  def __post_init__(self):
-    _check(0 <= self.cispo_eps_low <= 1 and self.cispo_eps_high > 0, "cispo_eps_low",
-           f"the weight's bounds must satisfy 0 <= cispo_eps_low <= 1 and cispo_eps_high > 0, "
-           f"got {self.cispo_eps_low}, {self.cispo_eps_high}")
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Gspo:
-  """GSPO's knobs (`losses.gspo`, `losses.gspo_token`): the clip range of a
-  sequence's length-normalised ratio (the paper's 3e-4 and 4e-4: a sequence
-  ratio is a geometric mean, far closer to 1 than a token's).
-
-  Attributes:
-    gspo_eps_low: the ratio's lower clip, 1 - gspo_eps_low.
-    gspo_eps_high: the ratio's upper clip, 1 + gspo_eps_high.
-  """
-
-  gspo_eps_low: float = 3e-4
-  gspo_eps_high: float = 4e-4
-
-  def __post_init__(self):
-    _check(0 <= self.gspo_eps_low < 1 and self.gspo_eps_high >= 0, "gspo_eps_low",
-           "clip ranges must satisfy 0 <= gspo_eps_low < 1 and gspo_eps_high >= 0")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -254,24 +152,25 @@ class Scoring:
                 mesh=mesh)
 
 
-PARTS = {"objective": Objective, "correction": mismatch_lib.Correction,
-         "clipped_ratio": ClippedRatio, "vtrace": Vtrace, "m2po": M2po, "cispo": Cispo,
-         "gspo": Gspo, "layout": StepLayout, "scoring": Scoring}
+# The parts every update has; each loss's knobs are `knobs` (`loss_registry.KNOBS`).
+PARTS = {"objective": Objective, "correction": mismatch_lib.Correction, "layout": StepLayout,
+         "scoring": Scoring}
+
+
+def _default_knobs() -> tuple:
+  return tuple(cls() for cls in loss_registry.KNOBS)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class LossSettings:
-  """The update's static settings: one of each part, and the checks that
-  span them. `LossSettings.of(loss="vtrace", rho_bar=1.5)` builds the parts
-  from their fields' names."""
+  """The update's static settings: one of each part and every loss's knobs,
+  and the checks that span them. `LossSettings.of(loss="vtrace", rho_bar=1.5)`
+  builds them from their fields' names."""
 
   objective: Objective = Objective()
   correction: mismatch_lib.Correction = mismatch_lib.Correction()
-  clipped_ratio: ClippedRatio = ClippedRatio()
-  vtrace: Vtrace = Vtrace()
-  m2po: M2po = M2po()
-  cispo: Cispo = Cispo()
-  gspo: Gspo = Gspo()
+  # One instance of each loss's knob class (`loss_registry.KNOBS`), in its order.
+  knobs: tuple = dataclasses.field(default_factory=_default_knobs)
   layout: StepLayout = StepLayout()
   scoring: Scoring = Scoring()
   # Not configuration: the learner mesh, set by `update.make_update_fn`.
@@ -279,33 +178,49 @@ class LossSettings:
 
   @classmethod
   def of(cls, **fields) -> LossSettings:
-    """Settings whose parts take `fields` by name (any part's field, derived
-    ones included), the rest at their defaults.
+    """Settings whose parts and knobs take `fields` by name (any field,
+    derived ones included), the rest at their defaults.
 
     Raises:
-      TypeError: for a name no part has.
+      TypeError: for a name nothing has.
     """
-    parts = {}
-    for name, part in PARTS.items():
+    def build(part):
       own = {f.name for f in dataclasses.fields(part)}
-      parts[name] = part(**{k: v for k, v in fields.items() if k in own})
-    known = {f.name for part in PARTS.values() for f in dataclasses.fields(part)}
+      return part(**{k: v for k, v in fields.items() if k in own})
+    known = {f.name for part in (*PARTS.values(), *loss_registry.KNOBS)
+             for f in dataclasses.fields(part)}
     unknown = sorted(set(fields) - known)
     if unknown:
       raise TypeError(f"no loss setting named {unknown}")
-    return cls(**parts)
+    return cls(**{name: build(part) for name, part in PARTS.items()},
+               knobs=tuple(build(k) for k in loss_registry.KNOBS))
+
+  def knob(self, cls):
+    """The instance of knob class `cls` (e.g. `objectives.vtrace.Vtrace`)."""
+    for k in self.knobs:
+      if type(k) is cls:
+        return k
+    raise KeyError(f"no knobs {cls.__name__} in these settings")
+
+  @property
+  def entry(self) -> loss_entry.LossEntry:
+    """The registry entry of the objective's loss."""
+    return loss_registry.LOSSES[self.objective.loss]
 
   def __post_init__(self):
-    o = self.objective
-    if o.loss == "vtrace" and self.is_decoupled:
-      raise ValueError("vtrace truncates its importance weights itself (rho_bar): it takes "
+    o, entry = self.objective, self.entry
+    if [type(k) for k in self.knobs] != list(loss_registry.KNOBS):
+      raise ValueError(f"knobs must be one instance of each of {loss_registry.KNOBS}, in order")
+    if not entry.corrections and self.is_decoupled:
+      raise ValueError(f"{o.loss} truncates its importance weights itself: it takes "
                        "neither a decoupled objective nor a mismatch correction (tis_cap, "
                        "seq_tis_cap, mismatch_mask), so it runs one optimizer step per batch")
-    if o.critic and o.loss != "vtrace":
-      raise ValueError(f"a critic (model.value_head) is trained only by the vtrace loss, not "
-                       f"{o.loss!r}")
-    if o.loss == "m2po" and o.age_decay:
-      raise ValueError("m2po has no clip range for an age-aware trust region to shrink")
+    if o.critic and not entry.trains_critic:
+      raise ValueError(f"a critic (model.value_head) is trained only by "
+                       f"{sorted(n for n, e in loss_registry.LOSSES.items() if e.trains_critic)}"
+                       f", not {o.loss!r}")
+    if o.age_decay and not entry.age_decay:
+      raise ValueError(f"{o.loss} has no clip range for an age-aware trust region to shrink")
 
   @property
   def optimizer_steps(self) -> int:
@@ -317,24 +232,21 @@ class LossSettings:
 
   @property
   def masks_minibatch_first(self) -> bool:
-    """M2PO's second-moment mask is over the whole minibatch: accumulating
-    microbatches, a stop-gradient pass computes it first (`train_step`)."""
-    return self.objective.loss == "m2po" and self.layout.num_microbatches > 1
+    """A loss whose mask is over the whole minibatch (M2PO's second moment):
+    accumulating microbatches, a stop-gradient pass computes it first
+    (`train_step`)."""
+    return self.entry.minibatch_mask is not None and self.layout.num_microbatches > 1
 
-  def loss_knobs(self, m2po_keep=None) -> dict:
-    """The keywords of `losses.LOSSES[objective.loss]` (None where off)."""
-    o = self.objective
+  def minibatch_keep(self, log_ratio, loss_mask):
+    """The loss's mask over a whole minibatch (`masks_minibatch_first`)."""
+    entry = self.entry
+    return entry.minibatch_mask(log_ratio, loss_mask, self.knob(entry.knobs))
+
+  def loss_knobs(self, minibatch_keep=None) -> dict:
+    """The keywords of the objective's loss function (None where off)."""
+    entry = self.entry
+    knobs = None if entry.knobs is None else self.knob(entry.knobs)
     correction = self.correction if self.correction.is_on else None
-    if o.loss == "clipped_ratio":
-      c = self.clipped_ratio
-      return dict(eps_low=c.eps_low, eps_high=c.eps_high, dual_clip=c.dual_clip or None,
-                  correction=correction, age_decay=o.age_decay)
-    if o.loss == "vtrace":
-      return dict(rho_bar=self.vtrace.rho_bar, age_decay=o.age_decay)
-    if o.loss == "cispo":
-      return dict(eps_low=self.cispo.cispo_eps_low, eps_high=self.cispo.cispo_eps_high,
-                  correction=correction, age_decay=o.age_decay)
-    if o.loss in ("gspo", "gspo_token"):
-      return dict(eps_low=self.gspo.gspo_eps_low, eps_high=self.gspo.gspo_eps_high,
-                  correction=correction, age_decay=o.age_decay)
-    return dict(tau=self.m2po.tau, correction=correction, keep=m2po_keep)
+    return entry.kwargs(knobs, loss_entry.LossContext(
+        correction=correction, age_decay=self.objective.age_decay,
+        minibatch_keep=minibatch_keep))

@@ -105,12 +105,13 @@ def _critic_targets(logp, values, mb, token_lag, s: loss_settings_lib.LossSettin
   then token-weighted (exact with one)."""
   mask = mb.loss_mask
   on = mask > 0
+  knobs = s.knob(s.entry.knobs)  # (the critic's loss's: V-trace's lam, rho_bar, c_bar)
   log_rhos = jnp.where(on, jax.lax.stop_gradient(logp - mb.behaviour_logprobs), 0.0)
   rewards = vtrace_lib.last_token_rewards(mb.rewards, mask, mb.segment_ids)
   vs, advantages = vtrace_lib.vtrace_targets(
-      values, rewards, log_rhos, mask, lam=s.vtrace.lam,
-      rho_bar=losses_lib.truncation_level(s.vtrace.rho_bar, token_lag, s.objective.age_decay),
-      c_bar=losses_lib.truncation_level(s.vtrace.c_bar, token_lag, s.objective.age_decay),
+      values, rewards, log_rhos, mask, lam=knobs.lam,
+      rho_bar=losses_lib.truncation_level(knobs.rho_bar, token_lag, s.objective.age_decay),
+      c_bar=losses_lib.truncation_level(knobs.c_bar, token_lag, s.objective.age_decay),
       segment_ids=mb.segment_ids)
   value_loss = jnp.where(on, 0.5 * jnp.square(vs - values), 0.0)
   error_var = segments_lib.masked_variance(vs - values, mask)
@@ -141,13 +142,14 @@ def _objective(params, micro, weights, *, logprobs_fn,
   proximal = micro.get("proximal")
   if proximal is None and s.is_decoupled:  # one optimizer step: these params are pi_prox
     proximal = jax.lax.stop_gradient(logp)
-  per_token, metrics = losses_lib.LOSSES[s.objective.loss](
+  per_token, metrics = s.entry.fn(
       logp, mb.behaviour_logprobs, advantages, mb.loss_mask, proximal_logprobs=proximal,
       token_lag=micro["token_lag"], segment_ids=mb.segment_ids,
-      **s.loss_knobs(micro.get("m2po_keep")))
+      **s.loss_knobs(micro.get("minibatch_keep")))
   metrics.update(critic_metrics)
   on = mb.loss_mask > 0
-  total = per_token + s.vtrace.vf_coef * value_loss - o.entropy_coef * jnp.where(on, entropy, 0.0)
+  vf_coef = s.knob(s.entry.knobs).vf_coef if o.critic else 0.0
+  total = per_token + vf_coef * value_loss - o.entropy_coef * jnp.where(on, entropy, 0.0)
   if "reference" in micro:
     kl = losses_lib.kl_to_reference(logp, micro["reference"], mb.loss_mask)
     total = total + o.kl_coef * kl
@@ -213,14 +215,13 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
                                        s.objective.norm_constant or None,
                                        minibatch["batch"].segment_ids)
     minibatch = {**minibatch, "weights": weights}
-    m2po_log_ratio = None
+    start_ratio = None
     if s.masks_minibatch_first:
       rows = minibatch["batch"]
-      m2po_log_ratio = jnp.where(
+      start_ratio = jnp.where(
           rows.loss_mask > 0, frozen_logprobs(params, rows, n_micro) - rows.behaviour_logprobs,
           0.0)
-      minibatch["m2po_keep"] = losses_lib.m2po_keep_mask(m2po_log_ratio, rows.loss_mask,
-                                                         s.m2po.tau)
+      minibatch["minibatch_keep"] = s.minibatch_keep(start_ratio, rows.loss_mask)
     micro = _split(minibatch, n_micro)
 
     def accumulate(acc, m):
@@ -237,8 +238,8 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     start_log_ratio = metrics.pop("start_log_ratio", None)
     metrics = _combine(metrics, jnp.sum(micro["batch"].loss_mask, axis=(1, 2)))
     if s.masks_minibatch_first:  # a mean over kept tokens: exact from the minibatch's mask
-      metrics["m2_kept"] = losses_lib.masked_mean(jnp.square(m2po_log_ratio),
-                                                  minibatch["m2po_keep"])
+      metrics["m2_kept"] = losses_lib.masked_mean(jnp.square(start_ratio),
+                                                  minibatch["minibatch_keep"])
     metrics.update(loss=loss, grad_norm=optax.global_norm(grads),
                    update_norm=jnp.where(finite, optax.global_norm(updates), 0.0))
     carry = (keep(new_params, params), keep(new_opt_state, opt_state),

@@ -9,8 +9,11 @@ import numpy as np
 import pytest
 
 from arl_jax.core import advantages as advantages_lib
-from arl_jax.learner import losses, mismatch
+from arl_jax.learner import loss_registry, losses, mismatch
 from arl_jax.learner import vtrace as vtrace_lib
+from arl_jax.learner.objectives import clipped_ratio as clipped_ratio_lib
+from arl_jax.learner.objectives import m2po as m2po_lib
+from arl_jax.learner.objectives import vtrace as vtrace_loss_lib
 
 LOGP = np.array([[-1.0, -2.0, -0.5], [-0.5, -1.3, -9.0]], np.float32)
 BEHAVIOUR = np.array([[-1.2, -1.5, -0.5], [-1.0, -1.0, -1.0]], np.float32)
@@ -29,7 +32,7 @@ def test_clipped_ratio_golden(jit):
   # Per-token -min(rA, clip(r, 0.8, 1.2) A):
   #   row 0 (A=2):  -2.4, -2*e^-0.5 = -1.2130613, -2
   #   row 1 (A=-1): e^0.5 = 1.6487213, 0.8
-  per_token, metrics = maybe_jit(losses.clipped_ratio, jit)(LOGP, BEHAVIOUR, ADV, MASK)
+  per_token, metrics = maybe_jit(clipped_ratio_lib.clipped_ratio, jit)(LOGP, BEHAVIOUR, ADV, MASK)
   np.testing.assert_allclose(per_token, [[-2.4, -1.2130613, -2.0], [1.6487213, 0.8, 0.0]],
                              rtol=1e-6)
   np.testing.assert_allclose(metrics["clip_fraction"], 2 / 5, rtol=1e-6)
@@ -37,10 +40,10 @@ def test_clipped_ratio_golden(jit):
 
 def test_clipped_ratio_dual_clip_and_asymmetric_clip():
   # Dual clip c = 1.5 caps the row-1 token with ratio e^0.5 at -c A = 1.5.
-  per_token, _ = losses.clipped_ratio(LOGP, BEHAVIOUR, ADV, MASK, dual_clip=1.5)
+  per_token, _ = clipped_ratio_lib.clipped_ratio(LOGP, BEHAVIOUR, ADV, MASK, dual_clip=1.5)
   np.testing.assert_allclose(per_token[1], [1.5, 0.8, 0.0], rtol=1e-6)
   # eps_high = 0.1: row 0 token 0 is clipped at 1.1 instead of 1.2.
-  per_token, _ = losses.clipped_ratio(LOGP, BEHAVIOUR, ADV, MASK, eps_high=0.1)
+  per_token, _ = clipped_ratio_lib.clipped_ratio(LOGP, BEHAVIOUR, ADV, MASK, eps_high=0.1)
   np.testing.assert_allclose(per_token[0], [-2.2, -1.2130613, -2.0], rtol=1e-6)
 
 
@@ -49,10 +52,10 @@ def test_age_aware_trust_region_shrinks_the_clip_range_with_lag():
   logp = np.array([[0.3, 0.3, 0.3]], np.float32)  # ratio e^0.3 = 1.3499 everywhere
   lag = np.array([[0, 1, 3]], np.int32)
   ones = np.ones((1, 3), np.float32)
-  per_token, metrics = losses.clipped_ratio(logp, 0 * ones, ones, ones, token_lag=lag,
+  per_token, metrics = clipped_ratio_lib.clipped_ratio(logp, 0 * ones, ones, ones, token_lag=lag,
                                             age_decay=1.0)
   np.testing.assert_allclose(per_token, [[-1.2, -1.1, -1.05]], rtol=1e-6)
-  off, _ = losses.clipped_ratio(logp, 0 * ones, ones, ones, token_lag=lag)
+  off, _ = clipped_ratio_lib.clipped_ratio(logp, 0 * ones, ones, ones, token_lag=lag)
   np.testing.assert_allclose(off, [[-1.2, -1.2, -1.2]], rtol=1e-6)
   assert float(metrics["clip_fraction"]) == 1.0
 
@@ -65,10 +68,10 @@ def test_decoupled_objective_and_truncated_importance_weight(jit):
   logp = np.array([[-0.7, -1.0]], np.float32)  # r = e^0.3 (clipped at 1.2), 1
   adv = np.ones((1, 2), np.float32)
   mask = np.ones((1, 2), np.float32)
-  fn = maybe_jit(losses.clipped_ratio, jit)
+  fn = maybe_jit(clipped_ratio_lib.clipped_ratio, jit)
   per_token, metrics = fn(logp, behaviour, adv, mask, proximal_logprobs=proximal)
   np.testing.assert_allclose(per_token, [[-1.2 * np.exp(0.2), -np.exp(1.0)]], rtol=1e-6)
-  fn = maybe_jit(losses.clipped_ratio, jit, correction=mismatch.Correction(tis_cap=2.0))
+  fn = maybe_jit(clipped_ratio_lib.clipped_ratio, jit, correction=mismatch.Correction(tis_cap=2.0))
   per_token, metrics = fn(logp, behaviour, adv, mask, proximal_logprobs=proximal)
   np.testing.assert_allclose(per_token, [[-1.2 * np.exp(0.2), -2.0]], rtol=1e-6)
   np.testing.assert_allclose(metrics["tis_truncated_fraction"], 0.5)
@@ -82,11 +85,11 @@ def test_a_lagged_token_is_reweighted_by_its_own_recorded_probability():
   adv = np.ones((1, 3), np.float32)
   mask = np.ones((1, 3), np.float32)
   # Inside the clip range (eps huge): d loss_t / d logp_t = -rho_t A.
-  grad = jax.grad(lambda lp: jnp.sum(losses.clipped_ratio(
+  grad = jax.grad(lambda lp: jnp.sum(clipped_ratio_lib.clipped_ratio(
       lp, recorded, adv, mask, eps_low=0.99, eps_high=100.0)[0]))(logp)
   np.testing.assert_allclose(grad, -np.array([[0.5 / 0.5, 0.4 / 0.2, 0.3 / 0.6]]), rtol=1e-6)
   # V-trace weights the same tokens by min(rho, rho_bar).
-  grad = jax.grad(lambda lp: jnp.sum(losses.vtrace(lp, recorded, adv, mask, rho_bar=1.5)[0]))(
+  grad = jax.grad(lambda lp: jnp.sum(vtrace_loss_lib.vtrace(lp, recorded, adv, mask, rho_bar=1.5)[0]))(
       logp)
   np.testing.assert_allclose(grad, -np.array([[1.0, 1.5, 0.5]]), rtol=1e-6)
 
@@ -94,7 +97,7 @@ def test_a_lagged_token_is_reweighted_by_its_own_recorded_probability():
 @pytest.mark.parametrize("jit", [False, True])
 def test_vtrace_policy_loss_golden(jit):
   # rho = e^0.2, e^-0.5, 1 | e^0.5, e^-0.3; truncated at 1: 1, e^-0.5, 1 | 1, e^-0.3.
-  per_token, metrics = maybe_jit(losses.vtrace, jit)(LOGP, BEHAVIOUR, ADV, MASK)
+  per_token, metrics = maybe_jit(vtrace_loss_lib.vtrace, jit)(LOGP, BEHAVIOUR, ADV, MASK)
   expected = -np.array([[1.0, np.exp(-0.5), 1.0], [1.0, np.exp(-0.3), 0.0]]) * ADV * LOGP
   np.testing.assert_allclose(per_token, expected * MASK, rtol=1e-6)
   np.testing.assert_allclose(metrics["clip_fraction"], 2 / 5, rtol=1e-6)
@@ -105,9 +108,9 @@ def test_m2po_mask_drops_the_largest_second_moments_until_the_mean_is_below_tau(
   # 0.01, 0.025, 0.0467, 0.0975 -> with tau = 0.04 keep the two smallest.
   log_ratio = jnp.array([[0.1, -0.3, 0.5], [0.2, 9.0, 0.0]], jnp.float32)
   mask = jnp.array([[1, 1, 1], [1, 0, 0]], jnp.float32)
-  keep = losses.m2po_keep_mask(log_ratio, mask, 0.04)
+  keep = m2po_lib.m2po_keep_mask(log_ratio, mask, 0.04)
   np.testing.assert_array_equal(keep, [[1, 0, 0], [1, 0, 0]])
-  np.testing.assert_array_equal(losses.m2po_keep_mask(log_ratio, mask, 1.0), mask)
+  np.testing.assert_array_equal(m2po_lib.m2po_keep_mask(log_ratio, mask, 1.0), mask)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -115,7 +118,7 @@ def test_m2po_golden(jit):
   # log-ratios 0.2, -0.5, 0 | 0.5, -0.3; squares 0.04, 0.25, 0 | 0.25, 0.09.
   # Ascending 0, 0.04, 0.09, 0.25, 0.25: prefix means 0, 0.02, 0.0433, ... -> keep 2
   # (tau 0.04): tokens (0, 2) and (0, 0). Loss -r A on them: -2, -2 e^0.2.
-  per_token, metrics = maybe_jit(losses.m2po, jit)(LOGP, BEHAVIOUR, ADV, MASK)
+  per_token, metrics = maybe_jit(m2po_lib.m2po, jit)(LOGP, BEHAVIOUR, ADV, MASK)
   np.testing.assert_allclose(per_token, [[-2 * np.exp(0.2), 0, -2.0], [0, 0, 0]], rtol=1e-6)
   np.testing.assert_allclose(metrics["masked_fraction"], 3 / 5, rtol=1e-6)
   np.testing.assert_allclose(metrics["m2_kept"], 0.02, rtol=1e-5)
@@ -136,7 +139,7 @@ def test_token_weights_aggregations():
 def test_on_policy_gradient_is_the_policy_gradient():
   # At ratio 1 with token-mean weights the gradient is -A / num_tokens on every token.
   weights = losses.token_weights(jnp.asarray(MASK), "token_mean")
-  grad = jax.grad(lambda lp: jnp.sum(weights * losses.clipped_ratio(lp, LOGP, ADV, MASK)[0]))(
+  grad = jax.grad(lambda lp: jnp.sum(weights * clipped_ratio_lib.clipped_ratio(lp, LOGP, ADV, MASK)[0]))(
       jnp.asarray(LOGP))
   np.testing.assert_allclose(grad, -ADV * MASK / MASK.sum(), rtol=1e-6)
 
@@ -176,11 +179,11 @@ def test_ratio_spread_is_exact_near_one_and_ess_never_passes_one():
 
 def test_shape_mismatch_is_rejected():
   with pytest.raises(AssertionError):
-    losses.clipped_ratio(LOGP, BEHAVIOUR[:, :2], ADV, MASK)
+    clipped_ratio_lib.clipped_ratio(LOGP, BEHAVIOUR[:, :2], ADV, MASK)
   with pytest.raises(AssertionError):
-    losses.clipped_ratio(LOGP[0], BEHAVIOUR[0], ADV[0], MASK[0])
+    clipped_ratio_lib.clipped_ratio(LOGP[0], BEHAVIOUR[0], ADV[0], MASK[0])
   with pytest.raises(ValueError, match="no proximal"):
-    losses.vtrace(LOGP, BEHAVIOUR, ADV, MASK, proximal_logprobs=LOGP)
+    vtrace_loss_lib.vtrace(LOGP, BEHAVIOUR, ADV, MASK, proximal_logprobs=LOGP)
 
 
 @pytest.mark.parametrize("jit", [False, True])
@@ -330,7 +333,7 @@ def test_nan_and_inf_on_masked_columns_reach_no_loss_metric_or_gradient(name, kn
 
   def run(inputs):
     def objective(logp):
-      per_token, metrics = losses.LOSSES[name](
+      per_token, metrics = loss_registry.LOSSES[name].fn(
           logp, inputs["behaviour_logprobs"], inputs["advantages"], WIDE_MASK,
           proximal_logprobs=inputs["proximal_logprobs"] if with_proximal else None, **knobs)
       kl = losses.kl_to_reference(logp, inputs["reference"], WIDE_MASK)

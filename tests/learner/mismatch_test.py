@@ -7,6 +7,7 @@ import pytest
 
 from arl_jax.core import settings
 from arl_jax.learner import loss_settings, losses, mismatch
+from arl_jax.learner.objectives import clipped_ratio as clipped_ratio_lib
 
 # log w = log pi_prox - log mu: w = 1.2214, 0.6065, 1 | 1.6487, 0.7408 (+ padding).
 LOG_W = np.array([[0.2, -0.5, 0.0], [0.5, -0.3, np.nan]], np.float32)
@@ -77,7 +78,7 @@ def test_a_masked_token_trains_nothing_but_keeps_its_place_in_the_mean():
   behaviour = -np.nan_to_num(LOG_W)
   adv = np.ones((2, 3), np.float32)
   correction = mismatch.Correction(mismatch_mask="token", mismatch_low=0.7, mismatch_high=1.3)
-  per_token, _ = losses.clipped_ratio(logp, behaviour, adv, MASK, proximal_logprobs=proximal,
+  per_token, _ = clipped_ratio_lib.clipped_ratio(logp, behaviour, adv, MASK, proximal_logprobs=proximal,
                                       correction=correction)
   weights = losses.token_weights(jnp.asarray(MASK), "token_mean")
   # Kept: e^0.2, 1, e^-0.3 over all 5 trained tokens, not over the 3 kept.
@@ -87,7 +88,7 @@ def test_a_masked_token_trains_nothing_but_keeps_its_place_in_the_mean():
 
 def test_a_correction_needs_the_proximal_policy():
   with pytest.raises(ValueError, match="needs proximal_logprobs"):
-    losses.clipped_ratio(np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32),
+    clipped_ratio_lib.clipped_ratio(np.zeros((1, 2), np.float32), np.zeros((1, 2), np.float32),
                          np.ones((1, 2), np.float32), np.ones((1, 2), np.float32),
                          correction=mismatch.Correction(tis_cap=2.0))
 
