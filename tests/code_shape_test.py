@@ -93,8 +93,9 @@ def _package_of(module: str) -> str:
   """A module's package (`arl_jax.sampler.engine` -> `arl_jax.sampler`); the
   top-level modules are each their own node."""
   parts = module.split(".")
-  path = os.path.join(ROOT, *parts)
-  return module if os.path.isdir(path) or len(parts) <= 2 else ".".join(parts[:2])
+  if len(parts) >= 2 and os.path.isdir(os.path.join(ROOT, *parts[:2])):
+    return ".".join(parts[:2])  # (a subpackage belongs to its top package)
+  return module
 
 
 def test_no_import_cycle_between_modules():
