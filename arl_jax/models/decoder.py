@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from arl_jax.models import cache_protocol
 from arl_jax.models import lora as lora_lib
 from arl_jax.models import model_config as model_config_lib
 from arl_jax.models import paged_blocks as paged_blocks_lib
@@ -96,7 +97,8 @@ class Attention(nnx.Module):
     self.num_kv_heads = k
     self.head_dim = dh
 
-  def __call__(self, x, positions, attn_mask, layer_cache=None, cache_index=None,
+  def __call__(self, x, positions, attn_mask,
+               layer_cache: cache_protocol.LayerCache | None = None, cache_index=None,
                write_mask=None):
     """Attends `x` `[B, T, D]` to itself, or to the cache when one is given.
 
@@ -229,7 +231,8 @@ class Decoder(nnx.Module):
       self.value_head = _param(rngs, (cfg.d_model,), ("embed",), jnp.dtype(cfg.param_dtype),
                                0.0, lora_lib.TrainsBesideAdapters)
 
-  def __call__(self, tokens, positions, attn_mask, cache=None, cache_index=None,
+  def __call__(self, tokens, positions, attn_mask,
+               cache: cache_protocol.DecodeCache | None = None, cache_index=None,
                write_mask=None, last_only=False, with_values=False, hidden_only=False,
                remat: str = "none", scan_layers: bool = False):
     """Runs the decoder.

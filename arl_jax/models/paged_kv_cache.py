@@ -27,8 +27,9 @@ Two pool layouts per layer, the two kernels' (`paged_names.pool_layout`):
   kernel's); `values` is then empty.
 
 Decode attention reads the gathered columns through the decoder's XLA
-attention (`attention="xla"`, either layout), or through a Pallas kernel
-(`"pallas"` on GPU, `"ragged"` on TPU: `models/paged_attention.py`), which
+attention (`decode_kernels.XlaDecode`, either layout), or through a Pallas
+kernel (`PallasDecode` on GPU, `RaggedDecode` on TPU: `decode_kernels.py`,
+`models/paged_attention.py`), which
 reads each row's first `index + 1` columns from its pages itself; rows start
 at column 0 (`sampler/sampling.py`), so those are exactly the row's tokens.
 """
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from arl_jax.models import paged_attention, paged_blocks, paged_names
+from arl_jax.models import decode_kernels, paged_attention, paged_blocks, paged_names
 
 TRASH_PAGE = paged_names.TRASH_PAGE
 
@@ -59,7 +60,7 @@ class PagedKVCache:
     values: "split": likewise; "interleaved": empty.
     valid: `[B, L]` bool, True where a real (non-pad) token has been written.
     page_table: `[B, L / page_size]` int32, the page of each slot's column block.
-    attention: static, how decode steps attend (`paged_names.ATTENTIONS`).
+    attention: static, how decode steps attend (a `decode_kernels` object).
     layout: static, "split" or "interleaved" (`paged_names.LAYOUTS`).
     mesh: static, the sampler mesh a kernel XLA cannot partition runs on per
       device ("ragged"; None: one device, or not needed).
@@ -69,22 +70,24 @@ class PagedKVCache:
   values: tuple[jax.Array, ...]
   valid: jax.Array
   page_table: jax.Array
-  attention: str = flax.struct.field(pytree_node=False, default="xla")
+  attention: object = flax.struct.field(pytree_node=False, default=decode_kernels.XlaDecode())
   layout: str = flax.struct.field(pytree_node=False, default="split")
   mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
 
   @classmethod
   def zeros(cls, *, batch: int, num_layers: int, num_kv_heads: int, length: int,
             head_dim: int, num_pages: int, page_size: int, dtype=jnp.float32,
-            attention: str = "xla", layout: str | None = None,
+            attention="xla", layout: str | None = None,
             mesh: Mesh | None = None) -> PagedKVCache:
-    """`layout` None: the one `attention` reads (`paged_names.pool_layout`)."""
+    """`attention`: a kernel's name (`paged_names.ATTENTIONS`) or its
+    `decode_kernels` object; `layout` None: the one it reads
+    (`paged_names.pool_layout`)."""
     if length % page_size:
       raise ValueError(f"a paged cache's length ({length}) must be a multiple of its page "
                        f"size ({page_size})")
-    paged_names.check_name(attention)
-    layout = paged_names.pool_layout(attention) if layout is None else layout
-    paged_names.check_layout(attention, layout)
+    attention = decode_kernels.named(attention)
+    layout = paged_names.pool_layout(attention.name) if layout is None else layout
+    paged_names.check_layout(attention.name, layout)
     if layout == "split":
       shape = (num_kv_heads, num_pages, page_size, head_dim)
       keys = tuple(jnp.zeros(shape, dtype) for _ in range(num_layers))
@@ -236,17 +239,20 @@ class PagedLayer:
   keys: jax.Array
   values: jax.Array | None  # (None in the interleaved layout: `keys` holds both)
   page_table: jax.Array
-  attention: str = flax.struct.field(pytree_node=False, default="xla")
+  attention: object = flax.struct.field(pytree_node=False, default=decode_kernels.XlaDecode())
   layout: str = flax.struct.field(pytree_node=False, default="split")
   mesh: Mesh | None = flax.struct.field(pytree_node=False, default=None)
 
   @property
   def attends(self) -> bool:
     """Whether decode attention runs in a kernel (`attend`), not in the decoder."""
-    return self.attention != "xla"
+    return self.attention.attends
 
-  def _write(self, k: jax.Array, v: jax.Array, index: jax.Array,
-             write_mask: jax.Array | None) -> PagedLayer:
+  def write(self, k: jax.Array, v: jax.Array, index: jax.Array,
+            write_mask: jax.Array | None) -> PagedLayer:
+    """This layer with `k`, `v` `[B, KVH, T, Dh]` written at per-row offsets
+    `index` `[B]` into the rows' pages (rows where `write_mask` is False
+    write to the trash page)."""
     if self.layout == "interleaved":
       keys, values = _scatter_interleaved(self.keys, self.page_table, k, v, index,
                                           write_mask), None
@@ -261,15 +267,7 @@ class PagedLayer:
     writes `k`, `v` `[B, KVH, 1, Dh]` at columns `index` `[B]` and attends
     `q` `[B, H, Dh]` (already scaled) over each row's columns `[0, index]`
     among its first `width`. Returns `[B, H, Dh]` and the updated layer."""
-    if self.attention == "ragged":
-      out, keys = _ragged_attend(self.keys, self.page_table, q, k, v, index, write_mask, width,
-                                 self.mesh)
-      return out, self.replace(keys=keys)
-    new = self._write(k, v, index, write_mask)
-    out = paged_attention.decode_attention(
-        q, new.keys, new.values, self.page_table[:, :width // new.keys.shape[2]], index + 1,
-        interpret=self.attention == "pallas_interpret")
-    return out, new
+    return self.attention.attend(self, q, k, v, index, write_mask, width)
 
   def attend_blocks(self, q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
                     write_mask: jax.Array | None, blocks: paged_blocks.Blocks):
@@ -278,7 +276,7 @@ class PagedLayer:
     Dh]` at per-row offsets `index` `[B]` and attends `q` `[B, T, H, Dh]`
     (already scaled) as `blocks` says. Returns `[B, T, H, Dh]` float32 and
     the updated layer."""
-    new = self._write(k, v, index, write_mask)
+    new = self.write(k, v, index, write_mask)
     if self.layout == "interleaved":
       read = lambda pages: gather_interleaved(new.keys, pages, blocks.block)
     else:
@@ -291,14 +289,14 @@ class PagedLayer:
     """As `kv_cache.DenseLayer.update`: writes `k`, `v` `[B, KVH, T, Dh]` at
     per-row offsets `index` and returns the first `width` columns of every
     row (gathered from its pages) and the updated layer."""
-    new = self._write(k, v, index, write_mask)
+    new = self.write(k, v, index, write_mask)
     if self.layout == "interleaved":
       return (*gather_interleaved(new.keys, self.page_table, width), new)
     return (gather(new.keys, self.page_table, width), gather(new.values, self.page_table, width),
             new)
 
 
-def _ragged_attend(pool: jax.Array, table: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+def ragged_attend(pool: jax.Array, table: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
                    index: jax.Array, write_mask: jax.Array | None, width: int,
                    mesh: Mesh | None) -> tuple[jax.Array, jax.Array]:
   """`PagedLayer.attend` through TPU's ragged kernel: writes `k`, `v` into the

@@ -18,6 +18,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
+from arl_jax.models import decode_kernels
 from arl_jax.sampler import engine_config, paged_decode, prefill_chunks, sampling, trace_counter
 from arl_jax.sharding import rules as rules_lib
 
@@ -133,7 +134,8 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
                            num_pages=num_pages, page_size=page_size,
                            attention=paged_attention, layout=paged_layout,
                            # (a kernel XLA cannot partition runs per device on it)
-                           mesh=mesh if paged_attention == "ragged" else None)
+                           mesh=mesh if decode_kernels.named(paged_attention).needs_mesh
+                           else None)
   shardings = state_shardings(mesh, jax.eval_shape(init))
   insert = functools.partial(counters["insert"].wrap(sampling.insert), graphdef,
                              settings=settings)

@@ -102,3 +102,28 @@ def test_the_interleaved_layout_holds_what_the_split_one_holds():
   k, _, forked_k, _, _ = read["split"]
   np.testing.assert_array_equal(forked_k[2, :, :6], forked_k[1, :, :6])  # (the fork happened)
   np.testing.assert_array_equal(k[1, :, 6], new_k[1, :, 0])  # (the decode write landed)
+
+
+def test_both_caches_implement_the_cache_protocol_and_kernels_are_objects():
+  """The decoder's view of a cache (`cache_protocol`), met by the dense and
+  the paged cache alike; a paged cache holds its decode kernel as a strategy
+  object (`decode_kernels`), named by the config's string."""
+  from arl_jax.models import cache_protocol, decode_kernels, kv_cache
+  dense = kv_cache.KVCache.zeros(batch=2, num_layers=1, num_kv_heads=1, length=8, head_dim=4)
+  for attention in ("xla", "pallas_interpret", "ragged"):
+    paged = paged_kv_cache.PagedKVCache.zeros(
+        batch=2, num_layers=1, num_kv_heads=1, length=8, head_dim=4, num_pages=5, page_size=4,
+        attention=attention)
+    assert isinstance(paged, cache_protocol.DecodeCache)
+    layer = paged.layer(0)
+    assert isinstance(layer, cache_protocol.LayerCache)
+    kernel = decode_kernels.named(attention)
+    assert paged.attention is kernel and kernel.name == attention
+    assert layer.attends is kernel.attends is (attention != "xla")
+    assert isinstance(kernel, cache_protocol.KernelLayer) is False  # (a kernel is not a layer)
+    assert paged.layout == (kernel.layout or "split")
+  assert isinstance(dense, cache_protocol.DecodeCache)
+  assert isinstance(dense.layer(0), cache_protocol.LayerCache) and not dense.layer(0).attends
+  assert decode_kernels.named(decode_kernels.RaggedDecode()).needs_mesh
+  with pytest.raises(ValueError, match="paged attention must be one of"):
+    decode_kernels.named("flash")
