@@ -32,6 +32,7 @@ from arl_jax.config import run_spec
 from arl_jax.envs import arith, prompt_data
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import optim as optim_lib
+from arl_jax.learner.objectives import clipped_ratio as clipped_ratio_lib
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.sampler import token_draw
 
@@ -92,7 +93,7 @@ def warm_up(graphdef, params, spec, env, train_prompts, log):
   num_chosen = max(1, int(w.fraction * len(train_prompts)))
   subset = np.random.default_rng((spec.run.seed, 0)).permutation(len(train_prompts))[:num_chosen]
   chosen = [train_prompts[i] for i in subset]
-  optimizer = optim_lib.make_optimizer(optim_lib.OptimConfig(lr=w.lr))
+  optimizer = optim_lib.make_optimizer(spec.warmup_optim, w.steps)
   opt_state = optimizer.init(params)
   p_len, n_new = spec.engine.prompt_len, spec.engine.max_new_tokens
   rng = np.random.default_rng((spec.run.seed, 1))
@@ -134,8 +135,8 @@ def train(config, num_steps: int | None = None, log=print) -> list[dict]:
   params = warm_up(graphdef, params, spec, env, train_prompts, log)
   optimizer = optim_lib.make_optimizer(spec.optim)
   opt_state = optimizer.init(params)
-  loss_kwargs = dict(eps_low=spec.loss.clipped_ratio.eps_low,
-                     eps_high=spec.loss.clipped_ratio.eps_high,
+  clip = spec.loss.knob(clipped_ratio_lib.ClippedRatio)  # (the default loss's knobs)
+  loss_kwargs = dict(eps_low=clip.eps_low, eps_high=clip.eps_high,
                      temperature=spec.loss.objective.temperature)
   grad_fn = jax.jit(jax.value_and_grad(grpo_loss), static_argnums=1,
                     static_argnames=tuple(loss_kwargs))

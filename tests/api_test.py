@@ -79,7 +79,7 @@ def test_a_config_file_written_against_the_old_module_paths_still_loads(tmp_path
       before, after = importlib.import_module(old), importlib.import_module(new)
       public = [n for n in vars(after) if not n.startswith("_")]
       assert public and all(getattr(before, n) is getattr(after, n) for n in public), old
-  assert arl_jax.build_spec(config).num_steps == 3
+  assert arl_jax.build_spec(config).run.num_steps == 3
   said = {str(w.message).split(" moved")[0] for w in caught
           if issubclass(w.category, DeprecationWarning)}
   assert {"arl_jax.config_base", "arl_jax.sweep"} <= said

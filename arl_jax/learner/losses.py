@@ -47,7 +47,10 @@ only on the output.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import chex
+import jax
 import jax.numpy as jnp
 
 from arl_jax.learner import mismatch as mismatch_lib
@@ -145,6 +148,31 @@ def trust_region_log_ratio(logprobs, behaviour_logprobs, loss_mask, proximal_log
   w, metrics = mismatch_lib.behaviour_weights(proximal_logprobs - behaviour_logprobs, loss_mask,
                                               correction, segment_ids)
   return logprobs - proximal_logprobs, w, metrics
+
+
+class Prepared(NamedTuple):
+  """A loss's inputs after `prepare`: the arrays with 0 off the mask, and the
+  decoupled objective's log-ratio and constant weight (`trust_region_log_ratio`)."""
+
+  logprobs: jax.Array
+  behaviour_logprobs: jax.Array
+  advantages: jax.Array
+  log_r: jax.Array
+  w: object  # [B, L], or 1.0 (coupled)
+  metrics: dict
+
+
+def prepare(logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag,
+            correction: mismatch_lib.Correction | None, segment_ids) -> Prepared:
+  """What every loss with a trust region does first: check the shapes, zero
+  the masked columns (before any nonlinear op), and take the ratio its trust
+  region acts on with the off-policy weight."""
+  check_inputs(logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag)
+  logprobs, behaviour_logprobs, advantages, proximal_logprobs = zero_masked(
+      loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
+  log_r, w, metrics = trust_region_log_ratio(logprobs, behaviour_logprobs, loss_mask,
+                                             proximal_logprobs, correction, segment_ids)
+  return Prepared(logprobs, behaviour_logprobs, advantages, log_r, w, metrics)
 
 
 def clipped_surrogate(r, advantages, loss_mask, token_lag, eps_low, eps_high, age_decay, w,

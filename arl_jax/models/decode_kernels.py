@@ -18,11 +18,15 @@ strings in three places.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import ClassVar
 
 import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from arl_jax.models import paged_attention, paged_names
+from arl_jax.models import page_writes, paged_attention, paged_names
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,11 +74,49 @@ class RaggedDecode:
 
   def attend(self, layer, q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
              write_mask: jax.Array | None, width: int):
-    from arl_jax.models import paged_kv_cache  # noqa: PLC0415 - (it imports this module)
-
-    out, keys = paged_kv_cache.ragged_attend(layer.keys, layer.page_table, q, k, v, index,
-                                             write_mask, width, layer.mesh)
+    out, keys = _ragged_attend(layer.keys, layer.page_table, q, k, v, index, write_mask, width,
+                               layer.mesh)
     return out, layer.replace(keys=keys)
+
+
+def _ragged_attend(pool: jax.Array, table: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
+                   index: jax.Array, write_mask: jax.Array | None, width: int,
+                   mesh: Mesh | None) -> tuple[jax.Array, jax.Array]:
+  """`PagedLayer.attend` through TPU's ragged kernel: writes `k`, `v` into the
+  interleaved `pool` and attends `q` over each row's columns `[0, index]`.
+
+  XLA cannot partition a Mosaic kernel, so on a sampler mesh of several
+  devices it runs per device in a `shard_map`: rows over `data`, heads over
+  `tp` (the interleaved pool's `2 * KVH` axis splits into whole key/value
+  pairs). The pool is whole on every `data` shard, so each shard first writes
+  every shard's new keys and values (all-gathered over `data`), which is what
+  the XLA path's partitioned scatter does, then attends its own rows. An
+  axis that does not divide its dimension stays whole (its shards compute the
+  same values).
+  """
+  pages = width // pool.shape[1]
+  mask = jnp.ones(index.shape, jnp.bool_) if write_mask is None else write_mask
+
+  def local(pool, table, q, k, v, index, mask, rows_axis=None):
+    written = (table, k, v, index, mask)
+    if rows_axis is not None:
+      written = tuple(jax.lax.all_gather(x, rows_axis, tiled=True) for x in written)
+    pool = page_writes.scatter_interleaved(pool, *written)
+    return paged_attention.ragged_decode_attention(q, pool, table[:, :pages], index + 1), pool
+
+  if mesh is None or mesh.size == 1:
+    return local(pool, table, q, k, v, index, mask)
+
+  def axis(name, size):
+    n = dict(mesh.shape).get(name, 1)
+    return name if n > 1 and size % n == 0 else None
+
+  rows_axis, heads_axis = axis("data", q.shape[0]), axis("tp", k.shape[1])
+  rows, heads, pool_spec = P(rows_axis), P(rows_axis, heads_axis), P(None, None, heads_axis)
+  return jax.shard_map(
+      functools.partial(local, rows_axis=rows_axis), mesh=mesh,
+      in_specs=(pool_spec, rows, heads, heads, heads, rows, rows),
+      out_specs=(heads, pool_spec), check_vma=False)(pool, table, q, k, v, index, mask)
 
 
 _KERNELS = (XlaDecode(), PallasDecode(), PallasDecode(interpret=True), RaggedDecode())

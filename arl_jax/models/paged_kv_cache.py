@@ -36,15 +36,12 @@ at column 0 (`sampler/sampling.py`), so those are exactly the row's tokens.
 
 from __future__ import annotations
 
-import functools
-
 import flax.struct
 import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh
-from jax.sharding import PartitionSpec as P
 
-from arl_jax.models import decode_kernels, paged_attention, paged_blocks, paged_names
+from arl_jax.models import decode_kernels, page_writes, paged_blocks, paged_names
 
 TRASH_PAGE = paged_names.TRASH_PAGE
 
@@ -126,11 +123,11 @@ class PagedKVCache:
     index = jnp.zeros((r,), jnp.int32)
     if self.layout == "interleaved":
       return self.replace(keys=tuple(
-          _scatter_interleaved(pool, table, k, v, index, None)
+          page_writes.scatter_interleaved(pool, table, k, v, index, None)
           for pool, k, v in zip(self.keys, prefill.keys, prefill.values)))
-    keys = tuple(_scatter(pool, table, k, index, None) for pool, k in zip(self.keys,
+    keys = tuple(page_writes.scatter(pool, table, k, index, None) for pool, k in zip(self.keys,
                                                                            prefill.keys))
-    values = tuple(_scatter(pool, table, v, index, None) for pool, v in zip(self.values,
+    values = tuple(page_writes.scatter(pool, table, v, index, None) for pool, v in zip(self.values,
                                                                              prefill.values))
     return self.replace(keys=keys, values=values)
 
@@ -174,36 +171,6 @@ class PagedKVCache:
                         values=tuple(layer for _ in self.values),
                         valid=("batch", "length"), page_table=("batch", "slot_pages"),
                         attention=self.attention, layout=self.layout, mesh=self.mesh)
-
-
-def _write_places(table: jax.Array, index: jax.Array, t: int, page_size: int,
-                  write_mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
-  """The page and the row in it of columns `index[b] + t` of the rows whose
-  page tables are `table` `[B, P]`, `[B, T]` each; masked rows: the trash page."""
-  columns = index[:, None] + jnp.arange(t, dtype=index.dtype)[None, :]  # [B, T]
-  pages = jnp.take_along_axis(table, columns // page_size, axis=1)
-  if write_mask is not None:
-    pages = jnp.where(write_mask[:, None], pages, TRASH_PAGE)
-  return pages, columns % page_size
-
-
-def _scatter(pool: jax.Array, table: jax.Array, new: jax.Array, index: jax.Array,
-             write_mask: jax.Array | None) -> jax.Array:
-  """Writes `new` `[B, KVH, T, Dh]` at columns `index[b] + t` of the rows
-  whose page tables are `table` `[B, P]`; masked rows write the trash page."""
-  pages, rows = _write_places(table, index, new.shape[2], pool.shape[2], write_mask)
-  # Adjacent advanced indices on axes 1 and 2 stay in place: [KVH, B, T, Dh].
-  return pool.at[:, pages, rows].set(new.transpose(1, 0, 2, 3))
-
-
-def _scatter_interleaved(pool: jax.Array, table: jax.Array, k: jax.Array, v: jax.Array,
-                         index: jax.Array, write_mask: jax.Array | None) -> jax.Array:
-  """`_scatter` into an interleaved pool `[N, page_size, 2 * KVH, Dh]`: the
-  keys `k` and values `v` `[B, KVH, T, Dh]` of head h at `2h` and `2h + 1`."""
-  b, kvh, t, dh = k.shape
-  pages, rows = _write_places(table, index, t, pool.shape[1], write_mask)
-  kv = jnp.stack([k, v], axis=2).reshape(b, 2 * kvh, t, dh)  # k0, v0, k1, v1, ...
-  return pool.at[pages, rows].set(kv.transpose(0, 2, 1, 3))
 
 
 def gather_interleaved(pool: jax.Array, table: jax.Array,
@@ -254,11 +221,11 @@ class PagedLayer:
     `index` `[B]` into the rows' pages (rows where `write_mask` is False
     write to the trash page)."""
     if self.layout == "interleaved":
-      keys, values = _scatter_interleaved(self.keys, self.page_table, k, v, index,
+      keys, values = page_writes.scatter_interleaved(self.keys, self.page_table, k, v, index,
                                           write_mask), None
     else:
-      keys = _scatter(self.keys, self.page_table, k, index, write_mask)
-      values = _scatter(self.values, self.page_table, v, index, write_mask)
+      keys = page_writes.scatter(self.keys, self.page_table, k, index, write_mask)
+      values = page_writes.scatter(self.values, self.page_table, v, index, write_mask)
     return self.replace(keys=keys, values=values)
 
   def attend(self, q: jax.Array, k: jax.Array, v: jax.Array, index: jax.Array,
@@ -294,43 +261,3 @@ class PagedLayer:
       return (*gather_interleaved(new.keys, self.page_table, width), new)
     return (gather(new.keys, self.page_table, width), gather(new.values, self.page_table, width),
             new)
-
-
-def ragged_attend(pool: jax.Array, table: jax.Array, q: jax.Array, k: jax.Array, v: jax.Array,
-                   index: jax.Array, write_mask: jax.Array | None, width: int,
-                   mesh: Mesh | None) -> tuple[jax.Array, jax.Array]:
-  """`PagedLayer.attend` through TPU's ragged kernel: writes `k`, `v` into the
-  interleaved `pool` and attends `q` over each row's columns `[0, index]`.
-
-  XLA cannot partition a Mosaic kernel, so on a sampler mesh of several
-  devices it runs per device in a `shard_map`: rows over `data`, heads over
-  `tp` (the interleaved pool's `2 * KVH` axis splits into whole key/value
-  pairs). The pool is whole on every `data` shard, so each shard first writes
-  every shard's new keys and values (all-gathered over `data`), which is what
-  the XLA path's partitioned scatter does, then attends its own rows. An
-  axis that does not divide its dimension stays whole (its shards compute the
-  same values).
-  """
-  pages = width // pool.shape[1]
-  mask = jnp.ones(index.shape, jnp.bool_) if write_mask is None else write_mask
-
-  def local(pool, table, q, k, v, index, mask, rows_axis=None):
-    written = (table, k, v, index, mask)
-    if rows_axis is not None:
-      written = tuple(jax.lax.all_gather(x, rows_axis, tiled=True) for x in written)
-    pool = _scatter_interleaved(pool, *written)
-    return paged_attention.ragged_decode_attention(q, pool, table[:, :pages], index + 1), pool
-
-  if mesh is None or mesh.size == 1:
-    return local(pool, table, q, k, v, index, mask)
-
-  def axis(name, size):
-    n = dict(mesh.shape).get(name, 1)
-    return name if n > 1 and size % n == 0 else None
-
-  rows_axis, heads_axis = axis("data", q.shape[0]), axis("tp", k.shape[1])
-  rows, heads, pool_spec = P(rows_axis), P(rows_axis, heads_axis), P(None, None, heads_axis)
-  return jax.shard_map(
-      functools.partial(local, rows_axis=rows_axis), mesh=mesh,
-      in_specs=(pool_spec, rows, heads, heads, heads, rows, rows),
-      out_specs=(heads, pool_spec), check_vma=False)(pool, table, q, k, v, index, mask)

@@ -50,12 +50,9 @@ def cispo(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logpr
   not losses, with `clipped_ratio`. With `age_decay`, both bounds shrink with
   a token's lag as the clipped ratio's do.
   """
-  losses_lib.check_inputs(logprobs, behaviour_logprobs, advantages, loss_mask,
-                          proximal_logprobs, token_lag)
-  logprobs, behaviour_logprobs, advantages, proximal_logprobs = losses_lib.zero_masked(
-      loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
-  log_r, w, metrics = losses_lib.trust_region_log_ratio(
-      logprobs, behaviour_logprobs, loss_mask, proximal_logprobs, correction, segment_ids)
+  logprobs, behaviour_logprobs, advantages, log_r, w, metrics = losses_lib.prepare(
+      logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag,
+      correction, segment_ids)
   r = jnp.exp(jax.lax.stop_gradient(log_r))
   scale = losses_lib.age_scale(token_lag, age_decay)
   low, high = 1.0 - eps_low * scale, 1.0 + eps_high * scale

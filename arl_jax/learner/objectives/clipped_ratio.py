@@ -63,12 +63,9 @@ def clipped_ratio(logprobs, behaviour_logprobs, advantages, loss_mask, *,
   Returns:
     `(per_token_loss [B, L], metrics)`.
   """
-  losses_lib.check_inputs(logprobs, behaviour_logprobs, advantages, loss_mask,
-                          proximal_logprobs, token_lag)
-  logprobs, behaviour_logprobs, advantages, proximal_logprobs = losses_lib.zero_masked(
-      loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
-  log_r, w, metrics = losses_lib.trust_region_log_ratio(
-      logprobs, behaviour_logprobs, loss_mask, proximal_logprobs, correction, segment_ids)
+  logprobs, behaviour_logprobs, advantages, log_r, w, metrics = losses_lib.prepare(
+      logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag,
+      correction, segment_ids)
   return losses_lib.clipped_surrogate(jnp.exp(log_r), advantages, loss_mask, token_lag, eps_low,
                             eps_high, age_decay, w, metrics, dual_clip=dual_clip)
 

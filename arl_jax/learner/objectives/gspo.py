@@ -51,12 +51,9 @@ def gspo(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logpro
   are constant over its tokens. With `age_decay` a token's bound shrinks with
   its own lag.
   """
-  losses_lib.check_inputs(logprobs, behaviour_logprobs, advantages, loss_mask,
-                          proximal_logprobs, token_lag)
-  logprobs, behaviour_logprobs, advantages, proximal_logprobs = losses_lib.zero_masked(
-      loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
-  log_r, w, metrics = losses_lib.trust_region_log_ratio(
-      logprobs, behaviour_logprobs, loss_mask, proximal_logprobs, correction, segment_ids)
+  logprobs, behaviour_logprobs, advantages, log_r, w, metrics = losses_lib.prepare(
+      logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag,
+      correction, segment_ids)
   s = jnp.exp(segments_lib.sequence_means(log_r, loss_mask, segment_ids))
   return losses_lib.clipped_surrogate(s, advantages, loss_mask, token_lag, eps_low, eps_high,
                                       age_decay, w, metrics)
@@ -77,12 +74,9 @@ def gspo_token(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_
   objective, `w = 1`; or `seq_tis_cap`). A decoupled run's per-token weights
   make them differ: GSPO spreads a sequence's summed weight evenly over its
   tokens' gradients, GSPO-token weighs each token's gradient by its own."""
-  losses_lib.check_inputs(logprobs, behaviour_logprobs, advantages, loss_mask,
-                          proximal_logprobs, token_lag)
-  logprobs, behaviour_logprobs, advantages, proximal_logprobs = losses_lib.zero_masked(
-      loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
-  log_r, w, metrics = losses_lib.trust_region_log_ratio(
-      logprobs, behaviour_logprobs, loss_mask, proximal_logprobs, correction, segment_ids)
+  logprobs, behaviour_logprobs, advantages, log_r, w, metrics = losses_lib.prepare(
+      logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag,
+      correction, segment_ids)
   log_s = jax.lax.stop_gradient(segments_lib.sequence_means(log_r, loss_mask, segment_ids))
   s = jnp.exp(log_s + logprobs - jax.lax.stop_gradient(logprobs))
   return losses_lib.clipped_surrogate(s, advantages, loss_mask, token_lag, eps_low, eps_high,

@@ -63,12 +63,9 @@ def m2po(logprobs, behaviour_logprobs, advantages, loss_mask, *, proximal_logpro
   computes it over a whole minibatch first when it accumulates microbatches,
   so that each microbatch is masked as the one pass would mask it.
   """
-  losses_lib.check_inputs(logprobs, behaviour_logprobs, advantages, loss_mask,
-                          proximal_logprobs, token_lag)
-  logprobs, behaviour_logprobs, advantages, proximal_logprobs = losses_lib.zero_masked(
-      loss_mask, logprobs, behaviour_logprobs, advantages, proximal_logprobs)
-  log_r, w, metrics = losses_lib.trust_region_log_ratio(
-      logprobs, behaviour_logprobs, loss_mask, proximal_logprobs, correction, segment_ids)
+  logprobs, behaviour_logprobs, advantages, log_r, w, metrics = losses_lib.prepare(
+      logprobs, behaviour_logprobs, advantages, loss_mask, proximal_logprobs, token_lag,
+      correction, segment_ids)
   r = jnp.exp(log_r)
   log_ratio = jax.lax.stop_gradient(logprobs - behaviour_logprobs)
   if keep is None:
