@@ -128,10 +128,11 @@ LAYERS = {
     "arl_jax.sharding": 1, "arl_jax.envs": 1, "arl_jax.metrics": 1,
     "arl_jax.models": 2,
     "arl_jax.sampler": 3, "arl_jax.orchestrator": 3, "arl_jax.learner": 3,
-    "arl_jax.distributed": 4,
+    "arl_jax.distributed": 4, "arl_jax.gateway": 4,
     "arl_jax.config": 5,
     "arl_jax.training": 6,
     "arl_jax": 7, "arl_jax.launch": 7, "arl_jax.plot": 7, "arl_jax.export_hf": 7,
+    "arl_jax.serve": 7,
     "arl_jax._moved": 7,
     "arl_jax.testing": 8,
 }
@@ -150,4 +151,4 @@ def test_every_import_points_down_the_layers():
 
 def test_the_top_level_holds_the_commands_and_the_api_only():
   top = sorted(name for name in os.listdir(PACKAGE) if name.endswith(".py"))
-  assert top == ["__init__.py", "_moved.py", "export_hf.py", "launch.py", "plot.py"]
+  assert top == ["__init__.py", "_moved.py", "export_hf.py", "launch.py", "plot.py", "serve.py"]

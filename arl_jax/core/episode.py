@@ -38,6 +38,8 @@ class Episode:
       the segment after them, so they join the segment when it ends.
     timings: seconds `queued` (waiting for a slot, all turns), `generating`
       (in a slot), `in_env` (environment calls, tool latency included).
+    segment_limit: the most tokens the next segment may sample (None: what
+      the budget leaves); a gateway request's `max_tokens`.
   """
 
   request: object
@@ -53,6 +55,7 @@ class Episode:
   open_versions: list[int] = dataclasses.field(default_factory=list)
   timings: dict[str, float] = dataclasses.field(
       default_factory=lambda: {"queued": 0.0, "generating": 0.0, "in_env": 0.0})
+  segment_limit: int | None = None
 
   @property
   def group_id(self) -> int:
@@ -69,8 +72,9 @@ class Episode:
 
   def budget_left(self, default: int) -> int:
     """Completion tokens the episode's next segment may sample (`budget` less
-    what it holds)."""
-    return self.budget(default) - self.length
+    what it holds), at most `segment_limit`."""
+    left = self.budget(default) - self.length
+    return left if self.segment_limit is None else min(left, self.segment_limit)
 
   @property
   def length(self) -> int:
@@ -98,6 +102,20 @@ class Episode:
     self.turns += 1
     self.last_stopped = stopped
     self.open_tokens, self.open_logprobs, self.open_versions = [], [], []
+
+  def drop_sampled_tail(self, n: int) -> None:
+    """Forgets the last `n` tokens of the last segment (a gateway's stop
+    string ended the answer before them): they were sampled but are not part
+    of the trajectory, so nothing trains on them and the next turn's context
+    goes on from the tokens kept."""
+    if n == 0:
+      return
+    if not 0 < n <= len(self.loss_mask) or min(self.loss_mask[-n:]) < 1.0:
+      raise ValueError(f"group {self.group_id}: cannot drop {n} tokens: the last segment is "
+                       "shorter")
+    for held in (self.completion_ids, self.loss_mask, self.logprobs, self.versions):
+      del held[-n:]
+    self.last_stopped = False
 
   def add_observation(self, tokens) -> None:
     """Appends environment tokens (never trained on)."""

@@ -21,6 +21,9 @@ class GroupRequest:
     attempt: how many dropped groups of this prompt were dispatched before it.
     max_new_tokens: the prompt's own completion budget
       (`Environment.max_new_tokens_for`), None: the sampler's.
+    draw_id: what its random draws are keyed by in place of `group_id`
+      (None: the group id); a gateway request's `seed`, so that a seed
+      repeats its samples.
   """
 
   group_id: int
@@ -31,6 +34,12 @@ class GroupRequest:
   dispatch_time: float
   attempt: int = 0
   max_new_tokens: int | None = None
+  draw_id: int | None = None
+
+  @property
+  def key_id(self) -> int:
+    """The id the PRNG keys of its samples derive from (`token_draw.key_ids`)."""
+    return self.group_id if self.draw_id is None else self.draw_id
 
   def budget(self, default: int) -> int:
     """Completion tokens an episode of this group may hold (observations included)."""

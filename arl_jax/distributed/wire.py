@@ -127,7 +127,8 @@ def request_to_wire(request: group_request_lib.GroupRequest) -> dict:
   return {"group_id": request.group_id, "prompt": prompt_codec.to_json(request.prompt),
           "prompt_ids": np.asarray(request.prompt_ids, np.int32),
           "dispatch_version": request.dispatch_version, "group_size": request.group_size,
-          "attempt": request.attempt, "max_new_tokens": request.max_new_tokens}
+          "attempt": request.attempt, "max_new_tokens": request.max_new_tokens,
+          "draw_id": request.draw_id}
 
 
 def request_from_wire(record: dict) -> group_request_lib.GroupRequest:
@@ -138,7 +139,7 @@ def request_from_wire(record: dict) -> group_request_lib.GroupRequest:
       prompt_ids=tuple(int(t) for t in record["prompt_ids"]),
       dispatch_version=int(record["dispatch_version"]), group_size=int(record["group_size"]),
       dispatch_time=time.monotonic(), attempt=int(record["attempt"]),
-      max_new_tokens=record["max_new_tokens"])
+      max_new_tokens=record["max_new_tokens"], draw_id=record.get("draw_id"))
 
 
 # A rollout's per-token arrays: (wire name, Rollout field, dtype).

@@ -57,14 +57,24 @@ class ChatTemplate:
   def assistant_prefix(self) -> str:
     return self.turn_prefix.format(role="assistant")
 
-  def format_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True) -> str:
+  def format_chat(self, messages: Sequence[dict], add_generation_prompt: bool = True, *,
+                  tools: Sequence[dict] | None = None, **template_kwargs) -> str:
     """`[{"role": ..., "content": ...}, ...]` as text, ending with the
     assistant's turn prefix when `add_generation_prompt` (rendered by the
-    model's Jinja template when there is one)."""
+    model's Jinja template when there is one).
+
+    `tools` (OpenAI function schemas) and `template_kwargs` (e.g. Qwen3's
+    `enable_thinking`) go to the model's Jinja template, as transformers'
+    `apply_chat_template` passes them; a named template without one renders
+    neither (ValueError for tools).
+    """
     if self.jinja is not None:
-      return _compiled(self.jinja).render(messages=list(messages),
-                                          add_generation_prompt=add_generation_prompt,
-                                          **dict(self.jinja_tokens))
+      return _compiled(self.jinja).render(
+          **template_kwargs, messages=list(messages), add_generation_prompt=add_generation_prompt,
+          **({"tools": list(tools)} if tools else {}), **dict(self.jinja_tokens))
+    if tools:
+      raise ValueError("tools need the model's own (Jinja) chat template, which renders them "
+                       "as it was trained; this tokenizer has the named template only")
     text = "".join(self.turn_prefix.format(role=m["role"]) + m["content"] + self.turn_suffix
                    for m in messages)
     return text + self.assistant_prefix() if add_generation_prompt else text

@@ -172,3 +172,8 @@ class HfTokenizer:
         break
       out.append(int(i))
     return self._tok.decode(out, skip_special_tokens=True)
+
+  def detokenize(self, ids, *, skip_special_tokens: bool = True) -> str:
+    """Text of every id (EOS included), special tokens written out unless skipped."""
+    return self._tok.decode([int(i) for i in np.asarray(ids, np.int64).tolist()],
+                            skip_special_tokens=skip_special_tokens)

@@ -60,6 +60,10 @@ class Tokenizer(Protocol):
   def decode(self, ids: Sequence[int]) -> str:
     """Text of `ids` up to the first EOS, special tokens skipped."""
 
+  def detokenize(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
+    """Text of every id of `ids` (EOS does not end it); special tokens
+    written out unless `skip_special_tokens` (what a server returns)."""
+
 
 @dataclasses.dataclass(frozen=True)
 class ByteTokenizer:
@@ -99,6 +103,16 @@ class ByteTokenizer:
         break
       if 0 <= i < 256:
         out.append(i)
+    return out.decode("utf-8", errors="replace")
+
+  def detokenize(self, ids, *, skip_special_tokens: bool = True) -> str:
+    names = {self.pad_id: "<pad>", self.bos_id: "<bos>", self.eos_id: "<eos>"}
+    out = bytearray()
+    for i in np.asarray(ids, np.int64).tolist():
+      if 0 <= i < 256:
+        out.append(i)
+      elif not skip_special_tokens and i in names:
+        out += names[i].encode()
     return out.decode("utf-8", errors="replace")
 
 

@@ -235,7 +235,7 @@ def abstract_begin(rows: int, length: int, num_stop_ids: int) -> BeginBatch:
 def _segment_fields(episodes, max_new_tokens: int, stop_mask_fn) -> dict:
   """`key_ids`, `max_new` and `stop_mask` of the segments `episodes` start."""
   return dict(
-      key_ids=token_draw.key_ids([e.group_id for e in episodes],
+      key_ids=token_draw.key_ids([e.request.key_id for e in episodes],
                                  [e.sample_index for e in episodes],
                                  [e.turns for e in episodes]),
       max_new=np.array([e.budget_left(max_new_tokens) for e in episodes], np.int32),

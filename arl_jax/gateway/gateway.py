@@ -1,0 +1,344 @@
+"""`Gateway`: OpenAI requests turned into engine segments and back, without HTTP.
+
+A request is checked whole before anything is sampled (sampling settings
+the engine was not built with, limits, prompt and context lengths, stop
+tokens); each of its `n` choices is one episode handed to the engine
+(`engine_port.py`): a new one, or, in a session, a copy of the branch it
+continues with the new messages appended as observation tokens
+(`chat_render.continuation`). When every choice's segment has ended, the
+answers are read (`answers.py`), the session keeps a branch per choice, and
+the caller (`app.py`) writes the response.
+
+Sampling settings: the behaviour log-prob of every token is what the
+learner trains against, so a request may not change the distribution the
+engine samples from: `temperature`, `top_p`, `top_k` and `min_p` are
+accepted only at the engine's own values (400 naming the field otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import math
+import time
+import zlib
+
+from arl_jax.gateway import answers as answers_lib
+from arl_jax.gateway import chat_render, engine_port, gateway_config, protocol, sessions
+from arl_jax.gateway import tool_calls as tool_calls_lib
+
+
+@dataclasses.dataclass
+class Outcome:
+  """What a request produced: one answer per choice, and the session it went to."""
+
+  answers: list[answers_lib.Answer]
+  prompt_ids: list[int]
+  session: sessions.Session | None = None
+
+
+@dataclasses.dataclass
+class _Choice:
+  """A choice before it is sampled: its episode and where it continues from."""
+
+  episode: object
+  start: int  # completion index where its segment begins
+  prompt_text: str = ""
+
+
+def _parser_name(setting: str, template) -> str:
+  name = {"<|im_end|>": "chatml", "<|eot_id|>": "llama3"}.get(template.end_of_turn, "none")
+  return tool_calls_lib.parser_name(setting, name)
+
+
+class Gateway:
+  """See the module docstring. Its coroutines run on one event loop."""
+
+  def __init__(self, *, port: engine_port.EnginePort, tokenizer, engine_cfg, settings,
+               config: gateway_config.GatewayConfig):
+    """Args:
+      port: the engine's port (attached to a started engine).
+      tokenizer: the model's tokenizer (`envs.tokenizer.Tokenizer`).
+      engine_cfg: the engine's `EngineConfig` (multi-turn, groups of one).
+      settings: the engine's `SamplingSettings`.
+      config: limits and sessions.
+    """
+    self.port, self.tokenizer, self.config = port, tokenizer, config
+    self._engine_cfg, self._settings = engine_cfg, settings
+    self.renderer = (chat_render.ChatRenderer(tokenizer) if tokenizer.template.is_chat
+                     else None)
+    self.tool_parser = _parser_name(config.tool_parser, tokenizer.template)
+    self.sessions = sessions.SessionStore(max_sessions=config.max_sessions,
+                                          max_branches=config.max_branches,
+                                          ttl_s=config.session_ttl_s)
+    self.counters = collections.Counter()
+    specials = {tokenizer.eos_id, tokenizer.pad_id, tokenizer.end_of_turn_id,
+                *([tokenizer.bos_id] if tokenizer.bos_id is not None else [])}
+    self._special_texts = sorted(
+        {tokenizer.detokenize([i], skip_special_tokens=False) for i in specials}
+        | set(tokenizer.template.specials), key=len, reverse=True)
+
+  @property
+  def max_model_len(self) -> int:
+    """The longest context an episode may reach (prompt and completion budget)."""
+    return self._engine_cfg.prompt_len + self._engine_cfg.max_new_tokens
+
+  # -- checks ------------------------------------------------------------------------
+
+  def check_model(self, model: str) -> None:
+    if model != self.config.model_name:
+      raise protocol.GatewayError(404, f"the model {model!r} does not exist; this server "
+                                  f"serves {self.config.model_name!r}", param="model",
+                                  code="model_not_found")
+
+  def _check_sampling(self, req) -> None:
+    self.check_model(req.model)
+    s = self._settings
+    for name, value in (("temperature", s.temperature), ("top_p", s.top_p),
+                        ("top_k", s.top_k), ("min_p", s.min_p)):
+      asked = getattr(req, name)
+      if asked is not None and not math.isclose(asked, value, rel_tol=1e-6, abs_tol=1e-9):
+        raise protocol.GatewayError(
+            400, f"{name}={asked!r}: this server samples at {name}={value!r} "
+            f"(sampler.{name}); a request cannot change it, since every token's behaviour "
+            "log-prob is what the learner trains on", param=name)
+    for name, why in req.unsupported():
+      raise protocol.GatewayError(400, f"{name}: {why}", param=name)
+    if req.n > self.config.max_n:
+      raise protocol.GatewayError(400, f"n={req.n}: at most {self.config.max_n} "
+                                  "(gateway.max_n)", param="n")
+    if len(req.stops()) > self.config.max_stops:
+      raise protocol.GatewayError(400, f"stop: at most {self.config.max_stops} strings",
+                                  param="stop")
+
+  def _stop_ids(self, stop_token_ids) -> tuple[int, ...] | None:
+    if stop_token_ids is None:
+      return None
+    allowed = {self._settings.eos_id, *self._settings.stop_ids}
+    unknown = sorted(set(stop_token_ids) - allowed)
+    if unknown:
+      raise protocol.GatewayError(
+          400, f"stop_token_ids {unknown}: this server stops on {sorted(allowed)} only (its "
+          "sampler's stop tokens); use stop strings for others", param="stop_token_ids")
+    return tuple(stop_token_ids)
+
+  def _max_tokens(self, asked: int | None, episode) -> int:
+    """The segment's token limit: what was asked, within what the episode's
+    budget leaves."""
+    left = episode.budget_left(self._engine_cfg.max_new_tokens)
+    cap = self.config.max_tokens
+    if asked is not None and cap and asked > cap:
+      raise protocol.GatewayError(400, f"max_tokens={asked}: at most {cap} "
+                                  "(gateway.max_tokens)", param="max_tokens")
+    context = len(episode.context_ids())
+    if left < 1 or (asked is not None and asked > left):
+      raise protocol.GatewayError(
+          400, f"this model's maximum context length is {self.max_model_len} tokens; the "
+          f"request holds {context} tokens of context and asks for "
+          f"{asked if asked is not None else 'at least 1'} more (the completion budget "
+          f"leaves {max(left, 0)})", param="max_tokens", code="context_length_exceeded")
+    return asked if asked is not None else (min(left, cap) if cap else left)
+
+  def _check_prompt(self, prompt_ids) -> None:
+    if not prompt_ids:
+      raise protocol.GatewayError(400, "the prompt is empty", param="prompt")
+    limit = self._engine_cfg.prompt_len
+    if len(prompt_ids) > limit:
+      raise protocol.GatewayError(
+          400, f"the prompt holds {len(prompt_ids)} tokens; this server takes at most {limit} "
+          "(sampler.prompt_len) for a new conversation", param="messages",
+          code="context_length_exceeded")
+    bad = [t for t in prompt_ids if not 0 <= t < self.tokenizer.vocab_size]
+    if bad:
+      raise protocol.GatewayError(400, f"token ids {bad[:8]} are outside the vocabulary "
+                                  f"[0, {self.tokenizer.vocab_size})", param="prompt")
+
+  # -- choices -----------------------------------------------------------------------
+
+  def _draw_id(self, seed: int | None, index: int) -> int | None:
+    """The draws' key of choice `index` of a seeded request (None: unseeded)."""
+    return None if seed is None else zlib.crc32(f"{seed}/{index}".encode())
+
+  def _new_choices(self, prompt_ids, n: int, prompt, seed) -> list[_Choice]:
+    self._check_prompt(prompt_ids)
+    return [_Choice(self.port.new_episode(prompt_ids, prompt=prompt,
+                                          draw_id=self._draw_id(seed, i)), start=0)
+            for i in range(n)]
+
+  def _continued_choices(self, branch: sessions.Branch, observation, n: int, prompt,
+                         seed) -> list[_Choice]:
+    bad = [t for t in observation if not 0 <= t < self.tokenizer.vocab_size]
+    if bad:
+      raise protocol.GatewayError(400, f"token ids {bad[:8]} are outside the vocabulary",
+                                  param="token_ids")
+    choices = []
+    for i in range(n):
+      episode = self.port.fork(branch.episode, prompt=prompt, draw_id=self._draw_id(seed, i))
+      episode.add_observation(observation)
+      choices.append(_Choice(episode, start=len(episode.completion_ids)))
+    return choices
+
+  async def _sample(self, choices: list[_Choice], max_tokens: int | None, disconnected) -> None:
+    """Hands every choice to the engine and waits for all; cancels them all
+    when the client leaves, the time runs out, or the caller is cancelled."""
+    limits = [self._max_tokens(max_tokens, c.episode) for c in choices]  # (all checked first)
+    futures = [asyncio.wrap_future(self.port.submit(c.episode, max_tokens=m))
+               for c, m in zip(choices, limits)]
+    group_ids = [c.episode.group_id for c in choices]
+    deadline = time.monotonic() + self.config.request_timeout_s
+    try:
+      pending = set(futures)
+      while pending:
+        _, pending = await asyncio.wait(pending, timeout=0.1)
+        if pending and disconnected is not None and await disconnected():
+          self.counters["disconnected"] += 1
+          raise engine_port.Cancelled("the client disconnected")
+        if pending and time.monotonic() > deadline:
+          self.counters["timed_out"] += 1
+          raise protocol.GatewayError(504, "the answer took longer than "
+                                      f"{self.config.request_timeout_s} s (gateway."
+                                      "request_timeout_s)", kind="timeout")
+      for future, choice in zip(futures, choices):
+        choice.episode = future.result()  # (raises Cancelled if the port cancelled it)
+    finally:
+      if not all(f.done() and not f.cancelled() and f.exception() is None for f in futures):
+        self.port.cancel(group_ids)  # (frees their slots at once)
+
+  def _answers(self, choices: list[_Choice], req) -> list[answers_lib.Answer]:
+    return [answers_lib.finish(c.episode, c.start, tokenizer=self.tokenizer, stops=req.stops(),
+                               include_stop_str=req.include_stop_str_in_output,
+                               skip_special_tokens=req.skip_special_tokens) for c in choices]
+
+  def _session(self, session_id: str | None) -> sessions.Session | None:
+    if not session_id:
+      return None
+    session = self.sessions.get(session_id)
+    session.turns += 1
+    return session
+
+  # -- requests ----------------------------------------------------------------------
+
+  async def chat(self, req: protocol.ChatCompletionRequest, *, session_id: str | None = None,
+                 disconnected=None) -> Outcome:
+    """A chat completion; `disconnected`: an async () -> bool, whether the client left."""
+    self._check_sampling(req)
+    if self.renderer is None:
+      raise protocol.GatewayError(400, "this model's tokenizer has no chat template; use "
+                                  "/v1/completions", param="messages")
+    if len(req.messages) > self.config.max_messages:
+      raise protocol.GatewayError(400, f"messages: at most {self.config.max_messages} "
+                                  "(gateway.max_messages)", param="messages")
+    try:
+      messages = chat_render.canonical([m.model_dump(exclude_none=True) for m in req.messages])
+      kwargs = chat_render.check_template_kwargs(req.chat_template_kwargs)
+    except chat_render.RenderError as e:
+      raise protocol.GatewayError(400, str(e), param=e.param) from e
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    session = self._session(session_id or req.user)
+    prompt = engine_port.ServedPrompt(stop_ids=self._stop_ids(req.stop_token_ids),
+                                      session_id=session.id if session else "")
+    choices = self._chat_choices(session, messages, tools, kwargs, req, prompt)
+    await self._sample(choices, req.max_completion_tokens or req.max_tokens, disconnected)
+    answers = self._answers(choices, req)
+    for answer in answers:
+      if tools and req.tool_choice != "none":
+        answers_lib.parse_tools(answer, self.tool_parser, self.tokenizer, self._special_texts)
+        self.counters["tool_calls"] += len(answer.tool_calls)
+        self.counters["tool_call_parse_failures"] += answer.parse_failures
+    if session is not None:
+      for choice, answer in zip(choices, answers):
+        reply = {"role": "assistant", "content": answer.content or ""}
+        if answer.tool_calls:
+          reply["tool_calls"] = [c.to_openai() for c in answer.tool_calls]
+        self.sessions.add_branch(session, sessions.Branch(
+            messages=messages + chat_render.canonical([reply]), tools=tools,
+            template_kwargs=kwargs, prompt_text=choice.prompt_text, episode=choice.episode))
+    self.counters["chat_completions"] += 1
+    return Outcome(answers=answers, prompt_ids=choices[0].episode.context_ids()[
+        :answers[0].context_len], session=session)
+
+  def _chat_choices(self, session, messages, tools, kwargs, req, prompt) -> list[_Choice]:
+    """New episodes, or copies of the session's branch this request continues."""
+    branch = session.branch_for(messages, tools, kwargs) if session else None
+    try:
+      if branch is not None:
+        found = self.renderer.continuation(
+            prompt_text=branch.prompt_text, history=branch.messages,
+            new=messages[len(branch.messages):], tools=tools, template_kwargs=kwargs,
+            ended_on_stop=branch.episode.last_stopped)
+        if isinstance(found, chat_render.Break):
+          session.breaks += 1
+          self.counters["session_breaks"] += 1
+        else:
+          text, prompt_text = found
+          observation = self.tokenizer.encode(text, add_bos=False)
+          choices = self._continued_choices(branch, observation, req.n, prompt, req.seed)
+          for choice in choices:
+            choice.prompt_text = prompt_text
+          self.counters["session_turns_extended"] += 1
+          return choices
+      prompt_text = self.renderer.render(messages, tools=tools, template_kwargs=kwargs,
+                                         add_generation_prompt=True)
+    except chat_render.RenderError as e:
+      raise protocol.GatewayError(400, str(e), param=e.param) from e
+    choices = self._new_choices(self.renderer.prompt_ids(prompt_text), req.n, prompt, req.seed)
+    for choice in choices:
+      choice.prompt_text = prompt_text
+    return choices
+
+  async def complete(self, req: protocol.CompletionRequest, *, disconnected=None) -> Outcome:
+    """A legacy completion of one prompt or a batch (text or token ids); the
+    choices of prompt i are `i * n ... i * n + n - 1`."""
+    self._check_sampling(req)
+    prompts = req.prompts()
+    if not prompts or len(prompts) * req.n > self.config.max_n:
+      raise protocol.GatewayError(400, f"{len(prompts)} prompts x n={req.n}: at most "
+                                  f"{self.config.max_n} completions a request (gateway.max_n)",
+                                  param="prompt")
+    served = engine_port.ServedPrompt(stop_ids=self._stop_ids(req.stop_token_ids))
+    choices, first_ids = [], None
+    for p in prompts:
+      ids = (self.tokenizer.encode(p, add_bos=self.tokenizer.add_bos) if isinstance(p, str)
+             else [int(t) for t in p])
+      first_ids = ids if first_ids is None else first_ids
+      choices += self._new_choices(ids, req.n, served, req.seed)
+    await self._sample(choices, req.max_tokens, disconnected)
+    self.counters["completions"] += 1
+    return Outcome(answers=self._answers(choices, req), prompt_ids=first_ids)
+
+  async def generate(self, req: protocol.GenerateRequest, *, session_id: str | None = None,
+                     disconnected=None) -> Outcome:
+    """vLLM's token-in generation. In a session, ids that begin with a
+    branch's whole context continue its episode (the rest is appended as
+    observation tokens)."""
+    self.check_model(req.model)
+    sp = req.sampling_params
+    self._check_sampling(protocol.CompletionRequest(
+        model=req.model, prompt=[0], temperature=sp.temperature, top_p=sp.top_p,
+        top_k=sp.top_k, min_p=sp.min_p, n=sp.n))
+    session = self._session(session_id)
+    prompt = engine_port.ServedPrompt(stop_ids=self._stop_ids(sp.stop_token_ids),
+                                      session_id=session.id if session else "")
+    branch = session.branch_for_ids(req.token_ids) if session else None
+    if branch is not None:
+      context = len(branch.episode.context_ids())
+      choices = self._continued_choices(branch, req.token_ids[context:], sp.n, prompt, sp.seed)
+      self.counters["session_turns_extended"] += 1
+    else:
+      choices = self._new_choices(req.token_ids, sp.n, prompt, sp.seed)
+    await self._sample(choices, sp.max_tokens, disconnected)
+    answers = [answers_lib.finish(c.episode, c.start, tokenizer=self.tokenizer,
+                                  stops=[sp.stop] if isinstance(sp.stop, str) else sp.stop or [],
+                                  include_stop_str=sp.include_stop_str_in_output,
+                                  skip_special_tokens=sp.skip_special_tokens) for c in choices]
+    if session is not None:
+      for choice in choices:
+        self.sessions.add_branch(session, sessions.Branch(
+            messages=[], tools=None, template_kwargs={}, prompt_text="", episode=choice.episode))
+    self.counters["generates"] += 1
+    return Outcome(answers=answers, prompt_ids=list(req.token_ids), session=session)
+
+  def metrics(self) -> dict:
+    return {**self.counters, "sessions": len(self.sessions),
+            "sessions_evicted": self.sessions.evicted, "open_segments": self.port.open_segments}

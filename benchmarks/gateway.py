@@ -1,0 +1,119 @@
+"""Tokens/s through the OpenAI-compatible gateway against the same engine
+driven in-process, at several numbers of concurrent clients.
+
+Both sides drive one started `GatewayServer` (a tiny random decoder, one CPU
+device, 32 slots): `gateway` rows are `/v1/completions` requests over HTTP
+from C concurrent `httpx` clients; `in_process` rows hand the same segments
+to the engine's port directly (`EnginePort.new_episode` + `submit`), with no
+HTTP, no JSON and no request checks. Every request asks for `--tokens`
+tokens after the same 16-token prompt; a sampled EOS ends one early, so
+tokens/s counts the tokens actually sampled. A warm-up round of each side
+compiles the shapes first. Latency is per request (time to the whole answer:
+the gateway answers when the segment ends, so it is also the time to first
+token of a stream); p50/p99 over the requests of a row.
+
+  python benchmarks/gateway.py [--quick] [--out=rows.jsonl]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import report  # noqa: E402
+
+
+async def _gateway_clients(base_url, prompt, tokens, clients, requests):
+  import httpx  # noqa: PLC0415
+
+  latencies, sampled = [], 0
+  queue = list(range(requests))
+
+  async def client(http):
+    nonlocal sampled
+    while queue:
+      queue.pop()
+      start = time.perf_counter()
+      r = await http.post(base_url + "/completions", json={
+          "model": "arl_jax", "prompt": prompt, "max_tokens": tokens})
+      r.raise_for_status()
+      latencies.append(time.perf_counter() - start)
+      sampled += r.json()["usage"]["completion_tokens"]
+
+  async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as h:
+    start = time.perf_counter()
+    await asyncio.gather(*(client(h) for _ in range(clients)))
+  return time.perf_counter() - start, sampled, latencies
+
+
+async def _in_process_clients(port, prompt, tokens, clients, requests):
+  from arl_jax.gateway import engine_port  # noqa: PLC0415
+
+  latencies, sampled = [], 0
+  queue = list(range(requests))
+
+  async def client():
+    nonlocal sampled
+    while queue:
+      queue.pop()
+      start = time.perf_counter()
+      episode = port.new_episode(prompt, prompt=engine_port.ServedPrompt())
+      done = await asyncio.wrap_future(port.submit(episode, max_tokens=tokens))
+      latencies.append(time.perf_counter() - start)
+      sampled += len(done.completion_ids)
+
+  start = time.perf_counter()
+  await asyncio.gather(*(client() for _ in range(clients)))
+  return time.perf_counter() - start, sampled, latencies
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  parser.add_argument("--quick", action="store_true", help="a few requests, for the tests")
+  parser.add_argument("--clients", default="1,16,128")
+  parser.add_argument("--tokens", type=int, default=32)
+  parser.add_argument("--out", help="append JSON rows here")
+  args = parser.parse_args(argv)
+  from arl_jax.testing import served as served_lib  # noqa: PLC0415
+
+  clients = [1, 4] if args.quick else [int(c) for c in args.clients.split(",")]
+  served = served_lib.start_tiny(tempfile.mkdtemp(), num_slots=32, max_new_tokens=64)
+  try:
+    prompt = list(range(10, 26))
+    rows = []
+    asyncio.run(_in_process_clients(served.server.port, prompt, args.tokens, 8, 16))
+    asyncio.run(_gateway_clients(served.base_url, prompt, args.tokens, 8, 16))
+    for c in clients:
+      requests = max(2 * c, 8) if not args.quick else 4
+      pair = {}
+      for side in ("in_process", "gateway"):
+        if side == "gateway":
+          wall, sampled, lat = asyncio.run(_gateway_clients(served.base_url, prompt,
+                                                            args.tokens, c, requests))
+        else:
+          wall, sampled, lat = asyncio.run(_in_process_clients(served.server.port, prompt,
+                                                               args.tokens, c, requests))
+        pair[side] = sampled / wall
+        rows.append({"benchmark": "gateway", "part": "throughput", "side": side, "clients": c,
+                     "requests": requests, "tokens": sampled,
+                     "tokens_per_s": round(sampled / wall, 1),
+                     "latency_p50_s": round(float(np.percentile(lat, 50)), 4),
+                     "latency_p99_s": round(float(np.percentile(lat, 99)), 4)})
+      rows.append({"benchmark": "gateway", "part": "ratio", "clients": c,
+                   "gateway_over_in_process": round(pair["gateway"] / pair["in_process"], 3)})
+  finally:
+    served.server.stop()
+  report.print_table(rows, "gateway against the engine in-process (tiny model, 1 CPU device)")
+  report.append_jsonl(rows, args.out)
+
+
+if __name__ == "__main__":
+  main()
