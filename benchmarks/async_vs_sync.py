@@ -8,7 +8,10 @@ For each workload the same config runs twice, for the same number of updates:
   assembly (30% of a batch).
 
 Workloads: `tool_agent` (configs/tool_agent.py: multi-turn episodes whose tool
-answers after a lognormal latency, median 50 ms, p99 0.5 s, capped at 2 s) and
+answers after a lognormal latency, median 50 ms, p99 0.5 s, capped at 2 s),
+`openai_agent` (configs/openai_agent.py: the same task, model and seeds,
+written as an OpenAI-client agent whose rollouts go through the run's
+gateway: its rows against `tool_agent`'s compare the two paths) and
 `arith` (configs/arith.py: single-turn, no environment latency). Both keep
 their supervised warm-up, so rewards mean something; only RL updates are
 timed (warm-up and compilation happen before the RL clock starts; the final
@@ -51,7 +54,7 @@ MODES = {
     "async": dict(max_async_level=1, max_off_policy_steps=8, weight_update="in_flight",
                   assembly="windowed_fifo"),
 }
-WORKLOADS = ("tool_agent", "arith")
+WORKLOADS = ("tool_agent", "openai_agent", "arith")
 
 
 def _config(workload: str, mode: str, steps: int, quick: bool, pack_len: int = 0):
@@ -62,7 +65,8 @@ def _config(workload: str, mode: str, steps: int, quick: bool, pack_len: int = 0
   config.eval_every = 0 if quick else steps  # once, after the last update
   if quick:  # (a smoke test: a short warm-up; the policy rarely calls the tool)
     config.warmup.steps = 2
-    if workload == "tool_agent":  # tool answers 10x sooner: a sync batch waits for its slowest
+    # Tool answers 10x sooner: a sync batch waits for its slowest.
+    if workload in ("tool_agent", "openai_agent"):
       config.env.update(latency_median_s=0.005, latency_p99_s=0.05, latency_max_s=0.2)
   config.log_every = 0
   config.orchestrator.update(max_async_level=settings["max_async_level"],

@@ -10,7 +10,11 @@ tokens after the same 16-token prompt; a sampled EOS ends one early, so
 tokens/s counts the tokens actually sampled. A warm-up round of each side
 compiles the shapes first. Latency is per request (time to the whole answer:
 the gateway answers when the segment ends, so it is also the time to first
-token of a stream); p50/p99 over the requests of a row.
+token of a stream); p50/p99 over the requests of a row. `sessions` rows:
+short multi-turn chat episodes (3 turns of at most 8 tokens, each turn the
+conversation so far plus one user message, in a session) from C concurrent
+clients: sessions/s, per-turn latency, and the session breaks (0: every turn
+extended the last one's exact tokens).
 
   python benchmarks/gateway.py [--quick] [--out=rows.jsonl]
 """
@@ -75,6 +79,37 @@ async def _in_process_clients(port, prompt, tokens, clients, requests):
   return time.perf_counter() - start, sampled, latencies
 
 
+async def _sessions(base_url, clients, sessions, turns, tokens):
+  """`sessions` short multi-turn chat episodes, `clients` at a time: each
+  turn sends the conversation so far (the answer and a new user message),
+  which the session extends from its last turn's exact tokens."""
+  import httpx  # noqa: PLC0415
+
+  queue, latencies, breaks = list(range(sessions)), [], 0
+
+  async def client(http):
+    nonlocal breaks
+    while queue:
+      sid = f"bench-{queue.pop()}-{time.perf_counter_ns()}"
+      messages = [{"role": "user", "content": "Hello there"}]
+      for turn in range(turns):
+        start = time.perf_counter()
+        r = await http.post(base_url + "/chat/completions", headers={"X-Session-ID": sid},
+                            json={"model": "arl_jax", "messages": messages,
+                                  "max_tokens": tokens})
+        r.raise_for_status()
+        latencies.append(time.perf_counter() - start)
+        messages += [{"role": "assistant", "content": r.json()["choices"][0]["message"][
+            "content"]}, {"role": "user", "content": f"And turn {turn + 2}?"}]
+      session = (await http.get(base_url + f"/sessions/{sid}")).json()
+      breaks += session["breaks"]
+
+  async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as h:
+    start = time.perf_counter()
+    await asyncio.gather(*(client(h) for _ in range(clients)))
+  return time.perf_counter() - start, latencies, breaks
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="a few requests, for the tests")
@@ -109,6 +144,13 @@ def main(argv=None):
                      "latency_p99_s": round(float(np.percentile(lat, 99)), 4)})
       rows.append({"benchmark": "gateway", "part": "ratio", "clients": c,
                    "gateway_over_in_process": round(pair["gateway"] / pair["in_process"], 3)})
+    for c in ([4] if args.quick else [1, 16, 64]):
+      count = 4 if args.quick else max(2 * c, 16)
+      wall, lat, breaks = asyncio.run(_sessions(served.base_url, c, count, 3, 8))
+      rows.append({"benchmark": "gateway", "part": "sessions", "clients": c, "sessions": count,
+                   "turns": 3, "tokens": 8, "sessions_per_s": round(count / wall, 2),
+                   "latency_p50_s": round(float(np.percentile(lat, 50)), 4),
+                   "latency_p99_s": round(float(np.percentile(lat, 99)), 4), "breaks": breaks})
   finally:
     served.server.stop()
   report.print_table(rows, "gateway against the engine in-process (tiny model, 1 CPU device)")

@@ -20,6 +20,7 @@ from arl_jax.core import settings
 from arl_jax.distributed import fleet_config
 from arl_jax.envs import env_api, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
+from arl_jax.gateway import agent_config
 from arl_jax.learner import checkpointing, loss_registry
 from arl_jax.learner import loss_settings as loss_settings_lib
 from arl_jax.learner import optim as optim_lib
@@ -65,6 +66,8 @@ class RunSpec:
   warmup_optim: optim_lib.OptimConfig  # (the warmup section's optimizer keys)
   # Settings left to `auto`, as chosen (`sampler/auto_settings.py`; the header prints them).
   choices: tuple[str, ...] = ()
+  # Rollouts from an OpenAI-client agent through the run's gateway (off: the env's own).
+  agent: agent_config.AgentConfig = agent_config.AgentConfig()
 
 
 class ConfigError(ValueError):
@@ -337,6 +340,10 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
   _require(o.batch_size % slices == 0, "learner.num_microbatches",
            f"orchestrator.batch_size={o.batch_size} rows do not split into num_minibatches x "
            f"num_microbatches = {slices} equal slices")
+  try:
+    parts["agent"].check_runnable(remote_sampler=parts["fleet"].remote)
+  except ValueError as e:
+    raise ConfigError(f"config.{e}") from e
   return RunSpec(
       run=run, checkpoint=parts["checkpoint"],
       fleet=parts["fleet"], model=model,
@@ -352,7 +359,8 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
       sampling=sampling,
       orchestrator=o,
       loss=loss, packing=None, optim=_build(config, "learner", optim_lib.OptimConfig),
-      warmup=parts["warmup"], warmup_optim=_build(config, "warmup", sections.WarmupOptim))
+      warmup=parts["warmup"], warmup_optim=_build(config, "warmup", sections.WarmupOptim),
+      agent=parts["agent"])
 
 
 def _loss(config: Mapping, objective: loss_settings_lib.Objective,

@@ -178,15 +178,24 @@ class ToolAgentEnv(env_api.MultiTurnEnvironment):
     return self._tokenizer.encode(
         self._tokenizer.template.observation("tool", f"{ANSWER_OPEN}{result}{ANSWER_CLOSE}"))
 
+  @property
+  def max_calls(self) -> int:
+    """Tool calls answered per episode (later ones end it)."""
+    return self._cfg.max_calls
+
+  def lookup(self, key: str) -> str:
+    """The tool: the value of `key` (digits), or "?" for no such key, after
+    its latency (a blocking call, as a real one)."""
+    time.sleep(self.latency.sample())
+    known = key.isascii() and key.isdigit() and int(key) < self._cfg.num_keys
+    return str(value_of(self._cfg, int(key))) if known else "?"
+
   def step(self, prompt: Prompt, completion_ids) -> list[int] | None:
     ids = [int(i) for i in completion_ids]
     call = self._tool_call(ids) if ids else None
     if call is None or call[1] > self._cfg.max_calls:
       return None
-    key = call[0]
-    time.sleep(self.latency.sample())  # the tool works (a blocking call, as a real one)
-    known = key.isascii() and key.isdigit() and int(key) < self._cfg.num_keys
-    return self._observation(str(value_of(self._cfg, int(key))) if known else "?")
+    return self._observation(self.lookup(call[0]))
 
   def score(self, prompt: Prompt, completion_ids) -> float:
     ids = [int(i) for i in completion_ids]

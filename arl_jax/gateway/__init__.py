@@ -6,7 +6,9 @@ rendering that extends a session's exact tokens turn by turn
 (`chat_render.py`), tool-call parsing (`tool_calls.py`), sessions
 (`sessions.py`), the request schemas and limits (`protocol.py`), the
 request logic (`gateway.py`), and the ASGI app and its server (`app.py`,
-`server.py`; FastAPI and uvicorn, the `[serve]` extra).
+`server.py`; FastAPI and uvicorn, the `[serve]` extra). A run's rollouts
+may come from OpenAI-client agents talking to it (`agent_config.py`, the
+`agent` section; `agent_runner.py`, which calls them).
 
 Layer 4 (beside `distributed`): it may import `core`, `envs`, `models`,
 `sharding`, `metrics`, `sampler`, `orchestrator` and `learner`, never

@@ -192,7 +192,8 @@ def make_app(gateway: gateway_lib.Gateway, *, engine_failed=lambda: False) -> fa
   async def completions(request: fastapi.Request, session_id: str | None = None):
     authorize(request)
     req = await _parse(request, protocol.CompletionRequest, config.max_request_bytes)
-    outcome = await gateway.complete(req, disconnected=request.is_disconnected)
+    outcome = await gateway.complete(req, session_id=session_of(request, session_id),
+                                     disconnected=request.is_disconnected)
     whole = _completion_json(gateway, req, outcome, f"cmpl-{uuid.uuid4().hex}",
                              int(time.time()))
     if req.stream:

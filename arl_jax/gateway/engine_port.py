@@ -39,24 +39,33 @@ class ServedPrompt:
     stop_ids: the stop tokens that end its segments (None: every stop token
       of the sampler); a request's `stop_token_ids`.
     session_id: the session it belongs to ("" for none), for the logs.
+    owner_group: the training group whose rollout the session is (None:
+      not a training rollout); the versions its tokens are sampled with
+      count toward that group's staleness (`note_sampling_fn`).
   """
 
   stop_ids: tuple[int, ...] | None = None
   session_id: str = ""
+  owner_group: int | None = None
 
 
 class EnginePort:
   """See the module docstring. Thread-safe; `take`, `note_sampling` and
   `segment_ended` are the engine thread's side."""
 
-  def __init__(self, *, version_fn=lambda: 0):
+  def __init__(self, *, version_fn=lambda: 0, note_sampling_fn=None):
     """Args:
       version_fn: the live version a new conversation is dispatched at (a
         run's newest; 0 for a fixed model).
+      note_sampling_fn: `(owner_group, version)`, told the version of every
+        token sampled for a training rollout's session (a run's
+        `Dispatcher.note_sampling`); None: nobody.
     """
     self._version_fn = version_fn
+    self._note_sampling_fn = note_sampling_fn
     self._cond = threading.Condition()
     self._futures: dict[int, concurrent.futures.Future] = {}  # group id -> its open segment
+    self._owners: dict[int, int] = {}  # group id of an open segment -> its training group
     self._ids = itertools.count()
     self._engine = None
     self._closed = False
@@ -77,13 +86,18 @@ class EnginePort:
     return []
 
   def note_sampling(self, group_id: int, version: int) -> None:
-    pass
+    if self._note_sampling_fn is not None:
+      with self._cond:
+        owner = self._owners.get(group_id)
+      if owner is not None:
+        self._note_sampling_fn(owner, version)
 
   def segment_ended(self, episode: episode_lib.Episode) -> None:
     """The engine's `on_segment_fn`: resolves the segment's future (one
     cancelled meanwhile is dropped)."""
     with self._cond:
       future = self._futures.pop(episode.group_id, None)
+      self._owners.pop(episode.group_id, None)
     if future is not None and not future.done():
       future.set_result(episode)
 
@@ -129,11 +143,14 @@ class EnginePort:
       if self._closed:
         raise Cancelled("the gateway is shutting down")
       self._futures[episode.group_id] = future
+      if episode.request.prompt.owner_group is not None:
+        self._owners[episode.group_id] = episode.request.prompt.owner_group
     try:
       self._engine.resume(episode)
     except BaseException:
       with self._cond:
         self._futures.pop(episode.group_id, None)
+        self._owners.pop(episode.group_id, None)
       raise
     with self._cond:
       self._cond.notify_all()  # (an idle engine waits in `take`)
@@ -149,6 +166,8 @@ class EnginePort:
     group_ids = set(group_ids)
     with self._cond:
       futures = [self._futures.pop(g) for g in group_ids if g in self._futures]
+      for g in group_ids:
+        self._owners.pop(g, None)
     if self._engine is not None and group_ids:
       self._engine.cancel(group_ids)
     for future in futures:

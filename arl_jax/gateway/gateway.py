@@ -21,6 +21,7 @@ import asyncio
 import collections
 import dataclasses
 import math
+import threading
 import time
 import zlib
 
@@ -73,6 +74,7 @@ class Gateway:
                                           max_branches=config.max_branches,
                                           ttl_s=config.session_ttl_s)
     self.counters = collections.Counter()
+    self._lock = threading.Lock()  # sessions' `open_groups` and `cancelled`
     specials = {tokenizer.eos_id, tokenizer.pad_id, tokenizer.end_of_turn_id,
                 *([tokenizer.bos_id] if tokenizer.bos_id is not None else [])}
     self._special_texts = sorted(
@@ -179,15 +181,22 @@ class Gateway:
       choices.append(_Choice(episode, start=len(episode.completion_ids)))
     return choices
 
-  async def _sample(self, choices: list[_Choice], max_tokens: int | None, disconnected) -> None:
+  async def _sample(self, choices: list[_Choice], max_tokens: int | None, disconnected,
+                    session: sessions.Session | None = None) -> None:
     """Hands every choice to the engine and waits for all; cancels them all
-    when the client leaves, the time runs out, or the caller is cancelled."""
+    when the client leaves, the time runs out, its session is cancelled, or
+    the caller is cancelled."""
     limits = [self._max_tokens(max_tokens, c.episode) for c in choices]  # (all checked first)
-    futures = [asyncio.wrap_future(self.port.submit(c.episode, max_tokens=m))
-               for c, m in zip(choices, limits)]
     group_ids = [c.episode.group_id for c in choices]
+    if session is not None:
+      with self._lock:  # (before submitting: a cancellation from now on finds them)
+        self._raise_if_cancelled(session)
+        session.open_groups.update(group_ids)
+    futures = []
     deadline = time.monotonic() + self.config.request_timeout_s
     try:
+      futures = [asyncio.wrap_future(self.port.submit(c.episode, max_tokens=m))
+                 for c, m in zip(choices, limits)]
       pending = set(futures)
       while pending:
         _, pending = await asyncio.wait(pending, timeout=0.1)
@@ -202,8 +211,13 @@ class Gateway:
       for future, choice in zip(futures, choices):
         choice.episode = future.result()  # (raises Cancelled if the port cancelled it)
     finally:
-      if not all(f.done() and not f.cancelled() and f.exception() is None for f in futures):
+      if len(futures) < len(choices) or not all(
+          f.done() and not f.cancelled() and f.exception() is None for f in futures):
         self.port.cancel(group_ids)  # (frees their slots at once)
+      if session is not None:
+        with self._lock:
+          session.open_groups.difference_update(group_ids)
+          self._raise_if_cancelled(session)  # (its answer is not part of the rollout)
 
   def _answers(self, choices: list[_Choice], req) -> list[answers_lib.Answer]:
     return [answers_lib.finish(c.episode, c.start, tokenizer=self.tokenizer, stops=req.stops(),
@@ -214,8 +228,35 @@ class Gateway:
     if not session_id:
       return None
     session = self.sessions.get(session_id)
+    with self._lock:
+      self._raise_if_cancelled(session)
     session.turns += 1
     return session
+
+  @staticmethod
+  def _raise_if_cancelled(session: sessions.Session) -> None:
+    if session.cancelled:
+      raise protocol.GatewayError(
+          409, f"session {session.id!r} was cancelled: {session.cancelled}; its rollout will "
+          "not be trained on, so this agent should stop", kind="cancelled",
+          code="session_cancelled")
+
+  def _served_prompt(self, stop_token_ids, session) -> engine_port.ServedPrompt:
+    return engine_port.ServedPrompt(
+        stop_ids=self._stop_ids(stop_token_ids), session_id=session.id if session else "",
+        owner_group=session.owner[0] if session is not None and session.owner else None)
+
+  def cancel_session(self, session_id: str, why: str) -> None:
+    """Stops a session: its open segments are cancelled in the engine now,
+    and every later request of it gets a 409 naming `why` (a training run's
+    stale rollout)."""
+    session = self.sessions.get(session_id, create=False)
+    if session is None:
+      return
+    with self._lock:
+      session.cancelled = why
+      open_groups, session.open_groups = set(session.open_groups), set()
+    self.port.cancel(open_groups)
 
   # -- requests ----------------------------------------------------------------------
 
@@ -236,10 +277,10 @@ class Gateway:
       raise protocol.GatewayError(400, str(e), param=e.param) from e
     tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
     session = self._session(session_id or req.user)
-    prompt = engine_port.ServedPrompt(stop_ids=self._stop_ids(req.stop_token_ids),
-                                      session_id=session.id if session else "")
+    prompt = self._served_prompt(req.stop_token_ids, session)
     choices = self._chat_choices(session, messages, tools, kwargs, req, prompt)
-    await self._sample(choices, req.max_completion_tokens or req.max_tokens, disconnected)
+    await self._sample(choices, req.max_completion_tokens or req.max_tokens, disconnected,
+                       session)
     answers = self._answers(choices, req)
     for answer in answers:
       if tools and req.tool_choice != "none":
@@ -247,13 +288,14 @@ class Gateway:
         self.counters["tool_calls"] += len(answer.tool_calls)
         self.counters["tool_call_parse_failures"] += answer.parse_failures
     if session is not None:
-      for choice, answer in zip(choices, answers):
+      for i, (choice, answer) in enumerate(zip(choices, answers)):
         reply = {"role": "assistant", "content": answer.content or ""}
         if answer.tool_calls:
           reply["tool_calls"] = [c.to_openai() for c in answer.tool_calls]
         self.sessions.add_branch(session, sessions.Branch(
             messages=messages + chat_render.canonical([reply]), tools=tools,
-            template_kwargs=kwargs, prompt_text=choice.prompt_text, episode=choice.episode))
+            template_kwargs=kwargs, prompt_text=choice.prompt_text, episode=choice.episode),
+            latest=i == 0)
     self.counters["chat_completions"] += 1
     return Outcome(answers=answers, prompt_ids=choices[0].episode.context_ids()[
         :answers[0].context_len], session=session)
@@ -287,25 +329,69 @@ class Gateway:
       choice.prompt_text = prompt_text
     return choices
 
-  async def complete(self, req: protocol.CompletionRequest, *, disconnected=None) -> Outcome:
+  async def complete(self, req: protocol.CompletionRequest, *, session_id: str | None = None,
+                     disconnected=None) -> Outcome:
     """A legacy completion of one prompt or a batch (text or token ids); the
-    choices of prompt i are `i * n ... i * n + n - 1`."""
+    choices of prompt i are `i * n ... i * n + n - 1`. In a session (one
+    prompt), a prompt whose ids begin with a branch's whole context
+    continues its episode, as `generate`; a text prompt is encoded whole,
+    so one whose encoding does not extend its branch is a counted break."""
     self._check_sampling(req)
     prompts = req.prompts()
     if not prompts or len(prompts) * req.n > self.config.max_n:
       raise protocol.GatewayError(400, f"{len(prompts)} prompts x n={req.n}: at most "
                                   f"{self.config.max_n} completions a request (gateway.max_n)",
                                   param="prompt")
-    served = engine_port.ServedPrompt(stop_ids=self._stop_ids(req.stop_token_ids))
+    session = self._session(session_id or req.user)
+    if session is not None and len(prompts) > 1:
+      raise protocol.GatewayError(400, f"a session's completion request holds one prompt, got "
+                                  f"{len(prompts)}", param="prompt")
+    served = self._served_prompt(req.stop_token_ids, session)
     choices, first_ids = [], None
     for p in prompts:
-      ids = (self.tokenizer.encode(p, add_bos=self.tokenizer.add_bos) if isinstance(p, str)
-             else [int(t) for t in p])
+      branch = session.branch_for_text(p) if session and isinstance(p, str) else None
+      if branch is not None:  # the branch's exact tokens, then the new text's
+        ids = [*branch.episode.context_ids(),
+               *self.tokenizer.encode(p[len(branch.text):], add_bos=False)]
+      else:
+        ids = (self.tokenizer.encode(p, add_bos=self.tokenizer.add_bos) if isinstance(p, str)
+               else [int(t) for t in p])
       first_ids = ids if first_ids is None else first_ids
-      choices += self._new_choices(ids, req.n, served, req.seed)
-    await self._sample(choices, req.max_tokens, disconnected)
+      if session is not None:
+        choices += self._session_choices(session, ids, req.n, served, req.seed)
+      else:
+        choices += self._new_choices(ids, req.n, served, req.seed)
+    await self._sample(choices, req.max_tokens, disconnected, session)
+    answers = self._answers(choices, req)
+    prompt_text = prompts[0] if isinstance(prompts[0], str) else ""
+    self._keep_token_branches(session, choices, [
+        prompt_text + a.text if prompt_text else "" for a in answers])
     self.counters["completions"] += 1
-    return Outcome(answers=self._answers(choices, req), prompt_ids=first_ids)
+    return Outcome(answers=answers, prompt_ids=first_ids, session=session)
+
+  def _session_choices(self, session: sessions.Session, ids: list[int], n: int, prompt,
+                       seed) -> list[_Choice]:
+    """Token-in choices in a session: continuing the branch whose whole
+    context `ids` extends, else new (a break, once the session has answers)."""
+    branch = session.branch_for_ids(ids)
+    if branch is not None:
+      context = len(branch.episode.context_ids())
+      self.counters["session_turns_extended"] += 1
+      return self._continued_choices(branch, ids[context:], n, prompt, seed)
+    if session.branches:
+      session.breaks += 1
+      self.counters["session_breaks"] += 1
+    return self._new_choices(ids, n, prompt, seed)
+
+  def _keep_token_branches(self, session: sessions.Session | None, choices,
+                           texts=None) -> None:
+    """A branch per choice of a completion or generate request (`texts`:
+    each one's prompt and answer text, for a text prompt)."""
+    if session is not None:
+      for i, choice in enumerate(choices):
+        self.sessions.add_branch(session, sessions.Branch(
+            messages=[], tools=None, template_kwargs={}, prompt_text="", episode=choice.episode,
+            text=texts[i] if texts else ""), latest=i == 0)
 
   async def generate(self, req: protocol.GenerateRequest, *, session_id: str | None = None,
                      disconnected=None) -> Outcome:
@@ -314,28 +400,19 @@ class Gateway:
     observation tokens)."""
     self.check_model(req.model)
     sp = req.sampling_params
-    self._check_sampling(protocol.CompletionRequest(
-        model=req.model, prompt=[0], temperature=sp.temperature, top_p=sp.top_p,
-        top_k=sp.top_k, min_p=sp.min_p, n=sp.n))
+    self._check_sampling(sp.checked(req.model))
     session = self._session(session_id)
-    prompt = engine_port.ServedPrompt(stop_ids=self._stop_ids(sp.stop_token_ids),
-                                      session_id=session.id if session else "")
-    branch = session.branch_for_ids(req.token_ids) if session else None
-    if branch is not None:
-      context = len(branch.episode.context_ids())
-      choices = self._continued_choices(branch, req.token_ids[context:], sp.n, prompt, sp.seed)
-      self.counters["session_turns_extended"] += 1
+    prompt = self._served_prompt(sp.stop_token_ids, session)
+    if session is not None:
+      choices = self._session_choices(session, list(req.token_ids), sp.n, prompt, sp.seed)
     else:
       choices = self._new_choices(req.token_ids, sp.n, prompt, sp.seed)
-    await self._sample(choices, sp.max_tokens, disconnected)
+    await self._sample(choices, sp.max_tokens, disconnected, session)
     answers = [answers_lib.finish(c.episode, c.start, tokenizer=self.tokenizer,
                                   stops=[sp.stop] if isinstance(sp.stop, str) else sp.stop or [],
                                   include_stop_str=sp.include_stop_str_in_output,
                                   skip_special_tokens=sp.skip_special_tokens) for c in choices]
-    if session is not None:
-      for choice in choices:
-        self.sessions.add_branch(session, sessions.Branch(
-            messages=[], tools=None, template_kwargs={}, prompt_text="", episode=choice.episode))
+    self._keep_token_branches(session, choices)
     self.counters["generates"] += 1
     return Outcome(answers=answers, prompt_ids=list(req.token_ids), session=session)
 

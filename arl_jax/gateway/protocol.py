@@ -192,6 +192,22 @@ class GenerateSampling(_Model):
   logprobs: int | None = None
   skip_special_tokens: bool = True
   include_stop_str_in_output: bool = False
+  # vLLM knobs that change the distribution sampled from: declared, so that a
+  # value other than the neutral one is refused as on the other endpoints
+  # (`checked`) rather than dropped with the other unknown keys. Clients pass
+  # their sampling config through verbatim (verifiers' train client does).
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  logit_bias: dict[str, float] | None = None
+  min_tokens: int = 0
+  ignore_eos: bool = False
+
+  def checked(self, model: str) -> CompletionRequest:
+    """These settings as the request the gateway's sampling checks read."""
+    return CompletionRequest(model=model, prompt=[0], **self.model_dump(include={
+        "temperature", "top_p", "top_k", "min_p", "n", "presence_penalty", "frequency_penalty",
+        "repetition_penalty", "logit_bias", "min_tokens", "ignore_eos"}))
 
 
 class GenerateRequest(_Model):

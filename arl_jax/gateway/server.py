@@ -24,7 +24,8 @@ class GatewayServer:
   """An engine, its gateway and the HTTP server, started and stopped together."""
 
   def __init__(self, *, config: gateway_config.GatewayConfig, engine_cfg, settings, graphdef,
-               model_cfg, mesh, publisher, tokenizer, compile_progress_fn=None):
+               model_cfg, mesh, publisher, tokenizer, compile_progress_fn=None,
+               note_sampling_fn=None):
     """Args:
       config: how to serve.
       engine_cfg: the sampler's `EngineConfig` (made multi-turn, groups of one).
@@ -34,9 +35,12 @@ class GatewayServer:
         or `FixedWeights`).
       tokenizer: the model's tokenizer.
       compile_progress_fn: as `SamplerEngine`'s.
+      note_sampling_fn: told the version of every token sampled for a
+        training rollout's session (`EnginePort`); None: nobody.
     """
     self.config = config
-    self.port = engine_port.EnginePort(version_fn=lambda: publisher.latest()[0] or 0)
+    self.port = engine_port.EnginePort(version_fn=lambda: publisher.latest()[0] or 0,
+                                       note_sampling_fn=note_sampling_fn)
     all_stops = (settings.eos_id, *settings.stop_ids)
     self.engine = engine_lib.SamplerEngine(
         cfg=served_engine_config(engine_cfg), settings=settings, graphdef=graphdef,
@@ -54,6 +58,11 @@ class GatewayServer:
   @property
   def base_url(self) -> str:
     return self.http.base_url
+
+  @property
+  def root_url(self) -> str:
+    """`http://HOST:PORT` (a session's base URL is `ROOT/sessions/ID/v1`)."""
+    return self.http.root_url
 
   def start(self) -> str:
     """Starts the engine (compiling first, with `precompile`) and the HTTP
@@ -87,7 +96,11 @@ class HttpServer:
   @property
   def base_url(self) -> str:
     """`http://HOST:PORT/v1`, what an OpenAI client takes."""
-    return f"http://{self.host}:{self.port}/v1"
+    return f"{self.root_url}/v1"
+
+  @property
+  def root_url(self) -> str:
+    return f"http://{self.host}:{self.port}"
 
   def start(self, timeout_s: float = 60.0) -> str:
     """Serves; returns the base URL once it accepts connections (with port

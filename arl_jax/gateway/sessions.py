@@ -9,6 +9,12 @@ version. A request continues the branch whose messages begin it (the
 longest, should several), so a client that retries or tries several answers
 (`n`) continues from the one it kept. The store forgets sessions idle
 longer than `ttl_s` and, when full, the longest idle.
+
+A session a training run opens for one of its rollouts is *bound* to it
+(`SessionStore.bind`): it is never forgotten while bound (its tokens are
+training data), its segments count toward the rollout's group for the
+staleness bound, and once its group is cancelled (it went stale), its open
+segments stop and its next request gets a clear error (`cancelled`).
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ class Branch:
     tools, template_kwargs: what it was rendered with.
     prompt_text: the rendering the answer was sampled after.
     episode: the prompt, every turn's tokens and the answer's.
+    text: a text completion's prompt and answer, as the client holds them
+      (what its next prompt begins with); "" for others.
   """
 
   messages: list[dict]
@@ -35,6 +43,7 @@ class Branch:
   template_kwargs: dict
   prompt_text: str
   episode: episode_lib.Episode
+  text: str = ""
 
   def continues(self, messages: list[dict], tools, template_kwargs: dict) -> bool:
     """Whether a request with these (canonical) messages goes on from here."""
@@ -52,6 +61,12 @@ class Session:
     turns, breaks: turns served; turns that could not extend their branch
       exactly (`chat_render.Break`) and began a new episode.
     last_used: `time.monotonic()` of its last request.
+    latest: the branch of its last answer (choice 0 of its last request):
+      the trajectory a bound session's rollout trains on.
+    owner: the `(group_id, sample_index)` of the training rollout it is
+      (None: not bound).
+    cancelled: why its group was cancelled ("" while it was not).
+    open_groups: the engine group ids of its segments being sampled.
   """
 
   id: str
@@ -60,10 +75,21 @@ class Session:
   turns: int = 0
   breaks: int = 0
   last_used: float = dataclasses.field(default_factory=time.monotonic)
+  latest: Branch | None = None
+  owner: tuple[int, int] | None = None
+  cancelled: str = ""
+  open_groups: set = dataclasses.field(default_factory=set)
 
   def branch_for(self, messages: list[dict], tools, template_kwargs: dict) -> Branch | None:
     found = [b for b in self.branches if b.continues(messages, tools, template_kwargs)]
     return max(found, key=lambda b: len(b.messages), default=None)
+
+  def branch_for_text(self, text: str) -> Branch | None:
+    """The text-completion branch whose prompt and answer `text` begins
+    with (the longest)."""
+    found = [b for b in self.branches if b.text and len(b.text) < len(text)
+             and text.startswith(b.text)]
+    return max(found, key=lambda b: len(b.text), default=None)
 
   def branch_for_ids(self, token_ids: list[int]) -> Branch | None:
     """The branch whose whole context (prompt, turns, answer) `token_ids` extends."""
@@ -99,8 +125,9 @@ class SessionStore:
       self._forget_idle(time.monotonic())
       session = self._sessions.get(session_id)
       if session is None and create:
-        if len(self._sessions) >= self._max_sessions:
-          oldest = min(self._sessions.values(), key=lambda s: s.last_used)
+        unbound = [s for s in self._sessions.values() if s.owner is None]
+        if len(unbound) >= self._max_sessions:
+          oldest = min(unbound, key=lambda s: s.last_used)
           del self._sessions[oldest.id]
           self.evicted += 1
         session = self._sessions[session_id] = Session(id=session_id)
@@ -108,10 +135,22 @@ class SessionStore:
         session.last_used = time.monotonic()
       return session
 
-  def add_branch(self, session: Session, branch: Branch) -> None:
+  def bind(self, session_id: str, owner: tuple[int, int]) -> Session:
+    """Opens session `session_id` for the training rollout `owner`
+    (`(group_id, sample_index)`); it is kept until `delete`, or, once
+    cancelled, until idle for `ttl_s` (so its agent's late requests read why)."""
+    with self._lock:
+      if session_id in self._sessions:
+        raise ValueError(f"session {session_id!r} exists already")
+      session = self._sessions[session_id] = Session(id=session_id, owner=owner)
+      return session
+
+  def add_branch(self, session: Session, branch: Branch, *, latest: bool = False) -> None:
     with self._lock:
       session.branches.append(branch)
       del session.branches[:-self._max_branches]
+      if latest:
+        session.latest = branch
 
   def delete(self, session_id: str) -> bool:
     with self._lock:
@@ -122,7 +161,8 @@ class SessionStore:
       return len(self._sessions)
 
   def _forget_idle(self, now: float) -> None:
-    idle = [k for k, s in self._sessions.items() if now - s.last_used > self._ttl_s]
+    idle = [k for k, s in self._sessions.items()
+            if (s.owner is None or s.cancelled) and now - s.last_used > self._ttl_s]
     for key in idle:
       del self._sessions[key]
     self.evicted += len(idle)

@@ -26,7 +26,7 @@ from arl_jax.metrics import progress as progress_lib
 from arl_jax.orchestrator import env_runner as env_runner_lib
 from arl_jax.orchestrator import open_work
 from arl_jax.sampler import engine as engine_lib
-from arl_jax.training import run_context
+from arl_jax.training import agent_rollouts, run_context
 
 
 class Rollouts(Protocol):
@@ -208,6 +208,11 @@ def build(run: run_context.RunContext, *, orchestrator, publisher,
     fleet.start()  # (before the first publish: other processes join it first)
   if spec.fleet.remote:
     return RemoteRollouts(fleet)
+  if spec.agent.enabled:
+    if fleet is not None:
+      raise ValueError("agent.function: agents need one process (a multi-controller run's other "
+                       "samplers cannot reach this process's gateway)")
+    return agent_rollouts.build(run, orchestrator=orchestrator, publisher=publisher)
   tokenizer, env = run.inputs.tokenizer, run.inputs.env
   env_runner = env_runner_lib.EnvRunner(
       env, on_group_fn=orchestrator.group_finished, max_new_tokens=spec.engine.max_new_tokens,
