@@ -180,8 +180,11 @@ class OpenWork:
           episodes.append(work_record.EpisodeRecord(
               held_by=r.holder, completion_length=r.completion_length, **scored))
         else:
+          own_prompt = (None if np.array_equal(r.prompt_ids, request.prompt_ids)
+                        else tuple(int(t) for t in r.prompt_ids))
           episodes.append(work_record.EpisodeRecord(**_arrays(
-              r.completion_ids, r.loss_mask, r.behaviour_logprobs, r.token_versions), **scored))
+              r.completion_ids, r.loss_mask, r.behaviour_logprobs, r.token_versions), **scored,
+              prompt_ids=own_prompt))
         continue
       e, n = point.episode, point.length
       arrays = _arrays(*(((), (), (), ()) if e is None else (
@@ -224,7 +227,8 @@ class OpenWork:
       if item.stage == "done":
         rollout = rollout_lib.Rollout(
             group_id=request.group_id, sample_index=index,
-            prompt_ids=np.asarray(request.prompt_ids, np.int32),
+            prompt_ids=np.asarray(request.prompt_ids if item.prompt_ids is None
+                                  else item.prompt_ids, np.int32),
             completion_ids=np.asarray(item.completion_ids, np.int32), loss_mask=loss_mask,
             behaviour_logprobs=np.asarray(item.logprobs, np.float32), token_versions=versions,
             dispatch_version=request.dispatch_version, finish_reason=item.finish_reason,

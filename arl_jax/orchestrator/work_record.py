@@ -79,6 +79,9 @@ class EpisodeRecord:
     last_stopped: the last segment ended on a stop token (`sample`, `env`).
     open: the open segment of an episode in a sampler slot (`sample`).
     finish_reason, reward, env_name: the scored rollout's (`done`).
+    prompt_ids: a `done` rollout's own prompt, when it is not its group's
+      (an agent's session renders its own: `gateway/agent_runner.py`);
+      None: the group's.
     held_by: the process holding a `done` rollout's arrays in a
       multi-controller run, before the save gathers them (then the per-token
       fields are empty and `completion_length` says how many there are).
@@ -97,6 +100,7 @@ class EpisodeRecord:
   env_name: str | None = None
   held_by: int | None = None
   completion_length: int | None = None
+  prompt_ids: tuple[int, ...] | None = None
 
   def __post_init__(self):
     if self.stage not in STAGES:
@@ -124,6 +128,8 @@ class EpisodeRecord:
     if self.stage == "done":
       record.update(finish_reason=self.finish_reason, reward=self.reward,
                     env_name=self.env_name)
+      if self.prompt_ids is not None:
+        record["prompt_ids"] = list(self.prompt_ids)
     else:
       record.update(turns=self.turns, last_stopped=self.last_stopped)
       if self.open is not None:
@@ -153,7 +159,9 @@ class EpisodeRecord:
                   versions=_numbers(record, "versions", int, where))
     try:
       if stage == "done":
-        return cls(stage=stage, **arrays, **done)
+        prompt = (_numbers(record, "prompt_ids", int, where) if "prompt_ids" in record
+                  else None)
+        return cls(stage=stage, **arrays, **done, prompt_ids=prompt)
       segment = _get(record, "open", Mapping, where, optional=True)
       opened = None if segment is None else OpenSegment(
           tokens=_numbers(segment, "tokens", int, f"{where}.open"),
