@@ -14,7 +14,10 @@ token of a stream); p50/p99 over the requests of a row. `sessions` rows:
 short multi-turn chat episodes (3 turns of at most 8 tokens, each turn the
 conversation so far plus one user message, in a session) from C concurrent
 clients: sessions/s, per-turn latency, and the session breaks (0: every turn
-extended the last one's exact tokens).
+extended the last one's exact tokens). `stream` rows: streamed chat
+completions from C clients: time to the first content delta (TTFT) and the
+gaps between deltas (per-token latency: a delta per engine iteration, one
+token each at decode_burst 1), p50/p99, and the whole answer's p50.
 
   python benchmarks/gateway.py [--quick] [--out=rows.jsonl]
 """
@@ -110,6 +113,34 @@ async def _sessions(base_url, clients, sessions, turns, tokens):
   return time.perf_counter() - start, latencies, breaks
 
 
+async def _streams(base_url, clients, requests, tokens):
+  """Streamed chat completions: the time to each one's first content delta,
+  and the gaps between its deltas (one per engine iteration at most)."""
+  import httpx  # noqa: PLC0415
+
+  queue, first, gaps, whole = list(range(requests)), [], [], []
+
+  async def client(http):
+    while queue:
+      queue.pop()
+      start = last = time.perf_counter()
+      body = {"model": "arl_jax", "messages": [{"role": "user", "content": "Hello there"}],
+              "max_tokens": tokens, "stream": True}
+      async with http.stream("POST", base_url + "/chat/completions", json=body) as r:
+        r.raise_for_status()
+        seen = False
+        async for line in r.aiter_lines():
+          if '"content": "' in line and '"content": ""' not in line:
+            now = time.perf_counter()
+            (gaps if seen else first).append(now - last)
+            seen, last = True, now
+      whole.append(time.perf_counter() - start)
+
+  async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as h:
+    await asyncio.gather(*(client(h) for _ in range(clients)))
+  return first, gaps, whole
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="a few requests, for the tests")
@@ -144,6 +175,14 @@ def main(argv=None):
                      "latency_p99_s": round(float(np.percentile(lat, 99)), 4)})
       rows.append({"benchmark": "gateway", "part": "ratio", "clients": c,
                    "gateway_over_in_process": round(pair["gateway"] / pair["in_process"], 3)})
+    for c in ([4] if args.quick else [1, 16, 64]):
+      first, gaps, whole = asyncio.run(_streams(served.base_url, c, 4 if args.quick
+                                                else max(2 * c, 8), args.tokens))
+      pct = lambda xs, q: round(float(np.percentile(xs, q)), 4) if xs else None  # noqa: E731
+      rows.append({"benchmark": "gateway", "part": "stream", "clients": c,
+                   "requests": len(whole), "ttft_p50_s": pct(first, 50),
+                   "ttft_p99_s": pct(first, 99), "delta_gap_p50_s": pct(gaps, 50),
+                   "delta_gap_p99_s": pct(gaps, 99), "whole_p50_s": pct(whole, 50)})
     for c in ([4] if args.quick else [1, 16, 64]):
       count = 4 if args.quick else max(2 * c, 16)
       wall, lat, breaks = asyncio.run(_sessions(served.base_url, c, count, 3, 8))

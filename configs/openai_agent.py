@@ -32,32 +32,34 @@ import ml_collections
 from arl_jax.config import builtin
 
 
-async def lookup_agent(*, base_url, model, prompt, api_key, env):
-  """One episode of the lookup task (env: the run's `ToolAgentEnv`, for its tool)."""
+async def lookup_agent(*, base_url, model, prompt, api_key, env, http_client):
+  """One episode of the lookup task (env: the run's `ToolAgentEnv`, for its
+  tool; http_client: the agents' shared connection pool)."""
   import openai  # noqa: PLC0415 - the [serve] extra; imported where the agent runs
 
-  client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+  client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, http_client=http_client,
+                              max_retries=0)
   text = prompt.text  # e.g. "k37?"
-  async with client:
-    for calls in range(env.max_calls + 1):
-      # The stop token `]` ends a tool call (the engine stops on it); keep it
-      # in the text so the next prompt extends these exact tokens.
-      try:
-        out = (await client.completions.create(
-            model=model, prompt=text,
-            extra_body={"include_stop_str_in_output": True})).choices[0]
-      except openai.BadRequestError as e:
-        if e.code == "context_length_exceeded":
-          return 0.0  # the tool's answer left no room for one: the episode ran out
-        raise
-      text += out.text
-      if out.finish_reason != "stop" or not out.text.endswith("]"):
-        # The answer: right when the episode ended on EOS with the value.
-        return float(out.finish_reason == "stop" and out.text.strip() == prompt.answer)
-      if calls == env.max_calls:
-        return 0.0  # a call past the tool budget is left unanswered
-      key = text[text.rfind("[") + 1:-1]
-      text += f"={await asyncio.to_thread(env.lookup, key)};"  # the tool (it takes a while)
+  # (No `async with client`: closing it would close the shared pool.)
+  for calls in range(env.max_calls + 1):
+    # The stop token `]` ends a tool call (the engine stops on it); keep it
+    # in the text so the next prompt extends these exact tokens.
+    try:
+      out = (await client.completions.create(
+          model=model, prompt=text,
+          extra_body={"include_stop_str_in_output": True})).choices[0]
+    except openai.BadRequestError as e:
+      if e.code == "context_length_exceeded":
+        return 0.0  # the tool's answer left no room for one: the episode ran out
+      raise
+    text += out.text
+    if out.finish_reason != "stop" or not out.text.endswith("]"):
+      # The answer: right when the episode ended on EOS with the value.
+      return float(out.finish_reason == "stop" and out.text.strip() == prompt.answer)
+    if calls == env.max_calls:
+      return 0.0  # a call past the tool budget is left unanswered
+    key = text[text.rfind("[") + 1:-1]
+    text += f"={await asyncio.to_thread(env.lookup, key)};"  # the tool (it takes a while)
   return 0.0
 
 

@@ -10,8 +10,11 @@ with the session's base URL (`http://127.0.0.1:PORT/sessions/ID/v1`), the
 served model's name and the prompt record the dispatcher drew; the function
 talks to the model only through an OpenAI client (any number of turns and
 tool calls) and returns the reward. It may also declare `api_key` (the
-run's key for its gateway, which then wants one) and `env` (the run's
-environment: its tools, its scorer). `agent_runner.py` runs them.
+run's key for its gateway, which then wants one), `env` (the run's
+environment: its tools, its scorer) and `http_client` (one pooled `httpx`
+client that every agent shares, for `openai.AsyncOpenAI(http_client=...)`:
+a new OpenAI client makes its own, at ~20 ms of CPU each, more than a tiny
+model's whole turn). `agent_runner.py` runs them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import inspect
 import os
 
 # Keywords a function may declare besides the three it must take.
-OPTIONAL_ARGS = ("api_key", "env")
+OPTIONAL_ARGS = ("api_key", "env", "http_client")
 REQUIRED_ARGS = ("base_url", "model", "prompt")
 
 

@@ -92,6 +92,7 @@ class AgentRunner:
     self._pool = concurrent.futures.ThreadPoolExecutor(max_concurrent or 64,
                                                        thread_name_prefix="agent")
     self._slots = asyncio.Semaphore(max_concurrent) if max_concurrent else None
+    self._http = None  # the shared `http_client` (made on first use)
 
   # -- lifecycle ---------------------------------------------------------------------
 
@@ -159,8 +160,15 @@ class AgentRunner:
       open_groups = list(self._tasks)
     self.cancel(open_groups)
     if self._loop_thread.is_alive():
+      if self._http is not None and self._is_async:
+        try:
+          asyncio.run_coroutine_threadsafe(self._http.aclose(), self._loop).result(5)
+        except Exception:  # noqa: BLE001 - closing; its connections go with the loop
+          pass
       self._loop.call_soon_threadsafe(self._loop.stop)
       self._loop_thread.join(5)
+    if self._http is not None and not self._is_async:
+      self._http.close()
     self._pool.shutdown(wait=False, cancel_futures=True)
 
   def _check(self, future: concurrent.futures.Future) -> None:
@@ -201,8 +209,9 @@ class AgentRunner:
     name = self._env.env_name_of(request.prompt) if self._env is not None else "agent"
     kwargs = dict(base_url=f"{self._root_fn()}/sessions/{session_id}/v1", model=self._model,
                   prompt=request.prompt)
-    extra = {"api_key": self._api_key or "none", "env": self._env}
-    kwargs.update({k: extra[k] for k in self._optional})
+    extra = {"api_key": lambda: self._api_key or "none", "env": lambda: self._env,
+             "http_client": self._http_client}
+    kwargs.update({k: extra[k]() for k in self._optional})
     start = time.monotonic()
     fault = None
     try:
@@ -244,6 +253,19 @@ class AgentRunner:
                                reward=0.0 if fault else reward,
                                finish_reason="error" if fault else None)
     self._done(request, rollout)
+
+  def _http_client(self):
+    """One pooled client for every agent (async agents share the loop's
+    `httpx.AsyncClient`; sync ones an `httpx.Client`, which is thread-safe).
+    No timeout of its own: `timeout_s` bounds the whole call."""
+    import httpx  # noqa: PLC0415 - the [serve] extra
+
+    with self._lock:
+      if self._http is None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        cls = httpx.AsyncClient if self._is_async else httpx.Client
+        self._http = cls(timeout=httpx.Timeout(None), limits=limits)
+      return self._http
 
   async def _call(self, kwargs):
     if self._is_async:

@@ -16,12 +16,15 @@ serving. With `api_key` set, every endpoint but `/health` wants
 its segments cancelled at once (`Gateway._sample`).
 
 Streaming (`stream: true`) answers in server-sent events of OpenAI's chunk
-shape; the tokens arrive when the segment ends (the engine hands over
-whole segments), so a stream's first content chunk comes at the end.
+shape as the tokens are sampled (`streaming.py`: never more than the final
+answer holds; a chat answer parsed for tool calls arrives when its segment
+ends). A request refused is an error object as without `stream`; a fault
+after the stream began is an `error` event.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import time
@@ -32,7 +35,7 @@ import pydantic
 from fastapi import responses
 
 from arl_jax.gateway import answers as answers_lib
-from arl_jax.gateway import engine_port, protocol
+from arl_jax.gateway import engine_port, protocol, streaming
 from arl_jax.gateway import gateway as gateway_lib
 
 SESSION_HEADER = "x-session-id"
@@ -116,23 +119,16 @@ def _completion_json(gateway, req, outcome, rid: str, created: int) -> dict:
           "model": gateway.config.model_name, "choices": choices, "usage": _usage(outcome)}
 
 
-def _sse(chunks):
-  async def events():
-    for chunk in chunks:
-      yield f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
-    yield "data: [DONE]\n\n"
-  return responses.StreamingResponse(events(), media_type="text/event-stream")
-
-
-def _chat_chunks(whole: dict, include_usage: bool):
-  """The chat completion `whole` as the chunks a stream sends."""
+def _chat_end_chunks(whole: dict, streams):
+  """The end of each choice of the chat completion `whole` after what its
+  stream sent: the rest of its content (with the choice's log-probs), its
+  tool calls, its finish reason."""
   base = {k: whole[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-  for choice in whole["choices"]:
+  for choice, stream in zip(whole["choices"], streams):
     i, message = choice["index"], choice["message"]
-    yield base | {"choices": [{"index": i, "delta": {"role": "assistant", "content": ""},
-                               "logprobs": None, "finish_reason": None}]}
-    if message["content"]:
-      yield base | {"choices": [{"index": i, "delta": {"content": message["content"]},
+    rest = stream.rest(message["content"] or "")
+    if rest or choice["logprobs"]:
+      yield base | {"choices": [{"index": i, "delta": {"content": rest},
                                  "logprobs": choice["logprobs"], "finish_reason": None}]}
     if message.get("tool_calls"):
       calls = [{"index": j, **call} for j, call in enumerate(message["tool_calls"])]
@@ -142,16 +138,86 @@ def _chat_chunks(whole: dict, include_usage: bool):
     if "token_ids" in choice:
       last["token_ids"] = choice["token_ids"]
     yield base | {"choices": [last]}
-  if include_usage:
-    yield base | {"choices": [], "usage": whole["usage"]}
 
 
-def _completion_chunks(whole: dict, include_usage: bool):
+def _completion_end_chunks(whole: dict, streams):
   base = {k: whole[k] for k in ("id", "created", "model", "object")}
-  for choice in whole["choices"]:
-    yield base | {"choices": [choice]}
-  if include_usage:
-    yield base | {"choices": [], "usage": whole["usage"]}
+  for choice, stream in zip(whole["choices"], streams):
+    yield base | {"choices": [choice | {"text": stream.rest(choice["text"])}]}
+
+
+async def _stream(gateway, req, call, *, chat: bool, rid: str, created: int, to_json):
+  """A streamed request: `call(progress=, started=)` runs it; text deltas go
+  out as sampled, then each choice's end (`to_json` of the outcome). Refused
+  before sampling: raises, as without `stream`."""
+  n = req.n * (1 if chat else len(req.prompts()))
+  live = not (chat and req.tools and req.tool_choice != "none")
+  detokenize = lambda ids: gateway.tokenizer.detokenize(  # noqa: E731
+      ids, skip_special_tokens=req.skip_special_tokens)
+  streams = [streaming.TextStream(detokenize, stops=req.stops(),
+                                  stop_ids=gateway.stop_token_ids, live=live) for _ in range(n)]
+  loop = asyncio.get_running_loop()
+  queue: asyncio.Queue = asyncio.Queue()
+  started = asyncio.Event()
+
+  def progress(index, tokens):  # (the engine thread)
+    loop.call_soon_threadsafe(queue.put_nowait, (index, tokens))
+
+  task = asyncio.ensure_future(call(progress=progress, started=started.set))
+  waiter = asyncio.ensure_future(started.wait())
+  await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+  waiter.cancel()
+  if task.done() and task.exception() is not None:
+    raise task.exception()  # (refused: an error object with its status)
+  kind = "chat.completion.chunk" if chat else "text_completion"
+  base = {"id": rid, "object": kind, "created": created, "model": gateway.config.model_name}
+  usage = bool(req.stream_options and req.stream_options.include_usage)
+
+  def delta_chunk(index: int, text: str) -> dict:
+    if chat:
+      return base | {"choices": [{"index": index, "delta": {"content": text}, "logprobs": None,
+                                  "finish_reason": None}]}
+    return base | {"choices": [{"index": index, "text": text, "logprobs": None,
+                                "finish_reason": None}]}
+
+  async def events():
+    try:
+      if chat:
+        for i in range(n):
+          yield _event(base | {"choices": [{"index": i, "delta": {"role": "assistant",
+                                                                   "content": ""},
+                                            "logprobs": None, "finish_reason": None}]})
+      while not task.done() or not queue.empty():
+        getter = asyncio.ensure_future(queue.get())
+        await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done():
+          getter.cancel()
+          continue
+        index, tokens = getter.result()
+        text = streams[index].update(tokens)
+        if text:
+          yield _event(delta_chunk(index, text))
+      try:
+        whole = to_json(task.result())
+      except (protocol.GatewayError, engine_port.Cancelled) as e:
+        error = e if isinstance(e, protocol.GatewayError) else protocol.GatewayError(
+            409, f"cancelled: {e}", kind="cancelled")
+        yield _event(error.to_json())
+        return
+      for chunk in (_chat_end_chunks if chat else _completion_end_chunks)(whole, streams):
+        yield _event(chunk)
+      if usage:
+        yield _event(base | {"choices": [], "usage": whole["usage"]})
+      yield "data: [DONE]\n\n"
+    finally:
+      if not task.done():  # (the client left mid-stream: its segments are cancelled)
+        task.cancel()
+
+  return responses.StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _event(chunk: dict) -> str:
+  return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
 
 def make_app(gateway: gateway_lib.Gateway, *, engine_failed=lambda: False) -> fastapi.FastAPI:
@@ -181,25 +247,30 @@ def make_app(gateway: gateway_lib.Gateway, *, engine_failed=lambda: False) -> fa
   async def chat(request: fastapi.Request, session_id: str | None = None):
     authorize(request)
     req = await _parse(request, protocol.ChatCompletionRequest, config.max_request_bytes)
-    outcome = await gateway.chat(req, session_id=session_of(request, session_id),
-                                 disconnected=request.is_disconnected)
-    whole = _chat_json(gateway, req, outcome, f"chatcmpl-{uuid.uuid4().hex}", int(time.time()))
+    rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def call(**stream):
+      return gateway.chat(req, session_id=session_of(request, session_id),
+                          disconnected=request.is_disconnected, **stream)
+
     if req.stream:
-      usage = bool(req.stream_options and req.stream_options.include_usage)
-      return _sse(list(_chat_chunks(whole, usage)))
-    return whole
+      return await _stream(gateway, req, call, chat=True, rid=rid, created=created,
+                           to_json=lambda o: _chat_json(gateway, req, o, rid, created))
+    return _chat_json(gateway, req, await call(), rid, created)
 
   async def completions(request: fastapi.Request, session_id: str | None = None):
     authorize(request)
     req = await _parse(request, protocol.CompletionRequest, config.max_request_bytes)
-    outcome = await gateway.complete(req, session_id=session_of(request, session_id),
-                                     disconnected=request.is_disconnected)
-    whole = _completion_json(gateway, req, outcome, f"cmpl-{uuid.uuid4().hex}",
-                             int(time.time()))
+    rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def call(**stream):
+      return gateway.complete(req, session_id=session_of(request, session_id),
+                              disconnected=request.is_disconnected, **stream)
+
     if req.stream:
-      usage = bool(req.stream_options and req.stream_options.include_usage)
-      return _sse(list(_completion_chunks(whole, usage)))
-    return whole
+      return await _stream(gateway, req, call, chat=False, rid=rid, created=created,
+                           to_json=lambda o: _completion_json(gateway, req, o, rid, created))
+    return _completion_json(gateway, req, await call(), rid, created)
 
   async def generate(request: fastapi.Request, session_id: str | None = None):
     authorize(request)

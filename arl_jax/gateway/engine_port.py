@@ -66,6 +66,7 @@ class EnginePort:
     self._cond = threading.Condition()
     self._futures: dict[int, concurrent.futures.Future] = {}  # group id -> its open segment
     self._owners: dict[int, int] = {}  # group id of an open segment -> its training group
+    self._streams: dict[int, object] = {}  # group id -> fn(tokens) of a streamed segment
     self._ids = itertools.count()
     self._engine = None
     self._closed = False
@@ -92,12 +93,24 @@ class EnginePort:
       if owner is not None:
         self._note_sampling_fn(owner, version)
 
+  def streaming_groups(self) -> set:
+    """The engine's `ProgressSink` side: the segments streamed."""
+    with self._cond:
+      return set(self._streams) if self._streams else set()
+
+  def segment_progress(self, group_id: int, tokens, logprobs, versions) -> None:
+    with self._cond:
+      fn = self._streams.get(group_id)
+    if fn is not None:
+      fn(list(tokens))
+
   def segment_ended(self, episode: episode_lib.Episode) -> None:
     """The engine's `on_segment_fn`: resolves the segment's future (one
     cancelled meanwhile is dropped)."""
     with self._cond:
       future = self._futures.pop(episode.group_id, None)
       self._owners.pop(episode.group_id, None)
+      self._streams.pop(episode.group_id, None)
     if future is not None and not future.done():
       future.set_result(episode)
 
@@ -127,11 +140,13 @@ class EnginePort:
         versions=list(episode.versions), open_tokens=[], open_logprobs=[], open_versions=[],
         timings=dict(episode.timings), segment_limit=None)
 
-  def submit(self, episode: episode_lib.Episode, *,
-             max_tokens: int | None) -> concurrent.futures.Future:
+  def submit(self, episode: episode_lib.Episode, *, max_tokens: int | None,
+             on_tokens=None) -> concurrent.futures.Future:
     """Hands `episode` (which the caller holds, and no longer touches) to the
     engine for its next segment of at most `max_tokens` tokens; the future
-    resolves with it when the segment ends.
+    resolves with it when the segment ends. `on_tokens(tokens)`: told the
+    segment's tokens so far after each engine iteration (on the engine
+    thread; a stream), None: not.
 
     Raises:
       ValueError: it has no completion budget left (`EngineConfig.check_budget_left`).
@@ -145,12 +160,15 @@ class EnginePort:
       self._futures[episode.group_id] = future
       if episode.request.prompt.owner_group is not None:
         self._owners[episode.group_id] = episode.request.prompt.owner_group
+      if on_tokens is not None:
+        self._streams[episode.group_id] = on_tokens
     try:
       self._engine.resume(episode)
     except BaseException:
       with self._cond:
         self._futures.pop(episode.group_id, None)
         self._owners.pop(episode.group_id, None)
+        self._streams.pop(episode.group_id, None)
       raise
     with self._cond:
       self._cond.notify_all()  # (an idle engine waits in `take`)
@@ -168,6 +186,7 @@ class EnginePort:
       futures = [self._futures.pop(g) for g in group_ids if g in self._futures]
       for g in group_ids:
         self._owners.pop(g, None)
+        self._streams.pop(g, None)
     if self._engine is not None and group_ids:
       self._engine.cancel(group_ids)
     for future in futures:

@@ -82,6 +82,11 @@ class Gateway:
         | set(tokenizer.template.specials), key=len, reverse=True)
 
   @property
+  def stop_token_ids(self) -> frozenset:
+    """Every token a segment may end on (the sampler's stop tokens)."""
+    return frozenset((self._settings.eos_id, *self._settings.stop_ids))
+
+  @property
   def max_model_len(self) -> int:
     """The longest context an episode may reach (prompt and completion budget)."""
     return self._engine_cfg.prompt_len + self._engine_cfg.max_new_tokens
@@ -182,10 +187,13 @@ class Gateway:
     return choices
 
   async def _sample(self, choices: list[_Choice], max_tokens: int | None, disconnected,
-                    session: sessions.Session | None = None) -> None:
+                    session: sessions.Session | None = None, progress=None,
+                    started=None) -> None:
     """Hands every choice to the engine and waits for all; cancels them all
     when the client leaves, the time runs out, its session is cancelled, or
-    the caller is cancelled."""
+    the caller is cancelled. `progress(choice_index, tokens)`: told each
+    choice's tokens as sampled (on the engine thread; a stream); `started()`:
+    called once every choice is in the engine (the request was accepted)."""
     limits = [self._max_tokens(max_tokens, c.episode) for c in choices]  # (all checked first)
     group_ids = [c.episode.group_id for c in choices]
     if session is not None:
@@ -195,8 +203,12 @@ class Gateway:
     futures = []
     deadline = time.monotonic() + self.config.request_timeout_s
     try:
-      futures = [asyncio.wrap_future(self.port.submit(c.episode, max_tokens=m))
-                 for c, m in zip(choices, limits)]
+      for i, (c, m) in enumerate(zip(choices, limits)):
+        on_tokens = None if progress is None else (lambda tokens, i=i: progress(i, tokens))
+        futures.append(asyncio.wrap_future(self.port.submit(c.episode, max_tokens=m,
+                                                            on_tokens=on_tokens)))
+      if started is not None:
+        started()
       pending = set(futures)
       while pending:
         _, pending = await asyncio.wait(pending, timeout=0.1)
@@ -213,6 +225,8 @@ class Gateway:
     finally:
       if len(futures) < len(choices) or not all(
           f.done() and not f.cancelled() and f.exception() is None for f in futures):
+        for future in futures:  # (nobody reads them now)
+          future.cancel()
         self.port.cancel(group_ids)  # (frees their slots at once)
       if session is not None:
         with self._lock:
@@ -261,8 +275,9 @@ class Gateway:
   # -- requests ----------------------------------------------------------------------
 
   async def chat(self, req: protocol.ChatCompletionRequest, *, session_id: str | None = None,
-                 disconnected=None) -> Outcome:
-    """A chat completion; `disconnected`: an async () -> bool, whether the client left."""
+                 disconnected=None, progress=None, started=None) -> Outcome:
+    """A chat completion; `disconnected`: an async () -> bool, whether the
+    client left; `progress`, `started`: a stream's (`_sample`)."""
     self._check_sampling(req)
     if self.renderer is None:
       raise protocol.GatewayError(400, "this model's tokenizer has no chat template; use "
@@ -280,7 +295,7 @@ class Gateway:
     prompt = self._served_prompt(req.stop_token_ids, session)
     choices = self._chat_choices(session, messages, tools, kwargs, req, prompt)
     await self._sample(choices, req.max_completion_tokens or req.max_tokens, disconnected,
-                       session)
+                       session, progress, started)
     answers = self._answers(choices, req)
     for answer in answers:
       if tools and req.tool_choice != "none":
@@ -330,7 +345,7 @@ class Gateway:
     return choices
 
   async def complete(self, req: protocol.CompletionRequest, *, session_id: str | None = None,
-                     disconnected=None) -> Outcome:
+                     disconnected=None, progress=None, started=None) -> Outcome:
     """A legacy completion of one prompt or a batch (text or token ids); the
     choices of prompt i are `i * n ... i * n + n - 1`. In a session (one
     prompt), a prompt whose ids begin with a branch's whole context
@@ -361,7 +376,7 @@ class Gateway:
         choices += self._session_choices(session, ids, req.n, served, req.seed)
       else:
         choices += self._new_choices(ids, req.n, served, req.seed)
-    await self._sample(choices, req.max_tokens, disconnected, session)
+    await self._sample(choices, req.max_tokens, disconnected, session, progress, started)
     answers = self._answers(choices, req)
     prompt_text = prompts[0] if isinstance(prompts[0], str) else ""
     self._keep_token_branches(session, choices, [

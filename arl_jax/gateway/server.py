@@ -45,7 +45,7 @@ class GatewayServer:
     self.engine = engine_lib.SamplerEngine(
         cfg=served_engine_config(engine_cfg), settings=settings, graphdef=graphdef,
         model_cfg=model_cfg, mesh=mesh, publisher=publisher, dispatcher=self.port,
-        on_segment_fn=self.port.segment_ended,
+        on_segment_fn=self.port.segment_ended, progress_sink=self.port,
         stop_ids_fn=lambda prompt: all_stops if prompt.stop_ids is None else prompt.stop_ids,
         compile_progress_fn=compile_progress_fn)
     self.port.attach(self.engine)

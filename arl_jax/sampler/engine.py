@@ -76,7 +76,8 @@ class SamplerEngine:
                dispatcher: sources.RequestSource,
                on_segment_fn: Callable[[episode_lib.Episode], None],
                stop_ids_fn: Callable[[object], tuple[int, ...]] | None = None,
-               compile_progress_fn: Callable[[int, int, str], None] | None = None):
+               compile_progress_fn: Callable[[int, int, str], None] | None = None,
+               progress_sink: sources.ProgressSink | None = None):
     """Args:
       cfg: engine settings.
       settings: sampling settings (temperature, top-k/p, every stop token).
@@ -92,6 +93,8 @@ class SamplerEngine:
         that end its segments; None: all of them, for every prompt.
       compile_progress_fn: `(done, total, label)` as `precompile` compiles
         each program (`precompile.compile_all`).
+      progress_sink: told the tokens of the segments it watches after every
+        iteration (a gateway's streams); None: nobody.
     """
     cfg.check_resolved()
     self._cfg = cfg
@@ -99,6 +102,7 @@ class SamplerEngine:
     self._weights = publisher
     self._on_segment_fn = on_segment_fn
     self._compile_progress_fn = compile_progress_fn
+    self._progress_sink = progress_sink
     fns = slot_fns.make_sampler_fns(graphdef=graphdef, model_cfg=model_cfg, mesh=mesh,
                                     settings=settings, num_slots=cfg.num_slots,
                                     length=cfg.length, num_pages=cfg.pool_pages,
@@ -231,8 +235,22 @@ class SamplerEngine:
     if self.version is None:
       time.sleep(0.01)
       return
-    for episode in self.scheduler.iterate(self.runner):
+    ended = self.scheduler.iterate(self.runner)
+    self._report_progress()
+    for episode in ended:
       self._on_segment_fn(episode)  # handed over last: from here on they belong to the callee
+
+  def _report_progress(self) -> None:
+    """Tells the progress sink the segments it watches, as sampled so far."""
+    watched = self._progress_sink.streaming_groups() if self._progress_sink else None
+    if not watched:
+      return
+    rows = self.scheduler.open_slots()
+    slots = [i for i, row in enumerate(rows) if row is not None and row.group_id in watched]
+    if not slots:  # (queued, or ended this iteration: handed over with the whole segment)
+      return
+    for slot, (tokens, logprobs, versions, _) in zip(slots, self.runner.read_segments(slots)):
+      self._progress_sink.segment_progress(rows[slot].group_id, tokens, logprobs, versions)
 
   # -- versions ----------------------------------------------------------------
 

@@ -29,14 +29,15 @@ _calls, _done = itertools.count(), itertools.count()
 _STOP = {"request": None, "after_done": 0}  # the first run's stop, and when it is asked
 
 
-async def some_stuck(*, base_url, model, prompt, api_key, env):
+async def some_stuck(*, base_url, model, prompt, api_key, env, http_client):
   """configs/openai_agent.py's agent, every fourth call of the first run stuck
   (cancelled at the stop): the save finds groups part done, whose done
   rollouts must be kept and whose stuck ones played again."""
   if _STOP["request"] is not None and next(_calls) % 4 == 3:
     await asyncio.sleep(600)
   lookup = agent_config.load_function(builtin.path("openai_agent") + ":lookup_agent")
-  reward = await lookup(base_url=base_url, model=model, prompt=prompt, api_key=api_key, env=env)
+  reward = await lookup(base_url=base_url, model=model, prompt=prompt, api_key=api_key, env=env,
+                        http_client=http_client)
   if _STOP["request"] is not None and next(_done) == _STOP["after_done"]:
     _STOP["request"].request("the test saves here")
   return reward

@@ -4,6 +4,7 @@ extends the last one's exact tokens, and the recorded log-probs are the
 learner's at lag 0."""
 
 import asyncio
+import time
 
 import httpx
 import numpy as np
@@ -171,3 +172,37 @@ def test_token_in_generate_continues_a_session_by_its_ids(served):
       "token_ids"]
   assert branch["loss_mask"][len(choice["token_ids"]):len(choice["token_ids"]) + len(more)] == [
       0.0] * len(more)
+
+
+def test_a_stream_sends_the_answer_as_it_is_sampled(served, client):
+  """Deltas arrive while the segment is sampled (more than one before the
+  finish), and they add up to exactly the answer a seeded request without
+  `stream` gets; a completion streams too."""
+  kwargs = dict(model="arl_jax", messages=QUESTION, max_tokens=24, seed=11)
+  whole = client.chat.completions.create(**kwargs).choices[0]
+  chunks = list(client.chat.completions.create(stream=True, **kwargs))
+  deltas = [c.choices[0].delta.content for c in chunks[1:-1] if c.choices[0].delta.content]
+  assert len(deltas) > 1
+  assert "".join(deltas) == whole.message.content
+  assert chunks[-1].choices[0].finish_reason == whole.finish_reason
+  text = dict(model="arl_jax", prompt="Add 12 and 7.", max_tokens=16, seed=5)
+  plain = client.completions.create(**text).choices[0].text
+  pieces = [c.choices[0].text for c in client.completions.create(stream=True, **text)]
+  assert len([p for p in pieces if p]) > 1 and "".join(pieces) == plain
+
+
+def test_a_refused_stream_is_an_error_object_and_a_left_stream_frees_its_slot(served, client):
+  with pytest.raises(openai.BadRequestError, match="temperature"):
+    client.chat.completions.create(model="arl_jax", messages=QUESTION, stream=True,
+                                   temperature=0.5)
+  engine = served.server.engine
+  with httpx.stream("POST", f"{served.base_url}/chat/completions", json={
+      "model": "arl_jax", "messages": QUESTION, "max_tokens": 200, "stream": True}) as r:
+    lines = r.iter_lines()
+    assert "assistant" in next(lines)
+    assert next(line for line in lines if '"content"' in line)  # (one delta, then leave)
+  deadline = time.monotonic() + 10
+  while ((served.server.port.open_segments or engine.active_slots)
+         and time.monotonic() < deadline):
+    time.sleep(0.05)
+  assert served.server.port.open_segments == 0 and engine.active_slots == 0
