@@ -77,7 +77,20 @@ class StreamOptions(_Model):
   continuous_usage_stats: bool = False
 
 
-class _Sampling(_Model):
+class _Penalties(_Model):
+  """vLLM's knobs that change the distribution sampled from: declared (at
+  their neutral values) so that any other value is refused by name, never
+  dropped (`_Sampling.unsupported`)."""
+
+  presence_penalty: float = 0.0
+  frequency_penalty: float = 0.0
+  repetition_penalty: float = 1.0
+  logit_bias: dict[str, float] | None = None
+  min_tokens: int = 0
+  ignore_eos: bool = False
+
+
+class _Sampling(_Penalties):
   """What chat and completions requests share."""
 
   model: str
@@ -93,12 +106,6 @@ class _Sampling(_Model):
   stream: bool = False
   stream_options: StreamOptions | None = None
   user: str | None = pydantic.Field(None, max_length=256)
-  presence_penalty: float = 0.0
-  frequency_penalty: float = 0.0
-  repetition_penalty: float = 1.0
-  logit_bias: dict[str, float] | None = None
-  min_tokens: int = 0
-  ignore_eos: bool = False
   skip_special_tokens: bool = True
   include_stop_str_in_output: bool = False
   return_token_ids: bool = False
@@ -176,7 +183,7 @@ class CompletionRequest(_Sampling):
     return list(p)
 
 
-class GenerateSampling(_Model):
+class GenerateSampling(_Penalties):
   """vLLM's `sampling_params` on its token-in `/inference/v1/generate`."""
 
   model_config = pydantic.ConfigDict(extra="ignore")  # (engine knobs this sampler has not)
@@ -192,16 +199,9 @@ class GenerateSampling(_Model):
   logprobs: int | None = None
   skip_special_tokens: bool = True
   include_stop_str_in_output: bool = False
-  # vLLM knobs that change the distribution sampled from: declared, so that a
-  # value other than the neutral one is refused as on the other endpoints
-  # (`checked`) rather than dropped with the other unknown keys. Clients pass
-  # their sampling config through verbatim (verifiers' train client does).
-  presence_penalty: float = 0.0
-  frequency_penalty: float = 0.0
-  repetition_penalty: float = 1.0
-  logit_bias: dict[str, float] | None = None
-  min_tokens: int = 0
-  ignore_eos: bool = False
+  # (the penalties: refused as on the other endpoints, `checked`, rather than
+  # dropped with the unknown keys; clients pass their sampling config through
+  # verbatim, as verifiers' train client does)
 
   def checked(self, model: str) -> CompletionRequest:
     """These settings as the request the gateway's sampling checks read."""

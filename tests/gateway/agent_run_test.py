@@ -5,11 +5,10 @@ a bad `agent.function` is refused by name before anything is built."""
 
 import json
 
-import numpy as np
 import pytest
 
 from arl_jax.config import run_spec
-from arl_jax.testing import tiny
+from arl_jax.testing import tiny, tool_rows
 from arl_jax.training import run_lib
 
 pytest.importorskip("fastapi")
@@ -22,24 +21,13 @@ def test_an_openai_agent_trains_through_the_gateway(tmp_path):
   # Tools slower than a tiny update: sessions outlive weight updates.
   config.env.update(latency_median_s=0.2, latency_p99_s=0.6, latency_max_s=1.0)
   result = run_lib.run(config, str(tmp_path), print_fn=lambda _: None, keep_batches=True)
-  k = config.orchestrator.max_off_policy_steps
   observed_rows = lagged_rows = 0
   for b in result.trained_batches:
-    sampled = b["loss_mask"] > 0
-    versions = b["token_versions"]
-    assert np.all(versions[sampled] >= 0) and np.all(versions[sampled] <= b["batch_version"])
-    assert np.all(b["lag"] <= k)
-    prompt_len = config.sampler.prompt_len
-    completion = b["tokens"][:, prompt_len:]
-    observation = b["token_mask"][:, prompt_len:] & ~sampled[:, prompt_len:]
-    observed_rows += int(observation.any(axis=1).sum())
-    assert np.all(versions[:, prompt_len:][observation] == -1)
-    assert np.all(b["behaviour_logprobs"][:, prompt_len:][observation] == 0)
-    # The agent's tool answers ("=482;") follow a "]" the policy sampled,
-    # exactly as the built-in environment's observations do.
-    starts = observation & ~np.roll(observation, 1, axis=1)
-    assert np.all(completion[starts] == ord("="))
-    assert np.all(completion[np.roll(starts, -1, axis=1)] == ord("]"))
+    # The agent's tool answers ("=482;") are masked observations after a "]"
+    # the policy sampled, exactly as the built-in environment's are.
+    observed, _ = tool_rows.check_batch(b, prompt_len=config.sampler.prompt_len,
+                                        max_lag=config.orchestrator.max_off_policy_steps)
+    observed_rows += observed
     lagged_rows += int((b["lag"] > 0).sum())
   assert observed_rows > 0 and lagged_rows > 0  # (async: trained behind the sampler)
   steps = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from arl_jax.learner import optim
-from arl_jax.testing import tiny
+from arl_jax.testing import tiny, tool_rows
 from arl_jax.training import run_lib
 
 
@@ -96,32 +96,15 @@ def test_tool_agent_episodes_span_policy_versions_while_tools_are_slow(tmp_path)
   # Tools slower than a tiny update step: episodes wait across publishes.
   config.env.update(latency_median_s=0.3, latency_p99_s=1.0, latency_max_s=1.5)
   result = run_lib.run(config, str(tmp_path), print_fn=lambda _: None, keep_batches=True)
-  k = config.orchestrator.max_off_policy_steps
   spans, observed_rows = [0], 0
   for b in result.trained_batches:
-    sampled = b["loss_mask"] > 0
-    versions = b["token_versions"]
-    assert np.all(versions[sampled] >= 0) and np.all(versions[sampled] <= b["batch_version"])
-    assert np.all(b["lag"] <= k)
-    # Observation tokens are real tokens of the row but never trained on.
-    prompt_len = config.sampler.prompt_len
-    completion = b["tokens"][:, prompt_len:]
-    observation = b["token_mask"][:, prompt_len:] & ~sampled[:, prompt_len:]
-    observed_rows += int(observation.any(axis=1).sum())
-    assert np.all(versions[:, prompt_len:][observation] == -1)
-    assert np.all(b["behaviour_logprobs"][:, prompt_len:][observation] == 0)
-    # Every observation starts with "=" right after a "]" the policy sampled.
-    starts = observation & ~np.roll(observation, 1, axis=1)
-    assert np.all(completion[starts] == ord("="))
-    assert np.all(completion[np.roll(starts, -1, axis=1)] == ord("]"))
-    for row in np.flatnonzero(observation.any(axis=1)):
-      # The segment after the tool answered was sampled by a newer policy
-      # than every token before it: the episode waited across a publish.
-      first = prompt_len + int(np.argmax(observation[row]))
-      before = versions[row, :first][sampled[row, :first]]
-      after = versions[row, first:][sampled[row, first:]]
-      if after.size:
-        spans.append(int(after.min() - before.max()))
+    # Observations are real tokens of the row, never trained on, each after
+    # a "]" the policy sampled; `gaps`: how much newer the policy after the
+    # tool's answer was than every one before it.
+    observed, gaps = tool_rows.check_batch(b, prompt_len=config.sampler.prompt_len,
+                                           max_lag=config.orchestrator.max_off_policy_steps)
+    observed_rows += observed
+    spans += gaps
   assert observed_rows > 0, "no episode called the tool"
   assert max(spans) >= 1, "no episode was re-admitted under newer weights"
   # ... and the logged metrics say so.
