@@ -93,8 +93,10 @@ def build(run: run_context.RunContext, *, orchestrator, publisher) -> AgentRollo
   optional = agent_config.declared_args(fn)
   api_key = secrets.token_urlsafe(24) if "api_key" in optional else ""
   config = gateway_config.GatewayConfig(
+      # (the agents' sessions are bound: never evicted, and not counted in
+      # max_sessions, which bounds what any other local client may open)
       model_name=agent.model_name, host="127.0.0.1", port=agent.port, api_key=api_key,
-      max_sessions=1 << 20, request_timeout_s=agent.timeout_s or 86_400.0)
+      request_timeout_s=agent.timeout_s or 86_400.0)
   dispatcher = orchestrator.dispatcher
   served = server.GatewayServer(
       config=config, engine_cfg=spec.engine, settings=spec.sampling, graphdef=run.graphdef,
