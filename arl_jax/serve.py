@@ -11,7 +11,8 @@ section (slots, prompt length, completion budget, temperature, top-p). The
 server binds localhost unless `--host` says otherwise; `--api_key` (or
 `ARL_JAX_API_KEY`) makes every request carry it. Clients then use
 `http://HOST:PORT/v1` (`/v1/chat/completions`, `/v1/completions`,
-`/v1/models`, `/inference/v1/generate`; README "Serving").
+`/v1/models`, `/inference/v1/generate`; README "Serving"). `--top_logprobs`
+(5) alternatives are recorded with each sampled token, for requests that ask.
 """
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ _API_KEY = flags.DEFINE_string("api_key", os.environ.get("ARL_JAX_API_KEY", ""),
                                "$ARL_JAX_API_KEY; empty: none).")
 _MODEL_NAME = flags.DEFINE_string("model_name", "arl_jax", "The model id clients name.")
 _MAX_N = flags.DEFINE_integer("max_n", 16, "The most choices a request may ask for.")
+_TOP_LOGPROBS = flags.DEFINE_integer(
+    "top_logprobs", 5, "Alternatives recorded per sampled token: the most a request's "
+    "top_logprobs (chat) or logprobs (completions) may ask for; sets sampler.top_logprobs "
+    "(0: none, which saves a top-k over the vocabulary each decode step).")
 
 
 def _serve(config) -> None:
@@ -45,6 +50,7 @@ def _serve(config) -> None:
   serving = gateway_config.GatewayConfig(model_name=_MODEL_NAME.value, host=_HOST.value,
                                          port=_PORT.value, api_key=_API_KEY.value,
                                          max_n=_MAX_N.value)
+  config.sampler.top_logprobs = _TOP_LOGPROBS.value
   resolved = run_spec.resolve(config)
   spec, tokenizer = resolved.spec, resolved.inputs.tokenizer
   meshes = mesh_lib.make_role_meshes(spec.mesh)

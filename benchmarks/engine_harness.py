@@ -60,12 +60,14 @@ class Params:
     return 0, self._params
 
 
-def run_engine(cfg, meshes, graphdef, params, ecfg, budgets, *, prompt_len: int, pad_id: int):
+def run_engine(cfg, meshes, graphdef, params, ecfg, budgets, *, prompt_len: int, pad_id: int,
+               top_logprobs: int = 0):
   """Runs an engine configured by `ecfg` until every request is done (no EOS:
-  every completion runs to its budget); its stats and wall seconds."""
+  every completion runs to its budget), recording `top_logprobs`
+  alternatives per token; its stats and wall seconds."""
   done = []
   # A token id outside the model's vocabulary: never sampled.
-  settings = sampling.SamplingSettings(eos_id=10 ** 6, pad_id=pad_id)
+  settings = sampling.SamplingSettings(eos_id=10 ** 6, pad_id=pad_id, top_logprobs=top_logprobs)
   engine = engine_lib.SamplerEngine(
       cfg=ecfg, settings=settings, graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler,
       publisher=Params(params), dispatcher=Requests(budgets, prompt_len),

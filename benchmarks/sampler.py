@@ -1,6 +1,7 @@
 r"""Sampler engine benchmarks: KV cache vs recompute, continuous vs static
-batching, roofline fraction, the pause of an in-flight weight swap, and the
-engine's tokens/s with decode bursts (several steps per device call).
+batching, roofline fraction, the pause of an in-flight weight swap, the
+engine's tokens/s with decode bursts (several steps per device call), and
+what recording top log-probs costs (`--parts=top_logprobs`).
 
   python benchmarks/sampler.py --out=/tmp/sampler.jsonl          # ~10 min on 2 cores
   python benchmarks/sampler.py --quick                           # seconds, tiny model
@@ -53,8 +54,9 @@ MODELS = {
 SETTINGS = sampling.SamplingSettings(eos_id=EOS, pad_id=PAD)
 
 
-def _model(name, max_seq_len):
-  cfg = model_config_lib.ModelConfig(vocab_size=259, max_seq_len=max_seq_len, **MODELS[name])
+def _model(name, max_seq_len, vocab_size=259):
+  cfg = model_config_lib.ModelConfig(vocab_size=vocab_size, max_seq_len=max_seq_len,
+                                     **MODELS[name])
   meshes = mesh_lib.make_role_meshes(mesh_lib.MeshConfig(), devices=jax.devices()[:1])
   graphdef, params, _ = init_lib.init_params(cfg, meshes.sampler, rules_lib.SAMPLER_RULES, 0)
   return cfg, meshes, graphdef, params
@@ -119,7 +121,7 @@ def no_cache_decode(graphdef, params, prompts, new_tokens, bucket=16):
   start = time.perf_counter()
   for col in range(p, total):
     w = width(col)
-    tok, _ = step(params, tokens[:, :w], mask[:, :w], keys, jnp.int32(col))
+    tok, *_ = step(params, tokens[:, :w], mask[:, :w], keys, jnp.int32(col))
     tokens[:, col] = np.asarray(tok)
     mask[:, col] = True
   return time.perf_counter() - start
@@ -294,6 +296,26 @@ def engine_bursts(cfg, meshes, graphdef, params, num_slots, budgets, bursts, pro
   return rows
 
 
+# -- 6. Recording top log-probs -------------------------------------------------------
+
+
+def engine_top_logprobs(cfg, meshes, graphdef, params, num_slots, budgets, ks, prompt_len):
+  """The engine's sampling tokens/s recording K alternatives per token (a
+  top-k over the vocabulary each step, `[B, L, K]` more state), each K on
+  the same requests."""
+  rows = []
+  for k in ks:
+    ecfg = engine_config.EngineConfig(prompt_len=prompt_len, kv_cache="dense", num_slots=num_slots,
+                                      group_size=1, max_new_tokens=int(budgets.max()),
+                                      precompile=True, decode_burst=4)
+    stats, _ = engine_harness.run_engine(cfg, meshes, graphdef, params, ecfg, budgets,
+                                         prompt_len=prompt_len, pad_id=PAD, top_logprobs=k)
+    rows.append({"top_logprobs": k, "tokens": stats.sampled_tokens,
+                 "tokens_per_s": round(stats.sampled_tokens / stats.busy_seconds, 1),
+                 "decode_s": round(stats.decode_seconds, 2)})
+  return rows
+
+
 # -- main -----------------------------------------------------------------------------
 
 
@@ -385,6 +407,17 @@ def main() -> None:
     emit({"benchmark": "sampler", "part": "engine_burst", "model": name, "slots": slots,
           "requests": n, "median_len": int(np.median(budgets)), **row,
           "vs_burst_1": round(row["tokens_per_s"] / first["tokens_per_s"], 2)})
+  if "top_logprobs" in parts:
+    # SmolLM2's vocabulary (49152), where the top-k over it weighs most against a small model.
+    vocab = 1024 if args.quick else 49152
+    cfg, meshes, graphdef, params = _model(name, prompt_len + max_len, vocab_size=vocab)
+    first = None
+    for row in engine_top_logprobs(cfg, meshes, graphdef, params, slots, budgets,
+                                   (0, 5) if args.quick else (0, 5, 20, 0), prompt_len):
+      first = first or row
+      emit({"benchmark": "sampler", "part": "top_logprobs", "model": name, "vocab": vocab,
+            "slots": slots, "requests": n, **row,
+            "vs_none": round(row["tokens_per_s"] / first["tokens_per_s"], 3)})
   print()
   for part in dict.fromkeys(r["part"] for r in rows):
     report.print_table([r for r in rows if r["part"] == part], title=part)

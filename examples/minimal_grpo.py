@@ -53,7 +53,8 @@ def _next_token(graphdef, params, tokens, mask, settings, keys, column, prompt_l
   last = jnp.take_along_axis(logits, (column - 1)[None, None, None].repeat(tokens.shape[0], 0),
                              axis=1)[:, 0]
   # Draws are keyed by the offset within the completion, as in the sampler.
-  return token_draw.sample_from_logits(last, keys, column - prompt_len, settings)
+  draw = token_draw.sample_from_logits(last, keys, column - prompt_len, settings)
+  return draw.tokens, draw.logprobs
 
 
 def sample(graphdef, params, prompt_ids, keys, *, prompt_len, max_new_tokens, settings):

@@ -40,6 +40,11 @@ class Episode:
       (in a slot), `in_env` (environment calls, tool latency included).
     segment_limit: the most tokens the next segment may sample (None: what
       the budget leaves); a gateway request's `max_tokens`.
+    last_alternatives: `(top_ids [n, K], top_logprobs [n, K])`, the most
+      likely alternatives of the last segment's n tokens when the sampler
+      records them (`SamplingSettings.top_logprobs`; a served answer's
+      `top_logprobs`), else None. Not saved with the episode.
+    open_alternatives: the same for the open segment of a preempted one.
   """
 
   request: object
@@ -56,6 +61,8 @@ class Episode:
   timings: dict[str, float] = dataclasses.field(
       default_factory=lambda: {"queued": 0.0, "generating": 0.0, "in_env": 0.0})
   segment_limit: int | None = None
+  last_alternatives: tuple | None = None
+  open_alternatives: tuple | None = None
 
   @property
   def group_id(self) -> int:
@@ -86,9 +93,11 @@ class Episode:
     """Prompt, completion and open segment so far: what a re-admission prefills."""
     return [*self.prompt_ids, *self.completion_ids, *self.open_tokens]
 
-  def add_segment(self, tokens, logprobs, versions, *, stopped: bool) -> None:
+  def add_segment(self, tokens, logprobs, versions, *, stopped: bool,
+                  alternatives: tuple | None = None) -> None:
     """Appends tokens the policy sampled, with their behaviour log-probs and
-    versions (a whole segment: an open segment's tokens are its first ones)."""
+    versions (a whole segment: an open segment's tokens are its first ones,
+    and their `open_alternatives` replace what `alternatives` holds for them)."""
     n = len(tokens)
     if len(logprobs) != n or len(versions) != n:
       raise ValueError(f"segment of {n} tokens has {len(logprobs)} log-probs and "
@@ -101,7 +110,20 @@ class Episode:
     self.versions.extend(int(v) for v in versions)
     self.turns += 1
     self.last_stopped = stopped
+    self.last_alternatives = self.with_open_alternatives(alternatives)
     self.open_tokens, self.open_logprobs, self.open_versions = [], [], []
+    self.open_alternatives = None
+
+  def with_open_alternatives(self, alternatives: tuple | None) -> tuple | None:
+    """A re-admitted segment's alternatives as read (`[n, K]` each, whose first
+    rows, the open segment's, the slot never sampled) with the open segment's
+    own in those rows."""
+    if alternatives is None or self.open_alternatives is None:
+      return alternatives
+    ids, logps = (np.array(a) for a in alternatives)
+    kept = len(self.open_alternatives[0])
+    ids[:kept], logps[:kept] = self.open_alternatives
+    return ids, logps
 
   def drop_sampled_tail(self, n: int) -> None:
     """Forgets the last `n` tokens of the last segment (a gateway's stop
@@ -115,6 +137,8 @@ class Episode:
                        "shorter")
     for held in (self.completion_ids, self.loss_mask, self.logprobs, self.versions):
       del held[-n:]
+    if self.last_alternatives is not None:
+      self.last_alternatives = tuple(a[:len(a) - n] for a in self.last_alternatives)
     self.last_stopped = False
 
   def add_observation(self, tokens) -> None:

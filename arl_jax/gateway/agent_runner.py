@@ -73,7 +73,6 @@ class AgentRunner:
                       or inspect.iscoroutinefunction(type(agent_fn).__call__))
     self._lock = threading.Lock()
     self._finished: dict[int, list[rollout_lib.Rollout]] = {}
-    self._requests: dict[int, object] = {}  # open group id -> its GroupRequest
     self._tasks: dict[int, list[concurrent.futures.Future]] = collections.defaultdict(list)
     self._sessions: dict[int, set[str]] = collections.defaultdict(set)
     self._cancelled: set[int] = set()
@@ -126,8 +125,6 @@ class AgentRunner:
       self._start_group(episodes[0].request, [e.sample_index for e in episodes])
 
   def _start_group(self, request, indices) -> None:
-    with self._lock:
-      self._requests[request.group_id] = request
     for index in indices:
       future = asyncio.run_coroutine_threadsafe(self._rollout(request, index), self._loop)
       future.add_done_callback(self._check)
@@ -144,7 +141,6 @@ class AgentRunner:
       sessions = [s for g in group_ids for s in self._sessions.pop(g, set())]
       for gid in group_ids:
         self._finished.pop(gid, None)
-        self._requests.pop(gid, None)
     for session_id in sessions:  # (kept, cancelled, until idle: a late request reads why)
       self._gateway.cancel_session(session_id, "its group was cancelled (too stale to train)")
     for task in tasks:
@@ -321,7 +317,6 @@ class AgentRunner:
       del self._finished[gid]
       self._tasks.pop(gid, None)
       self._sessions.pop(gid, None)
-      self._requests.pop(gid, None)
     group.sort(key=lambda r: r.sample_index)
     self._on_group_fn(rollout_lib.Group(
         group_id=gid, prompt_id=request.prompt.prompt_id,

@@ -14,6 +14,7 @@ import dataclasses
 from arl_jax.core import episode as episode_lib
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.gateway import tool_calls as tool_calls_lib
+from arl_jax.sampler import segments
 
 
 @dataclasses.dataclass
@@ -28,6 +29,9 @@ class Answer:
     ends_on_stop_token: its last token is a stop token (EOS, end of turn).
     content, tool_calls, parse_failures: the chat answer after tool-call
       parsing (`content` is `text` when there is none).
+    alternatives: per token, the `(token id, log-prob)` of the most likely
+      tokens of the distribution it was drawn from, most likely first (empty
+      lists when the sampler records none: `SamplingSettings.top_logprobs`).
   """
 
   token_ids: list[int]
@@ -40,6 +44,7 @@ class Answer:
   content: str | None = None
   tool_calls: tuple[tool_calls_lib.ToolCall, ...] = ()
   parse_failures: int = 0
+  alternatives: list[list[tuple[int, float]]] = dataclasses.field(default_factory=list)
 
 
 def _cut_at_stop_string(tokens, text: str, stops, detokenize):
@@ -80,7 +85,18 @@ def finish(episode: episode_lib.Episode, start: int, *, tokenizer: tokenizer_lib
   return Answer(token_ids=list(tokens), logprobs=list(episode.logprobs[len(episode.logprobs) - n:]),
                 versions=list(episode.versions[len(episode.versions) - n:]), text=text,
                 finish_reason=finish_reason, context_len=context_len,
-                ends_on_stop_token=ended_on_token and cut is None, content=text)
+                ends_on_stop_token=ended_on_token and cut is None, content=text,
+                alternatives=_alternatives(episode.last_alternatives, n))
+
+
+def _alternatives(recorded, n: int) -> list[list[tuple[int, float]]]:
+  """The last `n` tokens' alternatives of an episode's `last_alternatives`."""
+  if recorded is None:
+    return [[] for _ in range(n)]
+  ids, logps = recorded
+  rows = range(len(ids) - n, len(ids))
+  return [[(int(t), float(lp)) for t, lp in zip(ids[i], logps[i]) if t != segments.NO_ALTERNATIVE]
+          for i in rows]
 
 
 def parse_tools(answer: Answer, parser: str, tokenizer: tokenizer_lib.Tokenizer,
@@ -103,25 +119,39 @@ def parse_tools(answer: Answer, parser: str, tokenizer: tokenizer_lib.Tokenizer,
       answer.finish_reason = "tool_calls"
 
 
-def chat_logprobs(answer: Answer, tokenizer: tokenizer_lib.Tokenizer, as_ids: bool) -> dict:
-  """`choices[i].logprobs` of a chat completion (the sampled tokens'; no alternatives)."""
-  content = []
-  for token, logprob in zip(answer.token_ids, answer.logprobs):
-    text = f"token_id:{token}" if as_ids else tokenizer.detokenize(
-        [token], skip_special_tokens=False)
-    content.append({"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8")),
-                    "top_logprobs": []})
-  return {"content": content}
+def _token_text(token: int, tokenizer: tokenizer_lib.Tokenizer, as_ids: bool) -> str:
+  return f"token_id:{token}" if as_ids else tokenizer.detokenize([token],
+                                                                 skip_special_tokens=False)
 
 
-def completion_logprobs(answer: Answer, tokenizer: tokenizer_lib.Tokenizer,
-                        as_ids: bool) -> dict:
-  """`choices[i].logprobs` of a legacy completion."""
-  tokens = [f"token_id:{t}" if as_ids else tokenizer.detokenize([t], skip_special_tokens=False)
-            for t in answer.token_ids]
+def chat_logprobs(answer: Answer, tokenizer: tokenizer_lib.Tokenizer, as_ids: bool,
+                  top: int = 0) -> dict:
+  """`choices[i].logprobs` of a chat completion: each sampled token's, with
+  its `top` most likely alternatives."""
+  def entry(token: int, logprob: float) -> dict:
+    text = _token_text(token, tokenizer, as_ids)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+  return {"content": [
+      entry(token, logprob) | {"top_logprobs": [entry(t, lp) for t, lp in alternatives[:top]]}
+      for token, logprob, alternatives in zip(answer.token_ids, answer.logprobs,
+                                              answer.alternatives)]}
+
+
+def completion_logprobs(answer: Answer, tokenizer: tokenizer_lib.Tokenizer, as_ids: bool,
+                        top: int = 0) -> dict:
+  """`choices[i].logprobs` of a legacy completion; with `top`, each token's
+  `top` most likely alternatives and itself (as OpenAI's: up to top + 1)."""
+  tokens = [_token_text(t, tokenizer, as_ids) for t in answer.token_ids]
   offsets, at = [], 0
   for token in tokens:
     offsets.append(at)
     at += len(token)
-  return {"tokens": tokens, "token_logprobs": list(answer.logprobs), "top_logprobs": None,
+  top_logprobs = None
+  if top:
+    top_logprobs = [
+        {_token_text(t, tokenizer, as_ids): lp for t, lp in [*alternatives[:top], (token, logprob)]}
+        for token, logprob, alternatives in zip(answer.token_ids, answer.logprobs,
+                                                answer.alternatives)]
+  return {"tokens": tokens, "token_logprobs": list(answer.logprobs), "top_logprobs": top_logprobs,
           "text_offset": offsets}

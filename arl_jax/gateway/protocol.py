@@ -150,10 +150,13 @@ class ChatCompletionRequest(_Sampling):
                                    "decoding, and the behaviour policy must be the model's own"))
     elif self.tool_choice not in (None, "auto", "none"):
       found.append(("tool_choice", f"unknown value {self.tool_choice!r}"))
-    if self.top_logprobs:
-      found.append(("top_logprobs", "only 0: the sampler records the sampled token's "
-                                    "log-prob, not the most likely alternatives"))
+    if self.top_logprobs and not self.logprobs:
+      found.append(("top_logprobs", "needs logprobs=true"))
     return found
+
+  def alternatives(self) -> int:
+    """The most likely alternatives asked for beside each sampled token."""
+    return (self.top_logprobs or 0) if self.logprobs else 0
 
 
 class CompletionRequest(_Sampling):
@@ -172,6 +175,10 @@ class CompletionRequest(_Sampling):
     if self.best_of not in (None, 1, self.n):
       found.append(("best_of", "only equal to n"))
     return found
+
+  def alternatives(self) -> int:
+    """The most likely alternatives asked for beside each sampled token."""
+    return self.logprobs or 0
 
   def prompts(self) -> list[str | list[int]]:
     """The prompts (a batch, or one)."""

@@ -249,8 +249,9 @@ class SamplerEngine:
     slots = [i for i, row in enumerate(rows) if row is not None and row.group_id in watched]
     if not slots:  # (queued, or ended this iteration: handed over with the whole segment)
       return
-    for slot, (tokens, logprobs, versions, _) in zip(slots, self.runner.read_segments(slots)):
-      self._progress_sink.segment_progress(rows[slot].group_id, tokens, logprobs, versions)
+    for slot, segment in zip(slots, self.runner.read_segments(slots)):
+      self._progress_sink.segment_progress(rows[slot].group_id, segment.tokens,
+                                           segment.logprobs, segment.versions)
 
   # -- versions ----------------------------------------------------------------
 

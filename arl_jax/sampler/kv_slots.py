@@ -170,12 +170,14 @@ def make(cfg: engine_config.EngineConfig) -> DenseSlots:
   return PagedSlots(cfg) if cfg.paged else DenseSlots()
 
 
-def keep_open_segment(episode: episode_lib.Episode, tokens, logprobs, versions) -> int:
-  """Makes what a preempted slot sampled of its segment (from its first
-  completion column: an open segment it was admitted with comes first) the
-  episode's open segment; returns how many of the tokens are new."""
-  new = len(tokens) - len(episode.open_tokens)
-  episode.open_tokens = [int(t) for t in tokens]
-  episode.open_logprobs = [float(x) for x in logprobs]
-  episode.open_versions = [int(v) for v in versions]
+def keep_open_segment(episode: episode_lib.Episode, segment) -> int:
+  """Makes what a preempted slot sampled of its segment (a
+  `slot_fns.Segment`, from its first completion column: an open segment it
+  was admitted with comes first) the episode's open segment; returns how
+  many of the tokens are new."""
+  new = len(segment.tokens) - len(episode.open_tokens)
+  episode.open_alternatives = episode.with_open_alternatives(segment.alternatives)
+  episode.open_tokens = [int(t) for t in segment.tokens]
+  episode.open_logprobs = [float(x) for x in segment.logprobs]
+  episode.open_versions = [int(v) for v in segment.versions]
   return new

@@ -61,9 +61,9 @@ def _decode_rows_once(model, version, state: sampling.SlotState, rows, settings,
       cache=state.cache.replace(keys=view.keys, values=view.values, valid=valid),
       positions=state.positions.at[rows].set(state.positions[rows] + live.astype(jnp.int32)))
   columns = jnp.minimum(last + 1, length - 1)
-  tokens, logp = token_draw.sample_from_logits(logits[:, 0], state.keys[rows],
-                                               columns - state.prompt_end[rows], settings)
-  return sampling.record_tokens(state, live, columns, tokens, logp, version, settings, rows=rows)
+  draw = token_draw.sample_from_logits(logits[:, 0], state.keys[rows],
+                                      columns - state.prompt_end[rows], settings)
+  return sampling.record_tokens(state, live, columns, draw, version, settings, rows=rows)
 
 
 def set_page_table(state: sampling.SlotState, page_table) -> sampling.SlotState:

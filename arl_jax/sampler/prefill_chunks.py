@@ -66,7 +66,8 @@ def begin(state: sampling.SlotState, base_key, slots, tokens, token_mask, logpro
       positions=put(state.positions, jnp.sum(token_mask, axis=1, dtype=jnp.int32)),
       done=put(state.done, False), stopped=put(state.stopped, False),
       stop_mask=put(state.stop_mask, stop_mask),
-      keys=put(state.keys, token_draw.segment_keys(base_key, key_ids)))
+      keys=put(state.keys, token_draw.segment_keys(base_key, key_ids)),
+      **sampling.clear_alternatives(state, slots))
 
 
 def prefill_chunk(graphdef, params, version, state: sampling.SlotState, rows, start, final,
@@ -113,6 +114,6 @@ def prefill_chunk(graphdef, params, version, state: sampling.SlotState, rows, st
   fed = start + chunk  # every column before it is in the cache now
   state = state.replace(cache=state.cache.put_rows(rows, view, valid),
                         index=state.index.at[rows].set(jnp.where(final, state.index[rows], fed)))
-  tokens, logp = token_draw.sample_from_logits(logits[:, -1], state.keys[rows],
-                                               fed - state.prompt_end[rows], settings)
-  return sampling.record_tokens(state, final, fed, tokens, logp, version, settings, rows=rows)
+  draw = token_draw.sample_from_logits(logits[:, -1], state.keys[rows],
+                                      fed - state.prompt_end[rows], settings)
+  return sampling.record_tokens(state, final, fed, draw, version, settings, rows=rows)

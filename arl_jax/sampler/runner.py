@@ -122,8 +122,8 @@ class Runner:
 
   # -- reads ---------------------------------------------------------------------
 
-  def read_segments(self, slots: list[int]) -> list[tuple]:
-    """`(tokens, logprobs, versions, stopped)` of each slot's segment (`slot_fns.read_segments`)."""
+  def read_segments(self, slots: list[int]) -> list[slot_fns.Segment]:
+    """Each slot's segment (`slot_fns.read_segments`)."""
     return slot_fns.read_segments(self.fns, self.state, slots)
 
   def open_segments(self, slots: list, waiting) -> dict:

@@ -33,9 +33,10 @@ from arl_jax.core import settings as settings_lib
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import kv_cache as kv_cache_lib
 from arl_jax.models import paged_kv_cache
-from arl_jax.sampler import token_draw
+from arl_jax.sampler import segments, token_draw
 
 NO_VERSION = rollout_lib.NO_VERSION  # positions that were not sampled (prompt, padding)
+NO_ALTERNATIVE = segments.NO_ALTERNATIVE  # `SlotState.top_ids` where nothing was sampled
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -50,6 +51,11 @@ class SamplingSettings:
     top_p: keep the smallest set of tokens whose probability reaches p (1: off).
     min_p: keep the tokens whose probability is at least `min_p` times the
       most likely token's (0: off), after the temperature, as vLLM's min_p.
+    top_logprobs: the most likely alternatives recorded with every sampled
+      token, from the distribution it was drawn from (0: none). A served
+      request's `top_logprobs` (chat) or `logprobs` (completions) asks for at
+      most this many; a run that serves nobody leaves it 0 (a top-k over the
+      vocabulary each step, and `[B, L, K]` more slot state).
     greedy: argmax decoding (evaluation); log-probs are then untempered.
     eos_id: token that ends a completion (kept, and trained on).
     pad_id: filler for positions after the end.
@@ -67,6 +73,7 @@ class SamplingSettings:
   top_k: int = 0
   top_p: float = 1.0
   min_p: float = 0.0
+  top_logprobs: int = 0
   greedy: bool = settings_lib.derived(False, "evaluation")
   eos_id: int = settings_lib.derived(dataclasses.MISSING, "the tokenizer")
   pad_id: int = settings_lib.derived(dataclasses.MISSING, "the tokenizer")
@@ -81,6 +88,9 @@ class SamplingSettings:
                        "top_p", f"must be in (0, 1], got {self.top_p!r}")
     settings_lib.check(isinstance(self.min_p, (int, float)) and 0.0 <= self.min_p < 1.0,
                        "min_p", f"must be in [0, 1) (0: off), got {self.min_p!r}")
+    settings_lib.check(settings_lib.is_int(self.top_logprobs) and 0 <= self.top_logprobs <= 20,
+                       "top_logprobs", "must be an int in [0, 20] (0: none; OpenAI's largest is "
+                       f"20), got {self.top_logprobs!r}")
 
 
 @flax.struct.dataclass
@@ -102,6 +112,9 @@ class SlotState:
     stopped: `[B]` bool, slot finished by sampling EOS or another stop token.
     stop_mask: `[B, S]` bool, which of `settings.stop_ids` end the slot's segment.
     keys: `[B, 2]` uint32 per-slot PRNG keys (fold_in with the column index).
+    top_ids: `[B, L, K]` int32 the K most likely alternatives of each sampled
+      token (`settings.top_logprobs`; K may be 0), NO_ALTERNATIVE elsewhere.
+    top_logprobs: `[B, L, K]` float32 their log-probs.
   """
 
   tokens: jax.Array
@@ -117,20 +130,24 @@ class SlotState:
   stopped: jax.Array
   stop_mask: jax.Array
   keys: jax.Array
+  top_ids: jax.Array
+  top_logprobs: jax.Array
 
   def logical_axes(self) -> SlotState:
     """This state's structure with each array's logical axis names in its
     place, for `rules.array_shardings`: slots are the `batch` axis."""
     row, column = ("batch",), ("batch", "length")
+    alternatives = ("batch", "length", "alternatives")
     return SlotState(
         tokens=column, token_mask=column, logprobs=column, versions=column,
         cache=self.cache.logical_axes(), prompt_end=row, index=row, limit=row, positions=row,
-        done=row, stopped=row, stop_mask=("batch", "stop_ids"), keys=("batch", "prng_key"))
+        done=row, stopped=row, stop_mask=("batch", "stop_ids"), keys=("batch", "prng_key"),
+        top_ids=alternatives, top_logprobs=alternatives)
 
 
 def init_slots(cfg, *, num_slots: int, length: int, pad_id: int, num_stop_ids: int = 0,
                num_pages: int = 0, page_size: int = 0, attention: str = "xla",
-               layout: str | None = None, mesh=None) -> SlotState:
+               layout: str | None = None, mesh=None, top_logprobs: int = 0) -> SlotState:
   """All slots empty (done), with a zeroed cache of `length` columns: dense
   (`[num_slots, KVH, length, Dh]` per layer), or paged (`PagedKVCache.zeros`) if `num_pages`."""
   b = num_slots
@@ -150,19 +167,38 @@ def init_slots(cfg, *, num_slots: int, length: int, pad_id: int, num_stop_ids: i
       versions=jnp.full((b, length), NO_VERSION, jnp.int32),
       cache=cache, prompt_end=zeros, index=zeros, limit=zeros, positions=zeros,
       done=jnp.ones((b,), jnp.bool_), stopped=jnp.zeros((b,), jnp.bool_),
-      stop_mask=jnp.zeros((b, num_stop_ids), jnp.bool_), keys=jnp.zeros((b, 2), jnp.uint32))
+      stop_mask=jnp.zeros((b, num_stop_ids), jnp.bool_), keys=jnp.zeros((b, 2), jnp.uint32),
+      **no_alternatives(b, length, top_logprobs))
+
+
+def no_alternatives(rows: int, length: int, k: int) -> dict:
+  """`top_ids` and `top_logprobs` of `rows` rows where nothing was sampled."""
+  return dict(top_ids=jnp.full((rows, length, k), NO_ALTERNATIVE, jnp.int32),
+              top_logprobs=jnp.full((rows, length, k), -jnp.inf, jnp.float32))
+
+
+def clear_alternatives(state: SlotState, slots) -> dict:
+  """`top_ids` and `top_logprobs` of `state` with `slots`' rows cleared (a
+  new segment's: an open segment's alternatives stay on the host)."""
+  _, length, k = state.top_ids.shape
+  fresh = no_alternatives(slots.shape[0], length, k)
+  return {name: set_rows(getattr(state, name), slots, fresh[name]) for name in fresh}
 
 
 def set_rows(arr, rows, values):
   return arr.at[rows].set(values)
 
 
-def record_tokens(state: SlotState, live, columns, tokens, logp, version, settings, rows=None):
-  """Writes freshly sampled tokens at per-row `columns` for `live` rows; the
+def record_tokens(state: SlotState, live, columns, draw: token_draw.Draw, version, settings,
+                  rows=None):
+  """Writes freshly drawn tokens at per-row `columns` for `live` rows; the
   arguments are per slot `[B]`, or per slot of `rows` `[R]` when given."""
   full = rows is None
   rows = jnp.arange(state.tokens.shape[0]) if full else rows
+  tokens, logp = draw.tokens, draw.logprobs
   put = lambda arr, val: arr.at[rows, columns].set(jnp.where(live, val, arr[rows, columns]))
+  put_top = lambda arr, val: arr.at[rows, columns].set(
+      jnp.where(live[:, None], val, arr[rows, columns]))
   # Per-slot fields: elementwise over all slots, or scattered to `rows`.
   put_row = (lambda arr, val: val) if full else (lambda arr, val: arr.at[rows].set(val))
   tokens = jnp.where(live, tokens, settings.pad_id)
@@ -177,6 +213,8 @@ def record_tokens(state: SlotState, live, columns, tokens, logp, version, settin
       token_mask=put(state.token_mask, live),
       logprobs=put(state.logprobs, logp),
       versions=put(state.versions, jnp.full_like(columns, version)),
+      top_ids=put_top(state.top_ids, draw.top_ids),
+      top_logprobs=put_top(state.top_logprobs, draw.top_logprobs),
       index=put_row(state.index, jnp.where(live, columns, state.index[rows])),
       done=put_row(state.done, state.done[rows] | is_stop
                    | (live & (columns >= state.limit[rows]))),
@@ -268,14 +306,15 @@ def insert(graphdef, params, version, state: SlotState, slots, prompt_tokens, pr
       done=set_rows(state.done, slots, False),
       stopped=set_rows(state.stopped, slots, False),
       stop_mask=set_rows(state.stop_mask, slots, True if stop_mask is None else stop_mask),
-      keys=set_rows(state.keys, slots, keys))
+      keys=set_rows(state.keys, slots, keys), **clear_alternatives(state, slots))
   # Sample the first completion token of the inserted rows only, at column n.
-  tokens, logp = token_draw.sample_from_logits(logits[:, -1], keys, open_len, settings)
+  draw = token_draw.sample_from_logits(logits[:, -1], keys, open_len, settings)
   b = state.tokens.shape[0]
   live = jnp.zeros((b,), jnp.bool_).at[slots].set(True)
-  full = lambda x, fill: jnp.full((b,), fill, x.dtype).at[slots].set(x)
-  return record_tokens(state, live, full(n, 0), full(tokens, settings.pad_id), full(logp, 0.0),
-                 version, settings)
+  full = lambda x, fill: jnp.full((b, *x.shape[1:]), fill, x.dtype).at[slots].set(x)
+  draw = token_draw.Draw(full(draw.tokens, settings.pad_id), full(draw.logprobs, 0.0),
+                         full(draw.top_ids, NO_ALTERNATIVE), full(draw.top_logprobs, -jnp.inf))
+  return record_tokens(state, live, full(n, 0), draw, version, settings)
 
 
 def insert_from_ids(graphdef, params, version, state: SlotState, base_key, slots, prompt_tokens,
@@ -345,7 +384,8 @@ def fork(state: SlotState, base_key, src, dst, key_ids, max_new_tokens, stop_mas
       done=set_rows(state.done, dst, False),
       stopped=set_rows(state.stopped, dst, False),
       stop_mask=set_rows(state.stop_mask, dst, stop_mask),
-      keys=set_rows(state.keys, dst, token_draw.segment_keys(base_key, key_ids)))
+      keys=set_rows(state.keys, dst, token_draw.segment_keys(base_key, key_ids)),
+      **clear_alternatives(state, dst))
 
 
 def decode_step(graphdef, params, version, state: SlotState, stop_rows, rows, *,
@@ -391,28 +431,7 @@ def _decode_all(model, version, state: SlotState, rows, settings) -> SlotState:
                         state.cache.replace(valid=valid), last, write_mask=live)
   state = state.replace(cache=cache, positions=state.positions + live.astype(jnp.int32))
   columns = jnp.minimum(last + 1, length - 1)
-  tokens, logp = token_draw.sample_from_logits(logits[:, 0], state.keys,
-                                               columns - state.prompt_end, settings)
-  return record_tokens(state, live, columns, tokens, logp, version, settings)
+  draw = token_draw.sample_from_logits(logits[:, 0], state.keys, columns - state.prompt_end,
+                                      settings)
+  return record_tokens(state, live, columns, draw, version, settings)
 
-
-def recompute_cache(graphdef, params, state: SlotState, rows, *,
-                    width: int | None = None) -> SlotState:
-  """Re-prefills the KV cache of `rows` under `params` (the `recompute` KV policy).
-
-  Every token already fed to the model (columns before each slot's last
-  sampled token) gets keys/values from `params`, as a fresh prefill would;
-  recorded tokens, log-probs and versions stay as sampled. Only the first
-  `width` columns are computed (None: all L): the engine passes a width that
-  holds every live slot's last column, as for `decode_step`.
-  """
-  model = nnx.merge(graphdef, params)
-  b, length = state.tokens.shape
-  width = length if width is None else width
-  tokens = state.tokens[:, :width]
-  fed = state.token_mask[:, :width] & (jnp.arange(width)[None, :] < state.index[:, None])
-  positions = decoder_lib.positions_from_mask(fed)
-  live = rows & ~state.done
-  _, cache = model(tokens, positions, decoder_lib.causal_mask(fed), state.cache,
-                   jnp.zeros((b,), jnp.int32), write_mask=live)
-  return state.replace(cache=cache)

@@ -357,9 +357,8 @@ class Scheduler:
     """Applies a decode's result: the `[B]` done flags after it (read last:
     on the device they are the end of the work, which this bookkeeping
     overlaps), and the segments of `plan.preempted` (read before it)."""
-    for (_, row), (tokens, logprobs, versions, _) in zip(self._preempted, preempted_segments):
-      self.stats.sampled_tokens += kv_slots.keep_open_segment(row.episode, tokens, logprobs,
-                                                              versions)
+    for (_, row), segment in zip(self._preempted, preempted_segments):
+      self.stats.sampled_tokens += kv_slots.keep_open_segment(row.episode, segment)
       # (Its context now holds what it sampled: all of it is prefilled again.)
       self.stats.preempted_tokens += len(row.episode.context_ids())
     self._preempted = []
@@ -407,18 +406,19 @@ class Scheduler:
     return self._table.finished(self._prefills.held)
 
   def harvest(self, slots: list[int], segments) -> list[episode_lib.Episode]:
-    """Frees the finished `slots`, adding each one's segment (`(tokens,
-    logprobs, versions, stopped)` as the runner read it) to its episode;
-    returns the episodes, which then belong to the caller."""
+    """Frees the finished `slots`, adding each one's segment (a
+    `slot_fns.Segment` as the runner read it) to its episode; returns the
+    episodes, which then belong to the caller."""
     now = time.monotonic()
     ended = []
-    for slot, (tokens, logprobs, versions, stopped) in zip(slots, segments):
+    for slot, segment in zip(slots, segments):
       row = self._table.rows[slot]
       self._free_slot(slot)
       restored = len(row.episode.open_tokens)  # sampled before a resume (counted then)
-      row.episode.add_segment(tokens, logprobs, versions, stopped=stopped)
+      row.episode.add_segment(segment.tokens, segment.logprobs, segment.versions,
+                              stopped=segment.stopped, alternatives=segment.alternatives)
       row.episode.timings["generating"] += now - row.start_time
-      self.stats.sampled_tokens += len(tokens) - restored
+      self.stats.sampled_tokens += len(segment.tokens) - restored
       self.stats.finished_segments += 1
       ended.append(row.episode)
     self._forget_unused_versions()

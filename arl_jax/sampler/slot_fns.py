@@ -19,7 +19,15 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from arl_jax.models import decode_kernels
-from arl_jax.sampler import engine_config, paged_decode, prefill_chunks, sampling, trace_counter
+from arl_jax.sampler import (
+  engine_config,
+  kv_recompute,
+  paged_decode,
+  prefill_chunks,
+  sampling,
+  segments,
+  trace_counter,
+)
 from arl_jax.sharding import rules as rules_lib
 
 
@@ -54,7 +62,7 @@ class SamplerFns:
       states; one program per row count, width and step count; `width`
       None, one per row count and step count).
     recompute: `(params, state, rows, width=None) -> SlotState`
-      (`sampling.recompute_cache`).
+      (`kv_recompute.recompute_cache`).
     set_pages: `(state, page_table) -> SlotState`, a paged cache's page table
       as the host's page pool holds it (`paged_decode.set_page_table`).
     take_rows: `(state, slots) -> dict` of the rows `slots` of the per-column
@@ -98,6 +106,8 @@ def state_shardings(mesh: Mesh, abstract_state: sampling.SlotState) -> sampling.
 
 def _take_rows(state: sampling.SlotState, slots):
   fields = ("tokens", "token_mask", "logprobs", "versions", "prompt_end", "stopped")
+  if state.top_ids.shape[-1]:  # (only a state that records alternatives moves them)
+    fields += ("top_ids", "top_logprobs")
   return {name: getattr(state, name)[slots] for name in fields}
 
 
@@ -133,6 +143,7 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
                            pad_id=settings.pad_id, num_stop_ids=len(settings.stop_ids),
                            num_pages=num_pages, page_size=page_size,
                            attention=paged_attention, layout=paged_layout,
+                           top_logprobs=settings.top_logprobs,
                            # (a kernel XLA cannot partition runs per device on it)
                            mesh=mesh if decode_kernels.named(paged_attention).needs_mesh
                            else None)
@@ -147,7 +158,7 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
                                   graphdef, settings=settings)
   prefill_chunk = functools.partial(counters["prefill"].wrap(prefill_chunks.prefill_chunk),
                                     graphdef, settings=settings)
-  recompute = functools.partial(counters["recompute"].wrap(sampling.recompute_cache), graphdef)
+  recompute = functools.partial(counters["recompute"].wrap(kv_recompute.recompute_cache), graphdef)
   return SamplerFns(
       init=jax.jit(counters["init"].wrap(init), out_shardings=shardings),
       insert=jax.jit(insert, out_shardings=shardings, donate_argnums=2),
@@ -172,20 +183,22 @@ def make_sampler_fns(*, graphdef, model_cfg, mesh: Mesh, settings: sampling.Samp
   )
 
 
-def read_segments(fns: SamplerFns, state: sampling.SlotState, slots: list[int]) -> list[tuple]:
-  """`(tokens, logprobs, versions, stopped)` on the host of each slot's current
-  segment, from its first completion column (a resumed open segment's tokens
-  included); `slots` is padded to a `engine_config.row_bucket` so that reads compile rarely."""
+def read_segments(fns: SamplerFns, state: sampling.SlotState,
+                  slots: list[int]) -> list[segments.Segment]:
+  """Each slot's current `segments.Segment`, on the host; `slots` is padded to a
+  `engine_config.row_bucket` so that reads compile rarely."""
   r = engine_config.row_bucket(len(slots), state.tokens.shape[0])
   idx = np.array(slots + [slots[-1]] * (r - len(slots)), np.int32)
   host = jax.device_get(fns.take_rows(state, idx))
-  segments = []
+  read = []
   for j in range(len(slots)):
     start = int(host["prompt_end"][j])
     cols = slice(start, start + int(host["token_mask"][j, start:].sum()))
-    segments.append((host["tokens"][j, cols], host["logprobs"][j, cols],
-                     host["versions"][j, cols], bool(host["stopped"][j])))
-  return segments
+    alternatives = ((host["top_ids"][j, cols], host["top_logprobs"][j, cols])
+                    if "top_ids" in host else None)
+    read.append(segments.Segment(host["tokens"][j, cols], host["logprobs"][j, cols],
+                            host["versions"][j, cols], bool(host["stopped"][j]), alternatives))
+  return read
 
 
 def open_segments(fns: SamplerFns, state, slots: list, waiting) -> dict:
@@ -198,8 +211,7 @@ def open_segments(fns: SamplerFns, state, slots: list, waiting) -> dict:
       for row in waiting if row.episode.open_tokens}
   occupied = [i for i, row in enumerate(slots) if row is not None]
   if occupied and state is not None:
-    for slot, (tokens, logprobs, versions, _) in zip(occupied,
-                                                     read_segments(fns, state, occupied)):
+    for slot, segment in zip(occupied, read_segments(fns, state, occupied)):
       episode = slots[slot].episode
-      partials[(episode.group_id, episode.sample_index)] = (tokens, logprobs, versions)
+      partials[(episode.group_id, episode.sample_index)] = segment[:3]
   return partials

@@ -14,9 +14,29 @@ however it is scheduled, preempted, shared or resumed.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+
+class Draw(NamedTuple):
+  """One token per row and what is recorded with it.
+
+  Attributes:
+    tokens: `[B]` int32 the drawn tokens.
+    logprobs: `[B]` float32 their log-probs under the distribution drawn from.
+    top_ids: `[B, K]` int32 the K most likely tokens of that distribution
+      (K = `settings.top_logprobs`, 0 for none), most likely first.
+    top_logprobs: `[B, K]` float32 their log-probs (-inf for a token the
+      truncation excluded).
+  """
+
+  tokens: jax.Array
+  logprobs: jax.Array
+  top_ids: jax.Array
+  top_logprobs: jax.Array
 
 
 def _truncate(logits, settings):
@@ -56,7 +76,10 @@ def sample_from_logits(logits, keys, columns, settings):
     settings: static sampling settings.
 
   Returns:
-    `(tokens [B] int32, logprobs [B] float32)`.
+    A `Draw`: the tokens, their log-probs, and the `settings.top_logprobs`
+    most likely alternatives of the same distribution (what the gateway
+    answers `top_logprobs` with: the chosen token's log-prob and its
+    alternatives' are comparable).
   """
   if settings.greedy:
     logp = jax.nn.log_softmax(logits, axis=-1)
@@ -79,7 +102,13 @@ def sample_from_logits(logits, keys, columns, settings):
     tokens = jnp.where(jnp.any(hit, axis=-1), jnp.argmax(hit, axis=-1),
                        jnp.argmax(probs, axis=-1)).astype(jnp.int32)
   token_logp = jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
-  return tokens, token_logp
+  k = settings.top_logprobs
+  if k:
+    top_logp, top_ids = jax.lax.top_k(logp, k)
+  else:  # (zero-width: the slot state's alternatives have no columns)
+    top_logp, top_ids = jnp.zeros((logp.shape[0], 0), jnp.float32), jnp.zeros(
+        (logp.shape[0], 0), jnp.int32)
+  return Draw(tokens, token_logp, top_ids.astype(jnp.int32), top_logp)
 
 
 def segment_keys(base_key, key_ids):

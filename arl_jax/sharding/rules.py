@@ -45,6 +45,7 @@ SAMPLER_RULES: Rules = {
     "length": None,
     "stop_ids": None,
     "prng_key": None,
+    "alternatives": None,
     # The paged KV cache (`PagedKVCache.logical_axes`): pages are shared by
     # every slot, so the pool is whole on each `data` shard.
     "kv_pages": None,

@@ -39,9 +39,10 @@ def chat_tokenizer(folder: str) -> hf_tokenizer.HfTokenizer:
 
 
 def start_tiny(folder: str, *, config: gateway_config.GatewayConfig | None = None,
-               temperature: float = 1.0, **engine_options) -> Served:
+               temperature: float = 1.0, top_logprobs: int = 0, **engine_options) -> Served:
   """Serves a random tiny decoder (2 layers, d_model 32) with a chat tokenizer
-  written to `folder`, on one device, on a free localhost port."""
+  written to `folder`, on one device, on a free localhost port, recording
+  `top_logprobs` alternatives per token."""
   tokenizer = chat_tokenizer(folder)
   meshes = tiny.single_device_meshes()
   model_cfg = tiny.tiny_model_config(vocab_size=tokenizer.vocab_size, max_seq_len=1024)
@@ -52,7 +53,8 @@ def start_tiny(folder: str, *, config: gateway_config.GatewayConfig | None = Non
                  decode_burst=1, precompile=False)
   options.update(engine_options)
   settings = sampling.SamplingSettings(
-      temperature=temperature, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
+      temperature=temperature, top_logprobs=top_logprobs, eos_id=tokenizer.eos_id,
+      pad_id=tokenizer.pad_id,
       stop_ids=tuple(i for i in tokenizer.stop_ids if i != tokenizer.eos_id))
   served = server.GatewayServer(
       config=config or gateway_config.GatewayConfig(port=0), settings=settings,

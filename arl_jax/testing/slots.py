@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
 from arl_jax.core import rows as rows_lib
 from arl_jax.learner import logprobs as logprobs_lib
@@ -56,3 +58,13 @@ def teacher_forced_logprobs(graphdef, params, tokens, token_mask, temperature=1.
       graphdef, params, tokens, token_mask.astype(np.int32),
       decoder_lib.positions_from_mask(token_mask), temperature)
   return np.asarray(logp)
+
+
+def teacher_forced_distributions(graphdef, params, tokens) -> np.ndarray:
+  """The learner's log-softmax `[L, V]` after each token of one host row `[L]`
+  (row i: the distribution of token i + 1), at temperature 1."""
+  model = nnx.merge(graphdef, params)
+  tokens = np.atleast_2d(np.asarray(tokens, np.int32))
+  mask = np.ones(tokens.shape, bool)
+  logits, _ = model(tokens, decoder_lib.positions_from_mask(mask), decoder_lib.causal_mask(mask))
+  return np.asarray(jax.nn.log_softmax(logits[0].astype(jnp.float32), axis=-1))

@@ -28,8 +28,12 @@ def test_the_command_serves_a_config_s_model():
     assert url is not None
     headers = {"Authorization": "Bearer k"}
     out = httpx.post(url + "/completions", headers=headers, timeout=60,
-                     json={"model": "arl_jax", "prompt": "12+7=", "max_tokens": 2}).json()
+                     json={"model": "arl_jax", "prompt": "12+7=", "max_tokens": 2,
+                           "logprobs": 5, "return_tokens_as_token_ids": True}).json()
     assert len(out["choices"]) == 1 and out["usage"]["completion_tokens"] <= 2
+    # (--top_logprobs: 5 alternatives recorded by default, the sampled token beside them;
+    # as ids, since byte tokens' texts collide)
+    assert all(5 <= len(top) <= 6 for top in out["choices"][0]["logprobs"]["top_logprobs"])
     assert httpx.get(url + "/models").status_code == 401
   finally:
     process.terminate()

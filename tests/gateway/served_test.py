@@ -21,7 +21,7 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-  s = served_lib.start_tiny(str(tmp_path_factory.mktemp("tok")))
+  s = served_lib.start_tiny(str(tmp_path_factory.mktemp("tok")), top_logprobs=5)
   yield s
   s.server.stop()
 
@@ -83,6 +83,35 @@ def test_the_recorded_log_probs_are_the_learner_s_at_lag_0(served, client):
   sampled = np.array(branch["loss_mask"]) == 1
   np.testing.assert_allclose(np.array(branch["logprobs"])[sampled], learner[sampled], atol=1e-5)
   assert set(np.array(branch["versions"])[sampled]) == {0}
+
+
+def test_top_logprobs_are_the_learner_s_most_likely_tokens(served, client):
+  """`top_logprobs` (chat) and `logprobs=k` (completions) answer with the
+  most likely tokens of the distribution each token was drawn from."""
+  response = client.chat.completions.create(
+      model="arl_jax", messages=QUESTION, max_tokens=8, logprobs=True, top_logprobs=4,
+      extra_body={"return_token_ids": True, "return_tokens_as_token_ids": True})
+  prompt, tokens = response.model_extra["prompt_token_ids"], response.choices[0].model_extra[
+      "token_ids"]
+  learner = slots_lib.teacher_forced_distributions(served.graphdef, served.params,
+                                                   [*prompt, *tokens])[len(prompt) - 1:-1]
+  content = response.choices[0].logprobs.content
+  assert [int(c.token.removeprefix("token_id:")) for c in content] == tokens
+  for entry, row in zip(content, learner):
+    top = entry.top_logprobs
+    assert len(top) == 4
+    ids = [int(t.token.removeprefix("token_id:")) for t in top]
+    np.testing.assert_allclose([t.logprob for t in top], np.sort(row)[::-1][:4], atol=1e-5)
+    np.testing.assert_allclose([row[i] for i in ids], [t.logprob for t in top], atol=1e-5)
+    assert entry.logprob <= top[0].logprob + 1e-6
+  legacy = client.completions.create(model="arl_jax", prompt="Add 12 and 7.", max_tokens=5,
+                                     logprobs=2)
+  logprobs = legacy.choices[0].logprobs
+  for token, logprob, top in zip(logprobs.tokens, logprobs.token_logprobs, logprobs.top_logprobs):
+    assert 2 <= len(top) <= 3 and top[token] == pytest.approx(logprob)
+  with pytest.raises(openai.BadRequestError, match="records 5 alternatives"):
+    client.chat.completions.create(model="arl_jax", messages=QUESTION, max_tokens=2,
+                                   logprobs=True, top_logprobs=6)
 
 
 def test_a_seed_repeats_its_choices_and_n_gives_different_ones(served, client):

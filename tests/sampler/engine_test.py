@@ -63,7 +63,10 @@ HAND_BUILT = dict(kv_cache="dense", decode_burst=1, precompile=False)
 
 
 def _engine(publisher, setup, weight_update, on_group, *, kv_policy="keep", take_hook=None,
-            prompt_tokens=(4, 4), max_async_level=0, budget_fn=None, **engine_options):
+            prompt_tokens=(4, 4), max_async_level=0, budget_fn=None, top_logprobs=0,
+            on_segment=None, **engine_options):
+  """An engine over `setup`'s tiny model; `on_group(request, rollouts)` gets
+  each finished group; `on_segment(episode)` (optional) sees each segment first."""
   meshes, graphdef, cfg = setup["meshes"], setup["graphdef"], setup["cfg"]
   dispatch = orchestrator_config.OrchestratorConfig(group_size=4, batch_size=8,
                                                max_async_level=max_async_level,
@@ -83,9 +86,19 @@ def _engine(publisher, setup, weight_update, on_group, *, kv_policy="keep", take
                                      max_new_tokens=NEW, weight_update=weight_update,
                                      kv_policy=kv_policy,
                                      **{**HAND_BUILT, **engine_options}),
-      settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD), graphdef=graphdef,
-      model_cfg=cfg, mesh=meshes.sampler, publisher=publisher, dispatcher=dispatcher,
-      on_segment_fn=single_turn_groups(on_group))
+      settings=sampling.SamplingSettings(eos_id=EOS, pad_id=PAD, top_logprobs=top_logprobs),
+      graphdef=graphdef, model_cfg=cfg, mesh=meshes.sampler, publisher=publisher,
+      dispatcher=dispatcher, on_segment_fn=_watched(single_turn_groups(on_group), on_segment))
+
+
+def _watched(on_segment_fn, watch):
+  if watch is None:
+    return on_segment_fn
+
+  def both(episode):
+    watch(episode)
+    on_segment_fn(episode)
+  return both
 
 
 def _run_until(engine, condition, timeout=60.0):

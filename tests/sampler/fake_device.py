@@ -17,7 +17,7 @@ import dataclasses
 
 import numpy as np
 
-from arl_jax.sampler import plans
+from arl_jax.sampler import plans, segments
 
 EOS = 1
 
@@ -91,7 +91,7 @@ class FakeDevice:
           self._draw(self.slots[slot], work.version)
     return self._done()
 
-  def decode(self, plan: plans.DecodePlan) -> tuple[np.ndarray, list[tuple]]:
+  def decode(self, plan: plans.DecodePlan) -> tuple[np.ndarray, list[segments.Segment]]:
     preempted = self.read_segments(list(plan.preempted)) if plan.preempted else []
     if plan.page_table is not None:
       self.page_table = plan.page_table.copy()
@@ -108,13 +108,13 @@ class FakeDevice:
           self._draw(self.slots[slot], call.version)
     return self._done(), preempted
 
-  def read_segments(self, slots: list[int]) -> list[tuple]:
-    segments = []
+  def read_segments(self, slots: list[int]) -> list[segments.Segment]:
+    read = []
     for slot in slots:
       s = self.slots[slot]
       tokens, logprobs, versions = zip(*s.tokens) if s.tokens else ((), (), ())
-      segments.append((list(tokens), list(logprobs), list(versions), s.stopped))
-    return segments
+      read.append(segments.Segment(list(tokens), list(logprobs), list(versions), s.stopped))
+    return read
 
   def recompute(self, plan: plans.Recompute) -> None:
     self.recomputed = plan.occupied.copy()

@@ -5,7 +5,8 @@ when the pool runs out, pages back at once on cancellation."""
 import numpy as np
 import pytest
 
-from arl_jax.sampler import engine_config
+from arl_jax.sampler import engine_config, kv_slots, segments
+from arl_jax.testing import slots as slots_lib
 from arl_jax.testing import tiny
 from tests.sampler.engine_test import NEW, ScriptedPublisher, _engine, _run_until, teacher_forced
 
@@ -154,6 +155,39 @@ def test_a_preempted_row_keeps_its_open_segment_for_a_checkpoint(setup):
     assert 1 <= len(tokens) < NEW
     assert list(tokens) == episode.open_tokens and list(versions) == [0] * len(tokens)
     assert list(logprobs) == episode.open_logprobs
+
+
+def test_alternatives_are_the_learner_s_top_k_and_survive_preemption(setup, monkeypatch):
+  """With `top_logprobs=3` every sampled token records the 3 most likely
+  tokens of the distribution it was drawn from (the learner's at lag 0), a
+  segment preempted and prefilled again included: its open tokens' come from
+  the episode, the rest from the slot."""
+  v0, _ = setup["sampler_params"]
+  preempted, ended = set(), []
+  keep = kv_slots.keep_open_segment
+
+  def keep_and_note(episode, segment):
+    preempted.add((episode.group_id, episode.sample_index))
+    return keep(episode, segment)
+
+  monkeypatch.setattr(kv_slots, "keep_open_segment", keep_and_note)
+  _, engine = _groups(setup, ScriptedPublisher(v0, None, 0), top_logprobs=3,
+                      on_segment=ended.append, **SMALL_POOL)
+  assert engine.stats.preemptions > 0
+  assert preempted & {(e.group_id, e.sample_index) for e in ended}
+  for episode in ended:
+    ids, logps = episode.last_alternatives
+    n = len(episode.completion_ids)
+    assert ids.shape == logps.shape == (n, 3) and (ids != segments.NO_ALTERNATIVE).all()
+    context = [*episode.prompt_ids, *episode.completion_ids]
+    learner = slots_lib.teacher_forced_distributions(setup["graphdef"], setup["params"][0],
+                                                     context)[len(episode.prompt_ids) - 1:-1]
+    np.testing.assert_allclose(logps, -np.sort(-learner, axis=1)[:, :3], atol=1e-5)
+    np.testing.assert_allclose(np.take_along_axis(learner, ids, axis=1), logps, atol=1e-5)
+    for token, logprob, row_ids, row_logps in zip(episode.completion_ids, episode.logprobs,
+                                                  ids, logps):
+      if token in row_ids:
+        assert logprob == pytest.approx(row_logps[list(row_ids).index(token)], abs=1e-6)
 
 
 def test_config_checks():

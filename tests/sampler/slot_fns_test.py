@@ -80,7 +80,7 @@ def test_the_functions_keep_the_rules_layout_and_count_their_compiles():
   assert layout(state) == want
   segments = slot_fns.read_segments(fns, state, [0, 1, 2, 3])
   # Insert + 3 decode steps; the fork samples from the first decode step on.
-  for (tokens, logprobs, versions, stopped), n in zip(segments[:3], (4, 4, 3)):
+  for (tokens, logprobs, versions, stopped, _), n in zip(segments[:3], (4, 4, 3)):
     assert len(tokens) == n or (stopped and 0 < len(tokens) < n)
     assert len(logprobs) == len(tokens) and set(versions.tolist()) == {0}
   assert len(segments[3][0]) == 0  # slot 3 was never filled
