@@ -3,12 +3,17 @@ driven in-process, at several numbers of concurrent clients.
 
 Both sides drive one started `GatewayServer` (a tiny random decoder, one CPU
 device, 32 slots): `gateway` rows are `/v1/completions` requests over HTTP
-from C concurrent `httpx` clients; `in_process` rows hand the same segments
-to the engine's port directly (`EnginePort.new_episode` + `submit`), with no
-HTTP, no JSON and no request checks. Every request asks for `--tokens`
+from C concurrent `aiohttp` clients in another process, as a served model's
+clients are (`gateway_httpx_same_process` rows: `httpx` clients in the
+server's own process, as the first version of this benchmark measured; at
+128 connections `httpx` takes a core to send 49 requests/s and was what
+that row measured); `in_process` rows hand the
+same segments to the engine's port directly (`EnginePort.new_episode` +
+`submit`), with no HTTP, no JSON and no request checks. Every request asks for `--tokens`
 tokens after the same 16-token prompt; a sampled EOS ends one early, so
-tokens/s counts the tokens actually sampled. A warm-up round of each side
-compiles the shapes first. Latency is per request (time to the whole answer:
+tokens/s counts the tokens actually sampled. The engine compiles every
+shape it can use before the first round (`precompile`), and a warm-up round
+of each side runs first. Latency is per request (time to the whole answer:
 the gateway answers when the segment ends, so it is also the time to first
 token of a stream); p50/p99 over the requests of a row. `sessions` rows:
 short multi-turn chat episodes (3 turns of at most 8 tokens, each turn the
@@ -40,6 +45,30 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import report  # noqa: E402
 
 
+async def _aiohttp_clients(base_url, prompt, tokens, clients, requests):
+  import aiohttp  # noqa: PLC0415
+
+  latencies, sampled = [], 0
+  queue = list(range(requests))
+
+  async def client(http):
+    nonlocal sampled
+    while queue:
+      queue.pop()
+      start = time.perf_counter()
+      async with http.post(base_url + "/completions", json={
+          "model": "arl_jax", "prompt": prompt, "max_tokens": tokens}) as r:
+        r.raise_for_status()
+        body = await r.json()
+      latencies.append(time.perf_counter() - start)
+      sampled += body["usage"]["completion_tokens"]
+
+  async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as http:
+    start = time.perf_counter()
+    await asyncio.gather(*(client(http) for _ in range(clients)))
+  return time.perf_counter() - start, sampled, latencies
+
+
 async def _gateway_clients(base_url, prompt, tokens, clients, requests):
   import httpx  # noqa: PLC0415
 
@@ -61,6 +90,21 @@ async def _gateway_clients(base_url, prompt, tokens, clients, requests):
     start = time.perf_counter()
     await asyncio.gather(*(client(h) for _ in range(clients)))
   return time.perf_counter() - start, sampled, latencies
+
+
+def _gateway_clients_elsewhere(base_url, prompt, tokens, clients, requests):
+  """`_aiohttp_clients` run in a new process (spawned: no JAX, no server)."""
+  import concurrent.futures  # noqa: PLC0415
+  import multiprocessing  # noqa: PLC0415
+
+  with concurrent.futures.ProcessPoolExecutor(
+      1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    return pool.submit(_run_gateway_clients, base_url, prompt, tokens, clients,
+                       requests).result()
+
+
+def _run_gateway_clients(*args):
+  return asyncio.run(_aiohttp_clients(*args))
 
 
 async def _in_process_clients(port, prompt, tokens, clients, requests):
@@ -153,17 +197,24 @@ def main(argv=None):
   from arl_jax.testing import served as served_lib  # noqa: PLC0415
 
   clients = [1, 4] if args.quick else [int(c) for c in args.clients.split(",")]
-  served = served_lib.start_tiny(tempfile.mkdtemp(), num_slots=32, max_new_tokens=64)
+  # Every program shape compiled before the first round (else the first side
+  # to see a new batch size pays its compiles: 16 clients once read 1.98x).
+  served = served_lib.start_tiny(tempfile.mkdtemp(), num_slots=32, max_new_tokens=64,
+                                 precompile=not args.quick)
   try:
     prompt = list(range(10, 26))
     rows = []
     asyncio.run(_in_process_clients(served.server.port, prompt, args.tokens, 8, 16))
     asyncio.run(_gateway_clients(served.base_url, prompt, args.tokens, 8, 16))
+    _gateway_clients_elsewhere(served.base_url, prompt, args.tokens, 8, 16)
     for c in clients:
       requests = max(2 * c, 8) if not args.quick else 4
       pair = {}
-      for side in ("in_process", "gateway"):
+      for side in ("in_process", "gateway", "gateway_httpx_same_process"):
         if side == "gateway":
+          wall, sampled, lat = _gateway_clients_elsewhere(served.base_url, prompt, args.tokens,
+                                                          c, requests)
+        elif side == "gateway_httpx_same_process":
           wall, sampled, lat = asyncio.run(_gateway_clients(served.base_url, prompt,
                                                             args.tokens, c, requests))
         else:
@@ -176,7 +227,9 @@ def main(argv=None):
                      "latency_p50_s": round(float(np.percentile(lat, 50)), 4),
                      "latency_p99_s": round(float(np.percentile(lat, 99)), 4)})
       rows.append({"benchmark": "gateway", "part": "ratio", "clients": c,
-                   "gateway_over_in_process": round(pair["gateway"] / pair["in_process"], 3)})
+                   "gateway_over_in_process": round(pair["gateway"] / pair["in_process"], 3),
+                   "httpx_same_process_over_in_process": round(
+                       pair["gateway_httpx_same_process"] / pair["in_process"], 3)})
     for c in ([4] if args.quick else [1, 16, 64]):
       for _ in range(1 if args.quick else 2):  # (the first round compiles its shapes)
         first, gaps, whole = asyncio.run(_streams(served.base_url, c, 4 if args.quick

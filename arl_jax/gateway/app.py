@@ -33,6 +33,7 @@ import uuid
 import fastapi
 import pydantic
 from fastapi import responses
+from starlette import requests
 
 from arl_jax.gateway import answers as answers_lib
 from arl_jax.gateway import engine_port, protocol, streaming
@@ -56,11 +57,15 @@ def _validation_error(e: pydantic.ValidationError) -> protocol.GatewayError:
 
 async def _parse(request: fastapi.Request, model, limit: int):
   body = b""
-  async for chunk in request.stream():
-    body += chunk
-    if len(body) > limit:
-      raise protocol.GatewayError(413, f"the request body exceeds {limit} bytes "
-                                  "(gateway.max_request_bytes)")
+  try:
+    async for chunk in request.stream():
+      body += chunk
+      if len(body) > limit:
+        raise protocol.GatewayError(413, f"the request body exceeds {limit} bytes "
+                                    "(gateway.max_request_bytes)")
+  except requests.ClientDisconnect as e:  # (nobody reads the answer; no traceback in the log)
+    raise protocol.GatewayError(400, "the client disconnected while sending its "
+                                "request") from e
   try:
     obj = json.loads(body)
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
@@ -92,7 +97,8 @@ def _chat_json(gateway, req, outcome, rid: str, created: int) -> dict:
   for i, answer in enumerate(outcome.answers):
     choice = {"index": i, "message": _chat_message(answer), "finish_reason": answer.finish_reason,
               "logprobs": (answers_lib.chat_logprobs(answer, gateway.tokenizer,
-                                                     req.return_tokens_as_token_ids)
+                                                     req.return_tokens_as_token_ids,
+                                                     req.alternatives())
                            if req.logprobs else None)}
     if req.return_token_ids:
       choice["token_ids"] = answer.token_ids
@@ -109,7 +115,8 @@ def _completion_json(gateway, req, outcome, rid: str, created: int) -> dict:
   for i, answer in enumerate(outcome.answers):
     choice = {"index": i, "text": answer.text, "finish_reason": answer.finish_reason,
               "logprobs": (answers_lib.completion_logprobs(answer, gateway.tokenizer,
-                                                           req.return_tokens_as_token_ids)
+                                                           req.return_tokens_as_token_ids,
+                                                           req.alternatives())
                            if req.logprobs is not None else None)}
     if req.return_token_ids:
       choice["token_ids"] = answer.token_ids
@@ -216,6 +223,16 @@ async def _stream(gateway, req, call, *, chat: bool, rid: str, created: int, to_
   return responses.StreamingResponse(events(), media_type="text/event-stream")
 
 
+def _left(request: fastapi.Request):
+  """An async () that returns when the client of `request` (whose body was
+  read) disconnects: the server's next ASGI message for it is then
+  `http.disconnect` (uvicorn answers a waiting `receive` at once)."""
+  async def wait() -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+      pass
+  return wait
+
+
 def _event(chunk: dict) -> str:
   return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n"
 
@@ -251,7 +268,7 @@ def make_app(gateway: gateway_lib.Gateway, *, engine_failed=lambda: False) -> fa
 
     def call(**stream):
       return gateway.chat(req, session_id=session_of(request, session_id),
-                          disconnected=request.is_disconnected, **stream)
+                          disconnected=_left(request), **stream)
 
     if req.stream:
       return await _stream(gateway, req, call, chat=True, rid=rid, created=created,
@@ -265,7 +282,7 @@ def make_app(gateway: gateway_lib.Gateway, *, engine_failed=lambda: False) -> fa
 
     def call(**stream):
       return gateway.complete(req, session_id=session_of(request, session_id),
-                              disconnected=request.is_disconnected, **stream)
+                              disconnected=_left(request), **stream)
 
     if req.stream:
       return await _stream(gateway, req, call, chat=False, rid=rid, created=created,
@@ -276,7 +293,7 @@ def make_app(gateway: gateway_lib.Gateway, *, engine_failed=lambda: False) -> fa
     authorize(request)
     req = await _parse(request, protocol.GenerateRequest, config.max_request_bytes)
     outcome = await gateway.generate(req, session_id=session_of(request, session_id),
-                                     disconnected=request.is_disconnected)
+                                     disconnected=_left(request))
     choices = [{"index": i, "text": a.text, "token_ids": a.token_ids,
                 "finish_reason": a.finish_reason,
                 "logprobs": answers_lib.chat_logprobs(a, gateway.tokenizer, as_ids=True)}
