@@ -72,8 +72,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config = base_config.make("math_answer")
   config.update(num_steps=40, log_every=5, eval_every=10,
                 eval_size=200)  # (every held-out pair)
-  # Shapes and starting weights from the folder's config.json and safetensors.
-  config.model.update(hf_path=arg, max_seq_len=128)
+  base_config.use_hf_chat_model(config, arg)
+  config.model.max_seq_len = 128
   config.env.path = os.path.join(sample_data.DATA_DIR, "larger.jsonl")
   # The chat-formatted prompts are 51 tokens (the default system turn
   # included); completions get 48. (bfloat16 sampling is not faster on a CPU
@@ -84,15 +84,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   config.learner.update(
       eps_high=0.28, tis_cap=2.0, num_microbatches=2,
       # A few tens of updates: a larger rate than long runs use (1e-6).
-      lr=1e-5,
-      # Tokens whose float32 logits (49,152 wide) exist at once when scoring.
-      logprob_chunk=1024,
-      # Rollouts packed several to a learner row of up to this many tokens.
-      pack_len=512, attention="auto")
-  # Special tokens and the chat template from the folder's tokenizer_config.json
-  # (<|im_end|> ends a turn; the template's default system turn is rendered).
-  config.tokenizer.update(kind="hf", path=arg, eos_token="auto", bos_token="auto",
-                          pad_token="auto", chat_template="auto")
+      lr=1e-5)
   config.checkpoint.update(every_steps=10, keep=2)
   # No supervised warm-up: the instruction-tuned model already answers sometimes.
   config.warmup.update(steps=0, lr=1e-5)

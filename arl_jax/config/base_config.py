@@ -67,3 +67,21 @@ def make_tiny(config: ml_collections.ConfigDict, *, num_steps: int, eval_every: 
   config.orchestrator.update(batch_size=batch_size, group_size=4)
   config.checkpoint.update(every_steps=0, save_final=False)
   config.warmup.update(steps=warmup_steps, batch_size=16)
+
+
+def use_hf_chat_model(config: ml_collections.ConfigDict, folder: str) -> None:
+  """Points `config` at a Hugging Face chat model folder (a small one, as
+  SmolLM2-135M-Instruct), with what a 2-core CPU run of it needs: shapes and
+  weights from the folder, its tokenizer, special tokens and chat template,
+  logits scored in chunks, rollouts packed into learner rows."""
+  # Shapes and starting weights from the folder's config.json and safetensors.
+  config.model.hf_path = folder
+  # Special tokens and the chat template from the folder's tokenizer_config.json
+  # (<|im_end|> ends a turn; the template's default system turn is rendered).
+  config.tokenizer.update(kind="hf", path=folder, eos_token="auto", bos_token="auto",
+                          pad_token="auto", chat_template="auto")
+  config.learner.update(
+      # Tokens whose float32 logits (49,152 wide) exist at once when scoring.
+      logprob_chunk=1024,
+      # Rollouts packed several to a learner row of up to this many tokens.
+      pack_len=512, attention="auto")

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from arl_jax.envs import arith, math_answer, tool_agent
+from arl_jax.envs import arith, math_answer, reasoning_gym_env, tool_agent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,4 +39,6 @@ SINGLE_ENVS = {
         math_answer.make_prompts),
     "tool_agent": EnvEntry(tool_agent.ToolAgentConfig, tool_agent.ToolAgentEnv,
                            tool_agent.make_prompts),
+    "reasoning_gym": EnvEntry(reasoning_gym_env.ReasoningGymConfig, reasoning_gym_env.make_env,
+                              reasoning_gym_env.make_prompts),
 }

@@ -1,0 +1,240 @@
+"""reasoning-gym's procedural tasks as an environment (`env.name = "reasoning_gym"`).
+
+reasoning-gym (`pip install -e ".[reasoning-gym]"`) generates ~100 tasks
+(arithmetic, algebra, logic, games, ...) from a seed, each with its own
+scorer and difficulty settings. Config (one entry per task under
+`env.tasks`, each with a sampling `weight` and that task's own config keys,
+so `--config.env.tasks.chain_sum.max_terms=4` reaches them):
+
+  config.env = dict(name="reasoning_gym", size=20_000, heldout_size=200, seed=0,
+                    tasks=dict(chain_sum=dict(weight=2.0, max_terms=4),
+                               gcd=dict(weight=1.0)))
+
+Prompts: the task's question, then (with `answer_format="tags"`) the
+instruction to put the final answer between `<answer>` and `</answer>`,
+rendered as a user turn of the model's chat template. Reward: the task's
+own `score_answer` on the last tagged answer (or, with "raw", on the whole
+completion's text); a completion cut off by the length limit scores 0.
+
+Splits: the training prompts come from `seed`, the held-out ones from a
+different seed, and a training question whose text is also a held-out one
+is dropped, so the held-out set never meets a training prompt (small
+tasks repeat questions). The training set holds `size` questions split
+between the tasks by weight. A prompt is an `env_api.TextPrompt` whose id
+says its task, split and index (`prompt_id`), which regenerates its entry
+for scoring, so checkpoints hold only the record.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import zlib
+from collections.abc import Mapping, Sequence
+
+from arl_jax.envs import env_api
+from arl_jax.envs import tokenizer as tokenizer_lib
+
+ANSWER_FORMATS = ("tags", "raw")
+_INSTRUCTION = "\n\nGive only your final answer between <answer> and </answer>."
+# A prompt id: task (24 bits of a hash of its name) | split (1 bit) | index (31 bits).
+_INDEX_BITS, _SPLIT_BIT = 31, 1 << 31
+_HELDOUT_SEED_OFFSET = 1_000_003  # (any seed the training set does not use)
+
+
+def _library():
+  try:
+    import reasoning_gym  # noqa: PLC0415 - the [reasoning-gym] extra
+  except ImportError as e:
+    raise ValueError('env.name="reasoning_gym" needs the reasoning-gym package: pip install '
+                     '-e ".[reasoning-gym]"') from e
+  return reasoning_gym
+
+
+def task_names() -> list[str]:
+  """Every task reasoning-gym registers."""
+  _library()
+  from reasoning_gym import factory  # noqa: PLC0415
+
+  return sorted(factory.DATASETS)
+
+
+def task_options(task: str) -> dict:
+  """`task`'s own config keys and their defaults (its dataset config's
+  fields, less the seed and size the environment sets)."""
+  _library()
+  from reasoning_gym import factory  # noqa: PLC0415
+
+  config_cls = factory.DATASETS[task][1]
+  options = {}
+  for f in dataclasses.fields(config_cls):
+    if f.name in ("seed", "size") or not f.init:
+      continue
+    if f.default is not dataclasses.MISSING:
+      options[f.name] = f.default
+    elif f.default_factory is not dataclasses.MISSING:
+      options[f.name] = f.default_factory()
+  return options
+
+
+def _task_id(task: str) -> int:
+  return zlib.crc32(task.encode()) & 0xFFFFFF
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ReasoningGymConfig:
+  """Attributes:
+    tasks: `{task: {"weight": w, **that task's config keys}}`.
+    size: training questions, split between the tasks by weight.
+    heldout_size: held-out questions per task.
+    seed: the training questions' seed (the held-out ones use another).
+    answer_format: "tags" (the answer between `<answer>` tags, asked for
+      in the prompt) or "raw" (the whole completion is the answer).
+    weights, options: derived, validated per task.
+  """
+
+  tasks: Mapping[str, Mapping]
+  size: int = 20_000
+  heldout_size: int = 200
+  seed: int = 0
+  answer_format: str = "tags"
+  weights: Mapping[str, float] = dataclasses.field(init=False)
+  options: Mapping[str, Mapping] = dataclasses.field(init=False)
+
+  def __post_init__(self):
+    if not self.tasks:
+      raise ValueError("env.tasks is empty: name at least one reasoning-gym task "
+                       "(configs/reasoning_gym.py:TASK[,TASK...])")
+    known = task_names()
+    weights, options = {}, {}
+    for task, fields in sorted(self.tasks.items()):
+      where = f"env.tasks.{task}"
+      if task not in known:
+        close = difflib.get_close_matches(task, known, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else ""
+        raise ValueError(f"{where}: unknown reasoning-gym task {task!r}{hint} Tasks: "
+                         f"{', '.join(known)}")
+      fields = dict(fields or {})
+      weight = fields.pop("weight", 1.0)
+      if not isinstance(weight, (int, float)) or weight <= 0:
+        raise ValueError(f"{where}.weight must be a number > 0, got {weight!r}")
+      allowed = task_options(task)
+      unknown = sorted(set(fields) - set(allowed))
+      if unknown:
+        raise ValueError(f"{where}: unknown key(s) {unknown}; {task}'s keys: "
+                         f"{sorted(allowed) + ['weight']}")
+      weights[task], options[task] = float(weight), {**allowed, **fields}
+      try:  # (the task's own checks, before anything is built)
+        _dataset(task, tuple(sorted(options[task].items())), self.seed, 1)
+      except (AssertionError, ValueError, TypeError) as e:
+        raise ValueError(f"{where}: {e}") from e
+    for name, low in (("size", 1), ("heldout_size", 1)):
+      if not isinstance(getattr(self, name), int) or getattr(self, name) < low:
+        raise ValueError(f"env.{name} must be an int >= {low}, got {getattr(self, name)!r}")
+    if self.answer_format not in ANSWER_FORMATS:
+      raise ValueError(f"env.answer_format must be one of {ANSWER_FORMATS}, got "
+                       f"{self.answer_format!r}")
+    object.__setattr__(self, "weights", weights)
+    object.__setattr__(self, "options", options)
+
+  def sizes(self, split: str) -> dict[str, int]:
+    """Questions per task in `split` (training: `size` by weight, at least 1)."""
+    if split == "heldout":
+      return {task: self.heldout_size for task in self.weights}
+    total = sum(self.weights.values())
+    return {task: max(1, round(self.size * w / total)) for task, w in self.weights.items()}
+
+
+def _frozen(options: Mapping) -> tuple:
+  return tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in options.items()))
+
+
+@functools.lru_cache(maxsize=64)
+def _dataset(task: str, options: tuple, seed: int, size: int):
+  """The task's procedural dataset (generated lazily, entry by entry)."""
+  return _library().create_dataset(task, seed=seed, size=size, **dict(options))
+
+
+def _split_dataset(cfg: ReasoningGymConfig, task: str, split: str):
+  seed = cfg.seed + (_HELDOUT_SEED_OFFSET if split == "heldout" else 0)
+  return _dataset(task, _frozen(cfg.options[task]), seed, cfg.sizes(split)[task])
+
+
+def prompt_id(task: str, split: str, index: int) -> int:
+  return (_task_id(task) << 32) | (_SPLIT_BIT if split == "heldout" else 0) | index
+
+
+def _decode(cfg: ReasoningGymConfig, pid: int) -> tuple[str, str, int]:
+  """`(task, split, index)` of a prompt id of `cfg`'s tasks."""
+  by_id = {_task_id(t): t for t in cfg.weights}
+  task = by_id.get(pid >> 32)
+  if task is None:
+    raise ValueError(f"prompt id {pid} is of none of this run's tasks {sorted(cfg.weights)}")
+  return task, "heldout" if pid & _SPLIT_BIT else "train", pid & (_SPLIT_BIT - 1)
+
+
+def _question(cfg: ReasoningGymConfig, entry: dict) -> str:
+  return entry["question"] + (_INSTRUCTION if cfg.answer_format == "tags" else "")
+
+
+def make_prompts(cfg: ReasoningGymConfig, split: str) -> list[env_api.TextPrompt]:
+  """The questions of one split, task after task (the training stream
+  shuffles them); training questions that are also held-out ones are left out."""
+  if split not in env_api.SPLITS:
+    raise ValueError(f"split must be one of {env_api.SPLITS}, got {split!r}")
+  prompts = []
+  for task in sorted(cfg.weights):
+    heldout = {e["question"] for e in _split_dataset(cfg, task, "heldout")}
+    data = _split_dataset(cfg, task, split)
+    for index, entry in enumerate(data):
+      if split == "train" and entry["question"] in heldout:
+        continue
+      prompts.append(env_api.TextPrompt(prompt_id=prompt_id(task, split, index),
+                                        text=_question(cfg, entry), answer=str(entry["answer"])))
+  return prompts
+
+
+class ReasoningGymEnv(env_api.Environment):
+  """Scores a completion with its task's own `score_answer`."""
+
+  name = "reasoning_gym"
+
+  def __init__(self, cfg: ReasoningGymConfig, tokenizer: tokenizer_lib.Tokenizer):
+    self.cfg, self.tokenizer = cfg, tokenizer
+
+  def encode_prompt(self, prompt: env_api.TextPrompt) -> list[int]:
+    return env_api.encode_user_prompt(self.tokenizer, prompt.text)
+
+  def env_name_of(self, prompt: env_api.TextPrompt) -> str:
+    """Each task's rewards and drops are reported under its own name."""
+    return f"reasoning_gym/{_decode(self.cfg, prompt.prompt_id)[0]}"
+
+  def answer_of(self, completion_ids: Sequence[int]) -> str | None:
+    """The answer a completion gives (None: none, or it was cut off)."""
+    if not env_api.ended_turn(self.tokenizer, completion_ids):
+      return None
+    stops = set(self.tokenizer.stop_ids)
+    text = self.tokenizer.decode([int(i) for i in completion_ids if int(i) not in stops])
+    if self.cfg.answer_format == "raw":
+      return text.strip()
+    from reasoning_gym import utils  # noqa: PLC0415
+
+    return utils.extract_answer(text)
+
+  def demonstration(self, prompt: env_api.TextPrompt) -> env_api.Demonstration:
+    """The reference answer in the asked-for format (a supervised warm-up's)."""
+    text = prompt.answer if self.cfg.answer_format == "raw" else (
+        f"<answer>{prompt.answer}</answer>")
+    target = [*self.tokenizer.encode(text), self.tokenizer.end_of_turn_id]
+    return env_api.Demonstration(completion_ids=tuple(target), loss_mask=(1.0,) * len(target))
+
+  def score(self, prompt: env_api.TextPrompt, completion_ids: Sequence[int]) -> float:
+    task, split, index = _decode(self.cfg, prompt.prompt_id)
+    data = _split_dataset(self.cfg, task, split)
+    return float(data.score_answer(self.answer_of(completion_ids), data[index]))
+
+
+def make_env(cfg: ReasoningGymConfig, tokenizer, for_eval: bool = False) -> ReasoningGymEnv:
+  del for_eval
+  return ReasoningGymEnv(cfg, tokenizer)
