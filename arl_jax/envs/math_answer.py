@@ -11,7 +11,16 @@ compares it numerically with the record's `answer`:
 Numbers compare exactly as fractions after removing thousands separators, `$`,
 `%` and a trailing period (`1,000` == `1000.0` == `$1000`; `3/4` == `0.75`). A
 completion cut off by the length limit (no EOS) scores 0, as does one with no
-extractable or unparsable answer. Records come from a JSONL file (schema in
+extractable or unparsable answer.
+
+With `checker="symbolic"` (the `[math]` extra) answers that are not plain
+numbers compare as mathematics with math-verify (`\\frac{1}{\\sqrt{2}}` ==
+`\\sqrt{2}/2`, `(x+1)^2` == `x^2+2x+1`, sets, intervals), the reference may
+be any expression, and `answer is ...` takes the rest of its line. The check
+runs in child processes with a wall timeout (`checker_timeout_s`) and a
+memory cap (`child_calls.py`): a model's `2^{2^{2^{20}}}` costs its timeout
+and scores 0, never a hung worker. Two numbers still compare exactly here,
+without a child. Records come from a JSONL file (schema in
 `jsonl_source.py`); the default is the sample shipped with the package
 (`envs/data/math_answer.jsonl`, written by `python -m arl_jax.envs.sample_data`).
 """
@@ -20,11 +29,13 @@ from __future__ import annotations
 
 import dataclasses
 import fractions
+import importlib.util
 import os
 import re
+import threading
 import zlib
 
-from arl_jax.envs import env_api, jsonl_source
+from arl_jax.envs import child_calls, env_api, jsonl_source
 from arl_jax.envs import tokenizer as tokenizer_lib
 
 SAMPLE_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data",
@@ -35,6 +46,9 @@ _NUMBER = r"-?\$?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:/\d+)?%?|-?\$?\.\d+%?"
 _HASHES = re.compile(r"####\s*(" + _NUMBER + r")")
 _ANSWER_IS = re.compile(r"answer(?:\s+is|\s*:)\s*(" + _NUMBER + r")", re.IGNORECASE)
 _ANY_NUMBER = re.compile(_NUMBER)
+_ANSWER_IS_ANYTHING = re.compile(r"answer(?:\s+is|\s*:)\s*([^\n]+)", re.IGNORECASE)
+CHECKERS = ("number", "symbolic")
+_MAX_SYMBOLIC_CHARS = 1000  # (an answer longer than any reference is cut before parsing)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -43,13 +57,24 @@ class MathAnswerConfig:
     path: JSONL file of records (`prompt`, `answer`[, `id`, `env`]).
     heldout_fraction: share of records (by a hash of their id) held out.
     strict: accept only `####` and `\\boxed{}` answers.
+    checker: "number" (exact fractions) or "symbolic" (math-verify, in
+      child processes; see the module docstring).
+    checker_timeout_s: the longest one symbolic check may take.
   """
 
   path: str = SAMPLE_PATH
   heldout_fraction: float = 0.1
   strict: bool = False
+  checker: str = "number"
+  checker_timeout_s: float = 5.0
 
   def __post_init__(self):
+    if self.checker not in CHECKERS:
+      raise ValueError(f"env.checker must be one of {CHECKERS}, got {self.checker!r}")
+    if self.checker == "symbolic" and importlib.util.find_spec("math_verify") is None:
+      raise ValueError('env.checker: "symbolic" needs math-verify: pip install -e ".[math]"')
+    if not self.checker_timeout_s > 0:
+      raise ValueError(f"env.checker_timeout_s must be > 0, got {self.checker_timeout_s!r}")
     if not 0.0 < self.heldout_fraction < 1.0:
       raise ValueError(f"env.heldout_fraction must be in (0, 1), got {self.heldout_fraction}")
     if not os.path.isfile(self.path):
@@ -90,8 +115,9 @@ def _last_boxed(text: str) -> str | None:
   return None  # unbalanced
 
 
-def extract_answer(text: str, strict: bool = False) -> str | None:
-  """The final answer written in `text` (see the module docstring), or None."""
+def extract_answer(text: str, strict: bool = False, expressions: bool = False) -> str | None:
+  """The final answer written in `text` (see the module docstring), or None;
+  `expressions`: `answer is ...` takes the rest of its line (the symbolic checker's)."""
   found = _HASHES.findall(text)
   if found:
     return found[-1]
@@ -100,6 +126,10 @@ def extract_answer(text: str, strict: bool = False) -> str | None:
     return boxed
   if strict:
     return None
+  if expressions:
+    stated = _ANSWER_IS_ANYTHING.findall(text)
+    if stated:
+      return stated[-1].strip().rstrip(".").strip().strip("$").strip()
   found = _ANSWER_IS.findall(text) or _ANY_NUMBER.findall(text)
   return found[-1] if found else None
 
@@ -111,7 +141,10 @@ def make_prompts(cfg: MathAnswerConfig, split: str) -> list[env_api.TextPrompt]:
     raise ValueError(f"split must be one of {env_api.SPLITS}, got {split!r}")
   records = jsonl_source.load(cfg.path, env_name="math_answer").prompts
   for p in records:
-    if parse_number(p.answer) is None:
+    if cfg.checker == "symbolic":
+      if not p.answer.strip():
+        raise ValueError(f"{cfg.path}: record id {p.prompt_id}: the answer is empty")
+    elif parse_number(p.answer) is None:
       raise ValueError(f"{cfg.path}: record id {p.prompt_id}: answer {p.answer!r} is not a "
                        "number (GSM8K files: keep only what follows '####')")
   heldout = lambda p: zlib.crc32(str(p.prompt_id).encode()) % 10_000 < cfg.heldout_fraction * 1e4
@@ -126,6 +159,8 @@ class MathAnswerEnv(env_api.Environment):
   def __init__(self, cfg: MathAnswerConfig, tokenizer: tokenizer_lib.Tokenizer):
     self._cfg = cfg
     self._tokenizer = tokenizer
+    self._symbolic = None  # the checker's children, started at the first symbolic check
+    self._lock = threading.Lock()
 
   def encode_prompt(self, prompt: env_api.TextPrompt) -> list[int]:
     return env_api.encode_user_prompt(self._tokenizer, prompt.text)
@@ -134,15 +169,30 @@ class MathAnswerEnv(env_api.Environment):
     ids = [int(i) for i in completion_ids]
     if not env_api.ended_turn(self._tokenizer, ids):
       return 0.0  # cut off by the length limit
-    answer = extract_answer(self._tokenizer.decode(ids), self._cfg.strict)
+    symbolic = self._cfg.checker == "symbolic"
+    answer = extract_answer(self._tokenizer.decode(ids), self._cfg.strict, expressions=symbolic)
     if answer is None:
       return 0.0
-    want = parse_number(prompt.answer)
-    if want is None:  # a data error, not a wrong answer: counted as an env error
-      raise ValueError(f"prompt {prompt.prompt_id}: reference answer {prompt.answer!r} is not a "
-                       "number")
-    got = parse_number(answer)
-    return float(got is not None and got == want)
+    want, got = parse_number(prompt.answer), parse_number(answer)
+    if want is not None and got is not None:
+      return float(got == want)
+    if not symbolic:
+      if want is None:  # a data error, not a wrong answer: counted as an env error
+        raise ValueError(f"prompt {prompt.prompt_id}: reference answer {prompt.answer!r} is "
+                         "not a number")
+      return 0.0
+    # (A timeout, an exception or a child killed by its memory cap: not equal.)
+    outcome = self.symbolic_checker().call(prompt.answer, answer[:_MAX_SYMBOLIC_CHARS])
+    return float(outcome.ok and outcome.value is True)
+
+  def symbolic_checker(self) -> child_calls.ChildPool:
+    """The symbolic checks' child processes (their `counts` say how many
+    timed out, raised or died)."""
+    with self._lock:
+      if self._symbolic is None:
+        self._symbolic = child_calls.ChildPool("arl_jax.envs.symbolic_check:equivalent",
+                                               workers=2, timeout_s=self._cfg.checker_timeout_s)
+      return self._symbolic
 
   def demonstration(self, prompt: env_api.TextPrompt) -> env_api.Demonstration:
     target = [*self._tokenizer.encode(f"#### {prompt.answer}"), self._tokenizer.end_of_turn_id]

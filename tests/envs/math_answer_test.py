@@ -1,6 +1,7 @@
 """The math-word-answer environment: answer extraction, numeric comparison, splits."""
 
 import fractions
+import time
 
 import pytest
 
@@ -98,3 +99,54 @@ def test_a_reference_answer_that_is_not_a_number_is_an_error_not_a_zero(tmp_path
 def test_config_rejects_a_missing_file():
   with pytest.raises(ValueError, match="no such file"):
     math_answer.MathAnswerConfig(path="/nonexistent.jsonl")
+
+
+# Answers the number rule gets wrong (not numbers), each right under the symbolic checker.
+SYMBOLIC_CASES = [
+    ("\\sqrt{2}/2", "\\boxed{\\frac{1}{\\sqrt{2}}}"),
+    ("x^2+2x+1", "So the answer is (x+1)^2."),
+    ("\\{1, 2\\}", "\\boxed{\\{2, 1\\}}"),
+    ("\\frac{\\pi}{3}", "\\boxed{60^\\circ \\cdot \\frac{\\pi}{180}}"),
+]
+
+
+@pytest.fixture(scope="module")
+def symbolic_env():
+  pytest.importorskip("math_verify")
+  env = math_answer.MathAnswerEnv(
+      math_answer.MathAnswerConfig(checker="symbolic", checker_timeout_s=3.0), TOK)
+  yield env
+  env.symbolic_checker().close()
+
+
+@pytest.mark.parametrize("gold, completion", SYMBOLIC_CASES)
+def test_the_symbolic_checker_takes_what_the_number_rule_refuses(symbolic_env, gold, completion):
+  prompt = env_api.TextPrompt(prompt_id=0, text="q", answer=gold)
+  ids = [*TOK.encode(completion), TOK.eos_id]
+  assert symbolic_env.score(prompt, ids) == 1.0
+  number_rule = _env()
+  if math_answer.parse_number(gold) is None:  # (a data error there, counted as an env error)
+    with pytest.raises(ValueError, match="not a number"):
+      number_rule.score(prompt, ids)
+
+
+def test_the_symbolic_checker_refuses_wrong_and_hostile_answers_in_time(symbolic_env):
+  prompt = env_api.TextPrompt(prompt_id=0, text="q", answer="x^2+2x+1")
+  score = lambda text: symbolic_env.score(prompt, [*TOK.encode(text), TOK.eos_id])  # noqa: E731
+  assert score("\\boxed{(x+1)^3}") == 0.0
+  assert score("#### 15") == 0.0
+  checker = symbolic_env.symbolic_checker()
+  start = time.monotonic()
+  assert score("\\boxed{2^{2^{2^{20}}}}") == 0.0  # (sympy would compute it for ever)
+  assert time.monotonic() - start < 3.0 + 10.0 and checker.counts["timeouts"] >= 1
+  assert score("\\boxed{(x+1)^2}") == 1.0  # (a new child took the killed one's place)
+  # Numbers still compare exactly, without a child.
+  calls = checker.counts["calls"]
+  number = env_api.TextPrompt(prompt_id=1, text="q", answer="3/4")
+  assert symbolic_env.score(number, [*TOK.encode("#### 0.75"), TOK.eos_id]) == 1.0
+  assert checker.counts["calls"] == calls
+
+
+def test_the_checker_setting_is_checked():
+  with pytest.raises(ValueError, match="env.checker must be one of"):
+    math_answer.MathAnswerConfig(checker="sympy")
