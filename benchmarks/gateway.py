@@ -45,51 +45,49 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import report  # noqa: E402
 
 
-async def _aiohttp_clients(base_url, prompt, tokens, clients, requests):
-  import aiohttp  # noqa: PLC0415
-
+async def _run_clients(http, post, clients, requests):
+  """`requests` requests from `clients` concurrent clients sharing `http`;
+  `post(http)` sends one and returns its completion tokens."""
   latencies, sampled = [], 0
   queue = list(range(requests))
 
-  async def client(http):
+  async def client():
     nonlocal sampled
     while queue:
       queue.pop()
       start = time.perf_counter()
-      async with http.post(base_url + "/completions", json={
-          "model": "arl_jax", "prompt": prompt, "max_tokens": tokens}) as r:
-        r.raise_for_status()
-        body = await r.json()
+      sampled += await post(http)
       latencies.append(time.perf_counter() - start)
-      sampled += body["usage"]["completion_tokens"]
+
+  start = time.perf_counter()
+  await asyncio.gather(*(client() for _ in range(clients)))
+  return time.perf_counter() - start, sampled, latencies
+
+
+async def _aiohttp_clients(base_url, prompt, tokens, clients, requests):
+  import aiohttp  # noqa: PLC0415
+
+  async def post(http):
+    async with http.post(base_url + "/completions", json={
+        "model": "arl_jax", "prompt": prompt, "max_tokens": tokens}) as r:
+      r.raise_for_status()
+      return (await r.json())["usage"]["completion_tokens"]
 
   async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=clients)) as http:
-    start = time.perf_counter()
-    await asyncio.gather(*(client(http) for _ in range(clients)))
-  return time.perf_counter() - start, sampled, latencies
+    return await _run_clients(http, post, clients, requests)
 
 
 async def _gateway_clients(base_url, prompt, tokens, clients, requests):
   import httpx  # noqa: PLC0415
 
-  latencies, sampled = [], 0
-  queue = list(range(requests))
-
-  async def client(http):
-    nonlocal sampled
-    while queue:
-      queue.pop()
-      start = time.perf_counter()
-      r = await http.post(base_url + "/completions", json={
-          "model": "arl_jax", "prompt": prompt, "max_tokens": tokens})
-      r.raise_for_status()
-      latencies.append(time.perf_counter() - start)
-      sampled += r.json()["usage"]["completion_tokens"]
+  async def post(http):
+    r = await http.post(base_url + "/completions", json={
+        "model": "arl_jax", "prompt": prompt, "max_tokens": tokens})
+    r.raise_for_status()
+    return r.json()["usage"]["completion_tokens"]
 
   async with httpx.AsyncClient(timeout=600, limits=httpx.Limits(max_connections=clients)) as h:
-    start = time.perf_counter()
-    await asyncio.gather(*(client(h) for _ in range(clients)))
-  return time.perf_counter() - start, sampled, latencies
+    return await _run_clients(h, post, clients, requests)
 
 
 def _gateway_clients_elsewhere(base_url, prompt, tokens, clients, requests):

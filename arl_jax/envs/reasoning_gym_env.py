@@ -33,6 +33,7 @@ import functools
 import zlib
 from collections.abc import Mapping, Sequence
 
+from arl_jax.core import settings
 from arl_jax.envs import env_api
 from arl_jax.envs import tokenizer as tokenizer_lib
 
@@ -66,16 +67,8 @@ def task_options(task: str) -> dict:
   _library()
   from reasoning_gym import factory  # noqa: PLC0415
 
-  config_cls = factory.DATASETS[task][1]
-  options = {}
-  for f in dataclasses.fields(config_cls):
-    if f.name in ("seed", "size") or not f.init:
-      continue
-    if f.default is not dataclasses.MISSING:
-      options[f.name] = f.default
-    elif f.default_factory is not dataclasses.MISSING:
-      options[f.name] = f.default_factory()
-  return options
+  defaults = settings.defaults(factory.DATASETS[task][1])
+  return {k: v for k, v in defaults.items() if k not in ("seed", "size")}
 
 
 def _task_id(task: str) -> int:
