@@ -7,7 +7,10 @@ everyone else. So a checker that may not return runs here: in a spawned
 child (no JAX, no threads of the run) under an address-space cap, with a
 wall timeout after which the child is killed and replaced. A child is a new
 interpreter running this module (`python -m`), not a fork or a
-multiprocessing spawn, which would import the run's own main module again. Children are
+multiprocessing spawn, which would import the run's own main module again.
+A reply is read up to 1 MiB; a child that writes more is killed. This bounds
+a library call on hostile text; it is not a sandbox for code a model wrote
+(no network or file isolation). Children are
 reused between calls (importing sympy costs a second); a pool holds up to
 `workers` of them and callers from many threads share it.
 """
@@ -66,10 +69,16 @@ def _serve(function: str, memory_bytes: int) -> None:
       reply("error", f"exception: {type(e).__name__}: {str(e)[:200]}")
 
 
+class ReplyTooLarge(Exception):
+  """A child's reply passed `max_reply_bytes`."""
+
+
 class _Child:
   """One child process and its pipes (JSON lines: no pickle crosses the boundary)."""
 
-  def __init__(self, function: str, memory_bytes: int, start_timeout_s: float):
+  def __init__(self, function: str, memory_bytes: int, start_timeout_s: float,
+               max_reply_bytes: int = 1 << 20):
+    self.max_reply_bytes = max_reply_bytes
     self.process = subprocess.Popen(
         [sys.executable, "-m", "arl_jax.envs.child_calls", function, str(memory_bytes)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
@@ -104,6 +113,8 @@ class _Child:
       if not chunk:
         raise EOFError("the child closed its output")
       self._buffer += chunk
+      if len(self._buffer) > self.max_reply_bytes:  # (read no further: the child goes)
+        raise ReplyTooLarge(f"reply over {self.max_reply_bytes} bytes")
     line, _, self._buffer = self._buffer.partition(b"\n")
     return json.loads(line)
 
@@ -159,6 +170,9 @@ class ChildPool:
         self._count("timeouts")
         return Outcome(False, reason=f"timeout after {self.timeout_s} s")
       kind, value = reply
+    except ReplyTooLarge as e:
+      self._count("deaths")
+      return Outcome(False, reason=f"child died: killed, {e}")
     except (EOFError, OSError) as e:  # (killed by its memory cap, or a crash)
       self._count("deaths")
       return Outcome(False, reason=f"child died: {type(e).__name__} (exit code "

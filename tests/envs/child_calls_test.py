@@ -30,6 +30,9 @@ def test_results_exceptions_timeouts_memory_and_deaths_are_outcomes():
   try:
     assert "MemoryError" in hog.call("x", 2 << 30).reason  # (over the cap, refused in the child)
     assert hog.call("x", 3).value == "xxx"
+    huge = hog.call("x", 4 << 20)  # (a 4 MiB reply: the parent reads 1 MiB at most)
+    assert huge.reason == "child died: killed, reply over 1048576 bytes"
+    assert hog.call("x", 2).value == "xx"
   finally:
     hog.close()
   dies = child_calls.ChildPool("os:_exit", workers=1, timeout_s=10.0)
