@@ -3,6 +3,7 @@
 import collections
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -206,4 +207,8 @@ def test_a_run_without_signal_stops_and_says_why(tmp_path):
   result = run_lib.run(config, str(tmp_path), print_fn=lines.append)
   assert not result.complete and result.final_version == 0
   assert "no group's rewards differed" in result.stop_reason
-  assert any("dropped the last 256 groups in a row" in line for line in lines)
+  # The sampler goes on dropping while the learner looks, so the count it
+  # names is at least the threshold (256 for this batch), not exactly it.
+  counts = [int(m.group(1)) for line in lines
+            for m in [re.search(r"dropped the last (\d+) groups in a row", line)] if m]
+  assert counts and min(counts) >= 256
