@@ -150,7 +150,7 @@ class Episode:
     self.versions.extend([rollout_lib.NO_VERSION] * n)
 
   def to_rollout(self, *, finish_reason: str, reward: float | None = None,
-                 env_name: str = "") -> rollout_lib.Rollout:
+                 env_name: str = "", reward_parts=None, outcome: str = "") -> rollout_lib.Rollout:
     return rollout_lib.Rollout(
         group_id=self.group_id, sample_index=self.sample_index,
         prompt_ids=np.asarray(self.prompt_ids, np.int32),
@@ -159,4 +159,5 @@ class Episode:
         behaviour_logprobs=np.asarray(self.logprobs, np.float32),
         token_versions=np.asarray(self.versions, np.int32),
         dispatch_version=self.request.dispatch_version, finish_reason=finish_reason,
-        reward=reward, env_name=env_name, timings=dict(self.timings))
+        reward=reward, env_name=env_name, timings=dict(self.timings),
+        reward_parts=dict(reward_parts or {}), outcome=outcome)

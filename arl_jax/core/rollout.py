@@ -34,6 +34,9 @@ class Rollout:
     reward: scalar reward from the environment (None until scored).
     env_name: environment that scored it.
     timings: seconds spent `queued`, `generating`, `in_env`, `in_buffer`.
+    reward_parts: named numbers the reward was made of (`envs/env_api.Score`).
+    outcome: how the episode went, in one word, as its environment said
+      ("" when it said nothing).
   """
 
   group_id: int
@@ -48,6 +51,8 @@ class Rollout:
   reward: float | None = None
   env_name: str = ""
   timings: dict[str, float] = dataclasses.field(default_factory=dict)
+  reward_parts: dict[str, float] = dataclasses.field(default_factory=dict)
+  outcome: str = ""
 
   def __post_init__(self):
     if self.finish_reason not in FINISH_REASONS:
@@ -113,6 +118,8 @@ class HeldRollout:
   reward: float | None = None
   env_name: str = ""
   timings: dict[str, float] = dataclasses.field(default_factory=dict)
+  reward_parts: dict[str, float] = dataclasses.field(default_factory=dict)
+  outcome: str = ""
 
   def __post_init__(self):
     if self.finish_reason not in FINISH_REASONS:
@@ -139,7 +146,9 @@ def held_group(group: Group, holder: int, copy: int = 0) -> Group:
                    prompt_length=r.prompt_length, completion_length=r.completion_length,
                    span=r.version_span, dispatch_version=r.dispatch_version,
                    finish_reason=r.finish_reason, holder=holder, copy=copy, reward=r.reward,
-                   env_name=r.env_name, timings=dict(r.timings)) for r in group.rollouts])
+                   env_name=r.env_name, timings=dict(r.timings),
+                   reward_parts=dict(r.reward_parts), outcome=r.outcome)
+                   for r in group.rollouts])
 
 
 def _is_masked(finish_reason: str, mask_truncated_completions: bool) -> bool:

@@ -167,7 +167,8 @@ def group_to_wire(group: rollout_lib.Group, held_by: int | None = None, copy: in
       "dispatch_version": group.dispatch_version,
       "rollouts": [{
           "sample_index": r.sample_index, "finish_reason": r.finish_reason,
-          "reward": r.reward, "env_name": r.env_name, "timings": r.timings, **arrays(r)}
+          "reward": r.reward, "env_name": r.env_name, "timings": r.timings,
+          "reward_parts": r.reward_parts, "outcome": r.outcome, **arrays(r)}
           for r in group.rollouts],
   }
   if held_by is not None:
@@ -190,11 +191,14 @@ def group_from_wire(record: dict) -> rollout_lib.Group:
   for r in record["rollouts"]:
     check_fields(r, "rollout", {"sample_index": int, "finish_reason": str,
                                  "reward": (int, float, type(None)), "env_name": str,
-                                 "timings": dict})
+                                 "timings": dict, "reward_parts": dict, "outcome": str})
     common = dict(group_id=group_id, sample_index=int(r["sample_index"]),
                   dispatch_version=dispatch_version, finish_reason=r["finish_reason"],
                   reward=r["reward"], env_name=r["env_name"],
-                  timings={k: float(_number(v, "timings")) for k, v in r["timings"].items()})
+                  timings={k: float(_number(v, "timings")) for k, v in r["timings"].items()},
+                  reward_parts={str(k): float(_number(v, "reward_parts"))
+                                for k, v in r["reward_parts"].items()},
+                  outcome=r["outcome"])
     if held_by is not None:
       check_fields(r, "rollout", {"prompt_length": int, "completion_length": int, "span": list})
       span = r["span"]

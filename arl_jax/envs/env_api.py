@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 from arl_jax.envs import tokenizer as tokenizer_lib
 
@@ -57,6 +58,39 @@ class Demonstration:
                        f"{len(self.loss_mask)} loss-mask entries")
 
 
+@dataclasses.dataclass(frozen=True)
+class Score:
+  """A reward with what it is made of: what `score` may return instead of a
+  float, when the reward has parts worth logging or an outcome worth counting.
+
+  Attributes:
+    reward: what the learner trains on.
+    parts: named numbers behind it (`{"fraction_passed": 0.5, "judge": 0.8}`),
+      averaged per environment in each step's record (`reward_parts`).
+    outcome: how the episode went, in one word (`passed`, `timeout`,
+      `no_code`), counted per environment (`env_outcomes`); "" for none.
+  """
+
+  reward: float
+  parts: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  outcome: str = ""
+
+  def __float__(self) -> float:
+    return float(self.reward)
+
+
+def to_score(value) -> Score:
+  """What a `score` call answered, as a `Score` (a float, an int, a numpy
+  scalar or a `Score`); raises ValueError for a non-finite reward or part."""
+  score = value if isinstance(value, Score) else Score(float(value))
+  reward = float(score.reward)
+  parts = {str(k): float(v) for k, v in score.parts.items()}
+  for name, number in (("reward", reward), *parts.items()):
+    if not math.isfinite(number):
+      raise ValueError(f"{name} {number} is not finite")
+  return Score(reward, parts, str(score.outcome))
+
+
 class Environment(abc.ABC):
   """Base class of every environment: a task whose prompts are its own records
   and whose completions are token ids.
@@ -84,8 +118,9 @@ class Environment(abc.ABC):
     """Prompt token ids (what the sampler prefills)."""
 
   @abc.abstractmethod
-  def score(self, prompt, completion_ids: Sequence[int]) -> float:
-    """Reward of a finished episode (observation tokens included in the completion)."""
+  def score(self, prompt, completion_ids: Sequence[int]) -> float | Score:
+    """Reward of a finished episode (observation tokens included in the
+    completion): a number, or a `Score` with its parts and outcome."""
 
   def demonstration(self, prompt) -> Demonstration | None:
     """A correct completion for `prompt`, or None if the environment knows

@@ -108,7 +108,7 @@ class MixtureEnv(env_api.Environment):
   def encode_prompt(self, prompt: MixedPrompt) -> list[int]:
     return self.envs[prompt.env].encode_prompt(prompt.prompt)
 
-  def score(self, prompt: MixedPrompt, completion_ids: Sequence[int]) -> float:
+  def score(self, prompt: MixedPrompt, completion_ids: Sequence[int]) -> float | env_api.Score:
     return self.envs[prompt.env].score(prompt.prompt, completion_ids)
 
   def demonstration(self, prompt: MixedPrompt) -> env_api.Demonstration:

@@ -8,7 +8,8 @@ thread, with its own gateway session (`SessionStore.bind`). What the agent
 sends is sampled by the run's engine like any other segment, so the
 rollout's tokens, behaviour log-probs and versions are the session's latest
 branch exactly (`sessions.py`; turns that could not extend it are counted as
-breaks), and its reward is what the function returns (else the reward the
+breaks), and its reward is what the function returns (a number or an
+`envs/env_api.Score` with parts and an outcome; else the reward the
 agent POSTed to its session; else a fault).
 
 Faults are data, as for environments: an exception, a call past
@@ -29,7 +30,6 @@ import asyncio
 import collections
 import concurrent.futures
 import inspect
-import math
 import secrets
 import threading
 import time
@@ -38,6 +38,7 @@ from collections.abc import Callable
 import numpy as np
 
 from arl_jax.core import rollout as rollout_lib
+from arl_jax.envs import env_api
 
 
 class AgentRunner:
@@ -209,15 +210,13 @@ class AgentRunner:
              "http_client": self._http_client}
     kwargs.update({k: extra[k]() for k in self._optional})
     start = time.monotonic()
-    fault = None
+    fault, score = None, env_api.Score(0.0)
     try:
       result = await self._call(kwargs)
       reward = session.reward if result is None else result
       if reward is None:
         raise ValueError("the agent returned no reward and set none on its session")
-      reward = float(reward)
-      if not math.isfinite(reward):
-        raise ValueError(f"reward {reward} is not finite")
+      score = env_api.to_score(reward)  # (a number or an `env_api.Score`)
       if session.latest is None:
         raise ValueError("the agent made no request through its base URL")
     except asyncio.CancelledError:
@@ -245,8 +244,9 @@ class AgentRunner:
           self._print_fn(f"agent fault #{faults} (group {gid}, rollout {index}): {fault[:300]}")
       self.counts["agent_turns"] += session.turns
       self.counts["agent_session_breaks"] += session.breaks
-    rollout = self._to_rollout(request, index, session, name, elapsed,
-                               reward=0.0 if fault else reward,
+    if fault is not None:
+      score = env_api.Score(0.0)
+    rollout = self._to_rollout(request, index, session, name, elapsed, score=score,
                                finish_reason="error" if fault else None)
     self._done(request, rollout)
 
@@ -273,7 +273,7 @@ class AgentRunner:
     return await call
 
   def _to_rollout(self, request, index: int, session, name: str, elapsed: float, *,
-                  reward: float, finish_reason: str | None) -> rollout_lib.Rollout:
+                  score: env_api.Score, finish_reason: str | None) -> rollout_lib.Rollout:
     """The session's latest branch as the group's rollout `index` (an agent
     that failed before any answer: its prompt alone, masked as an error)."""
     if session.latest is None:
@@ -297,7 +297,8 @@ class AgentRunner:
         behaviour_logprobs=np.asarray(arrays[2], np.float32),
         token_versions=np.asarray(arrays[3], np.int32),
         dispatch_version=request.dispatch_version, finish_reason=finish_reason,
-        reward=reward, env_name=name, timings=timings)
+        reward=score.reward, env_name=name, timings=timings, reward_parts=dict(score.parts),
+        outcome=score.outcome)
 
   def _done(self, request, rollout: rollout_lib.Rollout) -> None:
     gid = request.group_id

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import math
 import operator
 import threading
 import time
@@ -24,6 +23,7 @@ from collections.abc import Callable
 
 from arl_jax.core import episode as episode_lib
 from arl_jax.core import rollout as rollout_lib
+from arl_jax.envs import env_api
 
 
 class EnvFault(Exception):
@@ -74,6 +74,8 @@ class EnvRunner:
     self.errors: collections.Counter[str] = collections.Counter()
     self.timeouts: collections.Counter[str] = collections.Counter()
     self.turns = 0  # observations handed back to the engine
+    # Scored episodes by `environment/outcome`, as their `env_api.Score` said.
+    self.outcomes: collections.Counter[str] = collections.Counter()
     self._failure: BaseException | None = None
 
   def connect(self, resume_fn: Callable[[episode_lib.Episode], None]) -> None:
@@ -124,19 +126,24 @@ class EnvRunner:
   def metrics(self) -> dict:
     """Environment faults and turns so far, for the step records."""
     with self._lock:
-      return {"env_errors": int(sum(self.errors.values())),
-              "env_timeouts": int(sum(self.timeouts.values())), "env_turns": self.turns}
+      record = {"env_errors": int(sum(self.errors.values())),
+                "env_timeouts": int(sum(self.timeouts.values())), "env_turns": self.turns}
+      if self.outcomes:
+        record["env_outcomes"] = dict(sorted(self.outcomes.items()))
+      return record
 
   def state_dict(self) -> dict:
     """The counters a checkpoint carries (per environment)."""
     with self._lock:
-      return {"errors": dict(self.errors), "timeouts": dict(self.timeouts), "turns": self.turns}
+      return {"errors": dict(self.errors), "timeouts": dict(self.timeouts), "turns": self.turns,
+              "outcomes": dict(self.outcomes)}
 
   def load_state_dict(self, state: dict) -> None:
     with self._lock:
       self.errors.update(state["errors"])
       self.timeouts.update(state["timeouts"])
       self.turns = int(state["turns"])
+      self.outcomes.update(state.get("outcomes", {}))  # (none in older checkpoints)
 
   # -- one episode ---------------------------------------------------------------
 
@@ -166,17 +173,20 @@ class EnvRunner:
   def _end(self, episode: episode_lib.Episode, finish_reason: str) -> None:
     if self._is_cancelled(episode.group_id):
       return  # do not spend a worker (or count a timeout) on discarded work
-    reward = 0.0
+    score = env_api.Score(0.0)
+    name = self._env.env_name_of(episode.request.prompt)
     if finish_reason != "error":
       try:
-        reward = self._call(self._env.score, episode.request.prompt,
-                            list(episode.completion_ids), episode=episode,
-                            convert_fn=_to_reward)
+        score = self._call(self._env.score, episode.request.prompt,
+                           list(episode.completion_ids), episode=episode,
+                           convert_fn=env_api.to_score)
       except EnvFault:
         finish_reason = "error"
-    rollout = episode.to_rollout(
-        finish_reason=finish_reason, reward=reward,
-        env_name=self._env.env_name_of(episode.request.prompt))
+    if score.outcome:
+      with self._lock:
+        self.outcomes[f"{name}/{score.outcome}"] += 1
+    rollout = episode.to_rollout(finish_reason=finish_reason, reward=score.reward,
+                                 env_name=name, reward_parts=score.parts, outcome=score.outcome)
     if self._on_scored_fn is not None:
       self._on_scored_fn(rollout)
     request = episode.request
@@ -255,9 +265,3 @@ class EnvRunner:
     self._closing.set()
     self._pool.shutdown(wait=True, cancel_futures=True)
 
-
-def _to_reward(value) -> float:
-  reward = float(value)
-  if not math.isfinite(reward):
-    raise ValueError(f"reward {reward} is not finite")
-  return reward

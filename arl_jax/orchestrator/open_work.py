@@ -173,7 +173,8 @@ class OpenWork:
       if point.stage == "done":
         r = point.rollout
         scored = dict(stage="done", finish_reason=r.finish_reason, reward=r.reward,
-                      env_name=r.env_name)
+                      env_name=r.env_name, reward_parts=dict(r.reward_parts),
+                      outcome=r.outcome)
         if r.holder is not None:
           # Arrays in another process: `shard_batch.collect_held` fills them in
           # before the save.
@@ -232,7 +233,8 @@ class OpenWork:
             completion_ids=np.asarray(item.completion_ids, np.int32), loss_mask=loss_mask,
             behaviour_logprobs=np.asarray(item.logprobs, np.float32), token_versions=versions,
             dispatch_version=request.dispatch_version, finish_reason=item.finish_reason,
-            reward=item.reward, env_name=item.env_name)
+            reward=item.reward, env_name=item.env_name, reward_parts=dict(item.reward_parts),
+            outcome=item.outcome)
         scored.append(rollout)
         points.append(_Point("done", rollout=rollout))
         continue

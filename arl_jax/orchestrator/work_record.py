@@ -78,7 +78,8 @@ class EpisodeRecord:
     turns: environment turns taken (`sample`, `env`).
     last_stopped: the last segment ended on a stop token (`sample`, `env`).
     open: the open segment of an episode in a sampler slot (`sample`).
-    finish_reason, reward, env_name: the scored rollout's (`done`).
+    finish_reason, reward, env_name, reward_parts, outcome: the scored
+      rollout's (`done`).
     prompt_ids: a `done` rollout's own prompt, when it is not its group's
       (an agent's session renders its own: `gateway/agent_runner.py`);
       None: the group's.
@@ -98,6 +99,8 @@ class EpisodeRecord:
   finish_reason: str | None = None
   reward: float | None = None
   env_name: str | None = None
+  reward_parts: Mapping[str, float] = dataclasses.field(default_factory=dict)
+  outcome: str = ""
   held_by: int | None = None
   completion_length: int | None = None
   prompt_ids: tuple[int, ...] | None = None
@@ -121,13 +124,13 @@ class EpisodeRecord:
       return {"stage": self.stage, "held_by": self.held_by,
               "completion_length": self.completion_length,
               "finish_reason": self.finish_reason, "reward": self.reward,
-              "env_name": self.env_name}
+              "env_name": self.env_name, **self._score_json()}
     record = {"stage": self.stage, "completion_ids": list(self.completion_ids),
               "loss_mask": list(self.loss_mask), "logprobs": list(self.logprobs),
               "versions": list(self.versions)}
     if self.stage == "done":
       record.update(finish_reason=self.finish_reason, reward=self.reward,
-                    env_name=self.env_name)
+                    env_name=self.env_name, **self._score_json())
       if self.prompt_ids is not None:
         record["prompt_ids"] = list(self.prompt_ids)
     else:
@@ -135,6 +138,16 @@ class EpisodeRecord:
       if self.open is not None:
         record["open"] = {"tokens": list(self.open.tokens), "logprobs": list(self.open.logprobs),
                           "versions": list(self.open.versions)}
+    return record
+
+  def _score_json(self) -> dict:
+    # (only when there is something: records written before these fields
+    # existed read the same)
+    record = {}
+    if self.reward_parts:
+      record["reward_parts"] = dict(self.reward_parts)
+    if self.outcome:
+      record["outcome"] = self.outcome
     return record
 
   @classmethod
@@ -147,7 +160,12 @@ class EpisodeRecord:
       reward = _get(record, "reward", float, where, optional=True)
       done = dict(finish_reason=_get(record, "finish_reason", str, where),
                   reward=None if reward is None else float(reward),
-                  env_name=_get(record, "env_name", str, where))
+                  env_name=_get(record, "env_name", str, where),
+                  outcome=_get(record, "outcome", str, where, optional=True) or "")
+      parts = _get(record, "reward_parts", Mapping, where, optional=True) or {}
+      for name, number in parts.items():
+        _get(parts, name, float, f"{where}.reward_parts")
+      done["reward_parts"] = {str(k): float(v) for k, v in parts.items()}
     if "held_by" in record:
       if stage != "done":
         raise WorkRecordError(f"{where}.held_by: only a scored rollout is held elsewhere")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import math
 import operator
 
 import numpy as np
@@ -208,7 +207,7 @@ class Evaluator:
         if (i, episode.sample_index) in faulted:  # not scored, as in the env runner
           continue
         reward, _ = self._env_call(errors, self._env.score, i, list(episode.completion_ids),
-                                   _to_reward)
+                                   lambda value: env_api.to_score(value).reward)
         rewards[i, episode.sample_index] = 0.0 if reward is None else reward
     return rewards, [[e.completion_ids for e in group] for group in groups]
 
@@ -253,9 +252,3 @@ class Evaluator:
     return dataclasses.replace(
         result, env_errors={e: n + errors[e] for e, n in result.env_errors.items()}, **sampled)
 
-
-def _to_reward(value) -> float:
-  reward = float(value)
-  if not math.isfinite(reward):
-    raise ValueError(f"reward {reward} is not finite")
-  return reward

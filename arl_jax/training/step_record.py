@@ -58,6 +58,9 @@ def step_record(*, step: int, version: int, batch_shape, batch_fill: float, batc
       # batch, the sampler thread decoding, prefilling or swapping.
       "learner_busy_fraction": 1.0 - learner_wait / max(rl_seconds, 1e-9),
   }
+  parts = _reward_parts_by_env(rollouts)
+  if parts:
+    record["reward_parts"] = parts
   if "sampler_busy_s" in components:
     record["sampler_busy_fraction"] = components["sampler_busy_s"] / max(rl_seconds, 1e-9)
   record.update({k: float(v) for k, v in update_metrics.items()})
@@ -83,6 +86,17 @@ def _reward_by_env(groups) -> dict[str, float]:
     for r in g.rollouts:
       rewards[r.env_name].append(r.reward)
   return {name: float(np.mean(v)) for name, v in sorted(rewards.items())}
+
+
+def _reward_parts_by_env(rollouts) -> dict[str, dict[str, float]]:
+  """`{env: {part: mean}}` over this batch's rollouts whose score had parts
+  (`envs/env_api.Score`); a part is averaged over the rollouts that have it."""
+  parts = collections.defaultdict(lambda: collections.defaultdict(list))
+  for r in rollouts:
+    for name, value in r.reward_parts.items():
+      parts[r.env_name][name].append(value)
+  return {env: {name: float(np.mean(v)) for name, v in sorted(by_part.items())}
+          for env, by_part in sorted(parts.items())}
 
 
 def _version_spread(rollout) -> int:

@@ -19,7 +19,8 @@ def _group(rng, lengths=((3, 5), (3, 0), (3, 9))):
       token_versions=np.where(np.arange(c) % 3 > 0, rng.integers(0, 4, c), -1).astype(np.int32),
       dispatch_version=2,
       finish_reason="stop" if c else "length", reward=float(i), env_name="arith",
-      timings={"tool_s": 0.25 * i}) for i, (p, c) in enumerate(lengths)]
+      timings={"tool_s": 0.25 * i}, reward_parts={"fraction_passed": i / 4} if i else {},
+      outcome="passed" if i else "") for i, (p, c) in enumerate(lengths)]
   return rollout_lib.Group(group_id=7, prompt_id=11, dispatch_version=2, rollouts=rollouts)
 
 
@@ -39,7 +40,8 @@ def test_a_group_arrives_bit_for_bit():
       a, b = getattr(want, field), getattr(have, field)
       assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), field
       assert not b.flags.writeable  # a view of the frame: nothing may change a sample
-    for field in ("sample_index", "finish_reason", "reward", "env_name", "timings"):
+    for field in ("sample_index", "finish_reason", "reward", "env_name", "timings",
+                  "reward_parts", "outcome"):
       assert getattr(want, field) == getattr(have, field), field
 
 

@@ -228,3 +228,42 @@ def test_a_worker_bug_is_surfaced_not_swallowed():
   runner.close()
   with pytest.raises(RuntimeError, match="environment worker failed"):
     runner.raise_if_failed()
+
+
+class PartsEnv(env_api.Environment):
+  """Scores with a `Score`: the first token's value as a part, an outcome by it."""
+
+  name = "parts"
+
+  def encode_prompt(self, prompt):
+    return [1, 2]
+
+  def score(self, prompt, completion_ids):
+    first = completion_ids[0]
+    if first == 66:
+      return env_api.Score(1.0, {"bad": float("nan")})
+    return env_api.Score(float(first == 1), {"first": float(first)},
+                         outcome="right" if first == 1 else "wrong")
+
+
+def test_a_score_carries_its_parts_and_outcome_to_the_rollout_and_the_counters():
+  collector = Collector()
+  runner = env_runner_lib.EnvRunner(PartsEnv(), on_group_fn=collector, max_new_tokens=8,
+                                    num_workers=2)
+  request = _request(group_size=4)
+  for index, first in enumerate((1, 2, 1, 66)):
+    runner.submit(_episode(request, index, [first, EOS]))
+  assert collector.arrived.wait(5)
+  (group,) = collector.groups
+  assert [r.reward for r in group.rollouts] == [1.0, 0.0, 1.0, 0.0]
+  assert [r.outcome for r in group.rollouts] == ["right", "wrong", "right", ""]
+  assert group.rollouts[1].reward_parts == {"first": 2.0}
+  # A non-finite part is the environment's fault, like a non-finite reward.
+  assert group.rollouts[3].finish_reason == "error" and runner.errors == {"parts": 1}
+  assert runner.metrics()["env_outcomes"] == {"parts/right": 2, "parts/wrong": 1}
+  restored = env_runner_lib.EnvRunner(PartsEnv(), on_group_fn=collector, max_new_tokens=8)
+  restored.load_state_dict(runner.state_dict())
+  assert restored.metrics() == runner.metrics()
+  restored.load_state_dict({"errors": {}, "timeouts": {}, "turns": 0})  # (older checkpoints)
+  runner.close()
+  restored.close()

@@ -2,6 +2,7 @@
 layout of earlier checkpoints, and names the field it cannot read."""
 
 import copy
+import dataclasses
 import json
 import os
 
@@ -53,3 +54,17 @@ def test_a_damaged_record_names_the_field(change, message):
   change(work)
   with pytest.raises(work_record.WorkRecordError, match=message):
     work_record.WorkRecord.from_json(work)
+
+
+def test_a_scored_rollouts_parts_and_outcome_round_trip_and_are_checked():
+  done = work_record.EpisodeRecord(
+      stage="done", completion_ids=(5, 6), loss_mask=(1.0, 1.0), logprobs=(-0.1, -0.2),
+      versions=(0, 0), finish_reason="stop", reward=0.5, env_name="humaneval",
+      reward_parts={"fraction_passed": 0.5, "all_passed": 0.0}, outcome="failed_tests")
+  record = json.loads(json.dumps(done.to_json()))
+  assert work_record.EpisodeRecord.from_json(record, "e") == done
+  plain = dataclasses.replace(done, reward_parts={}, outcome="")
+  assert "outcome" not in plain.to_json() and "reward_parts" not in plain.to_json()
+  record["reward_parts"]["judge"] = "yes"
+  with pytest.raises(work_record.WorkRecordError, match=r"e\.reward_parts\.judge: must be float"):
+    work_record.EpisodeRecord.from_json(record, "e")
