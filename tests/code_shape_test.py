@@ -124,7 +124,7 @@ def test_no_function_over_a_hundred_lines_and_no_file_over_450():
 # import its own package and the packages of lower layers, never a peer of its
 # own layer or one above. The commands and the API are the top-level modules.
 LAYERS = {
-    "arl_jax.core": 0,
+    "arl_jax.core": 0, "arl_jax.sandbox": 0,
     "arl_jax.sharding": 1, "arl_jax.envs": 1, "arl_jax.metrics": 1,
     "arl_jax.models": 2,
     "arl_jax.sampler": 3, "arl_jax.orchestrator": 3, "arl_jax.learner": 3,

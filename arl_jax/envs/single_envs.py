@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from arl_jax.envs import arith, math_answer, reasoning_gym_env, tool_agent
+from arl_jax.envs import arith, humaneval_env, math_answer, reasoning_gym_env, tool_agent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,4 +41,6 @@ SINGLE_ENVS = {
                            tool_agent.make_prompts),
     "reasoning_gym": EnvEntry(reasoning_gym_env.ReasoningGymConfig, reasoning_gym_env.make_env,
                               reasoning_gym_env.make_prompts),
+    "humaneval": EnvEntry(humaneval_env.HumanEvalConfig, humaneval_env.make_env,
+                          humaneval_env.make_prompts),
 }

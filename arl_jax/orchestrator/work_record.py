@@ -163,7 +163,7 @@ class EpisodeRecord:
                   env_name=_get(record, "env_name", str, where),
                   outcome=_get(record, "outcome", str, where, optional=True) or "")
       parts = _get(record, "reward_parts", Mapping, where, optional=True) or {}
-      for name, number in parts.items():
+      for name in parts:
         _get(parts, name, float, f"{where}.reward_parts")
       done["reward_parts"] = {str(k): float(v) for k, v in parts.items()}
     if "held_by" in record:

@@ -14,7 +14,6 @@ import dataclasses
 import threading
 from collections.abc import Mapping
 
-from arl_jax.core import settings
 from arl_jax.sandbox import api
 
 BACKENDS = ("local", "sandbox_fusion")
@@ -72,7 +71,7 @@ class SandboxConfig:
 def default_fields() -> dict:
   """The section's keys at their defaults (an environment config's
   `sandbox` default, so each key is reachable from the command line)."""
-  return settings.defaults(SandboxConfig)
+  return {f.name: f.default for f in dataclasses.fields(SandboxConfig)}
 
 
 def from_fields(fields: Mapping, where: str = "env.sandbox") -> SandboxConfig:
