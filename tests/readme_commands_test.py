@@ -64,10 +64,11 @@ def test_every_config_the_readme_names_builds(path, arg):
 @pytest.mark.parametrize("name, variants", [
     ("arith", ("", "sync", "tiny", "accelerator")), ("math_answer", ("", "sync", "tiny")),
     ("tool_agent", ("", "sync", "mixed", "tiny")), ("openai_agent", ("", "tiny")),
-    ("reasoning_gym", ("chain_sum", "chain_sum,gcd:tiny")), ("humaneval", ("", "tiny"))])
+    ("reasoning_gym", ("chain_sum", "chain_sum,gcd:tiny")), ("humaneval", ("", "tiny")),
+    ("skyrl_gym", ("gsm8k", "gsm8k_multi_turn:tiny"))])
 def test_every_variant_of_every_built_in_config_builds(name, variants):
   assert {"arith", "math_answer", "tool_agent", "openai_agent", "smollm2", "math_tpu",
-          "reasoning_gym", "humaneval"} == set(
+          "reasoning_gym", "humaneval", "skyrl_gym"} == set(
       arl_jax.config_names())
   for variant in variants:
     spec = run_spec.build(arl_jax.load_config(name, variant or None))

@@ -83,10 +83,16 @@ class ChatTemplate:
     """What an environment appends after the policy ended its turn on the
     end-of-turn token: the rest of the closing suffix (e.g. chatml's newline),
     a `role` turn, then the assistant's turn prefix. Plain text for `none`."""
+    return self.observations([{"role": role, "content": content}])
+
+  def observations(self, messages: Sequence[dict]) -> str:
+    """`observation` of several messages: each its own turn, then the
+    assistant's turn prefix (only that, after the suffix, for none)."""
     if not self.is_chat:
-      return content
+      return "".join(m["content"] for m in messages)
     rest_of_suffix = self.turn_suffix[len(self.end_of_turn or ""):]
-    return (rest_of_suffix + self.turn_prefix.format(role=role) + content + self.turn_suffix
+    return (rest_of_suffix + "".join(self.turn_prefix.format(role=m["role"]) + m["content"]
+                                     + self.turn_suffix for m in messages)
             + self.assistant_prefix())
 
 

@@ -177,9 +177,18 @@ def encode_user_prompt(tokenizer: tokenizer_lib.Tokenizer, text: str) -> list[in
   tokens either. A named template and plain text get the BOS the tokenizer
   adds to text (`tokenizer.add_bos`), never a second one.
   """
+  return encode_messages(tokenizer, [{"role": "user", "content": text}])
+
+
+def encode_messages(tokenizer: tokenizer_lib.Tokenizer, messages: Sequence[dict]) -> list[int]:
+  """`encode_user_prompt` of a conversation (`[{"role", "content"}, ...]`,
+  ending where the assistant answers); without a chat template, the
+  messages' contents one after the other."""
   rendered_by_model = tokenizer.template.is_chat and tokenizer.template.jinja is not None
   if tokenizer.template.is_chat:
-    text = tokenizer.template.format_chat([{"role": "user", "content": text}])
+    text = tokenizer.template.format_chat(list(messages))
+  else:
+    text = "".join(m["content"] for m in messages)
   return tokenizer.encode(text, add_bos=tokenizer.add_bos and not rendered_by_model)
 
 

@@ -9,7 +9,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
-from arl_jax.envs import arith, humaneval_env, math_answer, reasoning_gym_env, tool_agent
+from arl_jax.envs import (
+  arith,
+  humaneval_env,
+  math_answer,
+  reasoning_gym_env,
+  skyrl_gym_env,
+  tool_agent,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,4 +50,6 @@ SINGLE_ENVS = {
                               reasoning_gym_env.make_prompts),
     "humaneval": EnvEntry(humaneval_env.HumanEvalConfig, humaneval_env.make_env,
                           humaneval_env.make_prompts),
+    "skyrl_gym": EnvEntry(skyrl_gym_env.SkyRLGymConfig, skyrl_gym_env.make_env,
+                          skyrl_gym_env.make_prompts),
 }

@@ -34,6 +34,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("benchmarks/attention_kernels.py", {"paged_decode", "segment_attention"}),
     ("benchmarks/transformers_eval.py", None),
     ("benchmarks/gateway.py", {"throughput", "ratio", "sessions", "stream"}),
+    ("benchmarks/sandbox.py", {"execution", "humaneval"}),
 ])
 def test_benchmark_quick_mode_writes_json_rows(tmp_path, script, parts):
   out = tmp_path / "rows.jsonl"
