@@ -18,8 +18,10 @@ With `isolate` (Linux, root or unprivileged user namespaces):
    program's working directory is bound read-write at /tmp/work. Writes
    anywhere else fail; /tmp writes land in a tmpfs that dies with the jail.
 3. It forks: the child is PID 1 of the new PID namespace, mounts its own
-   /proc, drops to an unprivileged uid (when the jail ran as root),
-   applies the resource limits, asks for SIGKILL when the jail dies, and
+   /proc, sets no-new-privileges, drops to an unprivileged uid (when the
+   jail ran as root) or, as root of its own user namespace, drops every
+   capability and the bounding set (so it cannot unmount what hides the
+   caller's home), applies the resource limits, asks for SIGKILL when the jail dies, and
    execs the program. The jail waits and exits with the program's status
    (128 + signal when a signal ended it). Killing the jail kills PID 1, and
    the kernel then kills every process in the namespace: a fork bomb or a
@@ -53,6 +55,9 @@ AT_FDCWD, AT_RECURSIVE = -100, 0x8000
 MOUNT_ATTR_RDONLY = 1
 SYS_MOUNT_SETATTR = 442  # the same number on x86_64 and arm64
 PR_SET_PDEATHSIG = 1
+PR_CAPBSET_DROP = 24
+PR_SET_NO_NEW_PRIVS = 38
+CAPABILITY_VERSION_3 = 0x20080522
 SETUP_FAILED = 121
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -141,12 +146,33 @@ def _limit(settings):
   both(resource.RLIMIT_CORE, 0)
 
 
+class _CapHeader(ctypes.Structure):
+  _fields_ = [("version", ctypes.c_uint32), ("pid", ctypes.c_int)]
+
+
+class _CapData(ctypes.Structure):
+  _fields_ = [("effective", ctypes.c_uint32), ("permitted", ctypes.c_uint32),
+              ("inheritable", ctypes.c_uint32)]
+
+
 def _drop_privileges(settings):
+  # No set-uid program or file capability can raise what follows.
+  _check(_libc.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0), "prctl(NO_NEW_PRIVS)")
   if os.getuid() == 0 and settings["uid"] is not None:
     # Root is exempt from RLIMIT_NPROC and may write anywhere: never run as root.
     os.setgroups([])
     os.setgid(settings["uid"])
     os.setuid(settings["uid"])
+  elif os.getuid() == 0:
+    # Root of its own user namespace (an unprivileged caller's jail): it
+    # could unmount what hides the caller's home. Every capability goes,
+    # the bounding set too, so the program's exec gets none back.
+    for cap in range(64):
+      if _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) != 0:
+        break  # (past the kernel's last capability)
+    header = _CapHeader(CAPABILITY_VERSION_3, 0)
+    data = (_CapData * 2)()
+    _check(_libc.capset(ctypes.byref(header), data), "capset")
 
 
 def _exec(settings):
