@@ -171,6 +171,16 @@ def _question(cfg: ReasoningGymConfig, entry: dict) -> str:
   return entry["question"] + (_INSTRUCTION if cfg.answer_format == "tags" else "")
 
 
+def _reference(entry: dict) -> str:
+  """A correct answer to show (the warm-up's): the entry's answer, or, for a
+  task with many right answers and none given (propositional_logic), its
+  metadata's example answer; "" when it has neither."""
+  if entry["answer"] is not None:
+    return str(entry["answer"])
+  example = entry.get("metadata", {}).get("example_answer")
+  return "" if example is None else str(example)
+
+
 def make_prompts(cfg: ReasoningGymConfig, split: str) -> list[env_api.TextPrompt]:
   """The questions of one split, task after task (the training stream
   shuffles them); training questions that are also held-out ones are left out."""
@@ -184,7 +194,7 @@ def make_prompts(cfg: ReasoningGymConfig, split: str) -> list[env_api.TextPrompt
       if split == "train" and entry["question"] in heldout:
         continue
       prompts.append(env_api.TextPrompt(prompt_id=prompt_id(task, split, index),
-                                        text=_question(cfg, entry), answer=str(entry["answer"])))
+                                        text=_question(cfg, entry), answer=_reference(entry)))
   return prompts
 
 
@@ -215,8 +225,11 @@ class ReasoningGymEnv(env_api.Environment):
 
     return utils.extract_answer(text)
 
-  def demonstration(self, prompt: env_api.TextPrompt) -> env_api.Demonstration:
-    """The reference answer in the asked-for format (a supervised warm-up's)."""
+  def demonstration(self, prompt: env_api.TextPrompt) -> env_api.Demonstration | None:
+    """The reference answer in the asked-for format (a supervised warm-up's);
+    None for a question that gives none."""
+    if not prompt.answer:
+      return None
     text = prompt.answer if self.cfg.answer_format == "raw" else (
         f"<answer>{prompt.answer}</answer>")
     target = [*self.tokenizer.encode(text), self.tokenizer.end_of_turn_id]

@@ -90,3 +90,15 @@ def test_the_config_file_reaches_each_task_s_keys():
   assert spec.env.options["chain_sum"]["max_terms"] == 3 and spec.env.weights["gcd"] == 0.5
   with pytest.raises(ValueError, match="needs the task names"):
     arl_jax.load_config("reasoning_gym", None)
+
+
+def test_a_task_with_many_right_answers_shows_its_example_answer():
+  """propositional_logic gives no answer (any valid conclusion scores): the
+  demonstration is its metadata's example, which its scorer accepts."""
+  cfg = rg_env.ReasoningGymConfig(tasks={"propositional_logic": {}}, size=20, heldout_size=5)
+  tokenizer = tokenizer_lib.make_tokenizer(tokenizer_lib.TokenizerConfig(kind="byte"))
+  env = rg_env.ReasoningGymEnv(cfg, tokenizer)
+  prompts = rg_env.make_prompts(cfg, "train")
+  assert all(p.answer and p.answer != "None" for p in prompts)
+  scores = [env.score(p, list(env.demonstration(p).completion_ids)) for p in prompts]
+  assert min(scores) > 0.0 and sum(scores) / len(scores) > 0.9
