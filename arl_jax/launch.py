@@ -112,11 +112,12 @@ def dry_run(config, num_devices: int | None, print_fn=print,
   import jax  # noqa: PLC0415
 
   from arl_jax.config import run_spec  # noqa: PLC0415
+  from arl_jax.sharding import mesh_lib  # noqa: PLC0415
   from arl_jax.training import dry_run  # noqa: PLC0415
 
   memory = None if device_gib is None else int(device_gib * 2**30)
   if memory is None and num_devices is None:
-    memory = run_spec.reported_memory(jax.devices())  # (None on CPU)
+    memory = mesh_lib.reported_memory(jax.devices())  # (None on CPU)
   spec = run_spec.build(config, None if num_devices is None else list(range(num_devices)),
                           device_memory=memory)
   print_fn("resolved config:\n" + str(config))

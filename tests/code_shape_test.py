@@ -128,6 +128,7 @@ LAYERS = {
     "arl_jax.sharding": 1, "arl_jax.envs": 1, "arl_jax.metrics": 1,
     "arl_jax.models": 2,
     "arl_jax.sampler": 3, "arl_jax.orchestrator": 3, "arl_jax.learner": 3,
+    "arl_jax.judges": 3,
     "arl_jax.distributed": 4, "arl_jax.gateway": 4,
     "arl_jax.config": 5,
     "arl_jax.training": 6,

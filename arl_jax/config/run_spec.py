@@ -21,6 +21,7 @@ from arl_jax.distributed import fleet_config
 from arl_jax.envs import env_api, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.gateway import agent_config
+from arl_jax.judges import judged_env
 from arl_jax.learner import checkpointing, loss_registry
 from arl_jax.learner import loss_settings as loss_settings_lib
 from arl_jax.learner import optim as optim_lib
@@ -237,7 +238,7 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
   spec = dataclasses.replace(spec, engine=engine, choices=choices)
   if engine.kv_memory_fraction:
     spec = _size_kv_pool(spec, engine.kv_memory_fraction, sampler_shape.get("tp", 1),
-                         device_memory or reported_memory(sampler_devices))
+                         device_memory or mesh_lib.reported_memory(sampler_devices))
   return Resolved(spec=spec, inputs=inputs)
 
 
@@ -305,8 +306,12 @@ def _inputs(parts: dict, env_entry, env, tokenizer, *, eval_size: int):
            f"the longest correct answer of env {name!r} needs {longest_answer} tokens (EOS "
            f"included), more than sampler.max_new_tokens={s.max_new_tokens}: it could never "
            "be rewarded")
+  train_env = env_entry.make_env_fn(env, tokenizer)
+  if parts["judge"].enabled:  # (its verdict joins the training reward; evaluation keeps the env's)
+    train_env = _wrap("judge", judged_env.JudgedEnvironment.make, env=train_env,
+                      cfg=parts["judge"], tokenizer=tokenizer)
   inputs = inputs_lib.Inputs(
-      tokenizer=tokenizer, env=env_entry.make_env_fn(env, tokenizer), eval_env=eval_env,
+      tokenizer=tokenizer, env=train_env, eval_env=eval_env,
       train=loaded["train"], heldout=loaded["heldout"],
       eval_prompts=inputs_lib.eval_prompts(eval_env, loaded["heldout"].prompts, eval_size))
   return inputs, data
@@ -423,13 +428,6 @@ def unknown_key_message(argv: Sequence[str], error: Exception) -> str:
   named = [o for o in overrides if o.split(".")[-1] == key] or overrides
   return (f"{', '.join(named)}: the config has no key {key!r}" + (f" ({hint})" if hint else "")
           + " (--dry_run lists its keys)")
-
-
-def reported_memory(devices: Sequence) -> int | None:
-  """Bytes of memory the first of `devices` reports (None: planned devices,
-  or a backend that reports none, like the CPU)."""
-  stats = getattr(devices[0], "memory_stats", lambda: None)() if devices else None
-  return (stats or {}).get("bytes_limit")
 
 
 def _size_kv_pool(spec: RunSpec, fraction: float, tp: int, device_memory: int | None) -> RunSpec:

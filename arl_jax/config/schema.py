@@ -29,6 +29,7 @@ from arl_jax.distributed import fleet_config
 from arl_jax.envs import prompt_source
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.gateway import agent_config
+from arl_jax.judges import judge_config
 from arl_jax.learner import checkpointing, loss_registry, loss_settings, mismatch, optim
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import lora
@@ -227,6 +228,7 @@ SECTIONS = {
     "checkpoint": (checkpointing.CheckpointConfig,),
     "fleet": (fleet_config.FleetConfig,),
     "agent": (agent_config.AgentConfig,),
+    "judge": (judge_config.JudgeConfig,),
 }
 
 

@@ -145,3 +145,10 @@ def _mesh(devices, shape) -> Mesh:
   names = tuple(name for name, _ in shape)
   sizes = tuple(size for _, size in shape)
   return Mesh(np.array(devices).reshape(sizes), names)
+
+
+def reported_memory(devices: Sequence) -> int | None:
+  """Bytes of memory the first of `devices` reports (None: planned devices,
+  or a backend that reports none, like the CPU)."""
+  stats = getattr(devices[0], "memory_stats", lambda: None)() if devices else None
+  return (stats or {}).get("bytes_limit")
