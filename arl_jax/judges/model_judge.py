@@ -17,6 +17,7 @@ their environment calls count as faults.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import queue
 import threading
@@ -77,6 +78,10 @@ class ModelJudge:
     self.batches = 0  # forward passes run (for tests and metrics)
     self._thread = threading.Thread(target=self._serve, name="judge", daemon=True)
     self._thread.start()
+    # A daemon thread inside a JAX call when the interpreter shuts down
+    # aborts the process (seen: "terminate called ... FATAL: exception not
+    # rethrown" after a judged run ended): stop it first.
+    atexit.register(self.close)
 
   def question_ids(self, prompt_text: str, completion_text: str) -> list[int]:
     text = self.cfg.template.format(prompt=prompt_text, completion=completion_text)
@@ -140,6 +145,8 @@ class ModelJudge:
         future.set_result(p)
 
   def close(self) -> None:
+    if self._closed.is_set() and not self._thread.is_alive():
+      return
     self._closed.set()
     self._thread.join(timeout=5)
     while not self._queue.empty():
