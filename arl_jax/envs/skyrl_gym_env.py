@@ -126,18 +126,8 @@ def load_rows(path: str) -> tuple[dict, ...]:
   if not os.path.isfile(path):
     raise ValueError(f"env.path: no file {path!r}")
   rows = []
-  with open(path, encoding="utf-8") as f:
-    for number, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      where = f"{path}:{number}"
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{where}: not JSON: {e}") from e
-      if not isinstance(row, dict):
-        raise ValueError(f"{where}: a row must be a JSON object")
-      rows.append(_checked_row(row, len(rows), where))
+  for where, row in jsonl_source.json_objects(path, "a row"):
+    rows.append(_checked_row(row, len(rows), where))
   if not rows:
     raise ValueError(f"env.path: {path!r} holds no rows")
   ids = [r["id"] for r in rows]

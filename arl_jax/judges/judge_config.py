@@ -62,6 +62,10 @@ class JudgeConfig:
     for key in ("{prompt}", "{completion}"):
       if key not in self.template:
         raise ValueError(f"judge.template must hold {key}")
+    try:  # (other braces must be doubled: the template is a str.format string)
+      self.template.format(prompt="", completion="")
+    except (KeyError, IndexError, ValueError) as e:
+      raise ValueError(f"judge.template: {e!r} (write a literal brace as {{{{ or }}}})") from e
     if not self.yes_words or not self.no_words:
       raise ValueError("judge.yes_words and judge.no_words must each name at least one word")
     for key in ("max_batch", "max_len"):

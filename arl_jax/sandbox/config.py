@@ -41,12 +41,13 @@ class SandboxConfig:
   url: str = ""
   require_isolation: bool = True
   max_concurrent: int = 8
-  wall_s: float = 10.0
-  cpu_s: int = 10
-  memory_mb: int = 512
-  file_mb: int = 16
-  processes: int = 16
-  output_kb: int = 256
+  # (the limits' defaults are `api.Limits`'s)
+  wall_s: float = api.Limits.wall_s
+  cpu_s: int = api.Limits.cpu_s
+  memory_mb: int = api.Limits.memory_mb
+  file_mb: int = api.Limits.file_mb
+  processes: int = api.Limits.processes
+  output_kb: int = api.Limits.output_kb
 
   def __post_init__(self):
     if self.backend not in BACKENDS:

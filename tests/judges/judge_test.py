@@ -4,10 +4,8 @@ OpenAI-compatible judge reads its server's top log-probs and names every
 way it can fail; a judged run logs the rule and judge parts of its reward."""
 
 import concurrent.futures
-import http.server
 import json
 import math
-import threading
 
 import numpy as np
 import pytest
@@ -15,7 +13,7 @@ import pytest
 from arl_jax.config import run_spec
 from arl_jax.envs import env_api
 from arl_jax.judges import judge_config, judged_env, openai_judge
-from arl_jax.testing import tiny
+from arl_jax.testing import json_server, tiny
 from arl_jax.training import run_lib
 
 
@@ -66,31 +64,11 @@ def test_a_model_judge_s_verdict_is_the_model_s_probability_of_yes(judge_folder)
     judge.verdict("a", "b")
 
 
-class _Server(http.server.ThreadingHTTPServer):
-  daemon_threads = True
-
-  def __init__(self, answer_fn):
-    super().__init__(("127.0.0.1", 0), _Handler)
-    self.answer_fn, self.bodies = answer_fn, []
-    threading.Thread(target=self.serve_forever, daemon=True).start()
-
-  @property
-  def url(self):
-    return f"http://127.0.0.1:{self.server_address[1]}/v1"
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-  def log_message(self, *args):
-    pass
-
-  def do_POST(self):  # noqa: N802
-    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-    self.server.bodies.append((self.path, body))
-    code, raw = self.server.answer_fn(body)
-    self.send_response(code)
-    self.send_header("Content-Length", str(len(raw)))
-    self.end_headers()
-    self.wfile.write(raw)
+def _server(answer_fn):
+  """A stand-in judge server; its `url` ends in /v1, as a client is given."""
+  server = json_server.JsonServer(answer_fn)
+  server.url_v1 = server.url + "/v1"
+  return server
 
 
 def _completion(candidates):
@@ -107,18 +85,18 @@ def _answers_by_completion(body):
 
 
 def test_an_openai_judge_reads_its_server_s_top_log_probs(monkeypatch):
-  server = _Server(_answers_by_completion)
+  server = _server(_answers_by_completion)
   monkeypatch.setenv("JUDGE_KEY", "s3cret")
   try:
     judge = openai_judge.OpenAIJudge(judge_config.JudgeConfig(
-        kind="openai", url=server.url, model="judge-7b", api_key_env="JUDGE_KEY"))
+        kind="openai", url=server.url_v1, model="judge-7b", api_key_env="JUDGE_KEY"))
     assert judge.verdict("Task", "the right answer") == pytest.approx(0.75)
     assert judge.verdict("Task", "wrong") == pytest.approx(0.125)
-    path, body = server.bodies[0]
+    path, _, body = server.requests[0]
     assert path == "/v1/chat/completions" and body["model"] == "judge-7b"
     assert body["max_tokens"] == 1 and body["top_logprobs"] == 20 and body["temperature"] == 0
   finally:
-    server.shutdown()
+    server.stop()
 
 
 @pytest.mark.parametrize("answer, message", [
@@ -127,13 +105,25 @@ def test_an_openai_judge_reads_its_server_s_top_log_probs(monkeypatch):
     ((200, _completion([("Maybe", -0.1), ("Perhaps", -2.0)])), "none of the judge's top"),
 ])
 def test_an_openai_judge_that_cannot_answer_is_a_judge_error(answer, message):
-  server = _Server(lambda body: answer)
+  server = _server(lambda body: answer)
   try:
-    judge = openai_judge.OpenAIJudge(judge_config.JudgeConfig(kind="openai", url=server.url))
+    judge = openai_judge.OpenAIJudge(judge_config.JudgeConfig(kind="openai", url=server.url_v1))
     with pytest.raises(openai_judge.JudgeError, match=message):
       judge.verdict("t", "c")
   finally:
-    server.shutdown()
+    server.stop()
+
+
+def test_an_oversized_answer_or_a_server_that_is_down_is_a_judge_error():
+  server = _server(lambda body: (200, b"x" * ((1 << 20) + 10)))
+  judge = openai_judge.OpenAIJudge(judge_config.JudgeConfig(kind="openai", url=server.url_v1))
+  try:
+    with pytest.raises(openai_judge.JudgeError, match="more than 1 MiB"):
+      judge.verdict("t", "c")
+  finally:
+    server.stop()
+  with pytest.raises(openai_judge.JudgeError, match="refused"):
+    judge.verdict("t", "c")
 
 
 def test_a_judge_config_names_its_bad_keys(monkeypatch):
@@ -141,7 +131,9 @@ def test_a_judge_config_names_its_bad_keys(monkeypatch):
                           (dict(kind="hf"), "judge.path must name"),
                           (dict(kind="openai", url="ftp://x"), "judge.url must be an http"),
                           (dict(template="no placeholders"), r"judge.template must hold"),
-                          (dict(max_batch=0), "judge.max_batch must be")]:
+                          (dict(max_batch=0), "judge.max_batch must be"),
+                          (dict(template='{prompt} {completion} as {"score": 1}'),
+                           "judge.template: KeyError")]:
     with pytest.raises(ValueError, match=message):
       judge_config.JudgeConfig(**fields)
   monkeypatch.delenv("NO_SUCH_KEY_VAR", raising=False)
@@ -191,14 +183,14 @@ def test_a_judged_reward_is_the_weighted_sum_with_its_parts():
 
 
 def test_a_run_judged_by_a_server_logs_both_parts_of_its_reward(tmp_path):
-  server = _Server(_answers_by_completion)
+  server = _server(_answers_by_completion)
   try:
     config = tiny.load_config("arith", "tiny")
     config.eval_every = 0
-    config.judge.update(kind="openai", url=server.url, weight=0.5)
+    config.judge.update(kind="openai", url=server.url_v1, weight=0.5)
     result = run_lib.run(config, str(tmp_path), print_fn=lambda _: None)
   finally:
-    server.shutdown()
+    server.stop()
   assert result.complete
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   rl = [r for r in rows if r.get("phase") == "rl" and "loss" in r]
@@ -206,5 +198,5 @@ def test_a_run_judged_by_a_server_logs_both_parts_of_its_reward(tmp_path):
     parts = r["reward_parts"]["arith"]
     assert parts["judge"] == pytest.approx(0.125)  # (no completion says "right")
     assert r["reward_mean"] == pytest.approx(parts["rule"] + 0.5 * parts["judge"])
-  assert rl[-1]["env_errors"] == 0 and len(server.bodies) >= len(rl) * 16
+  assert rl[-1]["env_errors"] == 0 and len(server.requests) >= len(rl) * 16
   assert np.isfinite([r["loss"] for r in rl]).all()

@@ -3,42 +3,14 @@ programs in the local sandbox the way SandboxFusion answers), and against
 services that fail: every failure is a SandboxError that names it."""
 
 import base64
-import http.server
 import json
-import threading
 
 import pytest
 
 from arl_jax.sandbox import api, local, remote
+from arl_jax.testing import json_server
 
 LIMITS = api.Limits(wall_s=3.0, cpu_s=2, memory_mb=256, output_kb=16)
-
-
-class _Service(http.server.ThreadingHTTPServer):
-  daemon_threads = True
-
-  def __init__(self, answer_fn):
-    super().__init__(("127.0.0.1", 0), _Handler)
-    self.answer_fn, self.requests = answer_fn, []
-    threading.Thread(target=self.serve_forever, daemon=True).start()
-
-  @property
-  def url(self):
-    return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Handler(http.server.BaseHTTPRequestHandler):
-  def log_message(self, *args):
-    pass
-
-  def do_POST(self):  # noqa: N802 - http.server's name
-    body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-    self.server.requests.append((self.path, dict(self.headers), body))
-    code, raw = self.server.answer_fn(body)
-    self.send_response(code)
-    self.send_header("Content-Length", str(len(raw)))
-    self.end_headers()
-    self.wfile.write(raw)
 
 
 def _fusion_like(sandbox):
@@ -58,9 +30,9 @@ def _fusion_like(sandbox):
 @pytest.fixture(scope="module")
 def service():
   sandbox = local.LocalSandbox(require_isolation=False, uid=None)
-  server = _Service(_fusion_like(sandbox))
+  server = json_server.JsonServer(_fusion_like(sandbox))
   yield server
-  server.shutdown()
+  server.stop()
 
 
 def test_programs_run_remotely_as_they_would_here(service):
@@ -92,19 +64,18 @@ def test_programs_run_remotely_as_they_would_here(service):
     ((200, b'{"run_result": {"stdout": "x"}}'), r"not a SandboxFusion run_code answer"),
 ])
 def test_a_failing_service_is_a_named_sandbox_error(answer, message):
-  server = _Service(lambda body: answer)
+  server = json_server.JsonServer(lambda body: answer)
   try:
     with pytest.raises(api.SandboxError, match=message):
       remote.SandboxFusion(server.url).run("print(1)", limits=LIMITS)
   finally:
-    server.shutdown()
+    server.stop()
 
 
 def test_a_service_that_is_down_is_a_sandbox_error():
-  server = _Service(lambda body: (200, b""))
+  server = json_server.JsonServer(lambda body: (200, b""))
   url = server.url
-  server.shutdown()
-  server.server_close()
+  server.stop()
   with pytest.raises(api.SandboxError, match="refused"):
     remote.SandboxFusion(url).run("print(1)", limits=LIMITS)
 
