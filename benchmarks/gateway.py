@@ -36,6 +36,7 @@ import asyncio
 import os
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -56,7 +57,8 @@ async def _run_clients(http, post, clients, requests):
     while queue:
       queue.pop()
       start = time.perf_counter()
-      sampled += await post(http)
+      tokens = await post(http)  # (not `sampled += await ...`: that reads `sampled` first)
+      sampled += tokens
       latencies.append(time.perf_counter() - start)
 
   start = time.perf_counter()
@@ -102,7 +104,21 @@ def _gateway_clients_elsewhere(base_url, prompt, tokens, clients, requests):
 
 
 def _run_gateway_clients(*args):
-  return asyncio.run(_aiohttp_clients(*args))
+  """(wall, tokens, latencies, the client process's CPU seconds)."""
+  cpu = time.process_time()
+  return (*asyncio.run(_aiohttp_clients(*args)), time.process_time() - cpu)
+
+
+def _thread_cpu_s(name: str) -> float | None:
+  """CPU seconds (user + system) of this process's thread called `name`,
+  from /proc (None where there is no /proc)."""
+  thread = next((t for t in threading.enumerate() if t.name == name), None)
+  try:
+    with open(f"/proc/self/task/{thread.native_id}/stat") as f:
+      fields = f.read().rsplit(")", 1)[1].split()
+  except (AttributeError, OSError):
+    return None
+  return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 async def _in_process_clients(port, prompt, tokens, clients, requests):
@@ -185,69 +201,152 @@ async def _streams(base_url, clients, requests, tokens):
   return first, gaps, whole
 
 
+# The decoder body of SmolLM2-135M (30 layers, d 576, 9 query / 3 KV heads,
+# MLP 1536), random, with the tiny chat tokenizer's vocabulary: a real small
+# model's work per token, where `tiny` has almost none (so its rows measure
+# the HTTP path's CPU against nearly free decode steps).
+MODEL_SHAPES = {
+    "tiny": {},
+    "smollm2_body": dict(d_model=576, num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64,
+                         mlp_dim=1536),
+}
+
+
+def _cpu_snapshot():
+  return {"process": time.process_time(), "http": _thread_cpu_s("gateway-http"),
+          "engine": _thread_cpu_s("sampler-engine")}
+
+
+_ENGINE_COUNTS = ("steps", "inserts", "prefill_phases", "prefill_seconds", "decode_seconds",
+                  "occupied_slot_steps", "slot_steps")
+
+
+def _engine_work(engine, before: dict | None = None) -> dict:
+  """The engine's counters now (`before` None), or what it did since `before`:
+  decode steps, admissions, seconds in prefill and decode calls, occupancy
+  (so a difference of the two sides shows whether the engine did more work
+  or did the same work slower)."""
+  now = {k: getattr(engine.stats, k) for k in _ENGINE_COUNTS}
+  if before is None:
+    return now
+  d = {k: now[k] - before[k] for k in _ENGINE_COUNTS}
+  return {"decode_steps": d["steps"], "admissions": d["inserts"],
+          "prefill_phases": d["prefill_phases"], "prefill_s": round(d["prefill_seconds"], 3),
+          "decode_s": round(d["decode_seconds"], 3),
+          "occupancy": round(d["occupied_slot_steps"] / max(d["slot_steps"], 1), 3)}
+
+
+def _cpu_ms_per_request(before, after, requests, client_cpu_s=None) -> dict:
+  """CPU milliseconds per request: the server's HTTP thread, its engine
+  thread, the whole server process (XLA's threads too) and the clients."""
+  per = lambda key: (None if before[key] is None or after[key] is None  # noqa: E731
+                     else round(1e3 * (after[key] - before[key]) / requests, 3))
+  out = {"http_thread_cpu_ms": per("http"), "engine_thread_cpu_ms": per("engine"),
+         "process_cpu_ms": per("process")}
+  if client_cpu_s is not None:
+    out["client_process_cpu_ms"] = round(1e3 * client_cpu_s / requests, 3)
+  return out
+
+
+def _throughput_rows(served, prompt, tokens, clients, quick, model):
+  """`gateway` / `in_process` (/ `gateway_httpx_same_process` on `tiny`)
+  tokens/s at each number of clients, with CPU per request, and their ratio."""
+  sides = ("in_process", "gateway") + (("gateway_httpx_same_process",) if model == "tiny"
+                                       else ())
+  asyncio.run(_in_process_clients(served.server.port, prompt, tokens, 8, 16))
+  _gateway_clients_elsewhere(served.base_url, prompt, tokens, 8, 16)
+  rows = []
+  for c in clients:
+    requests = max(2 * c, 8) if not quick else 4
+    pair = {}
+    for side in sides:
+      before, work, client_cpu = _cpu_snapshot(), _engine_work(served.server.engine), None
+      if side == "gateway":
+        wall, sampled, lat, client_cpu = _gateway_clients_elsewhere(served.base_url, prompt,
+                                                                    tokens, c, requests)
+      elif side == "gateway_httpx_same_process":
+        wall, sampled, lat = asyncio.run(_gateway_clients(served.base_url, prompt, tokens, c,
+                                                          requests))
+      else:
+        wall, sampled, lat = asyncio.run(_in_process_clients(served.server.port, prompt, tokens,
+                                                             c, requests))
+      pair[side] = sampled / wall
+      rows.append({"benchmark": "gateway", "part": "throughput", "model": model, "side": side,
+                   "clients": c, "requests": requests, "tokens": sampled,
+                   "tokens_per_s": round(sampled / wall, 1),
+                   "latency_p50_s": round(float(np.percentile(lat, 50)), 4),
+                   "latency_p99_s": round(float(np.percentile(lat, 99)), 4)}
+                  | _cpu_ms_per_request(before, _cpu_snapshot(), requests, client_cpu)
+                  | _engine_work(served.server.engine, work))
+    rows.append({"benchmark": "gateway", "part": "ratio", "model": model, "clients": c,
+                 "gateway_over_in_process": round(pair["gateway"] / pair["in_process"], 3)}
+                | ({"httpx_same_process_over_in_process": round(
+                    pair["gateway_httpx_same_process"] / pair["in_process"], 3)}
+                   if "gateway_httpx_same_process" in pair else {}))
+  return rows
+
+
+def _stream_rows(served, tokens, quick):
+  rows = []
+  for c in ([4] if quick else [1, 16, 64]):
+    for _ in range(1 if quick else 2):  # (the first round compiles its shapes)
+      first, gaps, whole = asyncio.run(_streams(served.base_url, c,
+                                                4 if quick else max(2 * c, 8), tokens))
+    pct = lambda xs, q: round(float(np.percentile(xs, q)), 4) if xs else None  # noqa: E731
+    rows.append({"benchmark": "gateway", "part": "stream", "clients": c,
+                 "requests": len(whole), "ttft_p50_s": pct(first, 50),
+                 "ttft_p99_s": pct(first, 99), "delta_gap_p50_s": pct(gaps, 50),
+                 "delta_gap_p99_s": pct(gaps, 99), "whole_p50_s": pct(whole, 50)})
+  return rows
+
+
+def _session_rows(served, quick):
+  rows = []
+  for c in ([4] if quick else [1, 16, 64]):
+    count = 4 if quick else max(2 * c, 16)
+    for _ in range(1 if quick else 2):  # (the first round compiles its shapes)
+      wall, lat, breaks = asyncio.run(_sessions(served.base_url, c, count, 3, 8))
+    rows.append({"benchmark": "gateway", "part": "sessions", "clients": c, "sessions": count,
+                 "turns": 3, "tokens": 8, "sessions_per_s": round(count / wall, 2),
+                 "latency_p50_s": round(float(np.percentile(lat, 50)), 4),
+                 "latency_p99_s": round(float(np.percentile(lat, 99)), 4), "breaks": breaks})
+  return rows
+
+
 def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--quick", action="store_true", help="a few requests, for the tests")
   parser.add_argument("--clients", default="1,16,128")
   parser.add_argument("--tokens", type=int, default=32)
+  parser.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES))
+  parser.add_argument("--parts", default="throughput,stream,sessions",
+                      help="comma-separated: throughput, stream, sessions")
   parser.add_argument("--out", help="append JSON rows here")
   args = parser.parse_args(argv)
+  parts = set(args.parts.split(","))
+  if parts - {"throughput", "stream", "sessions"}:
+    parser.error(f"--parts: unknown {sorted(parts - {'throughput', 'stream', 'sessions'})}")
   from arl_jax.testing import served as served_lib  # noqa: PLC0415
 
   clients = [1, 4] if args.quick else [int(c) for c in args.clients.split(",")]
   # Every program shape compiled before the first round (else the first side
   # to see a new batch size pays its compiles: 16 clients once read 1.98x).
   served = served_lib.start_tiny(tempfile.mkdtemp(), num_slots=32, max_new_tokens=64,
-                                 precompile=not args.quick)
+                                 precompile=not args.quick,
+                                 model_shape=MODEL_SHAPES[args.model])
+  rows = []
   try:
-    prompt = list(range(10, 26))
-    rows = []
-    asyncio.run(_in_process_clients(served.server.port, prompt, args.tokens, 8, 16))
-    asyncio.run(_gateway_clients(served.base_url, prompt, args.tokens, 8, 16))
-    _gateway_clients_elsewhere(served.base_url, prompt, args.tokens, 8, 16)
-    for c in clients:
-      requests = max(2 * c, 8) if not args.quick else 4
-      pair = {}
-      for side in ("in_process", "gateway", "gateway_httpx_same_process"):
-        if side == "gateway":
-          wall, sampled, lat = _gateway_clients_elsewhere(served.base_url, prompt, args.tokens,
-                                                          c, requests)
-        elif side == "gateway_httpx_same_process":
-          wall, sampled, lat = asyncio.run(_gateway_clients(served.base_url, prompt,
-                                                            args.tokens, c, requests))
-        else:
-          wall, sampled, lat = asyncio.run(_in_process_clients(served.server.port, prompt,
-                                                               args.tokens, c, requests))
-        pair[side] = sampled / wall
-        rows.append({"benchmark": "gateway", "part": "throughput", "side": side, "clients": c,
-                     "requests": requests, "tokens": sampled,
-                     "tokens_per_s": round(sampled / wall, 1),
-                     "latency_p50_s": round(float(np.percentile(lat, 50)), 4),
-                     "latency_p99_s": round(float(np.percentile(lat, 99)), 4)})
-      rows.append({"benchmark": "gateway", "part": "ratio", "clients": c,
-                   "gateway_over_in_process": round(pair["gateway"] / pair["in_process"], 3),
-                   "httpx_same_process_over_in_process": round(
-                       pair["gateway_httpx_same_process"] / pair["in_process"], 3)})
-    for c in ([4] if args.quick else [1, 16, 64]):
-      for _ in range(1 if args.quick else 2):  # (the first round compiles its shapes)
-        first, gaps, whole = asyncio.run(_streams(served.base_url, c, 4 if args.quick
-                                                  else max(2 * c, 8), args.tokens))
-      pct = lambda xs, q: round(float(np.percentile(xs, q)), 4) if xs else None  # noqa: E731
-      rows.append({"benchmark": "gateway", "part": "stream", "clients": c,
-                   "requests": len(whole), "ttft_p50_s": pct(first, 50),
-                   "ttft_p99_s": pct(first, 99), "delta_gap_p50_s": pct(gaps, 50),
-                   "delta_gap_p99_s": pct(gaps, 99), "whole_p50_s": pct(whole, 50)})
-    for c in ([4] if args.quick else [1, 16, 64]):
-      count = 4 if args.quick else max(2 * c, 16)
-      for _ in range(1 if args.quick else 2):  # (the first round compiles its shapes)
-        wall, lat, breaks = asyncio.run(_sessions(served.base_url, c, count, 3, 8))
-      rows.append({"benchmark": "gateway", "part": "sessions", "clients": c, "sessions": count,
-                   "turns": 3, "tokens": 8, "sessions_per_s": round(count / wall, 2),
-                   "latency_p50_s": round(float(np.percentile(lat, 50)), 4),
-                   "latency_p99_s": round(float(np.percentile(lat, 99)), 4), "breaks": breaks})
+    if "throughput" in parts:
+      rows += _throughput_rows(served, list(range(10, 26)), args.tokens, clients, args.quick,
+                               args.model)
+    if "stream" in parts:
+      rows += _stream_rows(served, args.tokens, args.quick)
+    if "sessions" in parts:
+      rows += _session_rows(served, args.quick)
   finally:
     served.server.stop()
-  report.print_table(rows, "gateway against the engine in-process (tiny model, 1 CPU device)")
+  report.print_table(rows, f"gateway against the engine in-process ({args.model} model, "
+                     "1 CPU device)")
   report.append_jsonl(rows, args.out)
 
 

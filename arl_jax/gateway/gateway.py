@@ -1,18 +1,12 @@
 """`Gateway`: OpenAI requests turned into engine segments and back, without HTTP.
 
-A request is checked whole before anything is sampled (sampling settings
-the engine was not built with, limits, prompt and context lengths, stop
-tokens); each of its `n` choices is one episode handed to the engine
-(`engine_port.py`): a new one, or, in a session, a copy of the branch it
-continues with the new messages appended as observation tokens
-(`chat_render.continuation`). When every choice's segment has ended, the
+A request is checked whole before anything is sampled (`request_checks.py`:
+sampling settings, limits, lengths); each of its `n` choices is one episode
+handed to the engine (`engine_port.py`): a new one, or, in a session, a copy
+of the branch it continues with the new messages appended as observation
+tokens (`chat_render.continuation`). When every choice's segment has ended, the
 answers are read (`answers.py`), the session keeps a branch per choice, and
 the caller (`app.py`) writes the response.
-
-Sampling settings: the behaviour log-prob of every token is what the
-learner trains against, so a request may not change the distribution the
-engine samples from: `temperature`, `top_p`, `top_k` and `min_p` are
-accepted only at the engine's own values (400 naming the field otherwise).
 """
 
 from __future__ import annotations
@@ -20,13 +14,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
-import math
 import threading
 import time
 import zlib
 
 from arl_jax.gateway import answers as answers_lib
-from arl_jax.gateway import chat_render, engine_port, gateway_config, protocol, sessions
+from arl_jax.gateway import (
+    chat_render,
+    engine_port,
+    gateway_config,
+    protocol,
+    request_checks,
+    sessions,
+)
 from arl_jax.gateway import tool_calls as tool_calls_lib
 
 
@@ -67,6 +67,9 @@ class Gateway:
     """
     self.port, self.tokenizer, self.config = port, tokenizer, config
     self._engine_cfg, self._settings = engine_cfg, settings
+    self.checks = request_checks.RequestChecks(engine_cfg=engine_cfg, settings=settings,
+                                               config=config,
+                                               vocab_size=tokenizer.vocab_size)
     self.renderer = (chat_render.ChatRenderer(tokenizer) if tokenizer.template.is_chat
                      else None)
     self.tool_parser = _parser_name(config.tool_parser, tokenizer.template)
@@ -88,84 +91,7 @@ class Gateway:
 
   @property
   def max_model_len(self) -> int:
-    """The longest context an episode may reach (prompt and completion budget)."""
-    return self._engine_cfg.prompt_len + self._engine_cfg.max_new_tokens
-
-  # -- checks ------------------------------------------------------------------------
-
-  def check_model(self, model: str) -> None:
-    if model != self.config.model_name:
-      raise protocol.GatewayError(404, f"the model {model!r} does not exist; this server "
-                                  f"serves {self.config.model_name!r}", param="model",
-                                  code="model_not_found")
-
-  def _check_sampling(self, req) -> None:
-    self.check_model(req.model)
-    s = self._settings
-    for name, value in (("temperature", s.temperature), ("top_p", s.top_p),
-                        ("top_k", s.top_k), ("min_p", s.min_p)):
-      asked = getattr(req, name)
-      if asked is not None and not math.isclose(asked, value, rel_tol=1e-6, abs_tol=1e-9):
-        raise protocol.GatewayError(
-            400, f"{name}={asked!r}: this server samples at {name}={value!r} "
-            f"(sampler.{name}); a request cannot change it, since every token's behaviour "
-            "log-prob is what the learner trains on", param=name)
-    for name, why in req.unsupported():
-      raise protocol.GatewayError(400, f"{name}: {why}", param=name)
-    if req.alternatives() > s.top_logprobs:
-      param = "top_logprobs" if isinstance(req, protocol.ChatCompletionRequest) else "logprobs"
-      raise protocol.GatewayError(
-          400, f"{param}={req.alternatives()}: this server records {s.top_logprobs} "
-          "alternatives per sampled token (sampler.top_logprobs; it is set when the engine is "
-          "built, since each one costs a top-k over the vocabulary every step)", param=param)
-    if req.n > self.config.max_n:
-      raise protocol.GatewayError(400, f"n={req.n}: at most {self.config.max_n} "
-                                  "(gateway.max_n)", param="n")
-    if len(req.stops()) > self.config.max_stops:
-      raise protocol.GatewayError(400, f"stop: at most {self.config.max_stops} strings",
-                                  param="stop")
-
-  def _stop_ids(self, stop_token_ids) -> tuple[int, ...] | None:
-    if stop_token_ids is None:
-      return None
-    allowed = {self._settings.eos_id, *self._settings.stop_ids}
-    unknown = sorted(set(stop_token_ids) - allowed)
-    if unknown:
-      raise protocol.GatewayError(
-          400, f"stop_token_ids {unknown}: this server stops on {sorted(allowed)} only (its "
-          "sampler's stop tokens); use stop strings for others", param="stop_token_ids")
-    return tuple(stop_token_ids)
-
-  def _max_tokens(self, asked: int | None, episode) -> int:
-    """The segment's token limit: what was asked, within what the episode's
-    budget leaves."""
-    left = episode.budget_left(self._engine_cfg.max_new_tokens)
-    cap = self.config.max_tokens
-    if asked is not None and cap and asked > cap:
-      raise protocol.GatewayError(400, f"max_tokens={asked}: at most {cap} "
-                                  "(gateway.max_tokens)", param="max_tokens")
-    context = len(episode.context_ids())
-    if left < 1 or (asked is not None and asked > left):
-      raise protocol.GatewayError(
-          400, f"this model's maximum context length is {self.max_model_len} tokens; the "
-          f"request holds {context} tokens of context and asks for "
-          f"{asked if asked is not None else 'at least 1'} more (the completion budget "
-          f"leaves {max(left, 0)})", param="max_tokens", code="context_length_exceeded")
-    return asked if asked is not None else (min(left, cap) if cap else left)
-
-  def _check_prompt(self, prompt_ids) -> None:
-    if not prompt_ids:
-      raise protocol.GatewayError(400, "the prompt is empty", param="prompt")
-    limit = self._engine_cfg.prompt_len
-    if len(prompt_ids) > limit:
-      raise protocol.GatewayError(
-          400, f"the prompt holds {len(prompt_ids)} tokens; this server takes at most {limit} "
-          "(sampler.prompt_len) for a new conversation", param="messages",
-          code="context_length_exceeded")
-    bad = [t for t in prompt_ids if not 0 <= t < self.tokenizer.vocab_size]
-    if bad:
-      raise protocol.GatewayError(400, f"token ids {bad[:8]} are outside the vocabulary "
-                                  f"[0, {self.tokenizer.vocab_size})", param="prompt")
+    return self.checks.max_model_len
 
   # -- choices -----------------------------------------------------------------------
 
@@ -174,10 +100,20 @@ class Gateway:
     return None if seed is None else zlib.crc32(f"{seed}/{index}".encode())
 
   def _new_choices(self, prompt_ids, n: int, prompt, seed) -> list[_Choice]:
-    self._check_prompt(prompt_ids)
-    return [_Choice(self.port.new_episode(prompt_ids, prompt=prompt,
-                                          draw_id=self._draw_id(seed, i)), start=0)
-            for i in range(n)]
+    """Episodes of a new conversation. A prompt longer than the engine's
+    prompt width (`sampler.prompt_len`) keeps its first `prompt_len` tokens
+    as the episode's prompt and the rest as an observation (never trained
+    on) in the completion budget, as a later turn's would be: so every
+    prompt below `max_model_len` is served, as `/v1/models` says."""
+    self.checks.prompt(prompt_ids)
+    width = self._engine_cfg.prompt_len
+    head, rest = list(prompt_ids[:width]), list(prompt_ids[width:])
+    choices = []
+    for i in range(n):
+      episode = self.port.new_episode(head, prompt=prompt, draw_id=self._draw_id(seed, i))
+      episode.add_observation(rest)
+      choices.append(_Choice(episode, start=len(rest)))
+    return choices
 
   def _continued_choices(self, branch: sessions.Branch, observation, n: int, prompt,
                          seed) -> list[_Choice]:
@@ -200,7 +136,7 @@ class Gateway:
     the caller is cancelled. `progress(choice_index, tokens)`: told each
     choice's tokens as sampled (on the engine thread; a stream); `started()`:
     called once every choice is in the engine (the request was accepted)."""
-    limits = [self._max_tokens(max_tokens, c.episode) for c in choices]  # (all checked first)
+    limits = [self.checks.max_tokens(max_tokens, c.episode) for c in choices]  # (all checked first)
     group_ids = [c.episode.group_id for c in choices]
     if session is not None:
       with self._lock:  # (before submitting: a cancellation from now on finds them)
@@ -271,7 +207,7 @@ class Gateway:
 
   def _served_prompt(self, stop_token_ids, session) -> engine_port.ServedPrompt:
     return engine_port.ServedPrompt(
-        stop_ids=self._stop_ids(stop_token_ids), session_id=session.id if session else "",
+        stop_ids=self.checks.stop_ids(stop_token_ids), session_id=session.id if session else "",
         owner_group=session.owner[0] if session is not None and session.owner else None)
 
   def cancel_session(self, session_id: str, why: str) -> None:
@@ -292,7 +228,7 @@ class Gateway:
                  disconnected=None, progress=None, started=None) -> Outcome:
     """A chat completion; `disconnected`: an async () that returns when the
     client leaves; `progress`, `started`: a stream's (`_sample`)."""
-    self._check_sampling(req)
+    self.checks.sampling(req)
     if self.renderer is None:
       raise protocol.GatewayError(400, "this model's tokenizer has no chat template; use "
                                   "/v1/completions", param="messages")
@@ -365,7 +301,7 @@ class Gateway:
     prompt), a prompt whose ids begin with a branch's whole context
     continues its episode, as `generate`; a text prompt is encoded whole,
     so one whose encoding does not extend its branch is a counted break."""
-    self._check_sampling(req)
+    self.checks.sampling(req)
     prompts = req.prompts()
     if not prompts or len(prompts) * req.n > self.config.max_n:
       raise protocol.GatewayError(400, f"{len(prompts)} prompts x n={req.n}: at most "
@@ -427,9 +363,9 @@ class Gateway:
     """vLLM's token-in generation. In a session, ids that begin with a
     branch's whole context continue its episode (the rest is appended as
     observation tokens)."""
-    self.check_model(req.model)
+    self.checks.model(req.model)
     sp = req.sampling_params
-    self._check_sampling(sp.checked(req.model))
+    self.checks.sampling(sp.checked(req.model))
     session = self._session(session_id)
     prompt = self._served_prompt(sp.stop_token_ids, session)
     if session is not None:

@@ -18,6 +18,7 @@ class EngineStats:
   # Prompt tokens prefilled (a chunk counts its columns; forks none), as the
   # prefill budget counts them (`prefill_budget.py`).
   prefill_tokens: int = 0
+  prefill_phases: int = 0  # admissions' prefill phases run (each one or more calls)
   swaps: int = 0
   sampled_tokens: int = 0
   finished_segments: int = 0

@@ -310,6 +310,7 @@ class Scheduler:
     self._chunked = []
     self._table.done = np.array(done, bool)
     self.stats.prefill_seconds += time.monotonic() - plan.start
+    self.stats.prefill_phases += 1
 
   # -- decode ------------------------------------------------------------------------
 

@@ -39,13 +39,16 @@ def chat_tokenizer(folder: str) -> hf_tokenizer.HfTokenizer:
 
 
 def start_tiny(folder: str, *, config: gateway_config.GatewayConfig | None = None,
-               temperature: float = 1.0, top_logprobs: int = 0, **engine_options) -> Served:
-  """Serves a random tiny decoder (2 layers, d_model 32) with a chat tokenizer
+               temperature: float = 1.0, top_logprobs: int = 0,
+               model_shape: dict | None = None, **engine_options) -> Served:
+  """Serves a random tiny decoder (2 layers, d_model 32; `model_shape`:
+  other `ModelConfig` fields, e.g. a real model's) with a chat tokenizer
   written to `folder`, on one device, on a free localhost port, recording
   `top_logprobs` alternatives per token."""
   tokenizer = chat_tokenizer(folder)
   meshes = tiny.single_device_meshes()
-  model_cfg = tiny.tiny_model_config(vocab_size=tokenizer.vocab_size, max_seq_len=1024)
+  model_cfg = tiny.tiny_model_config(vocab_size=tokenizer.vocab_size, max_seq_len=1024,
+                                     **(model_shape or {}))
   graphdef, params, shardings = tiny.learner_and_sampler_params(model_cfg, meshes)
   publisher = publish_lib.WeightPublisher(meshes.learner, shardings)
   publisher.publish(params, 0)

@@ -77,7 +77,8 @@ def _error(response, status):
                    "tool_calls": [{"id": "c", "type": "function", "function": {
                        "name": "f", "arguments": "{not json"}}]}]},
      "messages[1].tool_calls[0].function.arguments", "not a JSON object"),
-    ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages", "at most 64"),
+    ({"messages": [{"role": "user", "content": "x" * 400}]}, "messages",
+     "maximum context length is 96"),
     ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs", "may not set"),
 ])
 def test_a_bad_chat_request_is_a_400_naming_its_field(gateway, fields, param, words):
@@ -129,9 +130,9 @@ def test_a_prompt_out_of_the_vocabulary_or_too_long_is_refused(gateway):
   http, _, _ = gateway
   body = {"model": "arl_jax", "prompt": [1, 2, 10**6]}
   assert "outside the vocabulary" in _error(_post(http, "/v1/completions", body), 400)["message"]
-  body = {"model": "arl_jax", "prompt": list(range(65))}
+  body = {"model": "arl_jax", "prompt": list(range(96))}  # (max_model_len: 64 + 32)
   assert _error(_post(http, "/v1/completions", body), 400)["code"] == "context_length_exceeded"
-  body = {"model": "arl_jax", "token_ids": [1] * 65}
+  body = {"model": "arl_jax", "token_ids": [1] * 96}
   _error(_post(http, "/inference/v1/generate", body), 400)
 
 

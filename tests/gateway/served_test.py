@@ -178,6 +178,30 @@ def test_completions_take_text_or_token_ids(served, client):
       model="arl_jax", prompt="Add 12 and 7.", max_tokens=5, seed=1).choices[0].text
 
 
+def test_a_new_prompt_may_use_the_whole_max_model_len(served, client):
+  """A prompt wider than the engine's prompt width (384 here) and below
+  `max_model_len` (384 + 256) is served: the rest of it is an observation
+  in the completion budget, so its log-probs see the whole prompt."""
+  max_model_len = client.models.list().data[0].model_extra["max_model_len"]
+  assert max_model_len == 640
+  rng = np.random.default_rng(0)
+  prompt = [int(t) for t in rng.integers(3, served.tokenizer.vocab_size, 500)]
+  answer = client.completions.create(model="arl_jax", prompt=prompt, max_tokens=8, user="wide",
+                                     extra_body={"return_token_ids": True})
+  sampled = answer.choices[0].model_extra["token_ids"]
+  assert answer.choices[0].model_extra["prompt_token_ids"] == prompt
+  assert answer.usage.prompt_tokens == 500 and len(sampled) == answer.usage.completion_tokens
+  branch = _session(served, "wide")["branches"][-1]
+  assert branch["prompt_ids"] + branch["completion_ids"] == prompt + sampled
+  assert branch["loss_mask"] == [0.0] * 116 + [1.0] * len(sampled)
+  learner = _learner_logprobs(served, prompt, sampled)
+  np.testing.assert_allclose(branch["logprobs"][116:], learner, atol=1e-5)
+  with pytest.raises(openai.BadRequestError, match="maximum context length is 640"):
+    client.completions.create(model="arl_jax", prompt=prompt + [5] * 140, max_tokens=1)
+  with pytest.raises(openai.BadRequestError, match="maximum context length is 640"):
+    client.completions.create(model="arl_jax", prompt=prompt, max_tokens=141)
+
+
 def test_token_in_generate_continues_a_session_by_its_ids(served):
   """vLLM's /inference/v1/generate, as `renderers.client.generate` calls it."""
   url = served.base_url.removesuffix("/v1") + "/inference/v1/generate"
