@@ -16,7 +16,10 @@ sampling `weight` (1); `env.size` training questions are split between the
 tasks by weight, and `env.heldout_size` held-out questions per task (from
 another seed, none of them a training question) are what evaluation scores.
 The reward is the task's own scorer on the answer the completion gives
-between `<answer>` tags (`env.answer_format`).
+between `<answer>` tags (`env.answer_format`). `--config.env.curriculum.enabled=True`
+draws training questions at each task's difficulty level, moved by the
+measured reward (keys under `env.curriculum`: window, promote_at, demote_at,
+start_level).
 
 Without a folder, the model is a ~0.8M-parameter byte-level decoder with a
 supervised warm-up on the reference answers: it shows the data path and the

@@ -9,7 +9,7 @@ import itertools
 
 import numpy as np
 
-from arl_jax.envs import prompt_data, prompt_source
+from arl_jax.envs import prompt_data, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.orchestrator import work_record
 
@@ -61,16 +61,23 @@ def skipped_records(inputs: Inputs) -> list[dict]:
 
 
 def prompt_stream(spec, inputs: Inputs, work: work_record.WorkRecord | None):
-  """The training prompts as the dispatcher draws them: one shuffled stream,
-  or for a mixture a stream drawing from each environment by its weight;
-  where a resumed run left it when `work` (a checkpoint's open work) is given.
+  """The training prompts as the dispatcher draws them: the environment's
+  own stream where it has one (a curriculum: `EnvEntry.make_stream_fn`),
+  else one shuffled stream, or for a mixture a stream drawing from each
+  environment by its weight; where a resumed run left it when `work` (a
+  checkpoint's open work) is given.
   """
   env, prompts = inputs.env, inputs.train.prompts
   weights = spec.env.weights if spec.env_name == "mixture" else None
   # One stream for the whole run, not a shard per process: in a
   # multi-controller run only process 0's orchestrator draws prompts.
   whole = {"shard_index": 0, "shard_count": 1}
-  if not weights:
+  make_stream = registry.ENVS[spec.env_name].make_stream_fn
+  own = (make_stream(spec.env, spec.run.seed)
+         if make_stream is not None and not spec.data.train_path else None)
+  if own is not None:
+    stream = own
+  elif not weights:
     stream = prompt_data.prompt_iterator(prompts, spec.run.seed,
                                          num_epochs=spec.data.num_epochs or None, **whole)
   else:
@@ -80,7 +87,7 @@ def prompt_stream(spec, inputs: Inputs, work: work_record.WorkRecord | None):
     stream = prompt_data.mixed_iterator(by_env, weights, spec.run.seed, **whole)
   if work is None:
     return stream
-  if work.stream_state is not None:  # the grain iterator's saved position
+  if work.stream_state is not None:  # the stream's saved position
     stream.set_state(work.stream_state)
     return stream
   return itertools.islice(stream, work.prompts_drawn, None)

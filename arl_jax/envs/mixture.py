@@ -76,6 +76,10 @@ class MixtureConfig:
         configs[name] = config_cls(**fields)
       except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {e}") from e
+      if known_envs[name].make_stream_fn is not None and known_envs[name].make_stream_fn(
+          configs[name], 0) is not None:
+        raise ValueError(f"{where}: its own training stream (a curriculum) cannot be mixed: "
+                         "a mixture draws from each environment's shuffled prompts")
       weights[name] = float(weight)
     object.__setattr__(self, "weights", weights)
     object.__setattr__(self, "configs", configs)

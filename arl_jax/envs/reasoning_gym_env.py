@@ -34,13 +34,15 @@ import zlib
 from collections.abc import Mapping, Sequence
 
 from arl_jax.core import settings
+from arl_jax.envs import curriculum as curriculum_lib
 from arl_jax.envs import env_api
 from arl_jax.envs import tokenizer as tokenizer_lib
 
 ANSWER_FORMATS = ("tags", "raw")
 _INSTRUCTION = "\n\nGive only your final answer between <answer> and </answer>."
-# A prompt id: task (24 bits of a hash of its name) | split (1 bit) | index (31 bits).
-_INDEX_BITS, _SPLIT_BIT = 31, 1 << 31
+# A prompt id: task (24 bits of a hash of its name) | split (1 bit) | curriculum
+# level + 1 (6 bits; 0: the configured options) | index (25 bits).
+_SPLIT_BIT, _LEVEL_SHIFT, _LEVEL_MASK, _INDEX_MASK = 1 << 31, 25, 0x3F, (1 << 25) - 1
 _HELDOUT_SEED_OFFSET = 1_000_003  # (any seed the training set does not use)
 
 
@@ -84,7 +86,11 @@ class ReasoningGymConfig:
     seed: the training questions' seed (the held-out ones use another).
     answer_format: "tags" (the answer between `<answer>` tags, asked for
       in the prompt) or "raw" (the whole completion is the answer).
-    weights, options: derived, validated per task.
+    curriculum: the keys of `curriculum.CurriculumConfig`: with `enabled`,
+      training questions follow each task's level, moved by the measured
+      reward (`reasoning_gym_curriculum.py`); held-out ones stay at the
+      configured options.
+    weights, options, curriculum_cfg: derived, validated.
   """
 
   tasks: Mapping[str, Mapping]
@@ -92,8 +98,11 @@ class ReasoningGymConfig:
   heldout_size: int = 200
   seed: int = 0
   answer_format: str = "tags"
+  curriculum: Mapping = dataclasses.field(
+      default_factory=lambda: settings.defaults(curriculum_lib.CurriculumConfig))
   weights: Mapping[str, float] = dataclasses.field(init=False)
   options: Mapping[str, Mapping] = dataclasses.field(init=False)
+  curriculum_cfg: curriculum_lib.CurriculumConfig = dataclasses.field(init=False)
 
   def __post_init__(self):
     if not self.tasks:
@@ -130,6 +139,7 @@ class ReasoningGymConfig:
                        f"{self.answer_format!r}")
     object.__setattr__(self, "weights", weights)
     object.__setattr__(self, "options", options)
+    object.__setattr__(self, "curriculum_cfg", _curriculum_config(self.curriculum, weights))
 
   def sizes(self, split: str) -> dict[str, int]:
     """Questions per task in `split` (training: `size` by weight, at least 1)."""
@@ -137,6 +147,41 @@ class ReasoningGymConfig:
       return {task: self.heldout_size for task in self.weights}
     total = sum(self.weights.values())
     return {task: max(1, round(self.size * w / total)) for task, w in self.weights.items()}
+
+
+def _curriculum_config(fields: Mapping, tasks) -> curriculum_lib.CurriculumConfig:
+  allowed = [f.name for f in dataclasses.fields(curriculum_lib.CurriculumConfig)]
+  unknown = sorted(set(fields or {}) - set(allowed))
+  if unknown:
+    raise ValueError(f"env.curriculum: unknown key(s) {unknown}; keys: {allowed}")
+  cfg = curriculum_lib.CurriculumConfig(**dict(fields or {}))
+  if cfg.enabled:
+    from reasoning_gym import factory  # noqa: PLC0415
+
+    missing = sorted(t for t in tasks if not factory.has_curriculum(t))
+    if missing:
+      raise ValueError(f"env.curriculum.enabled: reasoning-gym has no curriculum for "
+                       f"{missing}; tasks with one: {', '.join(sorted(factory.CURRICULA))}")
+  return cfg
+
+
+def top_level(task: str) -> int:
+  """The highest curriculum level of `task` (its longest attribute's)."""
+  from reasoning_gym import factory  # noqa: PLC0415
+
+  return max(len(a.levels) for a in factory.create_curriculum(task).attributes.values()) - 1
+
+
+def level_options(cfg: ReasoningGymConfig, task: str, level: int) -> dict:
+  """`task`'s options at curriculum `level`: its curriculum attributes set by
+  reasoning-gym's `set_global_level` (each range from level 0 up to it:
+  its inclusive mode), the other keys as configured."""
+  from reasoning_gym import factory  # noqa: PLC0415
+
+  curriculum = factory.create_curriculum(task)
+  curriculum.set_global_level(level)
+  made = curriculum.generate_configuration(defaults=dict(cfg.options[task]))
+  return {k: getattr(made, k) for k in cfg.options[task]}
 
 
 def _frozen(options: Mapping) -> tuple:
@@ -149,29 +194,41 @@ def _dataset(task: str, options: tuple, seed: int, size: int):
   return _library().create_dataset(task, seed=seed, size=size, **dict(options))
 
 
-def _split_dataset(cfg: ReasoningGymConfig, task: str, split: str):
+def split_dataset(cfg: ReasoningGymConfig, task: str, split: str, level: int | None = None):
+  """The questions of `task` in `split`, at curriculum `level` (training
+  only; None: at the configured options)."""
   seed = cfg.seed + (_HELDOUT_SEED_OFFSET if split == "heldout" else 0)
-  return _dataset(task, _frozen(cfg.options[task]), seed, cfg.sizes(split)[task])
+  if level is None:
+    return _dataset(task, _frozen(cfg.options[task]), seed, cfg.sizes(split)[task])
+  return _dataset(task, _frozen(level_options(cfg, task, level)), seed + 7919 * (level + 1),
+                  min(cfg.sizes(split)[task], _INDEX_MASK + 1))
 
 
-def prompt_id(task: str, split: str, index: int) -> int:
-  return (_task_id(task) << 32) | (_SPLIT_BIT if split == "heldout" else 0) | index
+def prompt_id(task: str, split: str, index: int, level: int | None = None) -> int:
+  if not 0 <= index <= _INDEX_MASK:
+    raise ValueError(f"question index {index} is outside [0, {_INDEX_MASK}]")
+  coded_level = 0 if level is None else level + 1
+  return ((_task_id(task) << 32) | (_SPLIT_BIT if split == "heldout" else 0)
+          | (coded_level << _LEVEL_SHIFT) | index)
 
 
-def _decode(cfg: ReasoningGymConfig, pid: int) -> tuple[str, str, int]:
-  """`(task, split, index)` of a prompt id of `cfg`'s tasks."""
+def decode_prompt_id(cfg: ReasoningGymConfig, pid: int) -> tuple[str, str, int, int | None]:
+  """`(task, split, index, level)` of a prompt id of `cfg`'s tasks (level
+  None: the configured options)."""
   by_id = {_task_id(t): t for t in cfg.weights}
   task = by_id.get(pid >> 32)
   if task is None:
     raise ValueError(f"prompt id {pid} is of none of this run's tasks {sorted(cfg.weights)}")
-  return task, "heldout" if pid & _SPLIT_BIT else "train", pid & (_SPLIT_BIT - 1)
+  coded_level = (pid >> _LEVEL_SHIFT) & _LEVEL_MASK
+  return (task, "heldout" if pid & _SPLIT_BIT else "train", pid & _INDEX_MASK,
+          None if coded_level == 0 else coded_level - 1)
 
 
-def _question(cfg: ReasoningGymConfig, entry: dict) -> str:
+def question(cfg: ReasoningGymConfig, entry: dict) -> str:
   return entry["question"] + (_INSTRUCTION if cfg.answer_format == "tags" else "")
 
 
-def _reference(entry: dict) -> str:
+def reference(entry: dict) -> str:
   """A correct answer to show (the warm-up's): the entry's answer, or, for a
   task with many right answers and none given (propositional_logic), its
   metadata's example answer; "" when it has neither."""
@@ -188,13 +245,13 @@ def make_prompts(cfg: ReasoningGymConfig, split: str) -> list[env_api.TextPrompt
     raise ValueError(f"split must be one of {env_api.SPLITS}, got {split!r}")
   prompts = []
   for task in sorted(cfg.weights):
-    heldout = {e["question"] for e in _split_dataset(cfg, task, "heldout")}
-    data = _split_dataset(cfg, task, split)
+    heldout = {e["question"] for e in split_dataset(cfg, task, "heldout")}
+    data = split_dataset(cfg, task, split)
     for index, entry in enumerate(data):
       if split == "train" and entry["question"] in heldout:
         continue
       prompts.append(env_api.TextPrompt(prompt_id=prompt_id(task, split, index),
-                                        text=_question(cfg, entry), answer=_reference(entry)))
+                                        text=question(cfg, entry), answer=reference(entry)))
   return prompts
 
 
@@ -211,7 +268,7 @@ class ReasoningGymEnv(env_api.Environment):
 
   def env_name_of(self, prompt: env_api.TextPrompt) -> str:
     """Each task's rewards and drops are reported under its own name."""
-    return f"reasoning_gym/{_decode(self.cfg, prompt.prompt_id)[0]}"
+    return f"reasoning_gym/{decode_prompt_id(self.cfg, prompt.prompt_id)[0]}"
 
   def answer_of(self, completion_ids: Sequence[int]) -> str | None:
     """The answer a completion gives (None: none, or it was cut off)."""
@@ -236,8 +293,8 @@ class ReasoningGymEnv(env_api.Environment):
     return env_api.Demonstration(completion_ids=tuple(target), loss_mask=(1.0,) * len(target))
 
   def score(self, prompt: env_api.TextPrompt, completion_ids: Sequence[int]) -> float:
-    task, split, index = _decode(self.cfg, prompt.prompt_id)
-    data = _split_dataset(self.cfg, task, split)
+    task, split, index, level = decode_prompt_id(self.cfg, prompt.prompt_id)
+    data = split_dataset(self.cfg, task, split, level)
     return float(data.score_answer(self.answer_of(completion_ids), data[index]))
 
 

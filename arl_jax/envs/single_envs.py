@@ -13,6 +13,7 @@ from arl_jax.envs import (
   arith,
   humaneval_env,
   math_answer,
+  reasoning_gym_curriculum,
   reasoning_gym_env,
   skyrl_gym_env,
   tool_agent,
@@ -29,12 +30,18 @@ class EnvEntry:
     check_record_fn: `(prompt record) -> None`, raising ValueError (naming the
       field) for a record of a data file this environment cannot use, beyond
       the file schema (`jsonl_source.py`); None: no further check.
+    make_stream_fn: `(config, seed) -> stream or None`: the environment's
+      own training stream (an iterator with `get_state` / `set_state`, and
+      `observe(prompt_id, rewards)` and `metrics()` if its draws depend on
+      the rewards: a curriculum), used in place of the shuffled
+      `make_prompts_fn(config, "train")` when not None.
   """
 
   config_cls: type
   make_env_fn: Callable
   make_prompts_fn: Callable
   check_record_fn: Callable | None = None
+  make_stream_fn: Callable | None = None
 
 
 SINGLE_ENVS = {
@@ -47,7 +54,8 @@ SINGLE_ENVS = {
     "tool_agent": EnvEntry(tool_agent.ToolAgentConfig, tool_agent.ToolAgentEnv,
                            tool_agent.make_prompts),
     "reasoning_gym": EnvEntry(reasoning_gym_env.ReasoningGymConfig, reasoning_gym_env.make_env,
-                              reasoning_gym_env.make_prompts),
+                              reasoning_gym_env.make_prompts,
+                              make_stream_fn=reasoning_gym_curriculum.make_stream),
     "humaneval": EnvEntry(humaneval_env.HumanEvalConfig, humaneval_env.make_env,
                           humaneval_env.make_prompts),
     "skyrl_gym": EnvEntry(skyrl_gym_env.SkyRLGymConfig, skyrl_gym_env.make_env,

@@ -124,6 +124,10 @@ class Orchestrator:
                                                 clock, budget_fn, work=self.work)
     self.ledger = drop_ledger_lib.DropLedger(max_new_tokens, cfg.mask_truncated_completions)
     self._env_name_of = env_name_of  # prompt record -> environment name
+    # A stream whose draws depend on the rewards (a curriculum) is told each
+    # finished group's; its own numbers join the step records.
+    self._observe_fn = getattr(prompts, "observe", None)
+    self._stream_metrics_fn = getattr(prompts, "metrics", None)
     # Receives one event per retired group: trained, or dropped as stale or
     # cancelled (`groups.jsonl`: the run's record of what happened to each prompt).
     self._audit_fn = audit_fn or (lambda event: None)
@@ -148,6 +152,9 @@ class Orchestrator:
     # The sampler may hold a version before `publish` announces it here; the
     # group cannot have arrived before the newest version that sampled it.
     newest = max(r.version_span[1] for r in group.rollouts)
+    if self._observe_fn is not None:  # (the environment's own score: a judged run's rule part)
+      self._observe_fn(group.prompt_id, [r.reward_parts.get("rule", r.reward)
+                                         for r in group.rollouts])
     group = self._shaped(group)
     if self.cfg.filter_zero_variance:
       kept = zero_variance.carries_signal(group, self.cfg.mask_truncated_completions)
@@ -301,6 +308,8 @@ class Orchestrator:
       with self._lock:
         metrics["zero_variance_kept_fraction"] = self.kept.overall
       metrics["admission_yield"] = dispatcher.expected_yield
+    if self._stream_metrics_fn is not None:
+      metrics.update(self._stream_metrics_fn())
     return metrics
 
   def snapshot(self, open_segments: dict) -> dict:
