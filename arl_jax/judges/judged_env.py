@@ -18,11 +18,15 @@ from arl_jax.judges import judge_config
 
 
 def make_judge(cfg: judge_config.JudgeConfig):
-  """The configured judge (`hf` loads its model now)."""
+  """The configured judge (`hf` and `reward_model` load their model now)."""
   if cfg.kind == "hf":
     from arl_jax.judges import model_judge  # noqa: PLC0415 - JAX work only when asked
 
     return model_judge.ModelJudge(cfg)
+  if cfg.kind == "reward_model":
+    from arl_jax.judges import reward_model  # noqa: PLC0415
+
+    return reward_model.RewardModel(cfg)
   if cfg.kind == "openai":
     from arl_jax.judges import openai_judge  # noqa: PLC0415
 

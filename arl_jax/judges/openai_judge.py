@@ -2,11 +2,13 @@
 arl_jax.serve`, a hosted API).
 
 Each question is one `/chat/completions` request for a single token at
-temperature 0 with `top_logprobs=20`; the verdict is P(yes) / (P(yes) +
-P(no)) over the returned candidates whose text, stripped, is a yes or a no
-word. A server that returns neither among its top candidates gives no
-verdict, which is a counted fault (as are HTTP errors, timeouts and answers
-that are not a chat completion). The answer is read size-capped, as
+temperature 0 with `top_logprobs=20`; the verdict weighs the value of each
+returned candidate whose text, stripped, is an answer the verdict counts
+(`JudgeConfig.answer_values`: a yes or a no word, or a score's digit) by its
+probability: P(yes) / (P(yes) + P(no)), or the expected score. A server
+that returns none of them among its top candidates gives no verdict, which
+is a counted fault (as are HTTP errors, timeouts and answers that are not a
+chat completion). The answer is read size-capped, as
 untrusted input. Calls come from the environment's worker threads, which
 bound how many are in flight.
 """
@@ -38,11 +40,10 @@ class OpenAIJudge:
       if not key:
         raise ValueError(f"judge.api_key_env: ${cfg.api_key_env} is not set")
       self._headers["Authorization"] = f"Bearer {key}"
-    self._yes = {w.strip() for w in cfg.yes_words}
-    self._no = {w.strip() for w in cfg.no_words}
+    self._values = {w.strip(): v for w, v in cfg.answer_values().items()}
 
   def request(self, prompt_text: str, completion_text: str) -> dict:
-    question = self.cfg.template.format(prompt=prompt_text, completion=completion_text)
+    question = self.cfg.question(prompt_text, completion_text)
     return {"model": self.cfg.model, "messages": [{"role": "user", "content": question}],
             "max_tokens": 1, "temperature": 0.0, "logprobs": True, "top_logprobs": 20}
 
@@ -70,12 +71,13 @@ class OpenAIJudge:
     except (ValueError, KeyError, IndexError, TypeError) as e:
       raise JudgeError(f"{self._url} answered no chat completion with top_logprobs: "
                        f"{e!r}") from e
-    yes = sum(math.exp(lp) for token, lp in pairs if token in self._yes)
-    no = sum(math.exp(lp) for token, lp in pairs if token in self._no)
-    if yes + no == 0.0:
-      raise JudgeError(f"none of the judge's top answers is a yes or a no word: "
-                       f"{[token for token, _ in pairs][:8]}")
-    return yes / (yes + no)
+    counted = [(math.exp(lp), self._values[token]) for token, lp in pairs
+               if token in self._values]
+    total = sum(p for p, _ in counted)
+    if total == 0.0:
+      raise JudgeError(f"none of the judge's top answers is one it counts "
+                       f"({sorted(self._values)}): {[token for token, _ in pairs][:8]}")
+    return sum(p * v for p, v in counted) / total
 
   def close(self) -> None:
     pass

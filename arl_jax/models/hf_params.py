@@ -250,10 +250,11 @@ def _read_raw(path: str, entry: dict, dtype) -> np.ndarray:
 
 
 def load_params(folder: str, cfg: model_config_lib.ModelConfig, mesh: Mesh,
-                rules: rules_lib.Rules):
+                rules: rules_lib.Rules, *, beside: tuple[str, ...] = ()):
   """`(graphdef, params)`: the folder's weights as an nnx.State laid out on
   `mesh` by `rules`, in `cfg.param_dtype`. A value head (not in Hugging Face
-  checkpoints) keeps its zero initialisation.
+  checkpoints) keeps its zero initialisation. `beside`: tensors the caller
+  reads itself (a reward model's `score.weight`), not the decoder's.
 
   Raises:
     FileNotFoundError: a missing shard or tensor.
@@ -269,7 +270,7 @@ def load_params(folder: str, cfg: model_config_lib.ModelConfig, mesh: Mesh,
     known.add("lm_head.weight")  # some tied checkpoints store the copy anyway
     _check_tied_head(source)
   unknown = [n for n in source.names()
-             if n not in known and not n.endswith(_IGNORED_SUFFIXES)]
+             if n not in known and n not in beside and not n.endswith(_IGNORED_SUFFIXES)]
   if unknown:
     raise hf_config.HfConfigError(
         f"{folder}: tensors this decoder has no place for: {unknown[:5]}"

@@ -1,11 +1,15 @@
 """Model judges: a Hugging Face judge's verdict equals P(yes) / (P(yes) +
-P(no)) computed directly with transformers, batched across threads; an
-OpenAI-compatible judge reads its server's top log-probs and names every
-way it can fail; a judged run logs the rule and judge parts of its reward."""
+P(no)), or the expected score, computed directly with transformers, batched
+across threads; a sequence-classification reward model's equals
+transformers' score; an OpenAI-compatible judge reads its server's top
+log-probs and names every way it can fail; a judged run logs the rule and
+judge parts of its reward."""
 
 import concurrent.futures
 import json
 import math
+import os
+import shutil
 
 import numpy as np
 import pytest
@@ -30,27 +34,39 @@ def judge_folder(tmp_path_factory):
   return str(root / "hf")
 
 
-def test_a_model_judge_s_verdict_is_the_model_s_probability_of_yes(judge_folder):
+CASES = [("What is 2+2?", "4"), ("Name a colour.", "Blue, I think, or maybe green."),
+         ("Say hi.", ""), ("A longer task " * 20, "a longer answer " * 15),
+         ("Why?", "Because."), ("Count to three.", "one two three")]
+
+
+@pytest.mark.parametrize("verdict", ["yes_no", "score"])
+def test_a_model_judge_s_verdict_is_the_model_s_probability_of_yes(judge_folder, verdict):
+  """yes_no: P(yes) / (P(yes) + P(no)); score: the expected digit / 9."""
   torch = pytest.importorskip("torch")
   transformers = pytest.importorskip("transformers")
   from arl_jax.judges import model_judge  # noqa: PLC0415
 
   judge = model_judge.ModelJudge(judge_config.JudgeConfig(kind="hf", path=judge_folder,
-                                                          max_batch=4))
-  assert judge.yes_ids and judge.no_ids and not set(judge.yes_ids) & set(judge.no_ids)
+                                                          max_batch=4, verdict=verdict))
+  words = ({"Yes": 1.0, "yes": 1.0, "No": 0.0, "no": 0.0} if verdict == "yes_no"
+           else {str(d): d / 9 for d in range(10)})
+  ids = {}
+  for word, value in words.items():  # (each word's first token, with a leading space too)
+    for text in (word, " " + word):
+      encoded = judge.tokenizer.encode(text, add_bos=False)
+      if not (text[0] == " " and encoded[0] in judge.tokenizer.encode(" ", add_bos=False)):
+        ids[encoded[0]] = value
+  assert dict(zip(judge.answer_ids.tolist(), judge.answer_values.tolist())) == ids
   reference = transformers.AutoModelForCausalLM.from_pretrained(
       judge_folder, torch_dtype=torch.float32).eval()
-  cases = [("What is 2+2?", "4"), ("Name a colour.", "Blue, I think, or maybe green."),
-           ("Say hi.", ""), ("A longer task " * 20, "a longer answer " * 15),
-           ("Why?", "Because."), ("Count to three.", "one two three")]
+  cases = CASES
 
   def direct(prompt, completion):
-    ids = judge.question_ids(prompt, completion)
+    question = judge.question_ids(prompt, completion)
     with torch.no_grad():
-      logits = reference(torch.tensor([ids])).logits[0, -1].double()
+      logits = reference(torch.tensor([question])).logits[0, -1].double()
     p = torch.softmax(logits, -1).numpy()
-    yes, no = p[list(judge.yes_ids)].sum(), p[list(judge.no_ids)].sum()
-    return yes / (yes + no)
+    return sum(p[i] * v for i, v in ids.items()) / sum(p[i] for i in ids)
 
   with concurrent.futures.ThreadPoolExecutor(len(cases)) as pool:  # (batched together)
     verdicts = list(pool.map(lambda c: judge.verdict(*c), cases))
@@ -62,6 +78,50 @@ def test_a_model_judge_s_verdict_is_the_model_s_probability_of_yes(judge_folder)
   judge.close()
   with pytest.raises(RuntimeError, match="closed"):
     judge.verdict("a", "b")
+
+
+def test_a_reward_model_s_verdict_is_transformers_score(judge_folder, tmp_path):
+  """A LlamaForSequenceClassification folder (the judge's decoder with a
+  random score head) scores each conversation as transformers does."""
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  from arl_jax.judges import reward_model  # noqa: PLC0415
+
+  folder = tmp_path / "rm"
+  config = transformers.AutoConfig.from_pretrained(judge_folder, num_labels=1)
+  config.architectures = ["LlamaForSequenceClassification"]
+  torch.manual_seed(0)
+  base = transformers.AutoModelForCausalLM.from_pretrained(judge_folder,
+                                                           torch_dtype=torch.float32)
+  rm = transformers.LlamaForSequenceClassification(config).eval()
+  rm.model.load_state_dict(base.model.state_dict())
+  rm.save_pretrained(folder, safe_serialization=True)
+  for name in os.listdir(judge_folder):  # (the tokenizer's files)
+    if name.startswith(("tokenizer", "special_tokens")):
+      shutil.copy(os.path.join(judge_folder, name), folder / name)
+  judge = reward_model.RewardModel(judge_config.JudgeConfig(kind="reward_model",
+                                                            path=str(folder), max_batch=4))
+  with concurrent.futures.ThreadPoolExecutor(len(CASES)) as pool:
+    scores = list(pool.map(lambda c: judge.verdict(*c), CASES))
+  for case, score in zip(CASES, scores):
+    ids = judge.question_ids(*case)
+    assert ids[-1] != judge.tokenizer.pad_id
+    with torch.no_grad():
+      want = float(rm(torch.tensor([ids])).logits[0, 0])
+    assert score == pytest.approx(want, abs=2e-5), case
+  assert len(set(np.round(scores, 4))) > 1 and 0 < judge.batches < len(CASES)
+  judge.close()
+
+
+def test_a_reward_model_folder_of_another_kind_is_refused_by_name(judge_folder):
+  from arl_jax.judges import reward_model  # noqa: PLC0415
+  from arl_jax.models import hf_config  # noqa: PLC0415
+
+  with pytest.raises(hf_config.HfConfigError, match="is not a reward model"):
+    reward_model.RewardModel(judge_config.JudgeConfig(kind="reward_model", path=judge_folder))
+  with pytest.raises(hf_config.HfConfigError, match="3 labels"):
+    reward_model.decoder_config({"architectures": ["LlamaForSequenceClassification"],
+                                 "num_labels": 3}, "f")
 
 
 def _server(answer_fn):
@@ -99,6 +159,19 @@ def test_an_openai_judge_reads_its_server_s_top_log_probs(monkeypatch):
     server.stop()
 
 
+def test_an_openai_judge_s_score_is_the_expected_digit():
+  server = _server(lambda body: (200, _completion([("7", math.log(0.5)), (" 9", math.log(0.25)),
+                                                   ("x", -1.0), ("3", math.log(0.25))])))
+  try:
+    judge = openai_judge.OpenAIJudge(judge_config.JudgeConfig(
+        kind="openai", url=server.url_v1, verdict="score", max_score=9))
+    assert judge.verdict("Task", "answer") == pytest.approx((0.5 * 7 + 0.25 * 9 + 0.25 * 3) / 9)
+    question = server.requests[0][2]["messages"][0]["content"]
+    assert "from 0 (wrong) to 9" in question and "answer" in question
+  finally:
+    server.stop()
+
+
 @pytest.mark.parametrize("answer, message", [
     ((500, b"overloaded"), "answered HTTP 500: overloaded"),
     ((200, b"not json"), "no chat completion with top_logprobs"),
@@ -129,6 +202,9 @@ def test_an_oversized_answer_or_a_server_that_is_down_is_a_judge_error():
 def test_a_judge_config_names_its_bad_keys(monkeypatch):
   for fields, message in [(dict(kind="gpt"), "judge.kind must be one of"),
                           (dict(kind="hf"), "judge.path must name"),
+                          (dict(kind="reward_model"), "judge.path must name"),
+                          (dict(verdict="stars"), "judge.verdict must be one of"),
+                          (dict(verdict="score", max_score=10), "judge.max_score must be"),
                           (dict(kind="openai", url="ftp://x"), "judge.url must be an http"),
                           (dict(template="no placeholders"), r"judge.template must hold"),
                           (dict(max_batch=0), "judge.max_batch must be"),
