@@ -140,12 +140,17 @@ def test_a_tiny_run_learns_an_environment_of_its_own(tmp_path):
   config.learner.lr = 1e-2
   config.sampler.max_new_tokens = 128
   config.orchestrator.max_off_policy_steps = 2
+  # Synchronous, so the curve is the seed's alone: asynchronous, the same
+  # seed's last five updates averaged 0.76, 0.59 and 0.06 in three runs (the
+  # schedule decides which groups each batch takes; at lr 1e-2 one run
+  # collapsed). Asynchronous multi-turn runs are tested elsewhere.
+  config.orchestrator.max_async_level = 0
   result = run_lib.run(config, str(tmp_path), print_fn=lambda _: None)
   assert result.complete
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   rl = [r for r in rows if r.get("phase") == "rl" and "loss" in r]
   rewards = [r["reward_mean"] for r in rl]
-  # (seen: 0.16 over the first five updates, 0.83 over the last five, of 2)
+  # (seen: 0.16 over the first five updates, 0.61 over the last five, of 2)
   assert np.mean(rewards[-5:]) > np.mean(rewards[:5]) + 0.3, rewards
   assert rl[-1]["env_turns"] > 0 and rl[-1]["env_errors"] == 0
   assert "skyrl_gym/" + SHORT in rl[-1]["reward_by_env"]
