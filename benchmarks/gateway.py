@@ -319,6 +319,10 @@ def main(argv=None):
   parser.add_argument("--clients", default="1,16,128")
   parser.add_argument("--tokens", type=int, default=32)
   parser.add_argument("--model", default="tiny", choices=sorted(MODEL_SHAPES))
+  parser.add_argument("--prompt_buckets", default="",
+                      help="comma-separated prompt lengths the engine pads to below its 384 "
+                      "(sampler.prompt_buckets; default: a served engine's, powers of two "
+                      "from 32; 384 alone pads every prompt to 384, as before 2026-12-06)")
   parser.add_argument("--parts", default="throughput,stream,sessions",
                       help="comma-separated: throughput, stream, sessions")
   parser.add_argument("--out", help="append JSON rows here")
@@ -333,7 +337,9 @@ def main(argv=None):
   # to see a new batch size pays its compiles: 16 clients once read 1.98x).
   served = served_lib.start_tiny(tempfile.mkdtemp(), num_slots=32, max_new_tokens=64,
                                  precompile=not args.quick,
-                                 model_shape=MODEL_SHAPES[args.model])
+                                 model_shape=MODEL_SHAPES[args.model],
+                                 prompt_buckets=tuple(int(b) for b in args.prompt_buckets.split(",")
+                                                      if b))
   rows = []
   try:
     if "throughput" in parts:
