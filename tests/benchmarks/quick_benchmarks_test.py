@@ -36,6 +36,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("benchmarks/gateway.py", {"throughput", "ratio", "sessions", "stream"}),
     ("benchmarks/sandbox.py", {"execution", "humaneval"}),
     ("benchmarks/reasoning_gym_rates.py", {"rates"}),
+    ("benchmarks/reasoning_gym_survey.py", {"survey"}),
     ("benchmarks/judge.py", {"verdicts", "run"}),
 ])
 def test_benchmark_quick_mode_writes_json_rows(tmp_path, script, parts):
