@@ -61,7 +61,8 @@ def _parse_tasks(text: str) -> list[tuple[str, dict]]:
 
 
 def _score_answer(env, tokenizer, prompt, answer: str | None) -> float:
-  text = "" if answer is None else f"<answer>{answer}</answer>"
+  text = "" if answer is None else (f"<answer>{answer}</answer>"
+                                    if env.cfg.answer_format == "tags" else str(answer))
   return float(env.score(prompt, [*tokenizer.encode(text), tokenizer.end_of_turn_id]))
 
 
@@ -97,6 +98,8 @@ def main(argv=None):
                       help="a tiny converted GGUF model on 4 questions (keeps the script working)")
   parser.add_argument("--limit", type=int, default=100, help="held-out questions per task")
   parser.add_argument("--max_new_tokens", type=int, default=64)
+  parser.add_argument("--answer_format", default="tags",
+                      help="env.answer_format: tags, raw or last_number")
   parser.add_argument("--batch_size", type=int, default=50)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", help="append JSON rows here")
@@ -116,9 +119,11 @@ def main(argv=None):
     config.unlock()
     config.env.tasks[task].update(options)
     config.update(eval_size=args.limit)
+    config.env.answer_format = args.answer_format
     config.sampler.max_new_tokens = args.max_new_tokens
     label = task + ("{" + ",".join(f"{k}={v}" for k, v in options.items()) + "}"
-                    if options else "")
+                    if options else "") + ("" if args.answer_format == "tags"
+                                           else f" ({args.answer_format})")
     start = time.perf_counter()
     (model,) = transformers_eval.evaluate(args.folder, config, ["model"], args.batch_size,
                                           args.limit)

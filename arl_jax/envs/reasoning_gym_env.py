@@ -14,7 +14,10 @@ Prompts: the task's question, then (with `answer_format="tags"`) the
 instruction to put the final answer between `<answer>` and `</answer>`,
 rendered as a user turn of the model's chat template. Reward: the task's
 own `score_answer` on the last tagged answer (or, with "raw", on the whole
-completion's text); a completion cut off by the length limit scores 0.
+completion's text; with "last_number", for tasks whose answers are numbers,
+on the last number the completion writes: a small model that answers in a
+sentence is scored on its arithmetic, not on a tag format it never
+writes); a completion cut off by the length limit scores 0.
 
 Splits: the training prompts come from `seed`, the held-out ones from a
 different seed, and a training question whose text is also a held-out one
@@ -30,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import re
 import zlib
 from collections.abc import Mapping, Sequence
 
@@ -38,8 +42,10 @@ from arl_jax.envs import curriculum as curriculum_lib
 from arl_jax.envs import env_api
 from arl_jax.envs import tokenizer as tokenizer_lib
 
-ANSWER_FORMATS = ("tags", "raw")
-_INSTRUCTION = "\n\nGive only your final answer between <answer> and </answer>."
+ANSWER_FORMATS = ("tags", "raw", "last_number")
+_INSTRUCTIONS = {"tags": "\n\nGive only your final answer between <answer> and </answer>.",
+                 "raw": "", "last_number": "\n\nEnd your reply with the final answer."}
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 # A prompt id: task (24 bits of a hash of its name) | split (1 bit) | curriculum
 # level + 1 (6 bits; 0: the configured options) | index (25 bits).
 _SPLIT_BIT, _LEVEL_SHIFT, _LEVEL_MASK, _INDEX_MASK = 1 << 31, 25, 0x3F, (1 << 25) - 1
@@ -85,7 +91,9 @@ class ReasoningGymConfig:
     heldout_size: held-out questions per task.
     seed: the training questions' seed (the held-out ones use another).
     answer_format: "tags" (the answer between `<answer>` tags, asked for
-      in the prompt) or "raw" (the whole completion is the answer).
+      in the prompt), "raw" (the whole completion is the answer) or
+      "last_number" (the last number in the completion; tasks whose
+      answers are numbers only).
     curriculum: the keys of `curriculum.CurriculumConfig`: with `enabled`,
       training questions follow each task's level, moved by the measured
       reward (`reasoning_gym_curriculum.py`); held-out ones stay at the
@@ -137,6 +145,12 @@ class ReasoningGymConfig:
     if self.answer_format not in ANSWER_FORMATS:
       raise ValueError(f"env.answer_format must be one of {ANSWER_FORMATS}, got "
                        f"{self.answer_format!r}")
+    if self.answer_format == "last_number":
+      for task in sorted(options):
+        entry = _dataset(task, _frozen(options[task]), self.seed, 1)[0]
+        if entry["answer"] is None or not _NUMBER.fullmatch(str(entry["answer"]).strip()):
+          raise ValueError(f"env.answer_format='last_number': {task}'s answers are not "
+                           f"numbers (its first is {entry['answer']!r}); use 'tags'")
     object.__setattr__(self, "weights", weights)
     object.__setattr__(self, "options", options)
     object.__setattr__(self, "curriculum_cfg", _curriculum_config(self.curriculum, weights))
@@ -225,7 +239,7 @@ def decode_prompt_id(cfg: ReasoningGymConfig, pid: int) -> tuple[str, str, int, 
 
 
 def question(cfg: ReasoningGymConfig, entry: dict) -> str:
-  return entry["question"] + (_INSTRUCTION if cfg.answer_format == "tags" else "")
+  return entry["question"] + _INSTRUCTIONS[cfg.answer_format]
 
 
 def reference(entry: dict) -> str:
@@ -278,6 +292,9 @@ class ReasoningGymEnv(env_api.Environment):
     text = self.tokenizer.decode([int(i) for i in completion_ids if int(i) not in stops])
     if self.cfg.answer_format == "raw":
       return text.strip()
+    if self.cfg.answer_format == "last_number":
+      numbers = _NUMBER.findall(text)
+      return numbers[-1] if numbers else None
     from reasoning_gym import utils  # noqa: PLC0415
 
     return utils.extract_answer(text)
@@ -287,7 +304,7 @@ class ReasoningGymEnv(env_api.Environment):
     None for a question that gives none."""
     if not prompt.answer:
       return None
-    text = prompt.answer if self.cfg.answer_format == "raw" else (
+    text = prompt.answer if self.cfg.answer_format != "tags" else (
         f"<answer>{prompt.answer}</answer>")
     target = [*self.tokenizer.encode(text), self.tokenizer.end_of_turn_id]
     return env_api.Demonstration(completion_ids=tuple(target), loss_mask=(1.0,) * len(target))

@@ -80,6 +80,24 @@ def test_the_task_s_own_scorer_is_the_reward(env):
   assert raw.score(prompt, _completion(raw, f" {prompt.answer} ")) == 1.0
 
 
+def test_last_number_scores_the_last_number_a_completion_writes(env):
+  """For a model that answers in a sentence (SmolLM2: "The final answer ...
+  is 7."): the arithmetic is scored, not a tag format it never writes."""
+  cfg = _config(answer_format="last_number")
+  last = rg_env.ReasoningGymEnv(cfg, env.tokenizer)
+  for prompt in rg_env.make_prompts(cfg, "heldout")[:20]:
+    assert prompt.text.endswith("End your reply with the final answer.")
+    answer = prompt.answer
+    assert last.score(prompt, _completion(last, f"3 + 4 makes 7, so it is {answer}.")) == 1.0
+    # (the task's scorer may give a wrong number partial credit, never full)
+    assert last.score(prompt, _completion(last, f"It is {answer}, or maybe 100001.")) < 1.0
+    assert last.score(prompt, _completion(last, "I cannot say.")) == 0.0
+    assert last.score(prompt, _completion(last, f"It is {answer}", ended=False)) == 0.0
+    assert last.score(prompt, list(last.demonstration(prompt).completion_ids)) == 1.0
+  with pytest.raises(ValueError, match="letter_jumble's answers are not numbers"):
+    rg_env.ReasoningGymConfig(tasks={"letter_jumble": {}}, answer_format="last_number")
+
+
 def test_the_config_file_reaches_each_task_s_keys():
   config = arl_jax.load_config("reasoning_gym", "chain_sum,gcd:tiny")
   assert config.env.tasks.chain_sum.max_terms == 6  # (reasoning-gym's default)
