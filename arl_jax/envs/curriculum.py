@@ -87,9 +87,13 @@ class Curriculum:
       mean = float(np.mean(window))
       window.clear()
       if mean >= self.cfg.promote_at and level < self.tops[task]:
-        self._levels[task], self._moves[task]["up"] = level + 1, self._moves[task]["up"] + 1
+        move = "up"
       elif mean <= self.cfg.demote_at and level > 0:
-        self._levels[task], self._moves[task]["down"] = level - 1, self._moves[task]["down"] + 1
+        move = "down"
+      else:
+        return
+      self._levels[task] = level + (1 if move == "up" else -1)
+      self._moves[task][move] += 1
 
   def metrics(self) -> dict:
     """Each task's level and moves so far, for the step records."""

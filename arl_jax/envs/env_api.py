@@ -180,13 +180,16 @@ def encode_user_prompt(tokenizer: tokenizer_lib.Tokenizer, text: str) -> list[in
   return encode_messages(tokenizer, [{"role": "user", "content": text}])
 
 
-def encode_messages(tokenizer: tokenizer_lib.Tokenizer, messages: Sequence[dict]) -> list[int]:
+def encode_messages(tokenizer: tokenizer_lib.Tokenizer, messages: Sequence[dict], *,
+                    add_generation_prompt: bool = True) -> list[int]:
   """`encode_user_prompt` of a conversation (`[{"role", "content"}, ...]`,
-  ending where the assistant answers); without a chat template, the
-  messages' contents one after the other."""
+  ending where the assistant answers, or, without `add_generation_prompt`,
+  after its last message); without a chat template, the messages' contents
+  one after the other."""
   rendered_by_model = tokenizer.template.is_chat and tokenizer.template.jinja is not None
   if tokenizer.template.is_chat:
-    text = tokenizer.template.format_chat(list(messages))
+    text = tokenizer.template.format_chat(list(messages),
+                                          add_generation_prompt=add_generation_prompt)
   else:
     text = "".join(m["content"] for m in messages)
   return tokenizer.encode(text, add_bos=tokenizer.add_bos and not rendered_by_model)

@@ -234,13 +234,13 @@ def _left(request: fastapi.Request):
 
 
 def _route(app: fastapi.FastAPI, path: str, handler, method: str) -> None:
-  """Serves `handler(request, session_id)` at `path` as a plain Starlette
+  """Serves `handler(request, **path_params)` at `path` as a plain Starlette
   route: no dependency solving or response encoding by FastAPI (its dicts
   are JSON already), which cost ~0.3 ms of CPU per request, a third of the
   HTTP thread's (`benchmarks/gateway.py`, `http_thread_cpu_ms`)."""
 
   async def endpoint(request: fastapi.Request):
-    out = await handler(request, request.path_params.get("session_id"))
+    out = await handler(request, **request.path_params)
     return out if isinstance(out, responses.Response) else responses.JSONResponse(out)
 
   app.add_route(path, endpoint, methods=[method])
@@ -327,12 +327,12 @@ def make_app(gateway: gateway_lib.Gateway, *, engine_failed=lambda: False) -> fa
     _route(app, prefix + "/inference/v1/generate", generate, "POST")
     _route(app, prefix + "/v1/models", models, "GET")
 
-  async def health(request: fastapi.Request, session_id: None = None):
+  async def health(request: fastapi.Request):
     if engine_failed():
       return responses.JSONResponse({"status": "failed"}, status_code=503)
     return {"status": "ok"}
 
-  async def metrics(request: fastapi.Request, session_id: None = None):
+  async def metrics(request: fastapi.Request):
     authorize(request)
     return gateway.metrics()
 

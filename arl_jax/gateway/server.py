@@ -12,18 +12,10 @@ from arl_jax.gateway import app as app_lib
 from arl_jax.gateway import engine_port, gateway_config
 from arl_jax.gateway import gateway as gateway_lib
 from arl_jax.sampler import engine as engine_lib
+from arl_jax.sampler import engine_config
 
 # The shortest prompt bucket a served engine pads to when its config names none.
 _MIN_SERVED_BUCKET = 32
-
-
-def served_buckets(prompt_len: int) -> tuple[int, ...]:
-  """Powers of two from 32 below `prompt_len` (which is a bucket anyway)."""
-  buckets, b = [], _MIN_SERVED_BUCKET
-  while b < prompt_len:
-    buckets.append(b)
-    b *= 2
-  return tuple(buckets)
 
 
 def served_engine_config(engine_cfg):
@@ -36,8 +28,9 @@ def served_engine_config(engine_cfg):
   --model=smollm2_body`: 128 clients 0.79x the in-process rate with every
   16-token prompt padded to 384 columns, 0.99x with buckets 16 and 64)."""
   buckets = engine_cfg.prompt_buckets
-  if buckets == (engine_cfg.prompt_len,):
-    buckets = served_buckets(engine_cfg.prompt_len) + buckets
+  if buckets == (engine_cfg.prompt_len,):  # (powers of two, capped at prompt_len)
+    buckets = tuple(b for b in engine_config.row_buckets(engine_cfg.prompt_len)
+                    if b >= _MIN_SERVED_BUCKET)
   return dataclasses.replace(engine_cfg, group_size=1, multi_turn=True, prompt_buckets=buckets)
 
 

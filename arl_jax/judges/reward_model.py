@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from arl_jax.envs import env_api
 from arl_jax.judges import model_judge
 from arl_jax.models import decoder as decoder_lib
 from arl_jax.models import hf_config, hf_params
@@ -65,13 +66,10 @@ class RewardModel(model_judge.BatchedModel):
   def question_ids(self, prompt_text: str, completion_text: str) -> list[int]:
     messages = [{"role": "user", "content": prompt_text},
                 {"role": "assistant", "content": completion_text}]
-    tokenizer = self.tokenizer
-    if not tokenizer.template.is_chat:
+    if not self.tokenizer.template.is_chat:
       raise ValueError(f"judge.path={self.cfg.path}: the reward model's tokenizer has no chat "
                        "template to render the conversation with")
-    text = tokenizer.template.format_chat(messages, add_generation_prompt=False)
-    # (as `env_api.encode_messages`: a model's own template writes its BOS)
-    return tokenizer.encode(text, add_bos=tokenizer.add_bos and tokenizer.template.jinja is None)
+    return env_api.encode_messages(self.tokenizer, messages, add_generation_prompt=False)
 
   def _last_scores(self, params, score, tokens, mask, last):
     model = nnx.merge(self._graphdef, params)

@@ -124,6 +124,11 @@ def test_an_unknown_route_and_method_are_openai_shaped(gateway):
   http, _, _ = gateway
   assert httpx.get(http.base_url + "/nothing").json()["error"]["message"]
   assert httpx.get(http.base_url + "/chat/completions").status_code == 405
+  # (the session routes share a path by method: another method is a 405, no key a 401)
+  put = httpx.put(http.base_url + "/sessions/s-x", headers=AUTH)
+  assert put.status_code == 405 and put.json()["error"]["message"]
+  _error(httpx.get(http.base_url + "/sessions/s-x"), 401)
+  _error(httpx.delete(http.base_url + "/sessions/s-x"), 401)
 
 
 def test_a_prompt_out_of_the_vocabulary_or_too_long_is_refused(gateway):
