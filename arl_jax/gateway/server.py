@@ -15,7 +15,6 @@ from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import engine_config
 
 # The shortest prompt bucket a served engine pads to when its config names none.
-_MIN_SERVED_BUCKET = 32
 
 
 def served_engine_config(engine_cfg):
@@ -27,11 +26,8 @@ def served_engine_config(engine_cfg):
   widest bucket made prefill most of the work (`benchmarks/gateway.py
   --model=smollm2_body`: 128 clients 0.79x the in-process rate with every
   16-token prompt padded to 384 columns, 0.99x with buckets 16 and 64)."""
-  buckets = engine_cfg.prompt_buckets
-  if buckets == (engine_cfg.prompt_len,):  # (powers of two, capped at prompt_len)
-    buckets = tuple(b for b in engine_config.row_buckets(engine_cfg.prompt_len)
-                    if b >= _MIN_SERVED_BUCKET)
-  return dataclasses.replace(engine_cfg, group_size=1, multi_turn=True, prompt_buckets=buckets)
+  return dataclasses.replace(engine_config.with_length_buckets(engine_cfg), group_size=1,
+                            multi_turn=True)
 
 
 class GatewayServer:

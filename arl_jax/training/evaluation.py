@@ -76,9 +76,12 @@ def greedy_engine_config(engine_cfg: engine_config.EngineConfig,
                          num_prompts: int) -> engine_config.EngineConfig:
   """The greedy pass's engine: a dense slot a prompt, each context prefilled
   whole and on its own, as evaluation always did (a chunked or shared
-  prefill may round differently, and greedy answers with it)."""
+  prefill may round differently, and greedy answers with it), padded to a
+  power of two from 32 unless the run names prompt buckets
+  (`engine_config.with_length_buckets`)."""
   return dataclasses.replace(
-      engine_cfg, num_slots=num_prompts, group_size=1, weight_update="in_flight",
+      engine_config.with_length_buckets(engine_cfg), num_slots=num_prompts, group_size=1,
+      weight_update="in_flight",
       kv_policy="keep", kv_cache="dense", kv_pages=0, kv_memory_fraction=0.0,
       paged_attention="xla", precompile=False,
       decode_burst=_DECODE_BURST, prefill_chunk=0, share_prompts=False)

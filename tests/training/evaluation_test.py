@@ -150,3 +150,17 @@ def test_pass_at_k_reports_powers_of_two_and_n():
   assert summary == {"pass_at_k": {1: 0.625, 2: 0.75, 4: 1.0}, "avg_at_n": 0.625}
   with pytest.raises(ValueError, match="pass@k needs"):
     pass_at_k.pass_at_k(4, 5, 1)
+
+
+def test_the_greedy_pass_pads_prompts_to_powers_of_two_unless_the_run_names_buckets():
+  # (each prompt is prefilled on its own: padding a 50-token prompt to a
+  # 256-token prompt_len made prefill most of a real model's evaluation)
+  base = engine_config.EngineConfig(prompt_len=256, max_new_tokens=8, num_slots=4)
+  assert evaluation.greedy_engine_config(base, 10).prompt_buckets == (32, 64, 128, 256)
+  named = engine_config.EngineConfig(prompt_len=256, max_new_tokens=8, num_slots=4,
+                                     prompt_buckets=(48,))
+  assert evaluation.greedy_engine_config(named, 10).prompt_buckets == (48, 256)
+  short = engine_config.EngineConfig(prompt_len=16, max_new_tokens=8, num_slots=4)
+  assert evaluation.greedy_engine_config(short, 10).prompt_buckets == (16,)
+  # (the cache is as long either way: the planned memory is unchanged)
+  assert evaluation.greedy_engine_config(base, 10).length == base.length
