@@ -35,7 +35,7 @@ class CurriculumPrompts:
 
   def __init__(self, cfg: rg.ReasoningGymConfig, seed: int):
     self.cfg, self._seed = cfg, seed
-    self._tasks = sorted(cfg.weights)
+    self._tasks = cfg.trained_tasks
     weights = np.array([cfg.weights[t] for t in self._tasks], np.float64)
     self._p = weights / weights.sum()
     self.curriculum = curriculum_lib.Curriculum(

@@ -86,7 +86,9 @@ def _task_id(task: str) -> int:
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ReasoningGymConfig:
   """Attributes:
-    tasks: `{task: {"weight": w, **that task's config keys}}`.
+    tasks: `{task: {"weight": w, **that task's config keys}}`. A task of
+      weight 0 is held out whole: evaluated, never trained on (how a run
+      shows what its training did to a related task).
     size: training questions, split between the tasks by weight.
     heldout_size: held-out questions per task.
     seed: the training questions' seed (the held-out ones use another).
@@ -127,8 +129,9 @@ class ReasoningGymConfig:
                          f"{', '.join(known)}")
       fields = dict(fields or {})
       weight = fields.pop("weight", 1.0)
-      if not isinstance(weight, (int, float)) or weight <= 0:
-        raise ValueError(f"{where}.weight must be a number > 0, got {weight!r}")
+      if not isinstance(weight, (int, float)) or weight < 0:
+        raise ValueError(f"{where}.weight must be a number >= 0 (0: evaluated only), got "
+                         f"{weight!r}")
       allowed = task_options(task)
       unknown = sorted(set(fields) - set(allowed))
       if unknown:
@@ -136,9 +139,12 @@ class ReasoningGymConfig:
                          f"{sorted(allowed) + ['weight']}")
       weights[task], options[task] = float(weight), {**allowed, **fields}
       try:  # (the task's own checks, before anything is built)
-        _dataset(task, tuple(sorted(options[task].items())), self.seed, 1)
+        _dataset(task, _frozen(options[task]), self.seed, 1)
       except (AssertionError, ValueError, TypeError) as e:
         raise ValueError(f"{where}: {e}") from e
+    if not any(weights.values()):
+      raise ValueError(f"env.tasks: every task has weight 0 (evaluated only); give at least "
+                       f"one a weight > 0 to train on: {sorted(weights)}")
     for name, low in (("size", 1), ("heldout_size", 1)):
       if not isinstance(getattr(self, name), int) or getattr(self, name) < low:
         raise ValueError(f"env.{name} must be an int >= {low}, got {getattr(self, name)!r}")
@@ -156,11 +162,17 @@ class ReasoningGymConfig:
     object.__setattr__(self, "curriculum_cfg", _curriculum_config(self.curriculum, weights))
 
   def sizes(self, split: str) -> dict[str, int]:
-    """Questions per task in `split` (training: `size` by weight, at least 1)."""
+    """Questions per task in `split` (training: `size` by weight, at least 1
+    for a task of weight > 0)."""
     if split == "heldout":
       return {task: self.heldout_size for task in self.weights}
     total = sum(self.weights.values())
-    return {task: max(1, round(self.size * w / total)) for task, w in self.weights.items()}
+    return {task: max(1, round(self.size * w / total)) if w else 0
+            for task, w in self.weights.items()}
+
+  @property
+  def trained_tasks(self) -> list[str]:
+    return sorted(t for t, w in self.weights.items() if w > 0)
 
 
 def _curriculum_config(fields: Mapping, tasks) -> curriculum_lib.CurriculumConfig:
@@ -172,7 +184,7 @@ def _curriculum_config(fields: Mapping, tasks) -> curriculum_lib.CurriculumConfi
   if cfg.enabled:
     from reasoning_gym import factory  # noqa: PLC0415
 
-    missing = sorted(t for t in tasks if not factory.has_curriculum(t))
+    missing = sorted(t for t, w in tasks.items() if w > 0 and not factory.has_curriculum(t))
     if missing:
       raise ValueError(f"env.curriculum.enabled: reasoning-gym has no curriculum for "
                        f"{missing}; tasks with one: {', '.join(sorted(factory.CURRICULA))}")
@@ -258,7 +270,7 @@ def make_prompts(cfg: ReasoningGymConfig, split: str) -> list[env_api.TextPrompt
   if split not in env_api.SPLITS:
     raise ValueError(f"split must be one of {env_api.SPLITS}, got {split!r}")
   prompts = []
-  for task in sorted(cfg.weights):
+  for task in sorted(cfg.weights) if split == "heldout" else cfg.trained_tasks:
     heldout = {e["question"] for e in split_dataset(cfg, task, "heldout")}
     data = split_dataset(cfg, task, split)
     for index, entry in enumerate(data):

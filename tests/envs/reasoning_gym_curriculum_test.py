@@ -128,6 +128,18 @@ def test_the_stream_draws_each_task_at_its_level_and_never_a_held_out_question()
   assert not heldout & {p.text for p in first + later}
 
 
+def test_a_held_out_only_task_needs_no_curriculum_and_is_never_drawn():
+  from reasoning_gym import factory
+
+  without = sorted(set(factory.DATASETS) - set(factory.CURRICULA))[0]
+  cfg = rg.ReasoningGymConfig(tasks={"chain_sum": {}, without: {"weight": 0}}, size=100,
+                              heldout_size=10, curriculum={"enabled": True})
+  stream = rgc.make_stream(cfg, seed=0)
+  assert {rg.decode_prompt_id(cfg, next(stream).prompt_id)[0] for _ in range(20)} == {
+      "chain_sum"}
+  assert set(stream.metrics()["curriculum_level"]) == {"chain_sum"}
+
+
 def test_the_stream_resumes_where_it_stopped():
   _, stream = _stream()
   for _ in range(5):

@@ -37,7 +37,8 @@ def _completion(env, text, ended=True):
     ({"chain_summ": {}}, "did you mean chain_sum"),
     ({"no_such_task_at_all": {}}, "Tasks: ab, acre"),
     ({"chain_sum": {"bogus": 1}}, "unknown key(s) ['bogus']; chain_sum's keys"),
-    ({"chain_sum": {"weight": 0}}, "weight must be a number > 0"),
+    ({"chain_sum": {"weight": -1}}, "weight must be a number >= 0"),
+    ({"chain_sum": {"weight": 0}}, "every task has weight 0"),
     ({"chain_sum": {"min_terms": 5, "max_terms": 2}}, "max_terms must be >= min_terms"),
     ({}, "env.tasks is empty"),
 ])
@@ -59,6 +60,15 @@ def test_the_held_out_split_never_meets_a_training_question():
   assert len(heldout) == 2 * 60
   assert len({p.prompt_id for p in train + heldout}) == len(train) + len(heldout)
   assert train == rg_env.make_prompts(cfg, "train")  # (deterministic)
+
+
+def test_a_task_of_weight_zero_is_evaluated_and_never_trained_on():
+  cfg = _config(tasks={"chain_sum": SMALL, "gcd": {"weight": 0}})
+  assert cfg.trained_tasks == ["chain_sum"] and cfg.sizes("train")["gcd"] == 0
+  train, heldout = rg_env.make_prompts(cfg, "train"), rg_env.make_prompts(cfg, "heldout")
+  tasks_of = lambda prompts: {rg_env.decode_prompt_id(cfg, p.prompt_id)[0] for p in prompts}
+  assert tasks_of(train) == {"chain_sum"} and tasks_of(heldout) == {"chain_sum", "gcd"}
+  assert len(heldout) == 2 * 60
 
 
 def test_the_task_s_own_scorer_is_the_reward(env):
