@@ -9,6 +9,11 @@ this scores, on the first `--limit` held-out questions of
 
 - `model`: the folder's greedy answers, as a deployment prompts it
   (`transformers_eval.evaluate`), with the standard error;
+- `model T=...` (with `--temperature`): `--samples` answers a question drawn
+  at the training temperature, their mean reward and `groups_with_signal`,
+  the fraction of questions whose answers do not all score alike. Greedy
+  accuracy can hide a task a run cannot learn: if sampled answers all score
+  0, every group's advantage is 0;
 - `constant`: the best single answer (the most common training answer, the
   best constant a policy could learn from training rewards);
 - `first_number`: the first number in the question;
@@ -100,6 +105,9 @@ def main(argv=None):
   parser.add_argument("--max_new_tokens", type=int, default=64)
   parser.add_argument("--answer_format", default="tags",
                       help="env.answer_format: tags, raw or last_number")
+  parser.add_argument("--temperature", type=float, default=0.0,
+                      help="> 0: also score --samples sampled answers a question at it")
+  parser.add_argument("--samples", type=int, default=8)
   parser.add_argument("--batch_size", type=int, default=50)
   parser.add_argument("--seed", type=int, default=0)
   parser.add_argument("--out", help="append JSON rows here")
@@ -111,6 +119,7 @@ def main(argv=None):
 
     args.folder, _ = transformers_eval._quick_folder(tempfile.mkdtemp())  # noqa: SLF001
     args.tasks, args.limit, args.max_new_tokens = "chain_sum{max_terms=2,max_digits=1}", 4, 24
+    args.temperature, args.samples = args.temperature or 1.0, 2
   elif not (args.folder and args.tasks):
     parser.error("--folder and --tasks are required (or --quick)")
   rows = []
@@ -127,15 +136,23 @@ def main(argv=None):
     start = time.perf_counter()
     (model,) = transformers_eval.evaluate(args.folder, config, ["model"], args.batch_size,
                                           args.limit)
-    rows.append({"benchmark": "reasoning_gym_survey", "part": "survey", "task": label,
-                 "policy": "model",
-                 "prompts": model["prompts"], "accuracy": model["accuracy"],
-                 "standard_error": model["standard_error"],
-                 "mean_completion_tokens": model["mean_completion_tokens"],
-                 "seconds": round(time.perf_counter() - start, 1)})
+    model_rows = [("model", model, start)]
+    if args.temperature > 0:
+      start = time.perf_counter()
+      (drawn,) = transformers_eval.evaluate(args.folder, config, ["model"], args.batch_size,
+                                            args.limit, args.temperature, args.samples)
+      model_rows.append((f"model T={args.temperature:g}", drawn, start))
+    first = len(rows)
+    for policy, row, began in model_rows:
+      rows.append({"benchmark": "reasoning_gym_survey", "part": "survey", "task": label,
+                   "policy": policy, "prompts": row["prompts"], "accuracy": row["accuracy"],
+                   "standard_error": row["standard_error"],
+                   "mean_completion_tokens": row["mean_completion_tokens"],
+                   "seconds": round(time.perf_counter() - began, 1)}
+                  | {k: row[k] for k in ("samples", "groups_with_signal") if k in row})
     rows += [{"benchmark": "reasoning_gym_survey", "part": "survey", "task": label, **row}
              for row in _trivial_rows(config, args.limit, args.seed)]
-    report.print_table(rows[-4:], f"{label}: greedy held-out accuracy and trivial policies")
+    report.print_table(rows[first:], f"{label}: held-out accuracy and trivial policies")
   report.print_table(rows, "reasoning-gym tasks: the model against trivial policies")
   report.append_jsonl(rows, args.out)
 

@@ -24,6 +24,7 @@ update, read from `--workdir`'s `metrics.jsonl` when given.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import shutil
@@ -53,7 +54,23 @@ def _arl_jax_accuracy(workdir: str | None, step: int | None):
     return None
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
   evals = [r for r in rows if "eval_reward" in r and (step is None or r.get("step") == step)]
-  return (evals[-1]["step"], evals[-1]["eval_reward"]) if evals else None
+  if not evals:
+    return None
+  return evals[-1]["step"], evals[-1]["eval_reward"], evals[-1].get("eval_reward_by_env")
+
+
+def run_config(workdir: str):
+  """The config a run trained with, as its newest checkpoint saved it (with
+  every command-line override), so the held-out set and the scorer are the
+  run's own."""
+  import ml_collections  # noqa: PLC0415
+
+  root = os.path.join(workdir, "checkpoints")
+  steps = sorted(int(d) for d in os.listdir(root) if d.isdigit()) if os.path.isdir(root) else []
+  if not steps:
+    raise SystemExit(f"--workdir={workdir}: no checkpoint to read the run's config from")
+  with open(os.path.join(root, str(steps[-1]), "run", "metadata")) as f:
+    return ml_collections.ConfigDict(json.load(f)["config"])
 
 
 def _quick_folder(tmp: str):
@@ -74,7 +91,16 @@ def _quick_folder(tmp: str):
   return folder, config
 
 
-def evaluate(folder: str, config, formats, batch_size: int, limit: int | None):
+def evaluate(folder: str, config, formats, batch_size: int, limit: int | None,
+             temperature: float = 0.0, samples: int = 1):
+  """Scores each format's completions of the first `limit` held-out prompts.
+
+  Greedy at temperature 0. At a temperature > 0 each prompt gets `samples`
+  completions drawn as the sampler draws them (plain softmax sampling at
+  that temperature), and `groups_with_signal` is the fraction of prompts
+  whose samples' rewards are not all equal: the groups a group-relative
+  advantage can learn from.
+  """
   import numpy as np  # noqa: PLC0415
   import torch  # noqa: PLC0415
   import transformers  # noqa: PLC0415
@@ -89,12 +115,15 @@ def evaluate(folder: str, config, formats, batch_size: int, limit: int | None):
   model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
   stop_ids = list(ours.stop_ids)
   pad = ours.pad_id
+  sampled = temperature > 0
+  samples = samples if sampled else 1
   rows = []
   for fmt in formats:
     start = time.perf_counter()
     rewards, lengths, bos_first = [], [], 0
-    for lo in range(0, len(prompts), batch_size):
-      batch = prompts[lo:lo + batch_size]
+    torch.manual_seed(0)
+    for lo in range(0, len(prompts), max(1, batch_size // samples)):
+      batch = prompts[lo:lo + max(1, batch_size // samples)]
       ids = [_prompt_ids(tokenizer, p.text) for p in batch]
       if fmt == "extra_bos":
         ids = [[ours.bos_id, *x] for x in ids]
@@ -104,20 +133,35 @@ def evaluate(folder: str, config, formats, batch_size: int, limit: int | None):
       tokens = torch.tensor([[pad] * (width - len(x)) + x for x in ids])
       mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
       with torch.no_grad():
+        draw = ({"do_sample": True, "temperature": temperature, "top_k": 0, "top_p": 1.0,
+                 "num_return_sequences": samples} if sampled else {"do_sample": False})
         out = model.generate(tokens, attention_mask=mask, max_new_tokens=budget,
-                             do_sample=False, eos_token_id=stop_ids, pad_token_id=pad)
-      for p, row in zip(batch, out[:, width:].tolist()):
+                             eos_token_id=stop_ids, pad_token_id=pad, **draw)
+      # (num_return_sequences repeats each prompt's rows next to each other)
+      for p, row in zip([p for p in batch for _ in range(samples)], out[:, width:].tolist()):
         # A row that stopped is padded after its stop token: cut there.
         end = next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))
         completion = row[:end]
         rewards.append(float(env.score(p, completion)))
         lengths.append(len(completion))
+    per_prompt = np.asarray(rewards).reshape(len(prompts), samples)
+    by_env = collections.defaultdict(list)
+    for p, prompt_rewards in zip(prompts, per_prompt):
+      by_env[env.env_name_of(p)].append(float(prompt_rewards.mean()))
     rows.append({"benchmark": "transformers_eval", "folder": folder, "format": fmt,
                  "prompts": len(prompts), "accuracy": round(float(np.mean(rewards)), 3),
-                 "standard_error": round(float(np.std(rewards) / np.sqrt(len(rewards))), 3),
+                 # (over prompts: a prompt's samples are not independent questions)
+                 "standard_error": round(float(np.std(per_prompt.mean(1))
+                                               / np.sqrt(len(prompts))), 3),
                  "double_bos_prompts": bos_first,
                  "mean_completion_tokens": round(float(np.mean(lengths)), 1),
-                 "seconds": round(time.perf_counter() - start, 1)})
+                 "seconds": round(time.perf_counter() - start, 1)}
+                | ({"accuracy_by_env": {k: round(float(np.mean(v)), 3)
+                                        for k, v in sorted(by_env.items())}}
+                   if len(by_env) > 1 else {})
+                | ({"temperature": temperature, "samples": samples,
+                    "groups_with_signal": round(float(np.mean(per_prompt.std(1) > 0)), 3)}
+                   if sampled else {}))
   return rows
 
 
@@ -125,7 +169,7 @@ def main(argv=None):
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   parser.add_argument("--folder", help="a Hugging Face model folder")
   parser.add_argument("--config", help="CONFIG[:ARG] whose held-out prompts and environment "
-                      "to use (as --config of arl_jax.launch)")
+                      "to use (as --config of arl_jax.launch; default: --workdir's run's own)")
   parser.add_argument("--quick", action="store_true",
                       help="a tiny converted GGUF model on 4 prompts (keeps the script working)")
   parser.add_argument("--workdir", help="the run's workdir: its arl_jax evaluation beside")
@@ -143,8 +187,10 @@ def main(argv=None):
     tmp = tempfile.mkdtemp()
     args.folder, config = _quick_folder(tmp)
     args.limit = 4
-  elif not (args.folder and args.config):
-    parser.error("--folder and --config are required (or --quick)")
+  elif not (args.folder and (args.config or args.workdir)):
+    parser.error("--folder and --config (or a run's --workdir) are required (or --quick)")
+  elif not args.config:
+    config = run_config(args.workdir)
   else:
     import arl_jax  # noqa: PLC0415
 
@@ -157,6 +203,8 @@ def main(argv=None):
   for row in rows:
     if ours is not None:
       row["arl_jax_step"], row["arl_jax_accuracy"] = ours[0], round(ours[1], 3)
+      if ours[2] and len(ours[2]) > 1:
+        row["arl_jax_by_env"] = {k: round(v, 3) for k, v in sorted(ours[2].items())}
   report.print_table(rows, "greedy held-out accuracy in transformers")
   report.append_jsonl(rows, args.out)
 
