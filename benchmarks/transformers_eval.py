@@ -53,7 +53,10 @@ def _arl_jax_accuracy(workdir: str | None, step: int | None):
   if not workdir:
     return None
   rows = [json.loads(line) for line in open(os.path.join(workdir, "metrics.jsonl"))]
-  evals = [r for r in rows if "eval_reward" in r and (step is None or r.get("step") == step)]
+  # (an update's row repeats the evaluation before it under its own step:
+  # the evaluation's own row, without `reward_mean`, names the update it scored)
+  evals = [r for r in rows if "eval_reward" in r and "reward_mean" not in r
+           and (step is None or r.get("step") == step)]
   if not evals:
     return None
   return evals[-1]["step"], evals[-1]["eval_reward"], evals[-1].get("eval_reward_by_env")
