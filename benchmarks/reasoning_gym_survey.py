@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import os
 import re
 import sys
@@ -44,8 +45,6 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py, run as a script)
 import transformers_eval  # noqa: E402
-
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 
 
 def _parse_tasks(text: str) -> list[tuple[str, dict]]:
@@ -65,29 +64,31 @@ def _parse_tasks(text: str) -> list[tuple[str, dict]]:
   return out
 
 
-def _score_answer(env, tokenizer, prompt, answer: str | None) -> float:
-  text = "" if answer is None else (f"<answer>{answer}</answer>"
-                                    if env.cfg.answer_format == "tags" else str(answer))
-  return float(env.score(prompt, [*tokenizer.encode(text), tokenizer.end_of_turn_id]))
+def _score_answer(env, prompt, answer: str | None) -> float:
+  """The reward of `answer` written as the environment's demonstration of
+  it (between tags or bare, ending the turn); no answer scores 0."""
+  shown = env.demonstration(dataclasses.replace(prompt, answer=answer or ""))
+  return 0.0 if shown is None else float(env.score(prompt, list(shown.completion_ids)))
 
 
 def _trivial_rows(config, limit: int, seed: int) -> list[dict]:
   from arl_jax.config import run_spec  # noqa: PLC0415
+  from arl_jax.envs import reasoning_gym_env  # noqa: PLC0415
 
   resolved = run_spec.resolve(config)
-  env, tokenizer = resolved.inputs.eval_env, resolved.inputs.tokenizer
+  env = resolved.inputs.eval_env
   prompts = resolved.inputs.eval_prompts[:limit]
   train_answers = [p.answer for p in resolved.inputs.train.prompts if p.answer]
   constant = collections.Counter(train_answers).most_common(1)[0][0]
   rng = np.random.default_rng(seed)
   policies = {
       "constant": lambda p: constant,
-      "first_number": lambda p: next(iter(_NUMBER.findall(p.text)), None),
+      "first_number": lambda p: next(iter(reasoning_gym_env.NUMBER.findall(p.text)), None),
       "random_answer": lambda p: train_answers[int(rng.integers(len(train_answers)))],
   }
   rows = []
   for name, policy in policies.items():
-    rewards = [_score_answer(env, tokenizer, p, policy(p)) for p in prompts]
+    rewards = [_score_answer(env, p, policy(p)) for p in prompts]
     rows.append({"policy": name, "prompts": len(prompts),
                  "accuracy": round(float(np.mean(rewards)), 3),
                  "standard_error": round(float(np.std(rewards) / np.sqrt(len(rewards))), 3)}

@@ -125,8 +125,9 @@ def evaluate(folder: str, config, formats, batch_size: int, limit: int | None,
     start = time.perf_counter()
     rewards, lengths, bos_first = [], [], 0
     torch.manual_seed(0)
-    for lo in range(0, len(prompts), max(1, batch_size // samples)):
-      batch = prompts[lo:lo + max(1, batch_size // samples)]
+    per_batch = max(1, batch_size // samples)  # (prompts; `samples` rows each)
+    for lo in range(0, len(prompts), per_batch):
+      batch = prompts[lo:lo + per_batch]
       ids = [_prompt_ids(tokenizer, p.text) for p in batch]
       if fmt == "extra_bos":
         ids = [[ours.bos_id, *x] for x in ids]

@@ -45,7 +45,8 @@ from arl_jax.envs import tokenizer as tokenizer_lib
 ANSWER_FORMATS = ("tags", "raw", "last_number")
 _INSTRUCTIONS = {"tags": "\n\nGive only your final answer between <answer> and </answer>.",
                  "raw": "", "last_number": "\n\nEnd your reply with the final answer."}
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+# A number as `last_number` reads it (and the survey's first-number policy).
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
 # A prompt id: task (24 bits of a hash of its name) | split (1 bit) | curriculum
 # level + 1 (6 bits; 0: the configured options) | index (25 bits).
 _SPLIT_BIT, _LEVEL_SHIFT, _LEVEL_MASK, _INDEX_MASK = 1 << 31, 25, 0x3F, (1 << 25) - 1
@@ -154,7 +155,7 @@ class ReasoningGymConfig:
     if self.answer_format == "last_number":
       for task in sorted(options):
         entry = _dataset(task, _frozen(options[task]), self.seed, 1)[0]
-        if entry["answer"] is None or not _NUMBER.fullmatch(str(entry["answer"]).strip()):
+        if entry["answer"] is None or not NUMBER.fullmatch(str(entry["answer"]).strip()):
           raise ValueError(f"env.answer_format='last_number': {task}'s answers are not "
                            f"numbers (its first is {entry['answer']!r}); use 'tags'")
     object.__setattr__(self, "weights", weights)
@@ -305,7 +306,7 @@ class ReasoningGymEnv(env_api.Environment):
     if self.cfg.answer_format == "raw":
       return text.strip()
     if self.cfg.answer_format == "last_number":
-      numbers = _NUMBER.findall(text)
+      numbers = NUMBER.findall(text)
       return numbers[-1] if numbers else None
     from reasoning_gym import utils  # noqa: PLC0415
 

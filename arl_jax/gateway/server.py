@@ -14,8 +14,6 @@ from arl_jax.gateway import gateway as gateway_lib
 from arl_jax.sampler import engine as engine_lib
 from arl_jax.sampler import engine_config
 
-# The shortest prompt bucket a served engine pads to when its config names none.
-
 
 def served_engine_config(engine_cfg):
   """The engine's settings for served requests: every segment is a group of
