@@ -67,10 +67,12 @@ from arl_jax.core import packing as packing_lib  # noqa: E402
 from arl_jax.core import rollout as rollout_lib  # noqa: E402
 from arl_jax.core import train_batch as train_batch_lib  # noqa: E402
 from arl_jax.learner import loss_settings  # noqa: E402
+from arl_jax.learner import optim as optim_lib  # noqa: E402
 from arl_jax.learner import train_state as train_state_lib  # noqa: E402
 from arl_jax.learner import update as update_lib  # noqa: E402
-from arl_jax.models import init_lib  # noqa: E402
+from arl_jax.models import hf_params, init_lib, lora  # noqa: E402
 from arl_jax.models import model_config as model_config_lib  # noqa: E402
+from arl_jax.sharding import mesh_lib  # noqa: E402
 from arl_jax.sharding import rules as rules_lib  # noqa: E402
 from arl_jax.training import dry_run  # noqa: E402
 
@@ -215,6 +217,44 @@ def long_tail_groups(num_rollouts: int, median: int, cap: int, prompt: int = 32,
     groups.append(rollout_lib.Group(group_id=g, prompt_id=g, dispatch_version=0,
                                     rollouts=rollouts))
   return groups
+
+
+def run_update(resolved):
+  """`(update_fn, state, batch, groups)` of a resolved run config
+  (`run_spec.resolve`): the run's update function and a fresh TrainState
+  from the run's model (its HF folder's weights, or initialised), on one
+  batch of the config's shape: `batch_size` rollouts in groups of
+  `group_size`, prompts as long as the first held-out prompt, completions
+  lognormal around 3/4 of the budget (capped at it), assembled as the run
+  does (packed rows, its pad id). What `real_size.py` times and
+  `memory.py` compiles."""
+  spec = resolved.spec
+  meshes = mesh_lib.make_role_meshes(spec.mesh)
+  if spec.model_hf_path:
+    graphdef, params = hf_params.load_params(spec.model_hf_path, spec.model, meshes.learner,
+                                             rules_lib.LEARNER_RULES)
+  else:
+    graphdef, params, _ = init_lib.init_params(spec.model, meshes.learner,
+                                               rules_lib.LEARNER_RULES, seed=spec.run.seed)
+  trainable, frozen = lora.split(params)
+  optimizer = optim_lib.make_optimizer(spec.optim, spec.run.num_steps, spec.loss.optimizer_steps)
+  state, shardings = train_state_lib.create(trainable, optimizer, meshes.learner)
+  update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
+                                        settings=spec.loss, state_shardings=shardings,
+                                        mesh=meshes.learner, frozen=frozen)
+  budget = spec.engine.max_new_tokens
+  inputs = resolved.inputs
+  prompt = len(inputs.eval_env.encode_prompt(inputs.eval_prompts[0])) if inputs.eval_prompts else 32
+  num_rollouts = spec.orchestrator.groups_per_batch * spec.orchestrator.group_size
+  groups = long_tail_groups(num_rollouts, median=max(1, 3 * budget // 4), cap=budget,
+                            prompt=min(prompt, spec.engine.prompt_len),
+                            group_size=spec.orchestrator.group_size)
+  batch = train_batch_lib.assemble(
+      groups, prompt_len=spec.engine.prompt_len,
+      max_new_tokens=train_batch_lib.completion_budget(groups, budget, spec.packing),
+      pad_id=inputs.tokenizer.pad_id, advantage_estimator=spec.loss.objective.advantage,
+      packing=spec.packing)
+  return update_fn, state, batch, groups
 
 
 def bench_packing(model: str, median: int, cap: int, num_rollouts: int, pack_len: int,

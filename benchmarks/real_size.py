@@ -76,10 +76,6 @@ import learner as learner_bench  # noqa: E402  (benchmarks/learner.py: FLOPs, pe
 import report  # noqa: E402  (benchmarks/report.py)
 
 from arl_jax.config import builtin, run_spec  # noqa: E402
-from arl_jax.core import train_batch as train_batch_lib  # noqa: E402
-from arl_jax.learner import optim as optim_lib  # noqa: E402
-from arl_jax.learner import train_state as train_state_lib  # noqa: E402
-from arl_jax.learner import update as update_lib  # noqa: E402
 from arl_jax.models import gguf_convert, hf_params  # noqa: E402
 from arl_jax.sampler import engine as engine_lib  # noqa: E402
 from arl_jax.sharding import mesh_lib  # noqa: E402
@@ -205,25 +201,7 @@ def _segment_flops(cfg, lengths) -> float:
 
 def bench_learner(resolved, *, steps: int, peak: float) -> dict:
   spec = resolved.spec
-  meshes = mesh_lib.make_role_meshes(spec.mesh)
-  graphdef, params = hf_params.load_params(spec.model_hf_path, spec.model, meshes.learner,
-                                           rules_lib.LEARNER_RULES)
-  optimizer = optim_lib.make_optimizer(spec.optim, spec.run.num_steps, spec.loss.optimizer_steps)
-  state, shardings = train_state_lib.create(params, optimizer, meshes.learner)
-  update_fn = update_lib.make_update_fn(graphdef=graphdef, optimizer=optimizer,
-                                        settings=spec.loss, state_shardings=shardings,
-                                        mesh=meshes.learner)
-  budget = spec.engine.max_new_tokens
-  prompt = len(_prompts(resolved, 1)[0])
-  num_rollouts = spec.orchestrator.groups_per_batch * spec.orchestrator.group_size
-  groups = learner_bench.long_tail_groups(
-      num_rollouts, median=max(1, 3 * budget // 4), cap=budget, prompt=prompt,
-      group_size=spec.orchestrator.group_size)
-  batch = train_batch_lib.assemble(
-      groups, prompt_len=spec.engine.prompt_len,
-      max_new_tokens=train_batch_lib.completion_budget(groups, budget, spec.packing),
-      pad_id=resolved.inputs.tokenizer.pad_id, advantage_estimator=spec.loss.objective.advantage,
-      packing=spec.packing)
+  update_fn, state, batch, groups = learner_bench.run_update(resolved)
   start = time.perf_counter()
   compiled = learner_bench.compiled_bytes(update_fn, state, batch)
   compile_s = time.perf_counter() - start
@@ -233,7 +211,8 @@ def bench_learner(resolved, *, steps: int, peak: float) -> dict:
   trained = float(np.sum(batch.loss_mask))
   return {"benchmark": "real_size", "part": "learner",
           "params M": round(spec.model.num_params / 1e6, 1), "vocab": spec.model.vocab_size,
-          "rollouts": num_rollouts, "rows x width": "x".join(map(str, batch.tokens.shape)),
+          "rollouts": sum(len(g.rollouts) for g in groups),
+          "rows x width": "x".join(map(str, batch.tokens.shape)),
           "fill": round(float(np.mean(batch.token_mask)), 3),
           "microbatches": spec.loss.layout.num_microbatches,
           "logprob_chunk": spec.loss.scoring.logprob_chunk,

@@ -23,7 +23,7 @@ class StartupClock:
   """Seconds per phase, in the order the phases first ended."""
 
   def __init__(self, started_at: float | None = None, clock=time.monotonic,
-               memory: host_memory.PeakWindows | None = None, programs=None):
+               memory: host_memory.PeakWindows | None = None, programs=None, memory_log=None):
     """Args:
       started_at: `clock()` when the process began its work (the launcher's
         first line): the time until now is the `import` phase. None: the
@@ -34,6 +34,8 @@ class StartupClock:
       programs: an open `compile_cache.ProgramCounter` (None: not counted):
         the summary then says how many programs were built by then, and how
         many the persistent compilation cache supplied.
+      memory_log: the run's `memory_log.MemoryLog` over the same `memory`
+        (None: none): each phase's end is noted there too.
     """
     self._clock = clock
     self._last = clock()
@@ -41,12 +43,13 @@ class StartupClock:
     self._peaks: dict[str, int] = {}
     self.memory = host_memory.PeakWindows() if memory is None else memory
     self._programs = programs
+    self._memory_log = memory_log
     if started_at is not None:
       self._seconds["import"] = max(self._last - started_at, 0.0)
       self._note_peak("import")
 
   def _note_peak(self, phase: str) -> None:
-    peak = self.memory.take()
+    peak = self.memory.take() if self._memory_log is None else self._memory_log.note(phase)
     if peak is not None:
       self._peaks[phase] = max(self._peaks.get(phase, 0), peak)
 

@@ -124,6 +124,12 @@ class SamplerEngine:
   def stats(self) -> engine_stats.EngineStats:
     return self.scheduler.stats
 
+  def declare_memory(self, ledger) -> None:
+    """Tells a `memory_ledger.Ledger` what the engine holds: the params of
+    the versions its slots decode with, and its slots' state (the KV cache)."""
+    ledger.hold("sampler params", self, lambda e: e.scheduler.held_params())
+    ledger.hold("sampler kv cache", self, lambda e: e.runner.state)
+
   @property
   def version(self) -> int | None:
     """The live version."""

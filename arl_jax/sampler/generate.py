@@ -137,6 +137,12 @@ class Generator:
           ended[(episode.group_id, episode.sample_index)] = episode
     return [[ended[(i, s)] for s in range(self.cfg.group_size)] for i in range(n)]
 
+  def release(self) -> None:
+    """Frees the slots' state (their KV cache) until the next call, so that a
+    generator kept between uses (the held-out evaluation's) holds nothing
+    meanwhile; the next call allocates it again (a compiled program: ms)."""
+    self.runner.state = None
+
   def __call__(self, params, prompts: Sequence[Sequence[int]], **kwargs
                ) -> list[list[Completion]]:
     """`episodes`' completions (same arguments)."""

@@ -145,6 +145,19 @@ class SlotState:
         top_ids=alternatives, top_logprobs=alternatives)
 
 
+def slot_state_bytes(cfg, *, num_slots: int, length: int, num_stop_ids: int = 0,
+                     top_logprobs: int = 0) -> int:
+  """Bytes of what `init_slots` allocates besides the cache's keys and values
+  (the tokens, log-probs, versions, alternatives, the cache's valid columns
+  and every per-slot field), from the state's own shapes (nothing
+  allocated): what `--dry_run` plans."""
+  state = jax.eval_shape(lambda: init_slots(cfg, num_slots=num_slots, length=length, pad_id=0,
+                                            num_stop_ids=num_stop_ids,
+                                            top_logprobs=top_logprobs))
+  size = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))  # noqa: E731
+  return size(state) - size((state.cache.keys, state.cache.values))
+
+
 def init_slots(cfg, *, num_slots: int, length: int, pad_id: int, num_stop_ids: int = 0,
                num_pages: int = 0, page_size: int = 0, attention: str = "xla",
                layout: str | None = None, mesh=None, top_logprobs: int = 0) -> SlotState:

@@ -175,6 +175,9 @@ class Scheduler:
 
   # -- versions ------------------------------------------------------------------
 
+  def held_params(self) -> dict:  # `{version: params}` the slots may decode with now
+    return self._updates.held()
+
   def publish(self, version: int, params) -> weight_updates.Swap:
     """Offers a published version to the weight-update policy."""
     return self._updates.on_publish(version, params, busy=self._table.active > 0)

@@ -72,6 +72,11 @@ class WeightUpdatePolicy(abc.ABC):
     """The params of a held `version`."""
     return self._params[version]
 
+  def held(self) -> dict:
+    """`{version: params}` of every version held now (a copy: the memory
+    ledger reads it from another thread)."""
+    return dict(self._params)
+
   def retain(self, versions: set[int]) -> int:
     """Drops every held version not in `versions`; returns how many are held."""
     self._params = {v: p for v, p in self._params.items() if v in versions}

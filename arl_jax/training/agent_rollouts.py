@@ -104,6 +104,7 @@ def build(run: run_context.RunContext, *, orchestrator, publisher) -> AgentRollo
       tokenizer=run.inputs.tokenizer, note_sampling_fn=dispatcher.note_sampling,
       compile_progress_fn=progress_lib.CompileProgress(
           print_fn=run.print_fn, bar=progress_lib.wants_bar(run.print_fn)))
+  served.engine.declare_memory(run.memory.ledger)
   runner = agent_runner.AgentRunner(
       fn, gateway=served.gateway, root_url_fn=lambda: served.root_url,
       model=agent.model_name, api_key=api_key, env=run.inputs.env,

@@ -28,7 +28,7 @@ import numpy as np
 
 from arl_jax.config import run_spec
 from arl_jax.models import init_lib, lora
-from arl_jax.sampler import engine_config
+from arl_jax.sampler import engine_config, sampling
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
 from arl_jax.training import evaluation
@@ -64,6 +64,13 @@ class Plan:
     if self.colocated:
       return self.learner.total + self.sampler.total
     return max(self.learner.total, self.sampler.total)
+
+  def record(self) -> dict:
+    """The plan as a `memory.jsonl` row (bytes per device): what a run
+    measures is set beside it (`benchmarks/memory.py`)."""
+    return {"phase": "plan", "num_devices": self.num_devices, "colocated": self.colocated,
+            "learner": dict(self.learner.memory), "sampler": dict(self.sampler.memory),
+            "busiest_device_bytes": self.per_device_peak()}
 
 
 def _sharded_bytes(abstract_state, mesh_shape: dict[str, int], rules, dtype) -> int:
@@ -131,7 +138,10 @@ def plan(spec: run_spec.RunSpec, num_devices: int) -> Plan:
   else:
     kv_name, kv = "kv_cache", slots * engine.length * per_column
   sampler.update({f"{what}_x{versions}_versions": versions * sampler_params, kv_name: kv,
-                  "slot_state": slots * engine.length * (4 + 1 + 4 + 4 + 1)})
+                  "slot_state": sampling.slot_state_bytes(
+                      spec.sampler_model, num_slots=slots, length=engine.length,
+                      num_stop_ids=len(spec.sampling.stop_ids),
+                      top_logprobs=spec.sampling.top_logprobs)})
   learner_eval, sampler_eval = evaluation_bytes(spec, lm, sm)
   learner.update(learner_eval)
   sampler.update(sampler_eval)

@@ -155,6 +155,12 @@ class Evaluator:
           graphdef=graphdef, model_cfg=sampled_model_cfg or model_cfg,
           mesh=sampled_mesh or mesh, stop_ids_fn=stop_ids_fn)
 
+  def declare_memory(self, ledger) -> None:
+    """Tells a `memory_ledger.Ledger` what the passes hold (their slots'
+    state: nothing between passes, `Generator.release`)."""
+    ledger.hold("evaluation kv cache", self, lambda e: [
+        g.runner.state for g in (e._generator, e._sampler) if g is not None])
+
   @property
   def samples(self) -> int:
     """Sampled completions per prompt (0: no sampled pass)."""
@@ -202,8 +208,11 @@ class Evaluator:
       episode.add_observation(observation)
       return True
 
-    groups = generator.episodes(params, self._prompt_ids, budgets=self._budgets,
-                                on_segment=next_turn)
+    try:
+      groups = generator.episodes(params, self._prompt_ids, budgets=self._budgets,
+                                  on_segment=next_turn)
+    finally:  # (its cache is as large as the held-out set: not kept between passes)
+      generator.release()
     rewards = np.zeros((len(groups), len(groups[0]) if groups else 0), np.float64)
     for i, group in enumerate(groups):
       for episode in group:

@@ -84,7 +84,9 @@ class LearnerLoop:
 
     The run's startup clock's phases go into the first update's progress
     line and metrics row; each update's row then holds `host_peak_gib`, the
-    process's resident peak since the previous row (the clock's peak windows).
+    process's resident peak since the previous row (the clock's peak windows),
+    and `memory.jsonl` a row at the end of the update, its evaluation and its
+    checkpoint (`metrics/memory_log.py`).
     """
     self._run = run
     self._spec = run.spec
@@ -124,6 +126,7 @@ class LearnerLoop:
         first_line_suffix=self._run.clock.summary)
     try:
       self._rl_start = self._last_time = time.monotonic()
+      self._run.memory.row_peak()  # (the start-up's windows are the clock's, not update 0's)
       self._run.eval_log.rl_start = self._rl_start
       for step in range(self.version, self._spec.run.num_steps):
         batch = self._cut(step)
@@ -226,15 +229,18 @@ class LearnerLoop:
       work = run_record["work"]
       record.update(checkpoint_snapshot_s=time.monotonic() - snapshot_start,
                     checkpoint_open_groups=len(work.groups), checkpoint_open_tokens=work.tokens)
+    memory = self._run.memory
+    memory.note("update", version)
     if evaluate:  # (the sampled pass reads this version as published)
       record["eval_reward"] = self._run.eval_log(self.params, version, "rl",
                                                  published=learner.publisher.latest()[1])
+      memory.note("eval", version)
     sampled = self._run.eval_log.collect()  # (rows of sampled evaluations that finished)
     if sampled:  # (the newest sampled pass@k, for the progress line)
       record["eval_pass_at_k"] = sampled
     if step == self._first_step:
       record.update(self._run.clock.record())
-    peak = self._run.clock.memory.take()
+    peak = memory.row_peak()  # (the update's window, the evaluation's, a checkpoint before)
     if peak is not None:
       record["host_peak_gib"] = host_memory.gib(peak)
     self._run.writer.write({"phase": "rl", **record})
@@ -243,6 +249,7 @@ class LearnerLoop:
     self._progress.update(record)
     if run_record is not None:
       self._save(run_record)
+      memory.note("checkpoint", version)
 
   def _eval_due(self, version: int) -> bool:
     every = self._spec.run.eval_every

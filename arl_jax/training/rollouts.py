@@ -237,5 +237,6 @@ def build(run: run_context.RunContext, *, orchestrator, publisher,
       stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env),
       compile_progress_fn=progress_lib.CompileProgress(
           print_fn=print_fn, bar=progress_lib.wants_bar(print_fn)))
+  engine.declare_memory(run.memory.ledger)
   env_runner.connect(on_resume)
   return LocalRollouts(engine, env_runner, fleet)

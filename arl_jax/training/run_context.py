@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # (annotations only: the phases import this module)
   from arl_jax.config.inputs import Inputs
   from arl_jax.learner.publish import WeightPublisher
   from arl_jax.learner.train_state import TrainState
+  from arl_jax.metrics.memory_log import MemoryLog
   from arl_jax.metrics.startup import StartupClock
   from arl_jax.metrics.writer import JsonlWriter
   from arl_jax.sharding.mesh_lib import RoleMeshes
@@ -44,6 +45,8 @@ class RunContext:
     audit: the `groups.jsonl` writer (what happened to every group).
     stop: the run's `StopRequest`.
     clock: the `startup.StartupClock` (startup phases, host memory peaks).
+    memory: the run's `memory_log.MemoryLog` (`memory.jsonl`; its ledger
+      is where components declare what they hold).
     print_fn: where progress lines go.
     keep_batches: keep a summary of every trained batch (tests).
   """
@@ -60,6 +63,7 @@ class RunContext:
   audit: JsonlWriter
   stop: StopRequest
   clock: StartupClock
+  memory: MemoryLog
   print_fn: Callable[[str], None]
   keep_batches: bool = False
 

@@ -32,7 +32,7 @@ from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import update as update_lib
-from arl_jax.metrics import host_memory
+from arl_jax.metrics import host_memory, memory_ledger, memory_log
 from arl_jax.metrics import startup as startup_lib
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import init_lib
@@ -40,8 +40,8 @@ from arl_jax.models import lora as lora_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
-from arl_jax.training import eval_log as eval_log_lib
 from arl_jax.training import (
+  dry_run,
   evaluation,
   follower,
   learner_loop,
@@ -52,6 +52,7 @@ from arl_jax.training import (
   warmup_phase,
   workdir_lock,
 )
+from arl_jax.training import eval_log as eval_log_lib
 from arl_jax.training import stop as stop_lib
 
 
@@ -111,7 +112,10 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
   """
   start_time = time.monotonic()
   programs = compile_cache.ProgramCounter()  # (counting from the `with` below)
-  clock = startup_lib.StartupClock(started_at, programs=programs)
+  windows = host_memory.PeakWindows()
+  memory = memory_log.MemoryLog(memory_ledger.Ledger(), windows)
+  clock = startup_lib.StartupClock(started_at, programs=programs, memory=windows,
+                                   memory_log=memory)
   resolved = run_spec.resolve(config)
   spec, inputs = resolved.spec, resolved.inputs
   cache_folder = compile_cache.enable(spec.run.compilation_cache)
@@ -139,24 +143,30 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
                                            spec.loss.optimizer_steps)
       beginning = start.begin(spec, meshes.learner, checkpoints, optimizer=optimizer,
                               config=config_dict, set_aside=leader, print_fn=print_fn)
+      memory.ledger.hold("learner params", beginning, lambda b: b.params)
       if leader:  # (the other processes' records hold only their evaluations)
         _follow_records(log_dir, beginning, print_fn)
       writer = writer_lib.make_writer(log_dir, spec.run.writer_names, run_config=config_dict)
       # What happened to every group: trained at a version, or dropped (and why).
       audit = writer_lib.JsonlWriter(log_dir, "groups.jsonl")
+      # Who holds the memory at the end of each phase (`metrics/memory_log.py`).
+      memory_writer = writer_lib.JsonlWriter(log_dir, "memory.jsonl")
+      memory.open(memory_writer.write)
+      memory_writer.write(dry_run.plan(spec, jax.device_count()).record())  # (what --dry_run says)
       try:
-        eval_log = _eval_log(spec, meshes, inputs, beginning.graphdef, writer=writer,
-                             print_fn=print_fn, start_time=start_time)
+        eval_log = _eval_log(spec, meshes, inputs, beginning.graphdef, memory.ledger,
+                             writer=writer, print_fn=print_fn, start_time=start_time)
         clock.mark("build")
         context = run_context.RunContext(
             spec=spec, config=config_dict, meshes=meshes, inputs=inputs,
             graphdef=beginning.graphdef, workdir=workdir, checkpoints=checkpoints,
             eval_log=eval_log, writer=writer, audit=audit, stop=stop, clock=clock,
-            print_fn=print_fn, keep_batches=keep_batches)
+            memory=memory, print_fn=print_fn, keep_batches=keep_batches)
         result = _train(context, beginning, optimizer)
       finally:
         writer.close()
         audit.close()
+        memory_writer.close()
       saved = (checkpoints.saver or checkpoints.resume)
       saved_version = None if saved is None else saved.latest_step()
       if not result.complete:
@@ -227,6 +237,7 @@ def _train(run: run_context.RunContext, beginning: start.Beginning,
   learner = run_context.Learner(state=state, update_fn=update_fn, publisher=publisher,
                                 reference=reference, version=beginning.version, frozen=frozen,
                                 base=beginning.base)
+  _declare_memory(run.memory.ledger, learner)
   if not lockstep.is_leader():
     complete = follower.follow(run, learner)
     run.print_fn(f"{'done' if complete else 'stopped'}: {learner.version} updates (following "
@@ -235,6 +246,18 @@ def _train(run: run_context.RunContext, beginning: start.Beginning,
                                    complete=complete,
                                    stop_reason="" if complete else "process 0 stopped the run")
   return _lead(run, learner, restored)
+
+
+def _declare_memory(ledger: memory_ledger.Ledger, learner: run_context.Learner) -> None:
+  """What the learner's side holds, for the run's memory ledger (the
+  sampler engine and the evaluation declare their own)."""
+  ledger.hold("learner params", learner, lambda lrn: lrn.state.params)
+  ledger.hold("optimizer state", learner, lambda lrn: (lrn.state.opt_state, lrn.state.step))
+  ledger.hold("kl reference", learner, lambda lrn: lrn.reference)
+  ledger.hold("frozen base", learner, lambda lrn: lrn.frozen)
+  # (the newest version as published, and a LoRA run's base on the sampler mesh)
+  ledger.hold("sampler params", learner.publisher,
+              lambda p: (p.latest_trained()[1:], p.frozen_base))
 
 
 def _follow_records(log_dir: str, beginning: start.Beginning, print_fn) -> None:
@@ -249,7 +272,7 @@ def _follow_records(log_dir: str, beginning: start.Beginning, print_fn) -> None:
                                  reason=f"the run resumed from version {beginning.version}")
 
 
-def _eval_log(spec, meshes, inputs, graphdef, **kwargs) -> eval_log_lib.EvalLog:
+def _eval_log(spec, meshes, inputs, graphdef, ledger, **kwargs) -> eval_log_lib.EvalLog:
   """The run's evaluation. One controller: the sampled pass on the sampler
   mesh, in the sampler's dtype, beside training for published versions
   (`training/sampled_eval.py`). Several: both passes on the learner mesh, in
@@ -265,6 +288,7 @@ def _eval_log(spec, meshes, inputs, graphdef, **kwargs) -> eval_log_lib.EvalLog:
       solved_reward=spec.run.eval_solved_reward,
       sampled_mesh=meshes.sampler if single else meshes.learner,
       sampled_model_cfg=spec.sampler_model if single else spec.model)
+  evaluator.declare_memory(ledger)
   place = None
   if single and spec.run.eval_samples:
     _, abstract_state = init_lib.abstract_model(spec.model)
@@ -330,14 +354,15 @@ def _lead(run: run_context.RunContext, learner: run_context.Learner,
       + (f", {drops['dropped_zero_variance']} in groups of equal rewards"
          if drops['dropped_zero_variance'] else "") + "; "
       f"{drops['tasks_lost']} of {drops['tasks_seen']} tasks never trained"
-      + _peak_note(run.clock.memory))
+      + _peak_note(run, result.version))
   return result
 
 
-def _peak_note(memory: host_memory.PeakWindows) -> str:
+def _peak_note(run: run_context.RunContext, version: int) -> str:
   """`; host peak 11.0 GiB` (the whole run's resident peak), where measured."""
-  memory.take()  # (the last window: since the last update)
-  return "" if memory.overall is None else f"; host peak {memory.overall / 1024**3:.1f} GiB"
+  run.memory.note("stop", version)  # (the last window: since the last update)
+  overall = run.clock.memory.overall
+  return "" if overall is None else f"; host peak {overall / 1024**3:.1f} GiB"
 
 
 def _print_header(spec, meshes, inputs, print_fn) -> None:

@@ -76,6 +76,29 @@ def test_update_keeps_shardings_and_dtypes_and_compiles_once():
   assert float(metrics["grad_norm"]) > 0
 
 
+def _bytes_per_device(tree) -> dict:
+  out = {}
+  for x in jax.tree.leaves(tree):
+    for shard in x.addressable_shards:
+      out[shard.device.id] = out.get(shard.device.id, 0) + shard.data.nbytes
+  return out
+
+
+def test_adam_moments_are_sharded_like_the_params_they_mirror():
+  state, update_fn, _ = _setup()
+  params, moments = _bytes_per_device(state.params), _bytes_per_device(state.opt_state)
+  # Two moments per parameter on each of the 4 fsdp devices (and a few scalars),
+  # not a replica of every moment on every device.
+  assert set(moments) == set(params) and len(params) == 4
+  for device, size in params.items():
+    assert 2 * size <= moments[device] <= 2 * size + 64, (device, size, moments[device])
+  mu = state.opt_state[1][0].mu  # (clip, then AdamW's scale_by_adam state)
+  assert jax.tree.map(lambda x: x.sharding, mu) == jax.tree.map(lambda x: x.sharding,
+                                                                state.params)
+  state, _ = update_fn(state, _random_batch(np.random.default_rng(0)))
+  assert _bytes_per_device(state.opt_state) == moments  # (the update keeps the layout)
+
+
 def test_update_donates_the_old_state():
   state, update_fn, _ = _setup()
   old_embed = state.params["embed"][...]
