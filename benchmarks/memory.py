@@ -11,6 +11,8 @@ with it) in a child process on one CPU device, as on a user's machine
 checkpoint every `--every`, then reads the run's `memory.jsonl`
 (`metrics/memory_log.py`). Parts:
 
+- `run`: the run's wall time and its median update's seconds (the first,
+  which compiles, left out).
 - `phases`: a row per phase end (the start-up's phases, each update,
   evaluation and checkpoint, the stop): `peak` is the resident host peak
   over the phase, `rss` the resident size at its end, `live` every live
@@ -38,6 +40,7 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
@@ -71,8 +74,9 @@ def _owner_of(component: str) -> str | None:
 
 
 def launch(config_args: list[str], workdir: str, *, steps: int, every: int,
-           devices: int) -> tuple[float, list[dict]]:
-  """The run's wall seconds and its `memory.jsonl` rows."""
+           devices: int) -> tuple[dict, list[dict]]:
+  """The run's times (wall seconds, the median update's after the first)
+  and its `memory.jsonl` rows."""
   command = [sys.executable, "-m", "arl_jax.launch", *config_args, f"--workdir={workdir}",
              f"--config.num_steps={steps}", f"--config.eval_every={every}",
              f"--config.checkpoint.every_steps={every}", "--config.log_every=1"]
@@ -84,8 +88,15 @@ def launch(config_args: list[str], workdir: str, *, steps: int, every: int,
   if proc.returncode:
     raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                      f"{proc.stderr[-3000:]}")
+  with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
+    updates = [r["step_seconds"] for r in map(json.loads, f)
+               if r.get("phase") == "rl" and "step_seconds" in r]
+  times = {"benchmark": "memory", "part": "run", "wall s": round(wall, 1),
+           "updates": len(updates),
+           "median update s": round(statistics.median(updates[1:]), 2) if len(updates) > 1
+           else None}
   with open(os.path.join(workdir, "memory.jsonl"), encoding="utf-8") as f:
-    return wall, [json.loads(line) for line in f]
+    return times, [json.loads(line) for line in f]
 
 
 def phase_rows(rows: list[dict]) -> list[dict]:
@@ -95,7 +106,8 @@ def phase_rows(rows: list[dict]) -> list[dict]:
       continue
     row = {"benchmark": "memory", "part": "phases", "phase": r["phase"], "step": r["step"],
            "peak": _mib(r["peak_bytes"]), "rss": _mib(r["host_rss_bytes"]),
-           "live": _mib(r["live_bytes"])}
+           "live": _mib(r["live_bytes"]),
+           "release ms": None if r.get("release_s") is None else round(1e3 * r["release_s"], 1)}
     row.update({owner: _mib(b) for owner, b in r["by_owner"].items()})
     out.append(row)
   return out
@@ -178,10 +190,10 @@ def main() -> None:
     parser.error(f"expected --config=... and --config.KEY=VALUE overrides, got {bad or 'none'}")
   tables = []
   with tempfile.TemporaryDirectory(prefix="memory_") as scratch:
-    wall, rows = launch(config_args, os.path.join(scratch, "run"), steps=args.steps,
-                        every=args.every, devices=args.devices)
-  print(f"the run took {wall:.0f} s", flush=True)
-  tables += [("phases: MiB at each phase's end (peak: over the phase)", phase_rows(rows)),
+    times, rows = launch(config_args, os.path.join(scratch, "run"), steps=args.steps,
+                         every=args.every, devices=args.devices)
+  tables += [("run: wall time and the median update (after the first)", [times]),
+             ("phases: MiB at each phase's end (peak: over the phase)", phase_rows(rows)),
              ("plan: --dry_run's components beside their owners", plan_rows(rows))]
   if args.programs == "true":
     tables.append(("program: the compiled update", [program_row(_config(config_args))]))

@@ -40,7 +40,25 @@ arl_jax.export_hf`) scores the same 0.925 greedily in transformers with
 BOS in front, the format runs used before issue 52). Before the fix the same
 command reached 0.670 after 40 updates (0.465 with --config.seed=1), trained
 and evaluated on prompts with an extra BOS: the spread between seeds and
-formats is large, so take one run as one sample. Before RL the model
+formats is large, so take one run as one sample. Rerun 2026-12-07 with the
+same command: the same five evaluations to the last digit (0.050, 0.585,
+0.885, 0.960, 0.925) and the exported folder again 0.925 in transformers.
+
+An unrelated task the run never trains on, scored on the exported folder
+(`benchmarks/reasoning_gym_survey.py --folder=FOLDER
+--tasks="chain_sum{max_terms=2,max_digits=1}" --limit=200
+--answer_format=last_number`: reasoning-gym's sum of two one-digit terms,
+200 held-out questions, greedy, in transformers):
+
+| chain_sum (never trained on) | accuracy |
+| --- | --- |
+| before RL (`/tmp/smollm2`) | 0.195 +- 0.028 |
+| after 40 updates on "which is larger" | 0.255 +- 0.031 |
+| trivial: first number / constant "5" / random training answer | 0.075 / 0.025 / 0.043 |
+
+It does not get worse (+0.06, 1.4 standard errors of the difference: no
+change claimed). The run this issue recalled, which got worse at
+single-digit addition, predates issue 52's prompt fix. Before RL the model
 explains instead of answering and runs out of its 48 tokens; after, greedy
 completions end with "The larger number is 50." and take 9 tokens; 159 of
 the 1,280 sampled rollouts were truncated and not trained on, and the batch

@@ -72,6 +72,12 @@ class RunSection:
       folder JAX is told to use, else `~/.cache/arl_jax/jit`), a folder, or
       "" (off); a second start of the same config reads its programs
       instead of compiling them (`compile_cache.py`).
+    release_host_memory: at the end of each phase (an update, an evaluation,
+      a checkpoint) return the memory the process freed to the system
+      (glibc's `malloc_trim`; `metrics/host_memory.release_free`). On a CPU
+      backend, where the devices' memory is the process's, what XLA's
+      threads free otherwise stays with the process and the resident size
+      grows update after update (`benchmarks/memory.py`).
   """
 
   seed: int = 0
@@ -84,6 +90,7 @@ class RunSection:
   eval_solved_reward: float = 1.0
   writers: str = "jsonl"
   compilation_cache: str = "auto"
+  release_host_memory: bool = True
 
   def __post_init__(self):
     _check(isinstance(self.compilation_cache, str), "compilation_cache",

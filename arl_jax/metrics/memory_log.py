@@ -15,17 +15,24 @@ is the largest window noted since the previous update's row (`row_peak`).
 
 from __future__ import annotations
 
+import time
+
 from arl_jax.metrics import host_memory, memory_ledger
 
 
 class MemoryLog:
 
-  def __init__(self, ledger: memory_ledger.Ledger, windows: host_memory.PeakWindows):
+  def __init__(self, ledger: memory_ledger.Ledger, windows: host_memory.PeakWindows,
+               release: bool = True):
     """Args:
       ledger: what the run's components declared they hold.
       windows: the run's peak windows (the startup clock's).
+      release: at each phase's end, return what the process freed to the
+        system (`host_memory.release_free`) before the account, so that the
+        next phase starts from what is held (`release_host_memory`).
     """
     self.ledger = ledger
+    self.release = release
     self._windows = windows
     self._write = None
     self._waiting: list[dict] = []  # rows noted before `open` (the imports')
@@ -47,7 +54,12 @@ class MemoryLog:
       peak = self._windows.take()
     if peak is not None:
       self._row_peak = max(self._row_peak or 0, peak)
-    row = {"phase": phase, "step": step, "peak_bytes": peak, **self.ledger.account().record()}
+    released = None
+    if self.release:
+      start = time.perf_counter()
+      released = time.perf_counter() - start if host_memory.release_free() else None
+    row = {"phase": phase, "step": step, "peak_bytes": peak, **self.ledger.account().record(),
+           "release_s": None if released is None else round(released, 4)}
     self.last = row
     if self._write is None:
       self._waiting.append(row)

@@ -118,6 +118,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
                                    memory_log=memory)
   resolved = run_spec.resolve(config)
   spec, inputs = resolved.spec, resolved.inputs
+  memory.release = spec.run.release_host_memory
   cache_folder = compile_cache.enable(spec.run.compilation_cache)
   config_dict = config.to_dict() if hasattr(config, "to_dict") else dict(config)
   meshes = mesh_lib.make_role_meshes(spec.mesh)

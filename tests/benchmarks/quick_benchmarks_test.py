@@ -30,7 +30,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("benchmarks/long_context.py", {"decode_step", "long_tail", "long_tail_ratio",
                                     "group_prefill", "chunked_prefill"}),
     ("benchmarks/real_size.py", {"launch", "memory", "sampler", "learner"}),
-    ("benchmarks/memory.py", {"phases", "plan", "program"}),
+    ("benchmarks/memory.py", {"run", "phases", "plan", "program"}),
     ("benchmarks/lora.py", {"sizes", "step", "publish", "decode"}),
     ("benchmarks/attention_kernels.py", {"paged_decode", "segment_attention"}),
     ("benchmarks/transformers_eval.py", None),
