@@ -116,6 +116,8 @@ def phase_rows(rows: list[dict]) -> list[dict]:
 def plan_rows(rows: list[dict]) -> list[dict]:
   """The plan's components beside what their owners held, then the totals."""
   plan = next(r for r in rows if r["phase"] == "plan")
+  if "error" in plan:
+    return [{"benchmark": "memory", "part": "plan", "what": f"no plan: {plan['error']}"}]
   measured = [r for r in rows if r["phase"] != "plan"]
   most = {}
   for r in measured:

@@ -69,6 +69,7 @@ class Plan:
     """The plan as a `memory.jsonl` row (bytes per device): what a run
     measures is set beside it (`benchmarks/memory.py`)."""
     return {"phase": "plan", "num_devices": self.num_devices, "colocated": self.colocated,
+            "learner_mesh": dict(self.learner.mesh), "sampler_mesh": dict(self.sampler.mesh),
             "learner": dict(self.learner.memory), "sampler": dict(self.sampler.memory),
             "busiest_device_bytes": self.per_device_peak()}
 

@@ -153,7 +153,7 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       # Who holds the memory at the end of each phase (`metrics/memory_log.py`).
       memory_writer = writer_lib.JsonlWriter(log_dir, "memory.jsonl")
       memory.open(memory_writer.write)
-      memory_writer.write(dry_run.plan(spec, jax.device_count()).record())  # (what --dry_run says)
+      memory_writer.write(_plan_row(spec))
       try:
         eval_log = _eval_log(spec, meshes, inputs, beginning.graphdef, memory.ledger,
                              writer=writer, print_fn=print_fn, start_time=start_time)
@@ -247,6 +247,15 @@ def _train(run: run_context.RunContext, beginning: start.Beginning,
                                    complete=complete,
                                    stop_reason="" if complete else "process 0 stopped the run")
   return _lead(run, learner, restored)
+
+
+def _plan_row(spec) -> dict:
+  """`memory.jsonl`'s first row: what `--dry_run` plans for this run (a plan
+  it cannot make is said there; the run goes on)."""
+  try:
+    return dry_run.plan(spec, jax.device_count()).record()
+  except ValueError as e:
+    return {"phase": "plan", "error": str(e)}
 
 
 def _declare_memory(ledger: memory_ledger.Ledger, learner: run_context.Learner) -> None:
