@@ -37,7 +37,6 @@ class MemoryLog:
     self._write = None
     self._waiting: list[dict] = []  # rows noted before `open` (the imports')
     self._row_peak: int | None = None
-    self.last: dict | None = None  # the newest row
 
   def open(self, write_fn) -> None:
     """Rows go to `write_fn` (`memory.jsonl`'s writer) from now on, the
@@ -47,20 +46,18 @@ class MemoryLog:
       write_fn(row)
     self._waiting = []
 
-  def note(self, phase: str, step: int | None = None, peak: int | None = None) -> int | None:
-    """Ends `phase` (its window taken now unless `peak` was already taken by
-    the caller) and writes its row; returns the window's peak."""
-    if peak is None:
-      peak = self._windows.take()
+  def note(self, phase: str, step: int | None = None) -> int | None:
+    """Ends `phase` (its peak window taken now) and writes its row; returns
+    the window's peak."""
+    peak = self._windows.take()
     if peak is not None:
       self._row_peak = max(self._row_peak or 0, peak)
-    released = None
-    if self.release:
-      start = time.perf_counter()
-      released = time.perf_counter() - start if host_memory.release_free() else None
+    release_s = None
+    start = time.perf_counter()
+    if self.release and host_memory.release_free():
+      release_s = round(time.perf_counter() - start, 4)
     row = {"phase": phase, "step": step, "peak_bytes": peak, **self.ledger.account().record(),
-           "release_s": None if released is None else round(released, 4)}
-    self.last = row
+           "release_s": release_s}
     if self._write is None:
       self._waiting.append(row)
     else:
