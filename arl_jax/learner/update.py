@@ -232,14 +232,7 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     (loss, grads), metrics = jax.lax.scan(accumulate, zero, micro)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    # Every gradient is finite when their global norm is (a norm that
-    # overflows float32, |g| ~ 1e19, counts as not finite: its update would
-    # be). Not an `all` over the leaves' own checks: XLA copies that chain of
-    # ands into every leaf's `where` below, a program quadratic in the leaves
-    # (SmolLM2's update: 0.5M lines of HLO, an executable holding 0.8 GiB of
-    # host memory, ~45 s more to compile; `tests/learner/update_test.py`).
-    grad_norm = optax.global_norm(grads)
-    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    finite, grad_norm = _is_finite(loss, grads)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     start_log_ratio = metrics.pop("start_log_ratio", None)
     metrics = _combine(metrics, jnp.sum(micro["batch"].loss_mask, axis=(1, 2)))
@@ -266,6 +259,20 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
                  trained_tokens=jnp.sum(batch.loss_mask))
   new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
   return new_state, jax.tree.map(lambda x: x.astype(jnp.float32), metrics)
+
+
+def _is_finite(loss, grads):
+  """Whether the loss and every gradient are finite, and the gradients' norm.
+
+  Every gradient is finite when their global norm is (a norm that overflows
+  float32, |g| ~ 1e19, counts as not finite: its update would be). Not an
+  `all` over the leaves' own checks: XLA copies that chain of ands into every
+  leaf's `where` that keeps or drops the update, a program quadratic in the
+  leaves (SmolLM2's update: 0.5M lines of HLO, an executable holding 0.8 GiB
+  of host memory, ~45 s more to compile; `tests/learner/update_test.py`).
+  """
+  grad_norm = optax.global_norm(grads)
+  return jnp.isfinite(loss) & jnp.isfinite(grad_norm), grad_norm
 
 
 def whole(params, frozen):
