@@ -22,12 +22,15 @@ weights, published device to device after every update).
 
 What was checked (on a CPU machine, with a stand-in folder holding
 Qwen2.5-0.5B-Instruct's config.json and a tokenizer of its vocabulary size):
-`--dry_run --dry_run_devices=8` validates the config and plans about 4.6 GiB
-per learner chip (params 0.46, Adam moments 0.92, gradients 0.46, activations
-~2.8 rough: one packed row of 2,048 tokens per microbatch per chip, logits in
-chunks of 1,024 tokens, attention in blocks of 512 queries, blocks
-rematerialised and scanned) and 2.4 GiB per sampler chip (two bfloat16 weight
-versions 1.84, KV cache 0.57): inside 16 GiB. The batch of 256 rollouts (32
+`--dry_run --dry_run_devices=8 --dry_run_device=tpu-v5e` validates the config
+and plans about 6.2 GiB per learner chip (params 0.46, Adam moments 0.92,
+gradients 0.46 and their accumulator 0.46, activations ~2.8 rough: one packed
+row of 2,048 tokens per microbatch per chip, logits in chunks of 1,024 tokens,
+attention in blocks of 512 queries, blocks rematerialised and scanned; the
+held-out evaluation's cache 1.15 for `eval_slots=64`) and 2.4 GiB per sampler
+chip (two bfloat16 weight versions 1.84, KV cache 0.57): inside 16 GiB, with
+room for a batch of ~7,400 rollouts or completions of ~4,200 tokens
+(`docs/scaling.md`, with the larger Qwen2.5 shapes). The batch of 256 rollouts (32
 prompts x 8) trains in 32 microbatches for that reason. Import and logit parity
 with `transformers` are tested on small random models of each family
 (`tests/models/hf_parity_test.py`).
@@ -59,7 +62,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # means: the schema's dataclasses, `schema.SECTIONS`).
   config = base_config.make("math_answer")
   config.update(num_steps=1000, log_every=50, eval_every=100, eval_size=256,
-                writers="jsonl,tensorboard")
+                # 64 held-out prompts at a time: a greedy slot for each of the
+                # 256 would hold a 4.6 GiB cache on every learner chip.
+                eval_slots=64, writers="jsonl,tensorboard")
   # Shapes (Qwen2.5-0.5B: d_model 896, 24 layers, 14 query / 2 KV heads of 64,
   # QKV biases, SwiGLU 4864, tied 151,936-row embedding, RoPE base 1e6: 494M
   # parameters) and the starting weights come from the folder.

@@ -59,6 +59,10 @@ class RunSection:
       (`metrics/progress.py`).
     eval_every: a held-out evaluation every N updates (0: none).
     eval_size: held-out prompts per evaluation.
+    eval_slots: slots of the greedy evaluation (0: one per held-out prompt,
+      all at once): fewer bound its KV cache, which lives on the learner's
+      devices, at eval_slots x the slot length; the prompts wait their turn
+      and the answers are the same (`training/evaluation.py`).
     eval_samples: besides the greedy answer, this many samples of each
       held-out prompt at eval_temperature, reported as unbiased pass@k and
       avg@n (`metrics/pass_at_k.py`; 0: greedy only); on the sampler
@@ -85,6 +89,7 @@ class RunSection:
   log_every: int = 100
   eval_every: int = 0
   eval_size: int = 256
+  eval_slots: int = 0
   eval_samples: int = 0
   eval_temperature: float = 1.0
   eval_solved_reward: float = 1.0
@@ -100,7 +105,8 @@ class RunSection:
            f"{self.eval_temperature!r}")
     _check(isinstance(self.eval_solved_reward, (int, float)), "eval_solved_reward",
            f"must be a number, got {self.eval_solved_reward!r}")
-    for key in ("num_steps", "log_every", "eval_every", "eval_size", "eval_samples"):
+    for key in ("num_steps", "log_every", "eval_every", "eval_size", "eval_slots",
+                "eval_samples"):
       value = getattr(self, key)
       _check(_is_int(value) and value >= 0, key, f"must be an int >= 0, got {value!r}")
     unknown = sorted(set(self.writer_names) - set(writer_lib.WRITERS))

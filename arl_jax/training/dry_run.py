@@ -21,6 +21,7 @@ adapters alone, with a critic's value head (`Plan.publish_bytes`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -34,6 +35,9 @@ from arl_jax.sharding import rules as rules_lib
 from arl_jax.training import evaluation
 
 _GIB = 1024**3
+# The share of a device's memory a plan may take: XLA's own scratch,
+# fragmentation and the runtime take the rest.
+USABLE = 0.9
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +78,19 @@ class Plan:
             "busiest_device_bytes": self.per_device_peak()}
 
 
+def _abstract_state(cfg) -> object:
+  """The model's parameter shapes and logical axes (`init_lib.abstract_model`),
+  kept: `fit`'s searches plan the same model dozens of times, and tracing a
+  7B decoder's init takes seconds. The context length does not shape a
+  parameter, so it is left out of the key."""
+  return _abstract_state_of(dataclasses.replace(cfg, max_seq_len=1))
+
+
+@functools.lru_cache(maxsize=8)
+def _abstract_state_of(cfg) -> object:
+  return init_lib.abstract_model(cfg)[1]
+
+
 def _sharded_bytes(abstract_state, mesh_shape: dict[str, int], rules, dtype) -> int:
   """Bytes of one device's shard of every parameter, stored in `dtype`."""
   itemsize = np.dtype(dtype).itemsize
@@ -98,7 +115,7 @@ def plan(spec: run_spec.RunSpec, num_devices: int) -> Plan:
   learner_mesh = mesh_lib.resolve_shape(spec.mesh.learner, len(learner_devices), "learner")
   sampler_mesh = mesh_lib.resolve_shape(spec.mesh.sampler, len(sampler_devices), "sampler")
   lm, sm = dict(learner_mesh), dict(sampler_mesh)
-  _, abstract_state = init_lib.abstract_model(spec.model)
+  abstract_state = _abstract_state(spec.model)
   trainable, frozen = lora.split(abstract_state)  # (without adapters: all, nothing)
   adapters = bool(jax.tree.leaves(frozen))
 
@@ -157,19 +174,20 @@ def plan(spec: run_spec.RunSpec, num_devices: int) -> Plan:
 def evaluation_bytes(spec: run_spec.RunSpec, lm: dict, sm: dict) -> tuple[dict, dict]:
   """`(learner, sampler)` bytes per device of the held-out evaluation
   (`evaluation.Evaluator`; as one controller lays it out): the greedy
-  pass's dense KV cache, one slot a prompt, on the learner mesh (between
-  updates); with `eval_samples` the sampled pass beside training on the
-  sampler mesh: a whole copy of the params it evaluates (the sampler's
-  dtype) and its cache of groups of `eval_samples` slots."""
+  pass's dense KV cache, one slot a prompt (at most `eval_slots`), on the
+  learner mesh (between updates); with `eval_samples` the sampled pass
+  beside training on the sampler mesh: a whole copy of the params it
+  evaluates (the sampler's dtype) and its cache of groups of `eval_samples`
+  slots."""
   if not (spec.run.eval_every and spec.run.eval_size):
     return {}, {}
-  greedy = evaluation.greedy_engine_config(spec.engine, spec.run.eval_size)
+  greedy = evaluation.greedy_engine_config(spec.engine, spec.run.eval_size, spec.run.eval_slots)
   learner = {"eval_kv_cache": greedy.num_slots * greedy.length
                               * engine_config.kv_bytes_per_column(spec.model, lm.get("tp", 1))}
   if not spec.run.eval_samples:
     return learner, {}
   sampled = evaluation.sampled_engine_config(spec.engine, spec.run.eval_size, spec.run.eval_samples)
-  _, abstract_state = init_lib.abstract_model(spec.model)
+  abstract_state = _abstract_state(spec.model)
   return learner, {
       "eval_sampled_params": _sharded_bytes(abstract_state, sm, rules_lib.SAMPLER_RULES,
                                             spec.sampler_model.param_dtype),
@@ -205,7 +223,8 @@ def learner_activations(cfg, scoring, rows: int, width: int, param_shards: int =
   gradient, or a few `learner.logprob_chunk`s of them. One block's scratch
   counts once: a scan over the layers (`learner.scan_layers`) makes it so,
   for the price of a stacked copy of the blocks' parameters and its
-  gradient (sharded as the parameters are: over `param_shards` devices);
+  gradient (with LoRA: the frozen blocks in their dtype, no gradient; sharded
+  as the parameters are: over `param_shards` devices);
   unrolled, XLA:CPU plans each layer's apart (`benchmarks/learner.py` part
   `long_row` measures both).
   """
@@ -221,7 +240,12 @@ def learner_activations(cfg, scoring, rows: int, width: int, param_shards: int =
   else:
     total += cfg.num_layers * scores * width
   if scoring.scan_layers:
-    total += 2 * cfg.num_layers * cfg.block_params * itemsize // param_shards
+    if cfg.lora.enabled:  # the frozen blocks stacked (no gradient); the adapters with theirs
+      stacked = (cfg.num_layers * cfg.block_params * np.dtype(cfg.base_dtype).itemsize
+                 + 2 * cfg.adapter_params * itemsize)
+    else:
+      stacked = 2 * cfg.num_layers * cfg.block_params * itemsize
+    total += stacked // param_shards
   logit_tokens = min(scoring.logprob_chunk, tokens) if scoring.logprob_chunk else tokens
   return total + 3 * logit_tokens * cfg.vocab_size * 4
 
@@ -241,6 +265,6 @@ def format_plan(p: Plan, device_memory: int | None = None) -> str:
   lines.append(f"busiest device: {peak / _GIB:.3f} GiB"
                + (" (both roles share each device)" if p.colocated else ""))
   if device_memory:
-    verdict = "fits" if peak <= 0.9 * device_memory else "does NOT fit"
-    lines.append(f"{verdict} in {device_memory / _GIB:.1f} GiB per device (90% usable)")
+    verdict = "fits" if peak <= USABLE * device_memory else "does NOT fit"
+    lines.append(f"{verdict} in {device_memory / _GIB:.1f} GiB per device ({USABLE:.0%} usable)")
   return "\n".join(lines)

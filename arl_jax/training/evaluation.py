@@ -72,15 +72,17 @@ class EvalResult:
     return sum(self.env_errors.values())
 
 
-def greedy_engine_config(engine_cfg: engine_config.EngineConfig,
-                         num_prompts: int) -> engine_config.EngineConfig:
-  """The greedy pass's engine: a dense slot a prompt, each context prefilled
-  whole and on its own, as evaluation always did (a chunked or shared
-  prefill may round differently, and greedy answers with it), padded to a
-  power of two from 32 unless the run names prompt buckets
+def greedy_engine_config(engine_cfg: engine_config.EngineConfig, num_prompts: int,
+                         slots: int = 0) -> engine_config.EngineConfig:
+  """The greedy pass's engine: a dense slot a prompt (at most `slots` at once,
+  `eval_slots`: the rest wait for a free one), each context prefilled whole
+  and on its own, as evaluation always did (a chunked or shared prefill may
+  round differently, and greedy answers with it), padded to a power of two
+  from 32 unless the run names prompt buckets
   (`engine_config.with_length_buckets`)."""
   return dataclasses.replace(
-      engine_config.with_length_buckets(engine_cfg), num_slots=num_prompts, group_size=1,
+      engine_config.with_length_buckets(engine_cfg),
+      num_slots=min(num_prompts, slots) if slots else num_prompts, group_size=1,
       weight_update="in_flight",
       kv_policy="keep", kv_cache="dense", kv_pages=0, kv_memory_fraction=0.0,
       paged_attention="xla", precompile=False,
@@ -104,7 +106,7 @@ class Evaluator:
                mesh: Mesh,
                engine_cfg: engine_config.EngineConfig, samples: int = 0,
                temperature: float = 1.0, solved_reward: float = 1.0,
-               sampled_mesh: Mesh | None = None, sampled_model_cfg=None):
+               sampled_mesh: Mesh | None = None, sampled_model_cfg=None, slots: int = 0):
     """Args:
       graphdef: decoder graph definition.
       model_cfg: the decoder's ModelConfig.
@@ -121,6 +123,7 @@ class Evaluator:
         must be there.
       sampled_model_cfg: the model as the sampled pass runs it (the
         sampler's dtype; default `model_cfg`).
+      slots: the greedy pass's slots (`eval_slots`; 0: one per prompt).
     """
     self._env = env
     self._tokenizer = tokenizer
@@ -139,7 +142,7 @@ class Evaluator:
     settings = sampling.SamplingSettings(
         greedy=True, eos_id=tokenizer.eos_id, pad_id=tokenizer.pad_id,
         stop_ids=env_api.sampler_stop_ids(tokenizer, env))
-    cfg = greedy_engine_config(engine_cfg, len(self._prompts))
+    cfg = greedy_engine_config(engine_cfg, len(self._prompts), slots)
     # Which stop tokens end each prompt's segments (they differ in a mixture).
     stop_ids_fn = lambda i: env_api.segment_stop_ids(tokenizer, env, self._prompts[i])  # noqa: E731
     self._generator = generate_lib.Generator(

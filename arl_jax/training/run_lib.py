@@ -295,7 +295,7 @@ def _eval_log(spec, meshes, inputs, graphdef, ledger, **kwargs) -> eval_log_lib.
       graphdef=graphdef, model_cfg=spec.model, tokenizer=inputs.tokenizer,
       prompts=inputs.eval_prompts, env=inputs.eval_env, mesh=meshes.learner,
       engine_cfg=spec.engine, samples=spec.run.eval_samples, temperature=spec.run.eval_temperature,
-      solved_reward=spec.run.eval_solved_reward,
+      solved_reward=spec.run.eval_solved_reward, slots=spec.run.eval_slots,
       sampled_mesh=meshes.sampler if single else meshes.learner,
       sampled_model_cfg=spec.sampler_model if single else spec.model)
   evaluator.declare_memory(ledger)

@@ -164,3 +164,41 @@ def test_the_greedy_pass_pads_prompts_to_powers_of_two_unless_the_run_names_buck
   assert evaluation.greedy_engine_config(short, 10).prompt_buckets == (16,)
   # (the cache is as long either way: the planned memory is unchanged)
   assert evaluation.greedy_engine_config(base, 10).length == base.length
+
+
+class RecordingEnv(env_api.Environment):
+  """Scores 1 and keeps every completion, by prompt."""
+
+  name = "recording"
+
+  def __init__(self):
+    self.completions = {}
+
+  def encode_prompt(self, prompt):
+    return TOK.encode(prompt.text, add_bos=True)
+
+  def score(self, prompt, completion_ids):
+    self.completions[prompt.prompt_id] = list(completion_ids)
+    return 1.0
+
+
+def test_fewer_greedy_slots_than_prompts_give_the_same_answers(model):
+  """`eval_slots`: the prompts wait for a free slot; each answer is what a
+  slot of its own gave, and the cache is the smaller one."""
+  cfg, meshes, graphdef, params = model
+  prompts = [env_api.TextPrompt(prompt_id=i, text=f"q{i} " * (1 + i % 4), answer="")
+             for i in range(10)]
+  engine_cfg = engine_config.EngineConfig(prompt_len=16, kv_cache="dense", decode_burst=1,
+                                          precompile=False, num_slots=8, group_size=1,
+                                          max_new_tokens=6)
+  answers, caches = [], []
+  for slots in (0, 3):
+    env = RecordingEnv()
+    evaluator = evaluation.Evaluator(graphdef=graphdef, model_cfg=cfg, env=env, tokenizer=TOK,
+                                     prompts=prompts, mesh=meshes.learner,
+                                     engine_cfg=engine_cfg, slots=slots)
+    assert evaluator(params).num_prompts == 10
+    answers.append(env.completions)
+    caches.append(evaluator._generator.cfg.num_slots)
+  assert caches == [10, 3]
+  assert answers[0] == answers[1] and len(answers[0]) == 10
