@@ -8,7 +8,9 @@ each role, the parameter count and the memory per device (`arl_jax/training/dry_
 then exits without compiling; `--dry_run_devices=N` plans for N devices instead
 of the ones present (e.g. a v5e-8 config on a laptop), `--dry_run_device_gib`
 for devices of that much memory (what `sampler.kv_memory_fraction` sizes the
-paged KV pool from).
+paged KV pool from), `--dry_run_device=tpu-v5e` (or h100, ...) for chips of
+that kind; with the memory known it also prints the largest batch and
+completion budget that fit (`arl_jax/training/fit.py`).
 
 Bad input (a config error, a missing file, an unusable `--workdir`, a
 workdir another run holds) is printed as one `error: ...` line on stderr,
@@ -55,6 +57,10 @@ _DRY_RUN_DEVICES = flags.DEFINE_integer(
 _DRY_RUN_DEVICE_GIB = flags.DEFINE_float(
     "dry_run_device_gib", None, "Plan for devices of this much memory (default: what the "
     "devices present report); sizes sampler.kv_memory_fraction's pool.", lower_bound=0.001)
+_DRY_RUN_DEVICE = flags.DEFINE_string(
+    "dry_run_device", None, "Plan for chips of this kind (tpu-v5e, h100, ...: "
+    "training/fit.py's DEVICE_KINDS): whether the config fits, and the largest batch and "
+    "completion budget that would.")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
                                  "Call jax.distributed.initialize() before anything else.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
@@ -102,20 +108,27 @@ def _check_workdir(workdir: str) -> None:
 
 
 def dry_run(config, num_devices: int | None, print_fn=print,
-            device_gib: float | None = None) -> None:
+            device_gib: float | None = None, device_kind: str | None = None) -> None:
   """Prints the resolved config and the run's plan; raises ConfigError on bad config.
 
   With `num_devices`, the meshes are validated and planned for that many
-  devices instead of the ones present; with `device_gib`, for devices of that
-  much memory.
+  devices instead of the ones present; with `device_gib` or `device_kind`
+  (`fit.DEVICE_KINDS`), for devices of that much memory. Where the memory is
+  known, the plan is followed by the largest batch and completion budget
+  that fit (`training/fit.py`).
   """
   import jax  # noqa: PLC0415
 
   from arl_jax.config import run_spec  # noqa: PLC0415
   from arl_jax.sharding import mesh_lib  # noqa: PLC0415
-  from arl_jax.training import dry_run  # noqa: PLC0415
+  from arl_jax.training import dry_run, fit  # noqa: PLC0415
 
+  if device_gib is not None and device_kind is not None:
+    raise run_spec.ConfigError("--dry_run_device and --dry_run_device_gib both give the "
+                               "device's memory: pass one")
   memory = None if device_gib is None else int(device_gib * 2**30)
+  if device_kind is not None:
+    memory = fit.device_memory(device_kind)
   if memory is None and num_devices is None:
     memory = mesh_lib.reported_memory(jax.devices())  # (None on CPU)
   spec = run_spec.build(config, None if num_devices is None else list(range(num_devices)),
@@ -125,6 +138,8 @@ def dry_run(config, num_devices: int | None, print_fn=print,
            f"{'initialized' if jax.distributed.is_initialized() else 'not initialized'})")
   count = num_devices or len(jax.devices())
   print_fn(dry_run.format_plan(dry_run.plan(spec, count), memory))
+  if memory:
+    print_fn(fit.format_fit(fit.fit(spec, count, memory), spec))
 
 
 def _launch(stop):
@@ -141,7 +156,8 @@ def _launch(stop):
   if _DISTRIBUTED.value or _COORDINATOR.value:
     _initialize_distributed()
   if _DRY_RUN.value:
-    dry_run(_CONFIG.value, _DRY_RUN_DEVICES.value, device_gib=_DRY_RUN_DEVICE_GIB.value)
+    dry_run(_CONFIG.value, _DRY_RUN_DEVICES.value, device_gib=_DRY_RUN_DEVICE_GIB.value,
+            device_kind=_DRY_RUN_DEVICE.value)
     return None
   # Imported here so that `--help` and flag errors do not initialise JAX.
   from arl_jax.training import run_lib  # noqa: PLC0415
