@@ -70,11 +70,12 @@ from arl_jax.learner import loss_settings  # noqa: E402
 from arl_jax.learner import optim as optim_lib  # noqa: E402
 from arl_jax.learner import train_state as train_state_lib  # noqa: E402
 from arl_jax.learner import update as update_lib  # noqa: E402
-from arl_jax.models import hf_params, init_lib, lora  # noqa: E402
+from arl_jax.models import init_lib, lora  # noqa: E402
 from arl_jax.models import model_config as model_config_lib  # noqa: E402
 from arl_jax.sharding import mesh_lib  # noqa: E402
 from arl_jax.sharding import rules as rules_lib  # noqa: E402
 from arl_jax.training import dry_run  # noqa: E402
+from arl_jax.training import start as start_lib  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import report  # noqa: E402  (benchmarks/report.py, run as a script)
@@ -230,12 +231,10 @@ def run_update(resolved):
   `memory.py` compiles."""
   spec = resolved.spec
   meshes = mesh_lib.make_role_meshes(spec.mesh)
-  if spec.model_hf_path:
-    graphdef, params = hf_params.load_params(spec.model_hf_path, spec.model, meshes.learner,
-                                             rules_lib.LEARNER_RULES)
-  else:
-    graphdef, params, _ = init_lib.init_params(spec.model, meshes.learner,
-                                               rules_lib.LEARNER_RULES, seed=spec.run.seed)
+  # As a fresh run starts: the folder's weights or an init, with LoRA's
+  # adapters on the frozen base.
+  graphdef, params = start_lib.initial_params(spec, meshes.learner, resuming=False,
+                                              print_fn=lambda *_: None)
   trainable, frozen = lora.split(params)
   optimizer = optim_lib.make_optimizer(spec.optim, spec.run.num_steps, spec.loss.optimizer_steps)
   state, shardings = train_state_lib.create(trainable, optimizer, meshes.learner)
