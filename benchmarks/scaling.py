@@ -1,6 +1,6 @@
 r"""What fits where: Qwen2.5-0.5B/1.5B/7B, full and LoRA, on TPU v5e and H100 chips.
 
-  python benchmarks/scaling.py                  # the docs/scaling.md table, ~1 min
+  python benchmarks/scaling.py                  # the docs/scaling.md table, ~30 s
   python benchmarks/scaling.py --devices=16 --kinds=tpu-v5e,tpu-v5p
   python benchmarks/scaling.py --quick          # 0.5B on v5e only (the test's)
 

@@ -29,7 +29,7 @@ row of 2,048 tokens per microbatch per chip, logits in chunks of 1,024 tokens,
 attention in blocks of 512 queries, blocks rematerialised and scanned; the
 held-out evaluation's cache 1.15 for `eval_slots=64`) and 2.4 GiB per sampler
 chip (two bfloat16 weight versions 1.84, KV cache 0.57): inside 16 GiB, with
-room for a batch of ~7,400 rollouts or completions of ~4,200 tokens
+room for a batch of ~7,400 rollouts or completions of ~4,000 tokens
 (`docs/scaling.md`, with the larger Qwen2.5 shapes). The batch of 256 rollouts (32
 prompts x 8) trains in 32 microbatches for that reason. Import and logit parity
 with `transformers` are tested on small random models of each family

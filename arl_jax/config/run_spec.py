@@ -67,6 +67,7 @@ class RunSpec:
   warmup_optim: optim_lib.OptimConfig  # (the warmup section's optimizer keys)
   # Settings left to `auto`, as chosen (`sampler/auto_settings.py`; the header prints them).
   choices: tuple[str, ...] = ()
+  kv_cache_setting: str = "auto"  # `sampler.kv_cache` as written (`fit.with_new_tokens`)
   # Rollouts from an OpenAI-client agent through the run's gateway (off: the env's own).
   agent: agent_config.AgentConfig = agent_config.AgentConfig()
 
@@ -235,7 +236,8 @@ def resolve(config: ml_collections.ConfigDict, devices: Sequence | None = None,
     _require(problem is None, "sampler.paged_attention", f"'ragged': {problem} (use 'xla')")
   engine, choices = auto_settings.resolve(spec.engine, num_params=spec.sampler_model.num_params,
                                          platform=None if planned else platforms[0])
-  spec = dataclasses.replace(spec, engine=engine, choices=choices)
+  spec = dataclasses.replace(spec, engine=engine, choices=choices,
+                             kv_cache_setting=spec.engine.kv_cache)
   if engine.kv_memory_fraction:
     spec = _size_kv_pool(spec, engine.kv_memory_fraction, sampler_shape.get("tp", 1),
                          device_memory or mesh_lib.reported_memory(sampler_devices))
@@ -436,7 +438,7 @@ def _size_kv_pool(spec: RunSpec, fraction: float, tp: int, device_memory: int | 
   _require(device_memory is not None, key,
            f"={fraction} needs the sampler devices' memory, which they do not report (a CPU "
            "backend, or devices being planned): set sampler.kv_pages instead, or give "
-           "--dry_run_device_gib")
+           "--dry_run_device=KIND or --dry_run_device_gib=N")
   page_bytes = spec.engine.page_size * engine_config.kv_bytes_per_column(spec.sampler_model, tp)
   pages = max(int(fraction * device_memory) // page_bytes, 1)
   try:

@@ -62,7 +62,8 @@ class RunSection:
     eval_slots: slots of the greedy evaluation (0: one per held-out prompt,
       all at once): fewer bound its KV cache, which lives on the learner's
       devices, at eval_slots x the slot length; the prompts wait their turn
-      and the answers are the same (`training/evaluation.py`).
+      and each gets the greedy answer it would alone (up to how the batch's
+      shape rounds the math; `training/evaluation.py`).
     eval_samples: besides the greedy answer, this many samples of each
       held-out prompt at eval_temperature, reported as unbiased pass@k and
       avg@n (`metrics/pass_at_k.py`; 0: greedy only); on the sampler

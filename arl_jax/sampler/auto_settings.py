@@ -90,3 +90,15 @@ def resolve(cfg, *, num_params: int, platform: str | None):
                        platform=platform)
   resolved = dataclasses.replace(cfg, kv_cache=kv.value, decode_burst=burst.value)
   return resolved, tuple(c.reason for c in (kv, burst) if c.reason)
+
+
+def with_new_tokens(cfg, max_new_tokens: int, *, kv_cache_setting: str):
+  """`cfg` (a resolved `EngineConfig`) with a completion budget of
+  `max_new_tokens`, its KV cache chosen again from `kv_cache_setting` (what
+  the config wrote: "auto" picks paged from `PAGED_FROM_COLUMNS` columns, as
+  a run of that budget would). Raises `SettingError` (a ValueError) when the
+  budget does not fit the settings, e.g. a fixed page pool."""
+  kv = kv_cache(kv_cache_setting, length=cfg.prompt_len + max_new_tokens,
+                kv_pages=cfg.kv_pages, kv_memory_fraction=cfg.kv_memory_fraction,
+                paged_attention=cfg.paged_attention)
+  return dataclasses.replace(cfg, max_new_tokens=max_new_tokens, kv_cache=kv.value)

@@ -24,16 +24,18 @@ import math
 from collections.abc import Callable
 
 from arl_jax.config import run_spec
+from arl_jax.sampler import auto_settings
 from arl_jax.training import dry_run
 
-_GIB = 1024**3
+_MIB = 1024**2
 
-# Memory per chip as the vendors state it (HBM for TPUs and GPUs), for
-# `--dry_run_device`; `--dry_run_device_gib` takes any other size.
+# Memory per chip as the devices report it (nvidia-smi's MiB for GPUs; the
+# HBM for TPUs), for `--dry_run_device`; `--dry_run_device_gib` takes any
+# other size.
 DEVICE_KINDS = {
-    "tpu-v4": 32 * _GIB, "tpu-v5e": 16 * _GIB, "tpu-v5p": 95 * _GIB, "tpu-v6e": 32 * _GIB,
-    "a100-40gb": 40 * _GIB, "a100-80gb": 80 * _GIB, "h100": 80 * _GIB, "h200": 141 * _GIB,
-    "l4": 24 * _GIB,
+    "tpu-v4": 32 * 1024 * _MIB, "tpu-v5e": 16 * 1024 * _MIB, "tpu-v5p": 95 * 1024 * _MIB,
+    "tpu-v6e": 32 * 1024 * _MIB, "a100-40gb": 40960 * _MIB, "a100-80gb": 81920 * _MIB,
+    "h100": 81559 * _MIB, "h200": 143771 * _MIB, "l4": 23034 * _MIB,
 }
 # Where the searches stop: far beyond any batch or context a run would use.
 MAX_BATCH = 1 << 20
@@ -56,10 +58,10 @@ class Fit:
 
 def device_memory(kind: str) -> int:
   """Bytes of one chip of `kind` (a key of DEVICE_KINDS)."""
-  if kind not in DEVICE_KINDS:
+  if kind.lower() not in DEVICE_KINDS:
     raise run_spec.ConfigError(f"--dry_run_device={kind!r}: unknown device kind; known: "
                                f"{', '.join(sorted(DEVICE_KINDS))} (or --dry_run_device_gib=N)")
-  return DEVICE_KINDS[kind]
+  return DEVICE_KINDS[kind.lower()]
 
 
 def largest_multiple(fits: Callable[[int], bool], unit: int, limit: int) -> int | None:
@@ -77,28 +79,24 @@ def largest_multiple(fits: Callable[[int], bool], unit: int, limit: int) -> int 
   return good * unit
 
 
-def _planned(spec: run_spec.RunSpec, num_devices: int) -> int | None:
-  """The busiest device's planned bytes; None when the spec is not a valid
-  run (a candidate past what the config's other settings allow)."""
-  try:
-    return dry_run.plan(spec, num_devices).per_device_peak()
-  except ValueError:  # (ConfigError too)
-    return None
-
-
 def with_batch(spec: run_spec.RunSpec, batch_size: int) -> run_spec.RunSpec:
+  """`spec` with `batch_size` rollouts an update (the rest as configured)."""
   return dataclasses.replace(
       spec, orchestrator=dataclasses.replace(spec.orchestrator, batch_size=batch_size))
 
 
 def with_new_tokens(spec: run_spec.RunSpec, max_new_tokens: int) -> run_spec.RunSpec:
-  """`spec` with a completion budget of `max_new_tokens` (the model's context
-  grown to hold it when it would not)."""
+  """`spec` with a completion budget of `max_new_tokens`, as a config that
+  asked for it would resolve: the model's context grown to hold it when it
+  would not, the KV cache chosen again where the config left it to auto
+  (paged from 1,024 columns). Raises ValueError where the settings cannot
+  hold it (a fixed page pool smaller than one sequence)."""
   longest = spec.engine.prompt_len + max_new_tokens
   models = {key: dataclasses.replace(cfg, max_seq_len=max(cfg.max_seq_len, longest))
             for key, cfg in (("model", spec.model), ("sampler_model", spec.sampler_model))}
-  return dataclasses.replace(
-      spec, engine=dataclasses.replace(spec.engine, max_new_tokens=max_new_tokens), **models)
+  engine = auto_settings.with_new_tokens(spec.engine, max_new_tokens,
+                                         kv_cache_setting=spec.kv_cache_setting)
+  return dataclasses.replace(spec, engine=engine, **models)
 
 
 def batch_unit(spec: run_spec.RunSpec, num_devices: int) -> int:
@@ -112,24 +110,32 @@ def batch_unit(spec: run_spec.RunSpec, num_devices: int) -> int:
 
 def fit(spec: run_spec.RunSpec, num_devices: int, memory: int) -> Fit:
   """Whether `spec` fits `num_devices` chips of `memory` bytes, and the
-  largest batch and completion budget that would."""
+  largest batch and completion budget that would.
+
+  Each candidate is `spec` changed as a config asking for it would resolve
+  (`with_batch`, `with_new_tokens`); one the settings reject (a ValueError:
+  `run_spec.ConfigError`, `engine_config.SettingError`) does not fit.
+  """
   budget = dry_run.USABLE * memory
 
-  def fits(candidate: run_spec.RunSpec) -> bool:
-    planned = _planned(candidate, num_devices)
-    return planned is not None and planned <= budget
+  def fits(candidate: Callable[[], run_spec.RunSpec]) -> bool:
+    try:
+      return dry_run.plan(candidate(), num_devices).per_device_peak() <= budget
+    except ValueError:
+      return False
 
   return Fit(
       device_memory=memory, busiest=dry_run.plan(spec, num_devices).per_device_peak(),
-      largest_batch=largest_multiple(lambda b: fits(with_batch(spec, b)),
+      largest_batch=largest_multiple(lambda b: fits(lambda: with_batch(spec, b)),
                                      batch_unit(spec, num_devices), MAX_BATCH),
-      largest_new_tokens=largest_multiple(lambda n: fits(with_new_tokens(spec, n)), 1,
+      largest_new_tokens=largest_multiple(lambda n: fits(lambda: with_new_tokens(spec, n)), 1,
                                           MAX_NEW_TOKENS))
 
 
 def format_fit(f: Fit, spec: run_spec.RunSpec) -> str:
   """The largest batch and budget, as the lines `--dry_run` prints under the
-  plan (whose last line says whether the config as it is fits)."""
+  plan (whose last line says whether the config as it is fits): each as the
+  keys to set, with the others the search changed with it."""
   if f.largest_batch is None:
     lines = ["no batch fits at this context: what does not grow with the batch (params, "
              "optimizer state, caches) is already too much"]
@@ -138,8 +144,14 @@ def format_fit(f: Fit, spec: run_spec.RunSpec) -> str:
              f"{f.largest_batch} (now {spec.orchestrator.batch_size})"]
   if f.largest_new_tokens is None:
     lines.append("no completion budget fits at this batch")
-  else:
-    lines.append(f"largest completion budget that fits at this batch: sampler.max_new_tokens="
-                 f"{f.largest_new_tokens} (now {spec.engine.max_new_tokens}; prompts of "
-                 f"{spec.engine.prompt_len} tokens)")
+    return "\n".join(lines)
+  grown = with_new_tokens(spec, f.largest_new_tokens)
+  also = []
+  if grown.model.max_seq_len != spec.model.max_seq_len:
+    also.append(f"model.max_seq_len={grown.model.max_seq_len}")
+  if grown.engine.kv_cache != spec.engine.kv_cache:
+    also.append(f"sampler.kv_cache={grown.engine.kv_cache} (as auto picks it)")
+  lines.append(f"largest completion budget that fits at this batch: sampler.max_new_tokens="
+               f"{f.largest_new_tokens} (now {spec.engine.max_new_tokens}; prompts of "
+               f"{spec.engine.prompt_len} tokens)" + (f" with {', '.join(also)}" if also else ""))
   return "\n".join(lines)

@@ -59,6 +59,7 @@ def test_tiny_and_default_configs_build():
     ({"orchestrator__overlong_buffer": 64}, r"config.orchestrator.overlong_buffer: 64 tokens: not below sampler.max_new_tokens"),
     ({"eval_temperature": 0.0}, r"eval_temperature: must be > 0"),
     ({"eval_samples": -1}, r"eval_samples: must be an int >= 0"),
+    ({"eval_slots": -1}, r"eval_slots: must be an int >= 0"),
     ({"learner__num_minibatches": 3}, r"learner.num_microbatches: orchestrator.batch_size=32 rows do not split into num_minibatches x num_microbatches = 3"),
     ({"learner__num_epochs": 0}, r"learner.num_epochs: must be an int >= 1"),
     ({"learner__loss": "vtrace", "learner__num_epochs": 2}, r"config.learner: vtrace truncates its importance weights itself"),

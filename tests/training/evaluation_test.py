@@ -191,7 +191,7 @@ def test_fewer_greedy_slots_than_prompts_give_the_same_answers(model):
   engine_cfg = engine_config.EngineConfig(prompt_len=16, kv_cache="dense", decode_burst=1,
                                           precompile=False, num_slots=8, group_size=1,
                                           max_new_tokens=6)
-  answers, caches = [], []
+  answers, slot_counts = [], []
   for slots in (0, 3):
     env = RecordingEnv()
     evaluator = evaluation.Evaluator(graphdef=graphdef, model_cfg=cfg, env=env, tokenizer=TOK,
@@ -199,6 +199,8 @@ def test_fewer_greedy_slots_than_prompts_give_the_same_answers(model):
                                      engine_cfg=engine_cfg, slots=slots)
     assert evaluator(params).num_prompts == 10
     answers.append(env.completions)
-    caches.append(evaluator._generator.cfg.num_slots)
-  assert caches == [10, 3]
+    slot_counts.append(evaluator._generator.cfg.num_slots)  # (the cache it holds)
+  assert slot_counts == [10, 3]
   assert answers[0] == answers[1] and len(answers[0]) == 10
+  # Answers that could not be mixed up between prompts unnoticed.
+  assert all(answers[0].values()) and len({tuple(a) for a in answers[0].values()}) > 1

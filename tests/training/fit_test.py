@@ -1,5 +1,6 @@
 """Whether a config fits a device kind, and the largest batch and context that would."""
 
+import math
 import os
 import subprocess
 import sys
@@ -36,7 +37,7 @@ def test_the_largest_batch_and_budget_fit_and_one_step_more_does_not():
   peak = lambda s: dry_run.plan(s, 8).per_device_peak()
   assert answers.busiest == peak(spec) and answers.fits == (peak(spec) <= budget)
   unit = fit.batch_unit(spec, 8)
-  assert unit % spec.orchestrator.group_size == 0 and unit % 8 == 0  # (fsdp over 8 devices)
+  assert unit % spec.orchestrator.group_size == 0
   batch = answers.largest_batch
   assert batch % unit == 0 and batch > spec.orchestrator.batch_size
   assert peak(fit.with_batch(spec, batch)) <= budget < peak(fit.with_batch(spec, batch + unit))
@@ -44,12 +45,50 @@ def test_the_largest_batch_and_budget_fit_and_one_step_more_does_not():
   config.orchestrator.batch_size = batch
   run_spec.build(config, list(range(8)))  # a valid config, as the answer says
   tokens = answers.largest_new_tokens
-  grown = fit.with_new_tokens(spec, tokens)
-  assert grown.model.max_seq_len >= spec.engine.prompt_len + tokens
-  assert peak(grown) <= budget < peak(fit.with_new_tokens(spec, tokens + 1))
   text = fit.format_fit(answers, spec)
   assert f"orchestrator.batch_size={batch} (now {spec.orchestrator.batch_size})" in text
   assert f"sampler.max_new_tokens={tokens} (now {spec.engine.max_new_tokens}" in text
+  grown = fit.with_new_tokens(spec, tokens)
+  if grown.model.max_seq_len != spec.model.max_seq_len:
+    assert f"model.max_seq_len={grown.model.max_seq_len}" in text
+
+  def built(new_tokens):  # the budget as a user would ask for it: the keys the answer names
+    config = tiny.load_config("arith", None)
+    config.sampler.max_new_tokens = new_tokens
+    config.model.max_seq_len = max(config.model.max_seq_len,
+                                   spec.engine.prompt_len + new_tokens)
+    return run_spec.build(config, list(range(8)))
+  assert peak(built(tokens)) <= budget < peak(built(tokens + 1))
+
+
+def test_batch_unit_splits_into_the_learner_rows_and_whole_groups():
+  config = tiny.load_config("arith", None)
+  config.learner.num_microbatches = 4  # 4 x fsdp 4 rows: 16, where a group is 8
+  spec = run_spec.build(config, list(range(8)))
+  fsdp = dict(dry_run.plan(spec, 8).learner.mesh)["fsdp"]
+  layout = spec.loss.layout
+  assert fsdp == 4 and spec.orchestrator.group_size == 8
+  assert fit.batch_unit(spec, 8) == math.lcm(8, layout.num_minibatches * 4 * fsdp) == 16
+
+
+def test_a_longer_budget_picks_the_kv_cache_a_config_asking_for_it_would():
+  spec = run_spec.build(tiny.load_config("arith", None), list(range(8)))
+  assert spec.kv_cache_setting == "auto" and spec.engine.kv_cache == "dense"
+  long = 2048 - spec.engine.prompt_len
+  assert fit.with_new_tokens(spec, long).engine.kv_cache == "paged"  # (auto: >= 1,024 columns)
+  config = tiny.load_config("arith", None)
+  config.sampler.kv_cache = "dense"
+  dense = run_spec.build(config, list(range(8)))
+  assert fit.with_new_tokens(dense, long).engine.kv_cache == "dense"
+  # A fixed pool holds no sequence longer than itself: not an error, no fit.
+  config = tiny.load_config("arith", None)
+  config.sampler.kv_pages = 4
+  pool = run_spec.build(config, list(range(8)))
+  columns = 4 * pool.engine.page_size
+  with pytest.raises(ValueError):
+    fit.with_new_tokens(pool, columns)
+  answer = fit.fit(pool, 8, 2**40).largest_new_tokens
+  assert answer is not None and spec.engine.prompt_len + answer <= columns
   # A device too small for the params alone: nothing fits.
   none = fit.fit(spec, 8, 2**10)
   assert (none.fits, none.largest_batch, none.largest_new_tokens) == (False, None, None)
