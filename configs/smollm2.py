@@ -43,6 +43,16 @@ and evaluated on prompts with an extra BOS: the spread between seeds and
 formats is large, so take one run as one sample. Rerun 2026-12-07 with the
 same command: the same five evaluations to the last digit (0.050, 0.585,
 0.885, 0.960, 0.925) and the exported folder again 0.925 in transformers.
+Later that day, on a fresh machine of the same kind (a new venv from `pip
+install`), the same command gave 0.050, 0.285, 0.340, 0.290 and 0.000: the
+policy learned "The larger of 26 and 50 is 50, which is larger than 26.",
+whose last number, what `math_answer` reads when there is no "answer is N",
+is the smaller one (batch reward 0.19 falling to 0.00-0.09 over the last 10
+updates; 868 of the 1,280 sampled rollouts truncated, against 159). The
+code of the morning's runs gave the same metrics to the last digit for 11
+updates on that machine, so the machine or its
+packages changed the trajectory, not the code: this task's outcome hangs on
+float rounding, and one run is one sample.
 
 An unrelated task the run never trains on, scored on the exported folder
 (`benchmarks/reasoning_gym_survey.py --folder=FOLDER
@@ -65,10 +75,13 @@ the 1,280 sampled rollouts were truncated and not trained on, and the batch
 reward rose from 0.19 to 0.75-0.91.
 Wall time 30:39 (start-up 108 s: import 2.2, build 4.7, the first evaluation
 53.0, compile 47.7; 29 s an update, median of 40; the machine shared with
-short test runs, so upper bounds); peak resident memory 19.1 GB
-(`/usr/bin/time`; the run's own line said 22.4 GiB; `--dry_run` plans 7.6
-GiB of device memory for the two roles on this one device; issue 56 is the
-gap). Plots (the run before the fix):
+short test runs, so upper bounds); host peak 22.4 GiB by the run's own last
+line (`/usr/bin/time` said 19.1 GB: the run resets the kernel's peak at each
+phase, so it sees only the last phases'). After issue 56's update fix (an
+update program linear in the parameters, 2026-12-07, the run of 0.000
+above): host peak 11.7 GiB, 3.9-4.2 GiB between phases, wall 31:30
+(`--dry_run` plans 7.6 GiB of device memory for the two roles on this one
+device; issue 56 is the rest of the gap). Plots (the run before the fix):
 `docs/images/smollm2_larger_reward.png`.
 """
 

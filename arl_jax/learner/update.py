@@ -232,7 +232,7 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
     (loss, grads), metrics = jax.lax.scan(accumulate, zero, micro)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    finite, grad_norm = _is_finite(loss, grads)
+    finite, grad_norm = _finite_and_norm(loss, grads)
     keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
     start_log_ratio = metrics.pop("start_log_ratio", None)
     metrics = _combine(metrics, jnp.sum(micro["batch"].loss_mask, axis=(1, 2)))
@@ -261,7 +261,7 @@ def train_step(state: train_state_lib.TrainState, batch: train_batch_lib.TrainBa
   return new_state, jax.tree.map(lambda x: x.astype(jnp.float32), metrics)
 
 
-def _is_finite(loss, grads):
+def _finite_and_norm(loss, grads):
   """Whether the loss and every gradient are finite, and the gradients' norm.
 
   Every gradient is finite when their global norm is (a norm that overflows
