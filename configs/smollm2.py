@@ -50,9 +50,9 @@ whose last number, what `math_answer` reads when there is no "answer is N",
 is the smaller one (batch reward 0.19 falling to 0.00-0.09 over the last 10
 updates; 868 of the 1,280 sampled rollouts truncated, against 159). The
 code of the morning's runs gave the same metrics to the last digit for 11
-updates on that machine, so the machine or its
-packages changed the trajectory, not the code: this task's outcome hangs on
-float rounding, and one run is one sample.
+updates on that machine, so the machine or its packages changed the
+trajectory, not the code: this task's outcome hangs on float rounding, and
+one run is one sample.
 
 An unrelated task the run never trains on, scored on the exported folder
 (`benchmarks/reasoning_gym_survey.py --folder=FOLDER
