@@ -114,6 +114,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
                              mask_truncated_completions=True)
   config.learner.update(
       eps_high=0.28, tis_cap=2.0, num_microbatches=2,
+      # The 30 blocks as one scan, each recomputed on the backward pass: the
+      # same update up to rounding (bit for bit in a 4-layer probe at this
+      # model's shapes; tests/learner/update_test.py), with 2.2 GiB of
+      # temporaries instead of 4.8: the run's host peak 12.8 -> 7.7 GiB,
+      # ~5% slower an update (benchmarks/README.md, memory.py).
+      scan_layers=True, remat="block",
       # A few tens of updates: a larger rate than long runs use (1e-6).
       lr=1e-5)
   config.checkpoint.update(every_steps=10, keep=2)

@@ -68,6 +68,37 @@ def test_the_update_program_grows_linearly_with_the_parameter_leaves():
   assert sizes[1] < 8 * sizes[0], sizes
 
 
+def test_scanned_rematerialised_blocks_give_the_same_update_up_to_rounding():
+  """`learner.scan_layers` and `remat` change what the backward pass keeps,
+  not the arithmetic: `configs/smollm2.py` takes them for their memory on
+  that promise. Rounding may differ (~1e-6 here: XLA fuses the scanned body
+  apart), a thousandth of what the updates move."""
+  cfg = tiny.tiny_model_config(num_layers=3, d_model=64, mlp_dim=128)
+  meshes = tiny.single_device_meshes()
+  batch = _random_batch(np.random.default_rng(0))
+  _, start, _ = tiny.learner_and_sampler_params(cfg, meshes)
+  start = jax.tree.leaves(jax.tree.map(np.asarray, start))
+
+  def params_after_two_updates(**scoring):
+    graphdef, params, _ = tiny.learner_and_sampler_params(cfg, meshes)
+    optimizer = optim_lib.make_optimizer(optim_lib.OptimConfig(lr=1e-3))
+    state, shardings = train_state_lib.create(params, optimizer, meshes.learner)
+    update_fn = update_lib.make_update_fn(
+        graphdef=graphdef, optimizer=optimizer, state_shardings=shardings,
+        settings=loss_settings.LossSettings.of(num_microbatches=2, **scoring),
+        mesh=meshes.learner)
+    for _ in range(2):
+      state, _ = update_fn(state, batch)
+    return jax.tree.leaves(jax.tree.map(np.asarray, state.params))
+
+  largest = lambda xs, ys: max(float(np.max(np.abs(x - y))) for x, y in zip(xs, ys))
+  unrolled = params_after_two_updates()
+  moved = largest(unrolled, start)
+  assert moved > 1e-4
+  for scoring in (dict(scan_layers=True, remat="block"), dict(remat="dots")):
+    assert largest(params_after_two_updates(**scoring), unrolled) < 1e-3 * moved, scoring
+
+
 def _layout(state):
   return jax.tree.map(lambda x: (x.shape, x.dtype, x.sharding), state)
 
