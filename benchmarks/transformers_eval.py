@@ -19,6 +19,14 @@ update, read from `--workdir`'s `metrics.jsonl` when given.
       --config=configs/smollm2.py:/tmp/smollm2 --workdir=/tmp/smol_s0 --out=/tmp/tf_eval.jsonl
   python benchmarks/transformers_eval.py --folder=/tmp/smollm2 \
       --config=configs/smollm2.py:/tmp/smollm2      # the model before RL
+
+`--forms=N` prints the N commonest completion forms beside their reward: a
+completion with each number replaced by what it is (`{answer}` the
+reference answer, `{1}`, `{2}` the prompt's other numbers in order, `{#}`
+any other). A reward that reads part of the text can be earned by a
+statement that is false, and an accuracy is not learning until its forms
+say so: on "which number is larger", "{1} is larger than {answer}." scoring
+1 is a false claim the reward read as right (it reads the last number).
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import argparse
 import collections
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -94,15 +103,42 @@ def _quick_folder(tmp: str):
   return folder, config
 
 
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def completion_form(prompt_text: str, completion_text: str, answer: str = "") -> str:
+  """The completion with each number replaced by what it is: `{answer}` (the
+  reference `answer`), `{1}`, `{2}`, ... (the prompt's other numbers in
+  order) or `{#}` (a number from neither)."""
+  places = {answer.strip(): "{answer}"} if answer.strip() else {}
+  for number in _NUMBER.findall(prompt_text):
+    if number not in places:
+      places[number] = f"{{{sum(v != '{answer}' for v in places.values()) + 1}}}"
+  return _NUMBER.sub(lambda m: places.get(m.group(), "{#}"), completion_text.strip())
+
+
+def form_rows(forms: list[tuple[str, str, float]], top: int) -> list[dict]:
+  """The `top` commonest forms of `(form, completion text, reward)` triples:
+  how many, their mean reward, one example."""
+  by_form = collections.defaultdict(list)
+  for form, text, reward in forms:
+    by_form[form].append((text, reward))
+  ranked = sorted(by_form.items(), key=lambda kv: (-len(kv[1]), kv[0]))[:top]
+  return [{"benchmark": "transformers_eval_forms", "form": form[:80], "count": len(items),
+           "mean_reward": round(sum(r for _, r in items) / len(items), 3),
+           "example": items[0][0][:80]} for form, items in ranked]
+
+
 def evaluate(folder: str, config, formats, batch_size: int, limit: int | None,
-             temperature: float = 0.0, samples: int = 1):
+             temperature: float = 0.0, samples: int = 1, forms: list | None = None):
   """Scores each format's completions of the first `limit` held-out prompts.
 
   Greedy at temperature 0. At a temperature > 0 each prompt gets `samples`
   completions drawn as the sampler draws them (plain softmax sampling at
   that temperature), and `groups_with_signal` is the fraction of prompts
   whose samples' rewards are not all equal: the groups a group-relative
-  advantage can learn from.
+  advantage can learn from. `forms`: a list that gets the first format's
+  `(completion_form, completion text, reward)` of each completion.
   """
   import numpy as np  # noqa: PLC0415
   import torch  # noqa: PLC0415
@@ -148,6 +184,9 @@ def evaluate(folder: str, config, formats, batch_size: int, limit: int | None,
         completion = row[:end]
         rewards.append(float(env.score(p, completion)))
         lengths.append(len(completion))
+        if forms is not None and fmt == formats[0]:
+          text = tokenizer.decode(completion, skip_special_tokens=True)
+          forms.append((completion_form(p.text, text, p.answer), text, rewards[-1]))
     per_prompt = np.asarray(rewards).reshape(len(prompts), samples)
     by_env = collections.defaultdict(list)
     for p, prompt_rewards in zip(prompts, per_prompt):
@@ -181,6 +220,8 @@ def main(argv=None):
   parser.add_argument("--formats", default="model,extra_bos")
   parser.add_argument("--batch_size", type=int, default=50)
   parser.add_argument("--limit", type=int, help="evaluate only the first N prompts")
+  parser.add_argument("--forms", type=int, default=0,
+                      help="print the N commonest completion forms and their reward")
   parser.add_argument("--out", help="append JSON rows here")
   args = parser.parse_args(argv)
   formats = [f for f in args.formats.split(",") if f]
@@ -200,7 +241,8 @@ def main(argv=None):
 
     path, _, arg = args.config.partition(":")
     config = arl_jax.load_config(path, arg or None)
-  rows = evaluate(args.folder, config, formats, args.batch_size, args.limit)
+  forms = [] if args.forms > 0 else None
+  rows = evaluate(args.folder, config, formats, args.batch_size, args.limit, forms=forms)
   if args.quick:
     shutil.rmtree(tmp, ignore_errors=True)
   ours = _arl_jax_accuracy(args.workdir, args.step)
@@ -211,6 +253,11 @@ def main(argv=None):
         row["arl_jax_by_env"] = {k: round(v, 3) for k, v in sorted(ours[2].items())}
   report.print_table(rows, "greedy held-out accuracy in transformers")
   report.append_jsonl(rows, args.out)
+  if forms is not None:
+    form_table = form_rows(forms, args.forms)
+    report.print_table(form_table, f"the {formats[0]} format's commonest completion forms "
+                       "({answer}: the reference answer; {1}, {2}: the prompt's other numbers)")
+    report.append_jsonl(form_table, args.out)
 
 
 if __name__ == "__main__":

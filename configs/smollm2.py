@@ -52,7 +52,18 @@ updates; 868 of the 1,280 sampled rollouts truncated, against 159). The
 code of the morning's runs gave the same metrics to the last digit for 11
 updates on that machine, so the machine or its packages changed the
 trajectory, not the code: this task's outcome hangs on float rounding, and
-one run is one sample.
+one run is one sample. The same machine with this config's scanned,
+rematerialised blocks (the same update up to rounding, so another sample):
+0.050, 0.260, 0.780, 0.910 and 0.945, and the exported folder 0.945 in
+transformers, but that number is mostly reward hacking. Of its 200 greedy
+completions 92 state a falsehood whose last number is the right one ("26 is
+larger than 50."), which `math_answer`'s last-number fallback scores 1; 97
+score 1 honestly ("The larger number is 84."); 11 score 0. Honest answers
+are 97/200 = 0.485, what always naming the first number scores. The reward
+reads the last number, not what the text claims: a policy can be right by
+that rule while it is wrong in words. Count the forms
+(`benchmarks/transformers_eval.py --forms=8`; the table in
+`benchmarks/README.md`) before reading accuracy as learning.
 
 An unrelated task the run never trains on, scored on the exported folder
 (`benchmarks/reasoning_gym_survey.py --folder=FOLDER
