@@ -64,6 +64,13 @@ class MemoryLog:
       self._write(row)
     return peak
 
+  def release_free(self) -> None:
+    """Returns what the process freed to the system now, between phases
+    too, where `release` asks for it (after a checkpoint's write, whose
+    buffers would otherwise stay with the process under the next update)."""
+    if self.release:
+      host_memory.release_free()
+
   def row_peak(self) -> int | None:
     """The largest window noted since the last call (an update's
     `host_peak_gib`), then starts over."""

@@ -61,6 +61,8 @@ def follow(run: run_context.RunContext, learner: run_context.Learner) -> bool:
                                            blocks_of_process=blocks_of_process)
         held.release(plan.group_ids)  # trained, here or elsewhere
         held.forget(plan.forget)  # never to train
+        if checkpointer is not None and checkpointer.release(learner.state):
+          run.memory.release_free()  # (a save read the state's buffers: learner_loop.py)
         learner.state, _ = learner.update_fn(learner.state, batch)
         learner.version += 1
         learner.publisher.publish(learner.state.params, learner.version)

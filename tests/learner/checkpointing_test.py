@@ -51,6 +51,26 @@ def test_a_checkpoint_restores_exactly_onto_a_smaller_mesh_despite_donation(tmp_
   ckpt.close()
 
 
+def test_a_save_in_flight_keeps_cpu_buffers_from_donation_until_released(tmp_path):
+  """On CPU orbax's host copy is a view of the state's own buffers, kept
+  until the write ends: an update donating them meanwhile cannot, and holds a
+  second state beside the first. `release` waits for the write first."""
+  state = {"w": jax.numpy.ones((32, 1024, 1024))}  # (128 MiB: a write that takes a while)
+  step = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
+  ckpt = checkpointing.Checkpointer(str(tmp_path), checkpointing.CheckpointConfig(every_steps=1))
+  ckpt.save(1, state, {"version": 1})
+  in_flight = ckpt._manager.is_saving_in_progress()
+  next_state = jax.block_until_ready(step(state))
+  if in_flight:  # (the donation was refused: the input lives on beside the output)
+    assert not state["w"].is_deleted()
+  ckpt.save(2, next_state, {"version": 2})
+  assert ckpt.release(next_state) >= 0 and not ckpt._manager.is_saving_in_progress()
+  jax.block_until_ready(step(next_state))
+  assert next_state["w"].is_deleted()  # (donated: no second state)
+  assert ckpt.release(next_state) == 0.0  # (nothing in flight: no wait)
+  ckpt.close()
+
+
 def test_an_incompatible_checkpoint_is_named(tmp_path, monkeypatch):
   state, shardings = _state(learner_devices=4, seed=0)
   monkeypatch.setattr(checkpointing, "FORMAT_VERSION", 0)
