@@ -17,7 +17,10 @@ critic's value head beside them): the frozen base moves to the sampler mesh
 once, when the publisher is built, and every publish moves what trains
 alone (`published_bytes` says how many bytes a
 publish moved); the sampler decodes with the resident base plus the newest
-adapters, unmerged, as the learner scores.
+adapters, unmerged, as the learner scores. Where the learner's base already
+lies as the sampler would hold it (colocated roles whose shardings agree,
+in the sampler's dtype), the sampler reads those very arrays: the update
+never donates the base, so one copy serves both roles (`shares_base`).
 """
 
 from __future__ import annotations
@@ -70,6 +73,15 @@ class Mover:
     return jax.device_put(bridged, self._sampler_shardings)
 
 
+def shares_base(frozen, base_shardings, dtype=None) -> bool:
+  """Whether the learner's `frozen` base can be the sampler's as it is: every
+  array already laid out as `base_shardings` say, in `dtype` (None: as is)."""
+  def same(x, sharding):
+    return ((dtype is None or x.dtype == dtype)
+            and x.sharding.is_equivalent_to(sharding, x.ndim))
+  return all(jax.tree.leaves(jax.tree.map(same, frozen, base_shardings)))
+
+
 class WeightPublisher:
   """Holds the newest published `(version, sampler params)`; thread-safe."""
 
@@ -81,7 +93,8 @@ class WeightPublisher:
       dtype: optional dtype the sampler runs in (e.g. bfloat16); the cast runs
         on the learner devices, before the transfer, so fewer bytes move.
       frozen: the frozen base on the learner mesh when the model has
-        adapters (`lora.split`): moved to the sampler mesh here, once;
+        adapters (`lora.split`): moved to the sampler mesh here, once (or
+        read where it lies: `shares_base`);
         `publish` then takes what trains (`lora.split`'s first part). None:
         `publish` takes the
         whole model.
@@ -93,7 +106,11 @@ class WeightPublisher:
       raise ValueError("a model with adapters publishes them with its frozen base given "
                        "once (frozen=...); a model without takes no frozen base")
     self._move = Mover(learner_mesh, trainable, dtype)
-    self._base = Mover(learner_mesh, base, dtype)(frozen) if jax.tree.leaves(base) else None
+    self._base = None
+    self.base_shared = False  # the sampler reads the learner's base arrays themselves
+    if jax.tree.leaves(base):
+      self.base_shared = shares_base(frozen, base, dtype)
+      self._base = frozen if self.base_shared else Mover(learner_mesh, base, dtype)(frozen)
     self._cond = threading.Condition()
     self._version: int | None = None
     self._params = None

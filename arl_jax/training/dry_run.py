@@ -14,8 +14,9 @@ laptop: `num_devices` overrides the device count it plans for.
 
 With LoRA (`learner.lora.rank` > 0) the learner holds the frozen base once
 and the adapters with their moments, gradients and reference; the sampler
-holds the base once and each version's adapters; a publish moves the
-adapters alone, with a critic's value head (`Plan.publish_bytes`).
+holds the base once (none of its own where, colocated, it reads the
+learner's) and each version's adapters; a publish moves the adapters alone,
+with a critic's value head (`Plan.publish_bytes`).
 """
 
 from __future__ import annotations
@@ -144,8 +145,8 @@ def plan(spec: run_spec.RunSpec, num_devices: int) -> Plan:
   versions = (spec.orchestrator.max_off_policy_steps + 1
               if engine.weight_update == "pinned" else 2)
   what = "adapters" if adapters else "params"
-  sampler = ({} if not adapters else
-             {"base": _sharded_bytes(frozen, sm, rules_lib.SAMPLER_RULES, sampler_dtype)})
+  colocated = learner_devices == sampler_devices
+  sampler = {} if not adapters else _sampler_base(spec, frozen, lm, sm, colocated)
   data, tp = sm.get("data", 1), sm.get("tp", 1)
   slots = math.ceil(engine.num_slots / data)
   per_column = engine_config.kv_bytes_per_column(spec.sampler_model, tp)
@@ -164,11 +165,25 @@ def plan(spec: run_spec.RunSpec, num_devices: int) -> Plan:
   learner.update(learner_eval)
   sampler.update(sampler_eval)
   publish = _sharded_bytes(trainable, {}, rules_lib.SAMPLER_RULES, sampler_dtype)
-  return Plan(num_devices=num_devices, colocated=learner_devices == sampler_devices,
+  return Plan(num_devices=num_devices, colocated=colocated,
               num_params=cfg.num_params,
               learner=RolePlan("learner", learner_mesh, learner),
               sampler=RolePlan("sampler", sampler_mesh, sampler),
               trainable_params=cfg.trainable_params if adapters else 0, publish_bytes=publish)
+
+
+def _sampler_base(spec: run_spec.RunSpec, frozen, lm: dict, sm: dict, colocated: bool) -> dict:
+  """The sampler's LoRA base: `base_from_learner` (nothing more) where a
+  colocated sampler in the base's dtype reads the learner's own arrays, both
+  roles holding it whole on each device (`publish.shares_base` decides in
+  the run, and also shares other equal layouts); else its own `base`."""
+  dtype = spec.sampler_model.param_dtype
+  own = _sharded_bytes(frozen, sm, rules_lib.SAMPLER_RULES, dtype)
+  whole = _sharded_bytes(frozen, {}, rules_lib.SAMPLER_RULES, dtype)
+  if (colocated and np.dtype(dtype) == np.dtype(spec.model.base_dtype) and own == whole
+      and _sharded_bytes(frozen, lm, rules_lib.LEARNER_RULES, dtype) == whole):
+    return {"base_from_learner": 0}
+  return {"base": own}
 
 
 def evaluation_bytes(spec: run_spec.RunSpec, lm: dict, sm: dict) -> tuple[dict, dict]:

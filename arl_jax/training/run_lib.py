@@ -144,7 +144,9 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
                                            spec.loss.optimizer_steps)
       beginning = start.begin(spec, meshes.learner, checkpoints, optimizer=optimizer,
                               config=config_dict, set_aside=leader, print_fn=print_fn)
-      memory.ledger.hold("learner params", beginning, lambda b: b.params)
+      # (a LoRA run's base is the frozen base's, declared once the learner is)
+      memory.ledger.hold("learner params", beginning, lambda b: lora_lib.split(b.params)[0])
+      memory.ledger.hold("frozen base", beginning, lambda b: lora_lib.split(b.params)[1])
       if leader:  # (the other processes' records hold only their evaluations)
         _follow_records(log_dir, beginning, print_fn)
       writer = writer_lib.make_writer(log_dir, spec.run.writer_names, run_config=config_dict)

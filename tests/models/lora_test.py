@@ -168,6 +168,29 @@ def test_a_publish_moves_only_adapter_bytes_and_the_sampler_sees_the_whole_model
     publish_lib.WeightPublisher(meshes.learner, sampler_shardings)
 
 
+def test_a_colocated_sampler_reads_the_learners_base_and_a_disaggregated_one_its_own():
+  """One device, both roles, one dtype: the sampler's base is the learner's
+  arrays (no second copy; the update never donates them), and the plan
+  holds none for it. Other devices, or another dtype: its own copy."""
+  cfg = _lora_cfg()
+  for meshes, dtype, shared in ((tiny.single_device_meshes(), None, True),
+                                (tiny.single_device_meshes(), jnp.bfloat16, False),
+                                (tiny.role_meshes(), None, False)):
+    _, params, sampler_shardings = tiny.learner_and_sampler_params(cfg, meshes)
+    adapters, base = lora.split(params)
+    publisher = publish_lib.WeightPublisher(meshes.learner, sampler_shardings, dtype=dtype,
+                                            frozen=base)
+    publisher.publish(adapters, 0)
+    assert publisher.base_shared == shared
+    buffers = lambda tree: {s.data.unsafe_buffer_pointer() for x in jax.tree.leaves(tree)
+                            for s in x.addressable_shards}
+    on_sampler = lora.split(publisher.latest()[1])[1]
+    assert (buffers(on_sampler) == buffers(base)) == shared
+  # (a shared base still reads as the whole model: the previous test's check)
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, on_sampler),
+               jax.tree.map(np.asarray, base))
+
+
 def test_sampler_logprobs_equal_learner_logprobs_with_adapters():
   """Lag 0 with trained adapters: behaviour log-probs == the learner's (<= 1e-5)."""
   cfg = _lora_cfg()

@@ -229,3 +229,10 @@ def test_a_lora_plan_holds_the_base_once_and_equals_what_a_run_allocates():
                       jax.device_count())
   assert plan.publish_bytes == 4 * spec.model.adapter_params
   assert full.publish_bytes == 4 * spec.model.num_params > plan.publish_bytes
+  # Both roles on one device in one dtype: the sampler reads the learner's base.
+  one = dry_run.plan(spec, 1)
+  assert one.colocated and one.sampler.memory["base_from_learner"] == 0
+  assert "base" not in one.sampler.memory
+  assert one.learner.memory["frozen_base"] == plan.sampler.memory["base"]
+  config.sampler.param_dtype = "bfloat16"  # (a cast is a copy of its own)
+  assert dry_run.plan(run_spec.build(config), 1).sampler.memory["base"] > 0
