@@ -26,7 +26,10 @@ checkpoint every `--every`, then reads the run's `memory.jsonl`
 - `program` (unless `--programs=false`): the compiled update's own memory at
   the config's batch shape (XLA's `memory_analysis`: arguments, outputs,
   temporaries, code), which a phase's peak holds while it runs and the
-  ledger, between phases, does not see.
+  ledger, between phases, does not see. The `run` row names the sampler's
+  precompiled program with the most temporaries and how many (the run's
+  own `memory_analysis` of each, `sampler_largest_program` in its
+  metrics), which runs beside the update on a colocated device.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ QUICK_CONFIG = "--config=arith:tiny"
 PLANNED_OWNER = {"params": "learner params", "frozen_base": "frozen base",
                  "adapters": "learner params", "adam_moments": "optimizer state",
                  "kl_reference_params": "kl reference", "base": "sampler params",
+                 "base_from_learner": "frozen base",
                  "kv_cache": "sampler kv cache", "slot_state": "sampler kv cache",
                  "eval_kv_cache": "evaluation kv cache",
                  "eval_sampled_kv_cache": "evaluation kv cache"}
@@ -89,12 +93,17 @@ def launch(config_args: list[str], workdir: str, *, steps: int, every: int,
     raise SystemExit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                      f"{proc.stderr[-3000:]}")
   with open(os.path.join(workdir, "metrics.jsonl"), encoding="utf-8") as f:
-    updates = [r["step_seconds"] for r in map(json.loads, f)
-               if r.get("phase") == "rl" and "step_seconds" in r]
+    steps = [r for r in map(json.loads, f) if r.get("phase") == "rl" and "step_seconds" in r]
+  updates = [r["step_seconds"] for r in steps]
   times = {"benchmark": "memory", "part": "run", "wall s": round(wall, 1),
            "updates": len(updates),
            "median update s": round(statistics.median(updates[1:]), 2) if len(updates) > 1
            else None}
+  # (the sampler's precompiled program with the most temporaries, as the run saw it)
+  largest = next((r for r in steps if "sampler_largest_program" in r), None)
+  if largest is not None:
+    times["sampler's largest program"] = largest["sampler_largest_program"]
+    times["its temporaries MiB"] = _mib(largest["sampler_largest_program_temporaries_bytes"])
   with open(os.path.join(workdir, "memory.jsonl"), encoding="utf-8") as f:
     return times, [json.loads(line) for line in f]
 

@@ -119,6 +119,8 @@ class SamplerEngine:
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     self._checked_version: int | None = None
+    # The precompiled program with the most temporaries: (label, bytes).
+    self._largest_program: tuple[str, int] | None = None
 
   @property
   def stats(self) -> engine_stats.EngineStats:
@@ -203,7 +205,10 @@ class SamplerEngine:
     return self.runner.open_segments(self.scheduler.open_slots(), self.scheduler.waiting)
 
   def metrics(self) -> dict:
-    return self.stats.metrics()
+    largest = self._largest_program  # (not a stat: a label; fleet stats are numbers)
+    return self.stats.metrics() | ({} if largest is None else {
+        "sampler_largest_program": largest[0],
+        "sampler_largest_program_temporaries_bytes": largest[1]})
 
   def state_dict(self) -> dict:
     return self.stats.state_dict()
@@ -284,8 +289,10 @@ class SamplerEngine:
   def _precompile(self, params) -> None:
     """Compiles every shape of the slot functions (the params' layout is known now)."""
     shapes = precompile.engine_shapes(self._cfg, self._restored_lengths)
-    self.stats.precompile_seconds = precompile.compile_all(
+    compiled = precompile.compile_all(
         self.runner.fns, shapes, params=params, state=self.runner.state,
         base_key=self.runner.base_key, num_stop_ids=len(self._settings.stop_ids),
         progress_fn=self._compile_progress_fn)
+    self.stats.precompile_seconds = compiled.seconds
     self.stats.precompiled_programs = shapes.num_programs
+    self._largest_program = compiled.largest()

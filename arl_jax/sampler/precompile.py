@@ -155,9 +155,31 @@ def _abstract(x) -> jax.ShapeDtypeStruct:
                               weak_type=getattr(x, "weak_type", False))
 
 
+@dataclasses.dataclass(frozen=True)
+class Compiled:
+  """What `compile_all` did: its seconds, and each program's temporaries
+  (bytes XLA's `memory_analysis` says the program holds while it runs,
+  beyond its arguments and outputs; None where the backend does not say)."""
+
+  seconds: float
+  temporaries: dict[str, int | None]
+
+  def largest(self) -> tuple[str, int] | None:
+    """`(label, bytes)` of the program with the most temporaries."""
+    known = [(b, label) for label, b in self.temporaries.items() if b is not None]
+    return None if not known else max(known)[::-1]
+
+
+def _temporaries(compiled) -> int | None:
+  try:
+    return int(compiled.memory_analysis().temp_size_in_bytes)
+  except (AttributeError, NotImplementedError, TypeError):  # (a backend that does not say)
+    return None
+
+
 def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base_key,
                 num_stop_ids: int,
-                progress_fn: Callable[[int, int, str], None] | None = None) -> float:
+                progress_fn: Callable[[int, int, str], None] | None = None) -> Compiled:
   """Compiles `decode` and every shape of `shapes` for arguments laid out
   as the engine passes them, one program at a time.
 
@@ -174,7 +196,7 @@ def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base
       along it is); `done == 0` before the first.
 
   Returns:
-    Seconds spent.
+    The seconds spent and each program's temporaries (`Compiled`).
   """
   start = time.monotonic()
   params, state = jax.tree.map(_abstract, params), jax.tree.map(_abstract, state)
@@ -236,8 +258,9 @@ def compile_all(fns: slot_fns.SamplerFns, shapes: Shapes, *, params, state, base
         fns.take_rows.lower, state, jax.ShapeDtypeStruct((r,), jnp.int32))))
   if progress_fn is not None:
     progress_fn(0, len(programs), programs[0][0] if programs else "")
+  temporaries = {}
   for done, (label, lower) in enumerate(programs, start=1):
-    lower().compile()
+    temporaries[label] = _temporaries(lower().compile())
     if progress_fn is not None:
       progress_fn(done, len(programs), label)
-  return time.monotonic() - start
+  return Compiled(seconds=time.monotonic() - start, temporaries=temporaries)
