@@ -25,7 +25,8 @@ rollouts packed into 512-token rows, logits scored 1,024 tokens at a time,
 MFU 0.21; the sampler alone makes 275 tokens/s); the sampler's slots are
 ~120 columns, where `kv_cache="auto"` picks the dense cache (the paged one
 decodes as fast here but compiles 2.5x longer). Hardware: 2 CPU cores and
-~13-17 GiB of host memory (below). `benchmarks/real_size.py` measures all of
+8 GiB of host memory (a 6-update run's peak: 6.4 GiB, 4.3 with LoRA on
+attention; below). `benchmarks/real_size.py` measures all of
 these (`benchmarks/README.md`).
 
 What to expect (measured with exactly this command, seed 0, 2026-12-05, this
@@ -92,8 +93,15 @@ phase, so it sees only the last phases'). After issue 56's update fix (an
 update program linear in the parameters, 2026-12-07, the run of 0.000
 above): host peak 11.7 GiB, 3.9-4.2 GiB between phases, wall 31:30
 (`--dry_run` plans 7.6 GiB of device memory for the two roles on this one
-device; issue 56 is the rest of the gap). Plots (the run before the fix):
-`docs/images/smollm2_larger_reward.png`.
+device; issue 56 is the rest of the gap). Then (same day): this config's
+scanned, rematerialised blocks (update temporaries 4.8 -> 2.2 GiB), the
+wait for a checkpoint's write before the next update donates the state,
+and a LoRA sampler reading the learner's base: `python benchmarks/memory.py
+--config=configs/smollm2.py:/tmp/smollm2 --steps=6 --every=3` peaks at 6.4
+GiB (plan 7.5), 4.0 GiB between phases; with
+`--config.learner.lora.rank=16` on the attention projections, 4.3 GiB
+(`benchmarks/README.md`). Plots (the run before the
+fix): `docs/images/smollm2_larger_reward.png`.
 """
 
 import os
