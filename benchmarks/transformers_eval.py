@@ -111,9 +111,11 @@ def completion_form(prompt_text: str, completion_text: str, answer: str = "") ->
   reference `answer`), `{1}`, `{2}`, ... (the prompt's other numbers in
   order) or `{#}` (a number from neither)."""
   places = {answer.strip(): "{answer}"} if answer.strip() else {}
+  others = 0
   for number in _NUMBER.findall(prompt_text):
     if number not in places:
-      places[number] = f"{{{sum(v != '{answer}' for v in places.values()) + 1}}}"
+      others += 1
+      places[number] = f"{{{others}}}"
   return _NUMBER.sub(lambda m: places.get(m.group(), "{#}"), completion_text.strip())
 
 

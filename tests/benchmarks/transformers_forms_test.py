@@ -27,3 +27,13 @@ def test_forms_rank_by_count_with_their_mean_reward():
   rows = transformers_eval.form_rows(forms, top=1)
   assert [(r["form"], r["count"], r["mean_reward"], r["example"]) for r in rows] == [
       ("{1} is larger than {answer}.", 3, 0.667, "26 is larger than 50.")]
+
+
+def test_a_hostile_completion_is_read_as_text_and_its_row_stays_short():
+  """Model-written text: an answer or completion with regex characters is
+  matched literally, and a 200k-character completion gives an 80-character row."""
+  form = transformers_eval.completion_form
+  assert form("Is (.*) 3?", r"(.*) 3 [\d+]", "(.*)") == r"(.*) {1} [\d+]"
+  huge = "9." * 100_000
+  rows = transformers_eval.form_rows([(form("1 or 2", huge, "2"), huge, 0.0)], top=5)
+  assert len(rows) == 1 and len(rows[0]["form"]) == 80 and len(rows[0]["example"]) == 80
