@@ -87,6 +87,13 @@ class EngineConfig:
       spent on the chunks of prefills under way, then on admissions in
       queue order (0: no limit): it bounds the stall prefills put between
       two decode steps of the live slots (`prefill_budget.py`).
+    max_insert_rows: rows one insert program prefills at once (0: every
+      row admitted together, up to `num_slots`). An insert holds every
+      layer's fresh keys and values of its rows until it writes them to
+      their slots (rows x context x layers: 0.7 GiB when SmolLM2's
+      evaluation admits its 200 prompts at once); the rows beyond the cap
+      go in further inserts of the same engine iteration, so what is
+      admitted when is unchanged.
     context_bucket: granularity of re-admitted context lengths (contexts
       longer than the longest prompt: multi-turn episodes, preempted rows,
       segments a checkpoint left open; capped at `max_new_tokens`, see
@@ -115,6 +122,7 @@ class EngineConfig:
   paged_attention: str = "xla"
   attention_block: int = 128
   max_prefill_tokens: int = 0
+  max_insert_rows: int = 0
   context_bucket: int = 16
   group_size: int = settings.derived(1, "orchestrator.group_size")
   seed: int = settings.derived(0, "seed")
@@ -129,7 +137,8 @@ class EngineConfig:
     for key, zero in (("kv_pages", ">= 0 (0: every slot at full length)"),
                       ("decode_burst", ">= 1 (0: auto)"), ("prefill_chunk", ">= 0 (0: off)"),
                       ("attention_block", ">= 0 (0: a program per width)"),
-                      ("max_prefill_tokens", ">= 0 (0: no limit)")):
+                      ("max_prefill_tokens", ">= 0 (0: no limit)"),
+                      ("max_insert_rows", ">= 0 (0: no limit)")):
       value = getattr(self, key)
       _check(settings.is_int(value) and value >= 0, key, f"must be an int {zero}, got {value!r}")
     for key in ("precompile", "share_prompts", "multi_turn"):
@@ -207,6 +216,12 @@ class EngineConfig:
   @property
   def paged(self) -> bool:
     return self.kv_cache == "paged"
+
+  @property
+  def insert_rows(self) -> int:
+    """The most rows one insert program takes (`max_insert_rows`, at most
+    `num_slots`)."""
+    return min(self.num_slots, self.max_insert_rows or self.num_slots)
 
   @property
   def length(self) -> int:

@@ -132,6 +132,9 @@ def engine_shapes(cfg: engine_config.EngineConfig,
     rows = engine_config.row_buckets(cfg.num_slots, cfg.group_size)
     buckets = cfg.prompt_buckets
   # Any number of rows can be prefilling at once, at any width that holds a chunk.
+  if cfg.insert_rows < cfg.num_slots:
+    # Admissions split into inserts of at most `insert_rows`: any number up to it.
+    rows = engine_config.row_buckets(cfg.insert_rows)
   chunk_rows = engine_config.row_buckets(cfg.num_slots) if cfg.prefill_widths else ()
   return Shapes(
       insert=tuple((r, b) for b in buckets if not cfg.chunks_all(b) for r in rows),

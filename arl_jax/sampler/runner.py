@@ -71,7 +71,7 @@ class Runner:
       if isinstance(work, plans.Insert):
         batch = insert_batch.pack(
             [(slot, row.episode) for slot, row in work.items], bucket=work.bucket,
-            num_slots=cfg.num_slots, max_new_tokens=cfg.max_new_tokens, pad_id=self._pad_id,
+            num_slots=cfg.insert_rows, max_new_tokens=cfg.max_new_tokens, pad_id=self._pad_id,
             stop_mask_fn=self._stop_mask)
         self.state = self.fns.insert_from_ids(work.params, self._version(work.version),
                                               self.state, self.base_key, *batch.args())

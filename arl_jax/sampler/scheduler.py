@@ -264,11 +264,11 @@ class Scheduler:
       for slot, row in items:  # a context longer than a chunk is prefilled in chunks
         (chunked if self.cfg.chunked(len(row.episode.context_ids())) else whole).append(
             (slot, row))
-      if whole:
+      for start in range(0, len(whole), self.cfg.insert_rows):  # (temporaries grow with rows)
         work.append(plans.Insert(version=self.version,
                                  params=self._updates.params(self.version), bucket=bucket,
-                                 items=tuple(whole)))
-        self._occupy(whole, sampled=1, written=True)
+                                 items=tuple(whole[start:start + self.cfg.insert_rows])))
+      self._occupy(whole, sampled=1, written=True)
     if chunked:
       work.append(plans.BeginChunks(tuple(self._prefills.begin(chunked))))
       self._occupy(chunked, sampled=0, written=True)

@@ -40,6 +40,10 @@ from arl_jax.sampler import generate as generate_lib
 # Decode steps per device call while no episode waits (`EngineConfig.decode_burst`):
 # what finished segments may overrun by, against one host sync per step.
 _DECODE_BURST = 8
+# Rows one insert prefills at most (`EngineConfig.max_insert_rows`), unless the
+# run's sampler sets fewer: the greedy pass admits every prompt at once, and an
+# insert of 200 of SmolLM2's prompts held 0.7 GiB of fresh keys and values.
+_INSERT_ROWS = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,16 +81,17 @@ def greedy_engine_config(engine_cfg: engine_config.EngineConfig, num_prompts: in
   """The greedy pass's engine: a dense slot a prompt (at most `slots` at once,
   `eval_slots`: the rest wait for a free one), each context prefilled whole
   and on its own, as evaluation always did (a chunked or shared prefill may
-  round differently, and greedy answers with it), padded to a power of two
-  from 32 unless the run names prompt buckets
-  (`engine_config.with_length_buckets`)."""
+  round differently, and greedy answers with it), at most `_INSERT_ROWS` an
+  insert, padded to a power of two from 32 unless the run names prompt
+  buckets (`engine_config.with_length_buckets`)."""
   return dataclasses.replace(
       engine_config.with_length_buckets(engine_cfg),
       num_slots=min(num_prompts, slots) if slots else num_prompts, group_size=1,
       weight_update="in_flight",
       kv_policy="keep", kv_cache="dense", kv_pages=0, kv_memory_fraction=0.0,
       paged_attention="xla", precompile=False,
-      decode_burst=_DECODE_BURST, prefill_chunk=0, share_prompts=False)
+      decode_burst=_DECODE_BURST, prefill_chunk=0, share_prompts=False,
+      max_insert_rows=min(engine_cfg.max_insert_rows or _INSERT_ROWS, _INSERT_ROWS))
 
 
 def sampled_engine_config(engine_cfg: engine_config.EngineConfig, num_prompts: int,

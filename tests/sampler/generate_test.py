@@ -61,11 +61,12 @@ def test_samples_carry_the_learner_s_logprobs_and_their_version(setup):
     dict(kv_cache="paged", page_size=4, kv_pages=13, attention_block=8),  # preempts
     dict(prefill_chunk=4),
     dict(share_prompts=False, decode_burst=4),
-], ids=["paged", "paged_small_pool", "chunked", "unshared_burst"])
+    dict(share_prompts=False, max_insert_rows=3),
+], ids=["paged", "paged_small_pool", "chunked", "unshared_burst", "unshared_insert_rows"])
 def test_every_way_of_sampling_draws_the_same_tokens(setup, options):
   """Draws depend on (seed, group, sample, turn, offset) only: a paged cache,
-  preemption, chunked prefill, unshared prompts and bursts sample the dense
-  engine's tokens."""
+  preemption, chunked prefill, unshared prompts, bursts and inserts split
+  (`max_insert_rows`) sample the dense engine's tokens."""
   prompts, params = _prompts(4, seed=1), setup["sampler_params"][0]
   dense = _generator(setup)(params, prompts)
   other = _generator(setup, **options)(params, prompts)

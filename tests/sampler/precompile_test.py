@@ -40,6 +40,18 @@ def test_shared_prompts_insert_a_row_per_group_and_fork_any_number():
   assert shapes.num_programs == 10 + 6 + 6 + 1
 
 
+def test_max_insert_rows_caps_the_insert_programs():
+  """Admissions split into inserts of at most `max_insert_rows` (any number
+  up to it): those row buckets, no wider; reads still take every slot."""
+  cfg = engine_config.EngineConfig(prompt_len=10, kv_cache="dense", decode_burst=1,
+                                   precompile=False, num_slots=32, group_size=4,
+                                   prompt_buckets=(6, 10), max_new_tokens=3, share_prompts=False,
+                                   max_insert_rows=6)
+  shapes = precompile.engine_shapes(cfg)
+  assert shapes.insert == tuple((r, b) for b in (6, 10) for r in (1, 2, 4, 6))
+  assert shapes.take_rows == (1, 2, 4, 8, 16, 32)
+
+
 def test_a_pool_that_can_preempt_prefills_longer_contexts_in_precompiled_chunks():
   """Preempted rows come back in any number with contexts of any length:
   those of a prompt bucket are inserted (every row count), longer ones are

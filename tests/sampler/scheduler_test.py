@@ -112,6 +112,19 @@ def test_without_shared_prompts_every_row_is_inserted_in_its_bucket():
   assert sum(len(work.items) for work in plan.work) == 8
 
 
+def test_an_admission_beyond_max_insert_rows_goes_in_several_inserts_of_one_iteration():
+  """8 rows admitted at once, 3 an insert: inserts of 3, 3 and 2 in the same
+  plan (what is admitted when is the uncapped engine's)."""
+  sched = _scheduler(_cfg(share_prompts=False, max_insert_rows=3),
+                     Requests(_requests(2, prompt_len=4)))
+  sched.take_requests()
+  plan = sched.plan_prefill()
+  assert [len(work.items) for work in plan.work] == [3, 3, 2]
+  assert all(isinstance(work, plans.Insert) for work in plan.work)
+  assert len({slot for work in plan.work for slot, _ in work.items}) == 8
+  sched.check()
+
+
 def test_paged_admission_takes_pages_and_waits_for_them():
   # 4-column pages; a 4-token prompt and its first sample need 2 pages, a fork 2 of its own.
   cfg = _cfg(kv_cache="paged", page_size=4, kv_pages=13, attention_block=8)
@@ -294,6 +307,7 @@ RANDOM_CONFIGS = {
                                     attention_block=8, prefill_chunk=4, prompt_len=12,
                                     kv_policy="recompute"),
     "dense_prefill_budget": dict(max_prefill_tokens=10),
+    "dense_unshared_insert_rows": dict(share_prompts=False, max_insert_rows=3),
     "paged_chunked_prefill_budget": dict(kv_cache="paged", page_size=4, kv_pages=16,
                                          attention_block=8, prefill_chunk=4, prompt_len=12,
                                          max_prefill_tokens=8),
