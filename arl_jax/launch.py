@@ -137,7 +137,9 @@ def dry_run(config, num_devices: int | None, print_fn=print,
   print_fn(f"process {jax.process_index()} of {jax.process_count()} (jax.distributed "
            f"{'initialized' if jax.distributed.is_initialized() else 'not initialized'})")
   count = num_devices or len(jax.devices())
-  print_fn(dry_run.format_plan(dry_run.plan(spec, count), memory))
+  # (planned for the devices here, a CPU backend's are the process's own memory)
+  cpu = device_kind is None and device_gib is None and jax.default_backend() == "cpu"
+  print_fn(dry_run.format_plan(dry_run.plan(spec, count, cpu=cpu), memory))
   if memory:
     print_fn(fit.format_fit(fit.fit(spec, count, memory), spec))
 

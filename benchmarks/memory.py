@@ -21,7 +21,9 @@ checkpoint every `--every`, then reads the run's `memory.jsonl`
   `unclaimed`). MiB, all devices of the process together.
 - `plan`: each component the run's own `--dry_run` plan holds per device,
   the owner that holds it and the most that owner held at a phase's end;
-  then the plan's busiest device against the run's largest `live` and its
+  the process (on a CPU backend: `training/process_plan.py`) against the
+  most the resident size exceeded the live arrays by at a phase's end; then
+  the plan's busiest device against the run's largest `live` and its
   resident peak (`peak / plan`: the issue-56 target is <= 1.25).
 - `program` (unless `--programs=false`): the compiled update's own memory at
   the config's batch shape (XLA's `memory_analysis`: arguments, outputs,
@@ -139,6 +141,12 @@ def plan_rows(rows: list[dict]) -> list[dict]:
       out.append({"benchmark": "memory", "part": "plan", "what": f"{role}: {component}",
                   "planned MiB": _mib(planned), "owner": owner or "(inside a program)",
                   "owner's most MiB": _mib(most.get(owner)) if owner else None})
+  if plan.get("process"):  # (a CPU backend: resident size beyond the arrays at phase ends)
+    beyond = [r["host_rss_bytes"] - r["live_bytes"] for r in measured
+              if r.get("host_rss_bytes") is not None]
+    out.append({"benchmark": "memory", "part": "plan", "what": "process (rough)",
+                "planned MiB": _mib(plan["process"]), "owner": "(rss beyond the arrays)",
+                "owner's most MiB": _mib(max(beyond)) if beyond else None})
   planned = plan["busiest_device_bytes"]
   live = max(r["busiest_device_bytes"] for r in measured)
   peaks = [r["peak_bytes"] for r in measured if r["peak_bytes"] is not None]

@@ -5,12 +5,16 @@ the arrays whose shapes and shardings are known before anything runs (params
 under each role's rule table, AdamW moments, gradients and their
 microbatch accumulator, the KL reference, the sampler's KV cache and slot
 state, the evaluation's caches and the sampled pass's params copy:
-`evaluation_bytes`), and a labelled rough estimate for the learner's activations (which
-depend on what XLA keeps for the backward pass). On a CPU backend the
-process's own memory (compiled programs, the runtime, Python, host copies)
-comes on top: `benchmarks/real_size.py` measures both against a run. It
-reads no device memory and compiles nothing, so it can plan a TPU config on a
-laptop: `num_devices` overrides the device count it plans for.
+`evaluation_bytes`), and labelled rough estimates for the learner's
+activations (which depend on what XLA keeps for the backward pass) and the
+evaluation's inserts. A device's busiest moment holds what its roles always
+hold and the larger of the update's and an evaluation's own memory, which
+run one after the other (`RolePlan.peak`). On a CPU backend the process
+itself (the runtime, the compiled programs) shares the devices' memory and
+comes on top (`process_plan.py`, rough); `benchmarks/memory.py` measures the
+plan against a run. It reads no device memory and compiles nothing, so it
+can plan a TPU config on a laptop: `num_devices` overrides the device count
+it plans for.
 
 With LoRA (`learner.lora.rank` > 0) the learner holds the frozen base once
 and the adapters with their moments, gradients and reference; the sampler
@@ -33,12 +37,20 @@ from arl_jax.models import init_lib, lora
 from arl_jax.sampler import engine_config, sampling
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
-from arl_jax.training import evaluation
+from arl_jax.training import evaluation, process_plan
 
 _GIB = 1024**3
 # The share of a device's memory a plan may take: XLA's own scratch,
 # fragmentation and the runtime take the rest.
 USABLE = 0.9
+
+
+# What exists only while one program runs: the update's gradients, their
+# accumulator and its activations; the greedy evaluation's cache and its
+# inserts' fresh keys and values. The evaluation runs between updates, so a
+# role's busiest moment holds one of the two, never both.
+UPDATE = ("gradients", "gradient_accumulator", "activations_rough")
+EVALUATION = ("eval_kv_cache", "eval_insert_rough")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +63,15 @@ class RolePlan:
 
   @property
   def total(self) -> int:
+    """Every component together (as if the update and an evaluation ran at once)."""
     return sum(self.memory.values())
+
+  @property
+  def peak(self) -> int:
+    """The role at its busiest: what it always holds, and the larger of the
+    update's and the greedy evaluation's own memory (`UPDATE`, `EVALUATION`)."""
+    phases = [sum(self.memory.get(name, 0) for name in names) for names in (UPDATE, EVALUATION)]
+    return self.total - sum(phases) + max(phases)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,12 +83,17 @@ class Plan:
   sampler: RolePlan
   trainable_params: int = 0  # (0: every parameter trains)
   publish_bytes: int = 0  # what each publish moves to the sampler (one replica)
+  # The process itself where a device's memory is the host's (a CPU backend:
+  # `process_plan.cpu_process_bytes`); 0 on accelerators.
+  process: int = 0
 
   def per_device_peak(self) -> int:
-    """Bytes on the busiest device (both roles on one device when colocated)."""
+    """Bytes on the busiest device at its busiest (`RolePlan.peak`; both
+    roles on one device when colocated), with the process where it shares
+    the device's memory."""
     if self.colocated:
-      return self.learner.total + self.sampler.total
-    return max(self.learner.total, self.sampler.total)
+      return self.learner.peak + self.sampler.peak + self.process
+    return max(self.learner.peak, self.sampler.peak) + self.process
 
   def record(self) -> dict:
     """The plan as a `memory.jsonl` row (bytes per device): what a run
@@ -76,7 +101,7 @@ class Plan:
     return {"phase": "plan", "num_devices": self.num_devices, "colocated": self.colocated,
             "learner_mesh": dict(self.learner.mesh), "sampler_mesh": dict(self.sampler.mesh),
             "learner": dict(self.learner.memory), "sampler": dict(self.sampler.memory),
-            "busiest_device_bytes": self.per_device_peak()}
+            "process": self.process, "busiest_device_bytes": self.per_device_peak()}
 
 
 def _abstract_state(cfg) -> object:
@@ -110,8 +135,10 @@ def _sharded_bytes(abstract_state, mesh_shape: dict[str, int], rules, dtype) -> 
   return total
 
 
-def plan(spec: run_spec.RunSpec, num_devices: int) -> Plan:
-  """Meshes and per-device memory of `spec` on `num_devices` devices."""
+def plan(spec: run_spec.RunSpec, num_devices: int, *, cpu: bool = False) -> Plan:
+  """Meshes and per-device memory of `spec` on `num_devices` devices; `cpu`:
+  they are the host's memory, shared with the process itself
+  (`process_plan.cpu_process_bytes`)."""
   learner_devices, sampler_devices = mesh_lib.split_devices(spec.mesh, range(num_devices))
   learner_mesh = mesh_lib.resolve_shape(spec.mesh.learner, len(learner_devices), "learner")
   sampler_mesh = mesh_lib.resolve_shape(spec.mesh.sampler, len(sampler_devices), "sampler")
@@ -169,7 +196,8 @@ def plan(spec: run_spec.RunSpec, num_devices: int) -> Plan:
               num_params=cfg.num_params,
               learner=RolePlan("learner", learner_mesh, learner),
               sampler=RolePlan("sampler", sampler_mesh, sampler),
-              trainable_params=cfg.trainable_params if adapters else 0, publish_bytes=publish)
+              trainable_params=cfg.trainable_params if adapters else 0, publish_bytes=publish,
+              process=process_plan.cpu_process_bytes(spec) if cpu else 0)
 
 
 def _sampler_base(spec: run_spec.RunSpec, frozen, lm: dict, sm: dict, colocated: bool) -> dict:
@@ -189,16 +217,19 @@ def _sampler_base(spec: run_spec.RunSpec, frozen, lm: dict, sm: dict, colocated:
 def evaluation_bytes(spec: run_spec.RunSpec, lm: dict, sm: dict) -> tuple[dict, dict]:
   """`(learner, sampler)` bytes per device of the held-out evaluation
   (`evaluation.Evaluator`; as one controller lays it out): the greedy
-  pass's dense KV cache, one slot a prompt (at most `eval_slots`), on the
-  learner mesh (between updates); with `eval_samples` the sampled pass
-  beside training on the sampler mesh: a whole copy of the params it
-  evaluates (the sampler's dtype) and its cache of groups of `eval_samples`
-  slots."""
+  pass's dense KV cache, one slot a prompt (at most `eval_slots`), and its
+  widest insert's, on the learner mesh (between updates); with
+  `eval_samples` the sampled pass beside training on the sampler mesh: a
+  whole copy of the params it evaluates (the sampler's dtype) and its cache
+  of groups of `eval_samples` slots."""
   if not (spec.run.eval_every and spec.run.eval_size):
     return {}, {}
   greedy = evaluation.greedy_engine_config(spec.engine, spec.run.eval_size, spec.run.eval_slots)
-  learner = {"eval_kv_cache": greedy.num_slots * greedy.length
-                              * engine_config.kv_bytes_per_column(spec.model, lm.get("tp", 1))}
+  per_column = engine_config.kv_bytes_per_column(spec.model, lm.get("tp", 1))
+  learner = {"eval_kv_cache": greedy.num_slots * greedy.length * per_column,
+             # An insert's fresh keys and values of every layer, and their
+             # copy moved to column 0 (`sampling.insert`), at its widest.
+             "eval_insert_rough": 2 * greedy.insert_rows * max(greedy.prompt_buckets) * per_column}
   if not spec.run.eval_samples:
     return learner, {}
   sampled = evaluation.sampled_engine_config(spec.engine, spec.run.eval_size, spec.run.eval_samples)
@@ -276,9 +307,14 @@ def format_plan(p: Plan, device_memory: int | None = None) -> str:
   for role in (p.learner, p.sampler):
     lines.append(f"{role.role} mesh {dict(role.mesh)}: {role.total / _GIB:.3f} GiB per device")
     lines += [f"  {name}: {size / _GIB:.3f} GiB" for name, size in role.memory.items()]
+  if p.process:
+    lines.append(f"process (a CPU backend: the runtime and compiled programs, rough): "
+                 f"{p.process / _GIB:.3f} GiB")
   peak = p.per_device_peak()
-  lines.append(f"busiest device: {peak / _GIB:.3f} GiB"
-               + (" (both roles share each device)" if p.colocated else ""))
+  lines.append(f"busiest device: {peak / _GIB:.3f} GiB (what it always holds and the larger of "
+               "the update's and an evaluation's"
+               + ("; both roles share each device" if p.colocated else "")
+               + ("; the process" if p.process else "") + ")")
   if device_memory:
     verdict = "fits" if peak <= USABLE * device_memory else "does NOT fit"
     lines.append(f"{verdict} in {device_memory / _GIB:.1f} GiB per device ({USABLE:.0%} usable)")

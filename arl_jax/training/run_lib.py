@@ -255,7 +255,7 @@ def _plan_row(spec) -> dict:
   """`memory.jsonl`'s first row: what `--dry_run` plans for this run (a plan
   it cannot make is said there; the run goes on)."""
   try:
-    return dry_run.plan(spec, jax.device_count()).record()
+    return dry_run.plan(spec, jax.device_count(), cpu=jax.default_backend() == "cpu").record()
   except ValueError as e:
     return {"phase": "plan", "error": str(e)}
 

@@ -13,11 +13,11 @@ from arl_jax.config import run_spec
 from arl_jax.envs import tokenizer as tokenizer_lib
 from arl_jax.learner import publish as publish_lib
 from arl_jax.models import init_lib, lora
-from arl_jax.sampler import slot_fns
+from arl_jax.sampler import precompile, slot_fns
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
 from arl_jax.testing import tiny
-from arl_jax.training import dry_run, evaluation
+from arl_jax.training import dry_run, evaluation, process_plan
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -48,7 +48,7 @@ def test_planned_params_and_kv_cache_equal_the_allocated_ones():
   slots = fns.init()
   cache = (*slots.cache.keys, *slots.cache.values)
   assert plan.sampler.memory["kv_cache"] == _device_bytes(cache)
-  assert plan.per_device_peak() == max(plan.learner.total, plan.sampler.total)
+  assert plan.per_device_peak() == max(plan.learner.peak, plan.sampler.peak)
 
   # The evaluation: the greedy pass's cache on the learner mesh (a slot a
   # prompt); the sampled pass's params copy and cache on the sampler mesh.
@@ -80,7 +80,12 @@ def test_planning_for_more_devices_shards_further():
   text = dry_run.format_plan(big, device_memory=16 * 1024**3)
   assert "learner mesh {'fsdp': 8, 'tp': 1}" in text and "fits in 16.0 GiB" in text
   one = dry_run.plan(spec, 1)
-  assert one.colocated and one.per_device_peak() == one.learner.total + one.sampler.total
+  assert one.colocated and one.per_device_peak() == one.learner.peak + one.sampler.peak
+  # The update's and an evaluation's own memory never coexist: the larger counts.
+  update = sum(one.learner.memory.get(name, 0) for name in dry_run.UPDATE)
+  evaluating = sum(one.learner.memory.get(name, 0) for name in dry_run.EVALUATION)
+  assert update and evaluating
+  assert one.learner.peak == one.learner.total - min(update, evaluating)
   assert np.isclose(one.learner.memory["params"], spec.model.num_params * 4)
   # Microbatches: the scan's gradient sum is one more copy of the gradients.
   assert "gradient_accumulator" not in one.learner.memory
@@ -88,6 +93,30 @@ def test_planning_for_more_devices_shards_further():
   config.learner.num_microbatches = 2
   two = dry_run.plan(run_spec.build(config), 1)
   assert two.learner.memory["gradient_accumulator"] == two.learner.memory["gradients"]
+
+
+def test_an_evaluation_insert_is_planned_at_its_widest_and_the_cpu_process_on_top():
+  """The greedy pass inserts at most `max_insert_rows` (32) prompts at once:
+  their fresh keys and values and a copy; on a CPU backend the process
+  (runtime and compiled programs: `process_plan`) adds to the busiest device."""
+  config = tiny.load_config("arith", None)
+  config.update(eval_size=100, eval_every=1)
+  spec = run_spec.build(config)
+  greedy = evaluation.greedy_engine_config(spec.engine, spec.run.eval_size)
+  assert greedy.insert_rows == 32 and greedy.num_slots == 100
+  plan = dry_run.plan(spec, 1)
+  per_column = plan.learner.memory["eval_kv_cache"] // (100 * greedy.length)
+  assert plan.learner.memory["eval_insert_rough"] == (
+      2 * 32 * max(greedy.prompt_buckets) * per_column)
+  on_cpu = dry_run.plan(spec, 1, cpu=True)
+  assert plan.process == 0 and on_cpu.process == process_plan.cpu_process_bytes(spec)
+  assert on_cpu.per_device_peak() == plan.per_device_peak() + on_cpu.process
+  # Every program an engine may compile, and an update per packed width.
+  decoder, mover = process_plan.engine_programs(spec.engine)
+  assert decoder + mover == precompile.engine_shapes(spec.engine).num_programs
+  assert on_cpu.process > process_plan.RUNTIME + (decoder + mover) * process_plan.MOVER_PROGRAM
+  assert "process (a CPU backend" in dry_run.format_plan(on_cpu)
+  assert "process (a CPU backend" not in dry_run.format_plan(plan)
 
 
 def test_the_cli_dry_run_prints_the_plan_and_rejects_bad_config():
