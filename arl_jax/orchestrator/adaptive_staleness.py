@@ -5,8 +5,9 @@ for the whole run. Under `"adaptive"` it starts there and moves inside
 `[k_min, k_max]` by the rule below, from what the learner measured on the
 batches it trained: per token-lag bucket (`learner/update.LAG_BUCKETS`), the
 normalised effective sample size `ESS = E[rho]^2 / E[rho^2]` of the token
-importance ratios `rho = pi_theta / mu` (`losses.ratio_statistics`; 1 when
-the ratios are equal, toward 0 as a few tokens carry all the weight).
+importance ratios `rho = pi_prox / mu`, the policy at the start of the batch
+over the behaviour policy (`losses.ratio_statistics`; 1 when the ratios are
+equal, toward 0 as a few tokens carry all the weight).
 
 The rule, once per learner update (`AdaptiveBound.observe`):
 
