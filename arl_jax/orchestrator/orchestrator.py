@@ -298,6 +298,12 @@ class Orchestrator:
     numbers); the bound they decide comes into force at the next publish."""
     return self.bound.observe(stats)
 
+  def bound_record(self) -> dict:
+    """The staleness bound's whole state as it stands (JSON), as `snapshot`
+    holds it; the learner loop takes it again after an update's statistics
+    are observed, which is after the open work was read."""
+    return self.bound.to_json()
+
   def _put_bound_in_force(self, version: int) -> None:
     k = self.bound.apply(version)
     if k != self.dispatcher.bound:  # (the fixed policy's never changes)
@@ -351,7 +357,7 @@ class Orchestrator:
       kept = self.kept.to_json()
     return {"work": self.dispatcher.snapshot_work(open_segments),
             "drop_ledger": self.ledger.to_json(), "zero_variance": kept,
-            "staleness": self.bound.to_json()}
+            "staleness": self.bound_record()}
 
   def restore(self, saved: dict) -> list[open_work.RestoredGroup]:
     """Takes back a `snapshot` (before anything is dispatched); returns the

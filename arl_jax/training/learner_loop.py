@@ -222,7 +222,7 @@ class LearnerLoop:
     if run_record is not None:
       # The bound's state after this update's statistics (they reach the host
       # after the open work is read): a resume decides what this run decides next.
-      run_record["staleness"] = self._orchestrator.bound.to_json()
+      run_record["staleness"] = self._orchestrator.bound_record()
     now = time.monotonic()
     record = step_record_lib.step_record(
         step=step, version=version, batch_shape=shape, batch_fill=filled, batch=batch,
