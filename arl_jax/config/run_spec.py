@@ -103,10 +103,11 @@ def _check_keys(cfg: Mapping, name: str, extra_keys: tuple[str, ...] = ()) -> No
 
 
 def _build(cfg: Mapping, name: str, cls, **derived):
-  """`cls` (one of section `name`'s dataclasses) from the section's keys that
-  are its fields, and `derived` (fields the run decides, `settings.derived`).
-  Its checks' errors name the key: `config.sampler.top_p: ...`."""
+  """`cls` (one of section `name`'s dataclasses) from the section's keys and the
+  sections inside it that are its fields (`sections.inner`), and `derived` (fields
+  the run decides). Its checks' errors name the key: `config.sampler.top_p: ...`."""
   given = {k: v for k, v in (sections.of(cfg, name) or {}).items() if k in settings.keys(cls)}
+  given.update({k: _build(cfg, inner, c) for k, inner, c in sections.inner(name, cls)})
   try:
     return cls(**given, **derived)
   except settings.SettingError as e:

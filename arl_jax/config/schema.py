@@ -33,7 +33,7 @@ from arl_jax.judges import judge_config
 from arl_jax.learner import checkpointing, loss_registry, loss_settings, mismatch, optim
 from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import lora
-from arl_jax.orchestrator import orchestrator_config
+from arl_jax.orchestrator import adaptive_staleness, orchestrator_config
 from arl_jax.sampler import engine_config, sampling
 from arl_jax.sharding import mesh_lib
 
@@ -232,6 +232,7 @@ SECTIONS = {
     "env": (EnvSection,),
     "sampler": (engine_config.EngineConfig, sampling.SamplingSettings),
     "orchestrator": (orchestrator_config.OrchestratorConfig,),
+    "orchestrator.staleness": (adaptive_staleness.StalenessPolicy,),
     # (each loss's knobs: `loss_registry.KNOBS`, declared beside the loss)
     "learner": (loss_settings.Objective, mismatch.Correction, *loss_registry.KNOBS,
                 loss_settings.StepLayout, loss_settings.Scoring, optim.OptimConfig),
@@ -254,6 +255,15 @@ def top_level() -> tuple[str, ...]:
 def subsections(name: str) -> tuple[str, ...]:
   """The keys of section `name` that are sections themselves (`lora` of `learner`)."""
   return tuple(n.rpartition(".")[2] for n in SECTIONS if n.rpartition(".")[0] == name)
+
+
+def inner(name: str, cls) -> list[tuple[str, str, type]]:
+  """`(field, section, its class)` for each section inside section `name` that
+  `cls` takes whole as a derived field (`orchestrator.staleness`, a field of
+  `OrchestratorConfig`, whose checks read it with the orchestrator's keys)."""
+  derived = settings.derived_fields(cls)
+  return [(key, f"{name}.{key}", SECTIONS[f"{name}.{key}"][0])
+          for key in subsections(name) if derived.get(key) == f"{name}.{key}"]
 
 
 def of(config: Mapping, name: str):

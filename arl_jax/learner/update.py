@@ -85,7 +85,9 @@ def _combine(stacked, tokens=None):
 def staleness_metrics(log_ratio, loss_mask, token_lag):
   """Ratio statistics of the policy at the start of the batch against the
   behaviour policy, overall and per token-lag bucket (lag 0 is trainer/
-  inference mismatch alone); plus the fraction of tokens in each bucket."""
+  inference mismatch alone: `abs_log_ratio_lag*`, `ess_lag*`, the adaptive
+  staleness bound's input); plus the fraction of tokens in each bucket. An
+  empty bucket's ESS reads 1 (its token fraction says it is empty)."""
   log_ratio = jnp.where(loss_mask > 0, log_ratio, 0.0)  # masked columns may hold NaN
   metrics = losses_lib.ratio_statistics(log_ratio, loss_mask)
   metrics["kl_behaviour"] = losses_lib.masked_mean(jnp.exp(log_ratio) - 1 - log_ratio,
@@ -94,6 +96,7 @@ def staleness_metrics(log_ratio, loss_mask, token_lag):
   for name, lo, hi in LAG_BUCKETS:
     in_bucket = loss_mask * ((token_lag >= lo) & (token_lag <= hi))
     metrics[f"abs_log_ratio_lag{name}"] = losses_lib.masked_mean(jnp.abs(log_ratio), in_bucket)
+    metrics[f"ess_lag{name}"] = losses_lib.ratio_statistics(log_ratio, in_bucket)["ess"]
     metrics[f"token_fraction_lag{name}"] = jnp.sum(in_bucket) / total
   return metrics
 

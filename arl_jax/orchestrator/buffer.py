@@ -64,6 +64,7 @@ class RolloutBuffer:
     self._cfg = cfg
     self._clock = clock
     self._cond = threading.Condition()
+    self._k = cfg.max_off_policy_steps  # K in force (`set_bound`)
     # group_id -> dispatch version, in dispatch order (dicts keep insertion order).
     self._dispatch_queue: dict[int, int] = {}
     # Finished groups, in completion order.
@@ -80,6 +81,12 @@ class RolloutBuffer:
     with self._cond:
       self._dispatch_queue[group_id] = dispatch_version
       self._changed_locked()
+
+  def set_bound(self, k: int) -> None:
+    """Puts staleness bound `k` in force for the sweeps of later cuts (the
+    orchestrator's, at a publish)."""
+    with self._cond:
+      self._k = k
 
   def forget(self, group_id: int) -> None:
     """Removes a cancelled group, whether it is still to arrive or already here."""
@@ -146,14 +153,13 @@ class RolloutBuffer:
   def _sweep_locked(self, batch_version: int) -> list[rollout_lib.Group]:
     """Pops the groups whose lag in `B_{batch_version}` would exceed K, in
     completion order: those at the top of the reference-version heap."""
-    heap, cfg = self._by_reference, self._cfg
+    heap, k = self._by_reference, self._k
     stale = []  # (arrival number, group id)
-    while heap and batch_version - heap[0][0] > cfg.max_off_policy_steps:
+    while heap and batch_version - heap[0][0] > k:
       _, arrival, gid = heapq.heappop(heap)
       group = self._finished.get(gid)
-      if group is not None and staleness.is_stale(batch_version, group,
-                                                  cfg.max_off_policy_steps,
-                                                  cfg.staleness_reference):
+      if group is not None and staleness.is_stale(batch_version, group, k,
+                                                  self._cfg.staleness_reference):
         stale.append((arrival, gid))
     return [self._pop_locked(gid) for _, gid in sorted(stale)]
 

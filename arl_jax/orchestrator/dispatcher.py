@@ -8,9 +8,14 @@ stays within `(max_async_level + 1) * groups_per_batch`. With
 learner: the synchronous baseline.
 
 Cancellation: when version `w` is published, every group still in flight that
-could only ever train with lag > K is cancelled (see `staleness.can_still_ship`;
-under `oldest_token` the sampler reports each group's first sampled version
-through `note_sampling`).
+could only ever train with lag > K (the bound in force, `set_bound`) is
+cancelled (see `staleness.can_still_ship`; under `oldest_token` the sampler
+reports each group's first sampled version through `note_sampling`).
+
+Pacing (`orchestrator.staleness`, adaptive policy): the capacity follows the
+bound in force, `(min(max_async_level, K) + 1) * groups_per_batch`
+(`OrchestratorConfig.capacity_at`), so when K tightens fewer groups are
+started that could only be dropped; the fixed policy's never changes.
 
 Requeueing (`requeue_dropped = n`): the prompt of a group dropped as stale or
 cancelled is dispatched again, ahead of new prompts, up to `n` times, so that
@@ -94,6 +99,9 @@ class Dispatcher:
     self.work = work if work is not None else open_work.OpenWork()
     self._closed = False
     self._live_version = 0
+    # K in force: cancellation and (adaptive, paced) admission read it.
+    self._k = cfg.max_off_policy_steps
+    self._capacity = cfg.capacity_at(self._k)
     self.num_started = 0
     self.num_cancelled = 0
     self.num_requeued = 0
@@ -158,7 +166,7 @@ class Dispatcher:
       if self._closed:
         return 0
       generating = len(self._generating)
-      room = (self._cfg.capacity - (len(self._in_system) - generating)) / self._yield
+      room = (self._capacity - (len(self._in_system) - generating)) / self._yield
       return len(self._reassigned) + max(0, math.ceil(room - generating))
 
   def _has_room(self) -> bool:
@@ -166,7 +174,7 @@ class Dispatcher:
     and the expected yield of those in flight, are below the capacity."""
     generating = len(self._generating)
     return (len(self._in_system) - generating + self._yield * generating
-            < self._cfg.capacity)
+            < self._capacity)
 
   @property
   def expected_yield(self) -> float:
@@ -180,6 +188,22 @@ class Dispatcher:
       raise ValueError(f"expected yield must be in (0, 1], got {share}")
     with self._cond:
       self._yield = float(share)
+      self._cond.notify_all()
+
+  @property
+  def bound(self) -> int:
+    """The staleness bound K in force."""
+    with self._cond:
+      return self._k
+
+  def set_bound(self, k: int) -> None:
+    """Puts staleness bound `k` in force (the orchestrator's, at a publish):
+    the next cancellation reads it, and admission's capacity follows it
+    (`OrchestratorConfig.capacity_at`). A tighter capacity starts nothing
+    until enough groups retire; nothing admitted is taken back here."""
+    with self._cond:
+      self._k = k
+      self._capacity = self._cfg.capacity_at(k)
       self._cond.notify_all()
 
   def drop_finished(self, group_id: int) -> group_request_lib.GroupRequest | None:
@@ -267,16 +291,15 @@ class Dispatcher:
     cfg, heap = self._cfg, self._by_reference
     with self._cond:
       self._live_version = live_version
-      doomed = {}
-      while heap and not staleness.can_still_ship(heap[0][0], live_version,
-                                                   cfg.max_off_policy_steps):
+      doomed, k = {}, self._k
+      while heap and not staleness.can_still_ship(heap[0][0], live_version, k):
         _, gid = heapq.heappop(heap)
         if gid not in self._generating:
           continue
         request = self._in_system[gid]
         reference = staleness.in_flight_reference(
             request.dispatch_version, self._oldest_sampled.get(gid), cfg.staleness_reference)
-        if not staleness.can_still_ship(reference, live_version, cfg.max_off_policy_steps):
+        if not staleness.can_still_ship(reference, live_version, k):
           doomed[gid] = request
       # No longer generating as of now: a group finishing meanwhile is not
       # also dropped by `drop_finished`.

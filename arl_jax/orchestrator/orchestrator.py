@@ -11,9 +11,14 @@ them in one fixed order:
 - the learner cuts `B_u` (`cut`): every attempt sweeps stale groups first,
   retires them at once (so they never hold admission capacity while the
   learner waits) and counts them;
-- after the update the learner publishes `u + 1` (`publish`): in-flight groups
-  that can no longer ship are cancelled, then the trained groups are retired,
-  so the capacity they free is spent on the new version.
+- after the update the learner publishes `u + 1` (`publish`): the staleness
+  bound decided since the last publish comes into force (dispatcher and
+  buffer), in-flight groups that can no longer ship under it are cancelled,
+  then the trained groups are retired, so the capacity they free is spent on
+  the new version;
+- once the update's metrics reach the host, the learner hands over its
+  per-lag measurements (`observe_update`): the adaptive policy decides the
+  bound of the next publish from them (`adaptive_staleness.py`).
 
 Every decision depends only on the order of these calls and on the injected
 clock, so `testing.fake_sampler` replays whole runs deterministically with a
@@ -31,17 +36,18 @@ from collections.abc import Callable, Iterator
 import numpy as np
 
 from arl_jax.core import rollout as rollout_lib
+from arl_jax.orchestrator import (
+  adaptive_staleness,
+  open_work,
+  orchestrator_config,
+  reward_shaping,
+  staleness,
+  work_record,
+  zero_variance,
+)
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import dispatcher as dispatcher_lib
 from arl_jax.orchestrator import drop_ledger as drop_ledger_lib
-from arl_jax.orchestrator import (
-    open_work,
-    orchestrator_config,
-    reward_shaping,
-    staleness,
-    work_record,
-    zero_variance,
-)
 
 
 def histogram(values) -> dict[str, int]:
@@ -140,6 +146,9 @@ class Orchestrator:
     # over the last four batches' worth of arrivals is admission's expected yield.
     self._zero_variance: list[tuple[rollout_lib.Group, int]] = []
     self.kept = zero_variance.KeptFraction(4 * cfg.groups_per_batch)
+    # The staleness bound (learner thread): decided by `observe_update`, put
+    # in force by `publish` in the dispatcher and the buffer.
+    self.bound = adaptive_staleness.AdaptiveBound(cfg.staleness, cfg.max_off_policy_steps)
 
   @property
   def live_version(self) -> int:
@@ -271,6 +280,7 @@ class Orchestrator:
     self._count_zero_variance()
     with self._lock:
       self._live_version = version
+    self._put_bound_in_force(version)
     cancelled = self.dispatcher.on_publish(version)
     for request in cancelled:
       self.ledger.record_cancelled(request.prompt.prompt_id, self._env_name_of(request.prompt),
@@ -281,6 +291,24 @@ class Orchestrator:
     for g in trained:  # trained by the update that produced `version`
       self._audit(g.group_id, g.prompt_id, "trained", version, g.dispatch_version)
     return [r.group_id for r in cancelled]
+
+  def observe_update(self, stats: list[adaptive_staleness.LagStat]
+                     ) -> adaptive_staleness.Decision:
+    """The learner's per-lag measurements of the update just made (host
+    numbers); the bound they decide comes into force at the next publish."""
+    return self.bound.observe(stats)
+
+  def bound_record(self) -> dict:
+    """The staleness bound's whole state as it stands (JSON), as `snapshot`
+    holds it; the learner loop takes it again after an update's statistics
+    are observed, which is after the open work was read."""
+    return self.bound.to_json()
+
+  def _put_bound_in_force(self, version: int) -> None:
+    k = self.bound.apply(version)
+    if k != self.dispatcher.bound:  # (the fixed policy's never changes)
+      self.dispatcher.set_bound(k)
+      self.buffer.set_bound(k)
 
   # -- restart points, as the rollout side hands episodes on -------------------
 
@@ -303,7 +331,7 @@ class Orchestrator:
     dispatcher = self.dispatcher
     metrics = {**self.ledger.metrics(), "cancelled_groups": dispatcher.num_cancelled,
                "requeued_groups": dispatcher.num_requeued, "buffer_size": len(self.buffer),
-               "in_system_groups": dispatcher.in_system}
+               "in_system_groups": dispatcher.in_system, **self.bound.metrics()}
     if self.cfg.filter_zero_variance:
       with self._lock:
         metrics["zero_variance_kept_fraction"] = self.kept.overall
@@ -316,7 +344,8 @@ class Orchestrator:
     """The orchestrator's part of a checkpoint: the open work (a
     `work_record.WorkRecord`: every group in flight or in the buffer at its
     restart point, with the prompt stream's position;
-    `Dispatcher.snapshot_work`), the drop ledger and the kept fraction (JSON).
+    `Dispatcher.snapshot_work`), the drop ledger, the kept fraction and the
+    staleness bound's state (JSON).
 
     Args:
       open_segments: what each occupied sampler slot has sampled of its
@@ -327,7 +356,8 @@ class Orchestrator:
     with self._lock:
       kept = self.kept.to_json()
     return {"work": self.dispatcher.snapshot_work(open_segments),
-            "drop_ledger": self.ledger.to_json(), "zero_variance": kept}
+            "drop_ledger": self.ledger.to_json(), "zero_variance": kept,
+            "staleness": self.bound_record()}
 
   def restore(self, saved: dict) -> list[open_work.RestoredGroup]:
     """Takes back a `snapshot` (before anything is dispatched); returns the
@@ -336,6 +366,10 @@ class Orchestrator:
     self.ledger.restore(saved["drop_ledger"])
     if "zero_variance" in saved:  # (checkpoints before dynamic sampling lack it)
       self.kept.restore(saved["zero_variance"])
+    if "staleness" in saved:  # (nor before the adaptive bound)
+      self.bound.restore(saved["staleness"])
+      self.dispatcher.set_bound(self.bound.applied_k)
+      self.buffer.set_bound(self.bound.applied_k)
     return restored
 
   def _audit(self, group_id: int, prompt_id: int, event: str, version: int,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 
 from arl_jax.core import settings
-from arl_jax.orchestrator import staleness
+from arl_jax.orchestrator import adaptive_staleness, staleness
 
 ASSEMBLY_POLICIES = ("fifo", "windowed_fifo", "first_done")
 
@@ -29,7 +29,7 @@ class OrchestratorConfig:
       (admission control; 0: synchronous).
     max_off_policy_steps: K, the staleness bound: a group whose lag exceeds it
       when a batch is cut is dropped, and in-flight groups that can no longer
-      ship are cancelled.
+      ship are cancelled (staleness.policy="adaptive": the K it starts at).
     staleness_reference: what a group's lag is counted from: "dispatch" (the
       version it was dispatched under) or "oldest_token".
     assembly: how batches are cut from finished groups: "fifo",
@@ -45,6 +45,8 @@ class OrchestratorConfig:
       reward linearly, up to overlong_penalty at the budget
       (`reward_shaping.py`; 0: off).
     overlong_penalty: the penalty at the budget.
+    staleness: how K is chosen: the `orchestrator.staleness` section
+      (`adaptive_staleness.StalenessPolicy`).
   """
 
   batch_size: int
@@ -59,6 +61,8 @@ class OrchestratorConfig:
   filter_zero_variance: bool = False
   overlong_buffer: int = 0
   overlong_penalty: float = 1.0
+  staleness: adaptive_staleness.StalenessPolicy = settings.derived(
+      adaptive_staleness.StalenessPolicy(), "orchestrator.staleness")
 
   def __post_init__(self):
     g, batch = self.group_size, self.batch_size
@@ -91,6 +95,12 @@ class OrchestratorConfig:
                    f"{self.overlong_buffer!r}")
     settings.check(isinstance(self.overlong_penalty, (int, float)) and self.overlong_penalty > 0,
                    "overlong_penalty", f"must be > 0, got {self.overlong_penalty!r}")
+    bounds = self.staleness
+    settings.check(not bounds.adaptive
+                   or bounds.k_min <= self.max_off_policy_steps <= bounds.k_max,
+                   "max_off_policy_steps", f"{self.max_off_policy_steps!r}: under "
+                   f"staleness.policy='adaptive' K starts here, which must lie in "
+                   f"[staleness.k_min, staleness.k_max] = [{bounds.k_min}, {bounds.k_max}]")
 
   @property
   def groups_per_batch(self) -> int:
@@ -100,6 +110,16 @@ class OrchestratorConfig:
   def capacity(self) -> int:
     """Groups admission lets into the system (started, not yet retired)."""
     return (self.max_async_level + 1) * self.groups_per_batch
+
+  def capacity_at(self, k: int) -> int:
+    """The capacity while the bound is `k`. Under the adaptive policy with
+    `pace_admissions`, at most `k + 1` batches of groups: a group admitted
+    behind `k + 1` batches' worth of others joins `B_{v + k + 1}` or a later
+    one in dispatch order, at a lag above `k`, so admitting it only makes a
+    drop. (The fixed policy keeps `capacity`, as it always had.)"""
+    if not (self.staleness.adaptive and self.staleness.pace_admissions):
+      return self.capacity
+    return (min(self.max_async_level, k) + 1) * self.groups_per_batch
 
   @property
   def window_groups(self) -> int:

@@ -15,7 +15,10 @@ and the learner by events on a simulated clock:
 - a group's duration comes from `duration_fn(prompt)`, so completion time can
   be made to correlate with difficulty;
 - the learner cuts `B_u` whenever it is idle and a batch is ready, trains for
-  `train_seconds`, then publishes `u + 1` (which cancels what can no longer ship).
+  `train_seconds`, then publishes `u + 1` (which cancels what can no longer
+  ship) and hands the orchestrator what it measured of `B_u` per lag
+  (`lag_stats_fn`, for the adaptive staleness bound), in that order, as
+  `training/learner_loop.py` does.
 
 Everything is deterministic given the prompts and durations, so tests assert
 exact properties of the control logic, and `benchmarks/orchestrator.py`
@@ -62,6 +65,8 @@ class SimConfig:
     reward_fn: `(prompt, sample index) -> reward` (None: index % 2, so every
       group's rewards differ).
     env_name: environment name recorded on rollouts.
+    lag_stats_fn: `B_u` -> the learner's per-lag measurements of it
+      (`adaptive_staleness.LagStat`s; None: nothing is measured).
   """
 
   orchestrator: orchestrator_config.OrchestratorConfig
@@ -72,6 +77,7 @@ class SimConfig:
   max_new_tokens: int = 64
   reward_fn: Callable[[object, int], float] | None = None
   env_name: str = "sim"
+  lag_stats_fn: Callable[[orchestrator_lib.Batch], list] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -238,6 +244,8 @@ class _Simulation:
         first_sampled_version=run.first_version)
         for gid, run in sorted(self.running.items()))
     cancelled = self.orch.publish(self.version, trained=self.current.groups)
+    if self.cfg.lag_stats_fn is not None:
+      self.orch.observe_update(self.cfg.lag_stats_fn(self.current))
     for gid in cancelled:
       self.running.pop(gid, None)
       if gid in self.waiting:

@@ -11,7 +11,10 @@ only set a flag, `stop.py`):
 4. with the sampler held still: the orchestrator cancels the groups that can
    no longer ship and retires the trained ones (`groups.jsonl` events), and
    when this version is checkpointed, the open work is read at that instant;
-5. evaluate if due, and write the update's `metrics.jsonl` row;
+5. the update's per-lag ratio statistics (on the host for its row anyway)
+   go to the orchestrator, whose adaptive staleness bound decides the K of
+   the next publish from them; evaluate if due, and write the update's
+   `metrics.jsonl` row;
 6. save the checkpoint, with the number of lines each record file has now,
    so a resume from it keeps exactly these records (`records.py`).
 
@@ -33,8 +36,10 @@ import numpy as np
 from arl_jax.core import train_batch as train_batch_lib
 from arl_jax.distributed import lockstep
 from arl_jax.learner import optim as optim_lib
+from arl_jax.learner import update as update_lib
 from arl_jax.metrics import host_memory
 from arl_jax.metrics import progress as progress_lib
+from arl_jax.orchestrator import adaptive_staleness
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
 from arl_jax.training import run_context
 from arl_jax.training import step_record as step_record_lib
@@ -213,6 +218,11 @@ class LearnerLoop:
       self._rollouts.cancel(cancelled)
       run_record = self._run_record() if save else None
     update_metrics = jax.device_get(update_metrics)
+    self._orchestrator.observe_update(lag_stats(update_metrics))
+    if run_record is not None:
+      # The bound's state after this update's statistics (they reach the host
+      # after the open work is read): a resume decides what this run decides next.
+      run_record["staleness"] = self._orchestrator.bound_record()
     now = time.monotonic()
     record = step_record_lib.step_record(
         step=step, version=version, batch_shape=shape, batch_fill=filled, batch=batch,
@@ -329,3 +339,12 @@ class LearnerLoop:
         self._orchestrator.close()
         self._rollouts.stop()
 
+
+def lag_stats(update_metrics: dict) -> list[adaptive_staleness.LagStat]:
+  """The update's per-lag-bucket ESS and trained tokens (host numbers), as
+  the adaptive staleness bound reads them."""
+  tokens = float(update_metrics["trained_tokens"])
+  return [adaptive_staleness.LagStat(
+      lo=lo, hi=hi, ess=float(update_metrics[f"ess_lag{name}"]),
+      tokens=float(update_metrics[f"token_fraction_lag{name}"]) * tokens)
+          for name, lo, hi in update_lib.LAG_BUCKETS]

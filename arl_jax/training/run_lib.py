@@ -332,7 +332,10 @@ def _lead(run: run_context.RunContext, learner: run_context.Learner,
   groups_trained = 0
   if restored is not None:
     run.audit.write({"event": "resumed", "version": learner.version})
-    reopened = orchestrator.restore({"work": work, "drop_ledger": restored.run["drop_ledger"]})
+    saved = {"work": work, "drop_ledger": restored.run["drop_ledger"]}
+    if "staleness" in restored.run:  # (checkpoints before the adaptive bound lack it)
+      saved["staleness"] = restored.run["staleness"]
+    reopened = orchestrator.restore(saved)
     counters = restored.run["counters"]
     sampling.load_state_dict(counters["rollouts"])
     groups_trained = int(counters["groups_trained"])

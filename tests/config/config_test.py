@@ -92,6 +92,30 @@ def test_tool_agent_configs_build_a_multi_turn_sampler():
   assert not run_spec.build(_config()).engine.multi_turn
 
 
+def test_the_staleness_section_builds_into_the_orchestrator_and_its_errors_name_the_key():
+  config = _config(orchestrator__max_off_policy_steps=4)
+  config.orchestrator.staleness.update(policy="adaptive", k_min=1, k_max=6, ess_target=0.8)
+  staleness = run_spec.build(config).orchestrator.staleness
+  assert (staleness.policy, staleness.k_max, staleness.ess_target) == ("adaptive", 6, 0.8)
+  config.orchestrator.max_off_policy_steps = 8
+  with pytest.raises(run_spec.ConfigError, match=r"config.orchestrator.max_off_policy_steps: 8: "
+                     r"under staleness.policy='adaptive' K starts here, which must lie in "
+                     r"\[staleness.k_min, staleness.k_max\] = \[1, 6\]"):
+    run_spec.build(config)
+  config.orchestrator.staleness.k_max = 0
+  with pytest.raises(run_spec.ConfigError,
+                     match=r"config.orchestrator.staleness.k_max: must be an int >= k_min=1"):
+    run_spec.build(config)
+  config.orchestrator.staleness.update(k_max=8, policy="dynamic")
+  with pytest.raises(run_spec.ConfigError, match=r"config.orchestrator.staleness.policy: must be "
+                     r"one of \('fixed', 'adaptive'\), got 'dynamic'"):
+    run_spec.build(config)
+  config.orchestrator.staleness.kmax = 3
+  with pytest.raises(run_spec.ConfigError,
+                     match=r"config.orchestrator.staleness: unknown key\(s\) \['kmax'\]"):
+    run_spec.build(config)
+
+
 def test_env_keys_are_those_of_the_chosen_environment():
   config = _config()
   config.env.latency_median_s = 0.1  # a tool_agent key on an arith run

@@ -15,6 +15,7 @@ from arl_jax.learner import update as update_lib
 from arl_jax.sampler import trace_counter
 from arl_jax.sharding import mesh_lib
 from arl_jax.testing import tiny
+from arl_jax.training import learner_loop
 
 PAD = 256
 
@@ -336,6 +337,17 @@ def test_staleness_metrics_split_the_log_ratio_by_token_lag():
   assert float(metrics["token_fraction_lag2"]) == pytest.approx(0.5)
   assert float(metrics["ratio_max"]) == pytest.approx(np.exp(0.5), rel=1e-4)
   assert 0 < float(metrics["ess"]) < 1
+  # Per lag the ratios are equal (1, and e^0.5), so each bucket's ESS is 1
+  # while the batch's is not; an empty bucket reads 1 too.
+  for name in ("0", "1", "2"):
+    assert float(metrics[f"ess_lag{name}"]) == pytest.approx(1.0, abs=1e-5)
+  # What the adaptive staleness bound reads of them (`learner_loop.lag_stats`;
+  # tests/orchestrator/adaptive_staleness_test.py assumes these buckets).
+  stats = learner_loop.lag_stats(jax.device_get(metrics))
+  assert [(s.lo, s.hi) for s in stats] == [(0, 0), (1, 1), (2, 2), (3, 4), (5, 8),
+                                           (9, 1 << 30)]
+  assert stats[2].tokens == pytest.approx(0.5 * float(metrics["trained_tokens"]))
+  assert stats[1].tokens == 0.0
 
 
 def test_same_loss_and_update_on_one_device_and_on_fsdp2_tp2():

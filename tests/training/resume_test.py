@@ -98,3 +98,26 @@ def test_when_no_checkpoint_reads_the_error_lists_every_step(tmp_path):
     _run(tmp_path, _config(6))
   assert "step 4:" in str(e.value) and "step 2:" in str(e.value)
   assert "work is missing" in str(e.value)
+
+
+def test_the_adaptive_staleness_bound_is_logged_saved_and_resumed(tmp_path):
+  def config(num_steps):
+    config = _config(num_steps)
+    config.orchestrator.max_off_policy_steps = 4
+    config.orchestrator.staleness.update(policy="adaptive", k_min=1, k_max=4, min_tokens=1)
+    return config
+  _run(tmp_path, config(2))
+  with open(tmp_path / "checkpoints" / "2" / "run" / "metadata") as f:
+    saved = json.load(f)["staleness"]
+  # As it stood after the statistics of the update that made version 2.
+  assert (saved["policy"], saved["applied_version"], saved["applied_k"]) == ("adaptive", 2, 4)
+  assert saved["averages"]  # (lag 1 was measured: the tiny run trains one version behind)
+  result, _ = _run(tmp_path, config(4))
+  assert result.final_version == 4
+  rows = [r for r in _rows(tmp_path) if r.get("phase") == "rl" and "loss" in r]
+  assert [r["step"] for r in rows] == [0, 1, 2, 3]
+  for r in rows:
+    assert r["staleness_k"] == 4 and "ess_lag1" in r  # (tiny ratios are 1: nothing fails)
+    assert {"staleness_k_next", "staleness_k_action", "staleness_k_stat",
+            "staleness_k_lag"} <= set(r)
+  _check_records(tmp_path, 4)
