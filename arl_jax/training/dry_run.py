@@ -8,10 +8,11 @@ state, the evaluation's caches and the sampled pass's params copy:
 `evaluation_bytes`), and labelled rough estimates for the learner's
 activations (which depend on what XLA keeps for the backward pass) and the
 evaluation's inserts. A device's busiest moment holds what its roles always
-hold and the larger of the update's and an evaluation's own memory, which
-run one after the other (`RolePlan.peak`). On a CPU backend the process
-itself (the runtime, the compiled programs) shares the devices' memory and
-comes on top (`process_plan.py`, rough); `benchmarks/memory.py` measures the
+hold and the largest of the update's, an evaluation's and (on a CPU
+backend) a compilation's own memory, which come one after the other
+(`RolePlan.peak`). On a CPU backend the process itself (the runtime, the
+compiled programs) shares the devices' memory and comes on top
+(`process_plan.py`, rough); `benchmarks/memory.py` measures the
 plan against a run. It reads no device memory and compiles nothing, so it
 can plan a TPU config on a laptop: `num_devices` overrides the device count
 it plans for.
@@ -51,6 +52,9 @@ USABLE = 0.9
 # role's busiest moment holds one of the two, never both.
 UPDATE = ("gradients", "gradient_accumulator", "activations_rough")
 EVALUATION = ("eval_kv_cache", "eval_insert_rough")
+# On a CPU backend, compiling a program (the update's, the largest) takes
+# working memory while it lasts, before the program runs.
+COMPILE = ("compile_rough",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +72,11 @@ class RolePlan:
 
   @property
   def peak(self) -> int:
-    """The role at its busiest: what it always holds, and the larger of the
-    update's and the greedy evaluation's own memory (`UPDATE`, `EVALUATION`)."""
-    phases = [sum(self.memory.get(name, 0) for name in names) for names in (UPDATE, EVALUATION)]
+    """The role at its busiest: what it always holds, and the largest of the
+    update's, the greedy evaluation's and a compilation's own memory
+    (`UPDATE`, `EVALUATION`, `COMPILE`)."""
+    phases = [sum(self.memory.get(name, 0) for name in names)
+              for names in (UPDATE, EVALUATION, COMPILE)]
     return self.total - sum(phases) + max(phases)
 
 
@@ -190,6 +196,8 @@ def plan(spec: run_spec.RunSpec, num_devices: int, *, cpu: bool = False) -> Plan
                       top_logprobs=spec.sampling.top_logprobs)})
   learner_eval, sampler_eval = evaluation_bytes(spec, lm, sm)
   learner.update(learner_eval)
+  if cpu:
+    learner["compile_rough"] = process_plan.compile_transient_bytes(spec)
   sampler.update(sampler_eval)
   publish = _sharded_bytes(trainable, {}, rules_lib.SAMPLER_RULES, sampler_dtype)
   return Plan(num_devices=num_devices, colocated=colocated,
@@ -311,8 +319,8 @@ def format_plan(p: Plan, device_memory: int | None = None) -> str:
     lines.append(f"process (a CPU backend: the runtime and compiled programs, rough): "
                  f"{p.process / _GIB:.3f} GiB")
   peak = p.per_device_peak()
-  lines.append(f"busiest device: {peak / _GIB:.3f} GiB (what it always holds and the larger of "
-               "the update's and an evaluation's"
+  lines.append(f"busiest device: {peak / _GIB:.3f} GiB (what it always holds and the largest of "
+               "the update's, an evaluation's and a compilation's"
                + ("; both roles share each device" if p.colocated else "")
                + ("; the process" if p.process else "") + ")")
   if device_memory:

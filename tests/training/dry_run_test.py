@@ -110,7 +110,15 @@ def test_an_evaluation_insert_is_planned_at_its_widest_and_the_cpu_process_on_to
       2 * 32 * max(greedy.prompt_buckets) * per_column)
   on_cpu = dry_run.plan(spec, 1, cpu=True)
   assert plan.process == 0 and on_cpu.process == process_plan.cpu_process_bytes(spec)
-  assert on_cpu.per_device_peak() == plan.per_device_peak() + on_cpu.process
+  # (a compilation's working memory: its own phase, larger than this update's)
+  compiling = on_cpu.learner.memory["compile_rough"]
+  assert compiling == process_plan.compile_transient_bytes(spec) and "compile_rough" not in (
+      plan.learner.memory)
+  assert on_cpu.learner.peak == on_cpu.learner.total - sum(
+      on_cpu.learner.memory[name] for name in (*dry_run.UPDATE, *dry_run.EVALUATION)
+      if name in on_cpu.learner.memory)
+  assert on_cpu.per_device_peak() == (on_cpu.learner.peak + on_cpu.sampler.peak
+                                      + on_cpu.process)
   # Every program an engine may compile, and an update per packed width.
   decoder, mover = process_plan.engine_programs(spec.engine)
   assert decoder + mover == precompile.engine_shapes(spec.engine).num_programs
