@@ -90,8 +90,8 @@ def row(name: str, adapters: bool, kind: str, num_devices: int, sampler_tp: int)
   answers = fit.fit(spec, num_devices, memory)
   return {"benchmark": "scaling", "model": name, "training": "LoRA r16" if adapters else "full",
           "chips": f"{num_devices} x {kind}", "sampler tp": sampler_tp,
-          "learner GiB/chip": round(plan.learner.total / _GIB, 2),
-          "sampler GiB/chip": round(plan.sampler.total / _GIB, 2),
+          "learner GiB/chip": round(plan.learner.peak / _GIB, 2),
+          "sampler GiB/chip": round(plan.sampler.peak / _GIB, 2),
           "fits (256 x 768)": "yes" if answers.fits else "no",
           "largest batch": answers.largest_batch,
           "largest max_new_tokens": answers.largest_new_tokens}
