@@ -27,7 +27,12 @@ def run(config, workdir: str, **kwargs) -> run_lib.RunResult:
   """
   version = None
   while True:
-    result = run_lib.run(config, workdir, **kwargs)
+    try:
+      result = run_lib.run(config, workdir, **kwargs)
+    except RuntimeError as e:  # (the sampler engine's thread found it: its failure's cause)
+      if isinstance(e.__cause__, schedule_lib.ReplayDiverged):
+        raise e.__cause__ from None
+      raise
     if result.complete or result.stop_reason != schedule_lib.REPLAY_STOP:
       return result
     if result.final_version == version:  # (a resume that moved no further)

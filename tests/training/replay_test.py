@@ -89,6 +89,15 @@ def test_a_tampered_schedule_names_the_first_update_that_differs(recorded, tmp_p
                print_fn=lambda line: None)
   assert e.value.step == 3 and e.value.recorded == "0" * 16
 
+  # A sampler decision: the second admission starts other groups.
+  events = schedule.read_events(recorded)
+  take = [e for e in events if e["e"] == "take"][1]
+  take["g"] = [g + 100 for g in take["g"]]
+  (source / schedule.FILE).write_text("".join(json.dumps(e) + "\n" for e in events))
+  with pytest.raises(schedule.ReplayDiverged, match="the next group id differs"):
+    replay.run(_config(from_run=str(source)), str(tmp_path / "replay2"),
+               print_fn=lambda line: None)
+
 
 def test_a_replay_goes_through_the_recorded_run_s_resume(tmp_path):
   config = _config(num_steps=12, record=True)
