@@ -12,6 +12,12 @@ paged KV pool from), `--dry_run_device=tpu-v5e` (or h100, ...) for chips of
 that kind; with the memory known it also prints the largest batch and
 completion budget that fit (`arl_jax/training/fit.py`).
 
+`--replay=RUN` runs a recorded run (`--config.replay.record=True`) again
+from its schedule (`RUN/schedule.jsonl`, `arl_jax/core/schedule.py`): same
+config, a new `--workdir`; it reaches the recorded params bit for bit, or
+stops at the first update that differs, saying what differed (exit status
+1). `python -m arl_jax.diff RUN_A RUN_B` points at where two runs part.
+
 Bad input (a config error, a missing file, an unusable `--workdir`, a
 workdir another run holds) is printed as one `error: ...` line on stderr,
 without a traceback, and the process exits with status 2; anything else is a
@@ -61,6 +67,9 @@ _DRY_RUN_DEVICE = flags.DEFINE_string(
     "dry_run_device", None, "Plan for chips of this kind (tpu-v5e, h100, ...: "
     "training/fit.py's DEVICE_KINDS): whether the config fits, and the largest batch and "
     "completion budget that would.")
+_REPLAY = flags.DEFINE_string(
+    "replay", None, "A recorded run's workdir (replay.record=True): run it again following "
+    "its schedule (sets replay.from_run).")
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False,
                                  "Call jax.distributed.initialize() before anything else.")
 _COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0.")
@@ -162,9 +171,14 @@ def _launch(stop):
             device_kind=_DRY_RUN_DEVICE.value)
     return None
   # Imported here so that `--help` and flag errors do not initialise JAX.
-  from arl_jax.training import run_lib  # noqa: PLC0415
+  from arl_jax.training import replay, run_lib  # noqa: PLC0415
 
-  return run_lib.run(_CONFIG.value, workdir, stop=stop, started_at=_STARTED_AT)
+  config = _CONFIG.value
+  if _REPLAY.value:
+    config.replay.from_run = os.path.abspath(os.path.expanduser(_REPLAY.value))
+  if config.replay.from_run:
+    return replay.run(config, workdir, stop=stop, started_at=_STARTED_AT)
+  return run_lib.run(config, workdir, stop=stop, started_at=_STARTED_AT)
 
 
 def main(argv) -> None:
@@ -184,6 +198,7 @@ def main(argv) -> None:
 def _main(stop) -> None:
   # (Importing these initialises no JAX backend: distributed init still comes first.)
   from arl_jax.config import run_spec  # noqa: PLC0415
+  from arl_jax.core import schedule  # noqa: PLC0415
   from arl_jax.learner import checkpointing  # noqa: PLC0415
   from arl_jax.training import start, workdir_lock  # noqa: PLC0415
 
@@ -193,12 +208,15 @@ def _main(stop) -> None:
   # and keeps its traceback.
   bad_input = (_BadInput, run_spec.ConfigError, checkpointing.CheckpointFormatError,
                checkpointing.DamagedCheckpoint, FileNotFoundError, workdir_lock.WorkdirInUse,
-               start.AnotherBase)
+               start.AnotherBase, schedule.ScheduleError)
   try:
     result = _launch(stop)
   except bad_input as e:
     print(f"error: {e}", file=sys.stderr, flush=True)
     sys.exit(EXIT_BAD_INPUT)
+  except schedule.ReplayDiverged as e:  # (the finding of a replay, not a bug)
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    sys.exit(1)
   if result is not None and not result.complete:
     sys.exit(EXIT_STOPPED)  # (its last line said why and how it resumes)
 

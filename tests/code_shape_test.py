@@ -132,7 +132,7 @@ LAYERS = {
     "arl_jax.distributed": 4, "arl_jax.gateway": 4,
     "arl_jax.config": 5,
     "arl_jax.training": 6,
-    "arl_jax": 7, "arl_jax.launch": 7, "arl_jax.plot": 7, "arl_jax.export_hf": 7,
+    "arl_jax": 7, "arl_jax.launch": 7, "arl_jax.plot": 7, "arl_jax.diff": 7, "arl_jax.export_hf": 7,
     "arl_jax.serve": 7,
     "arl_jax._moved": 7,
     "arl_jax.testing": 8,
@@ -152,4 +152,5 @@ def test_every_import_points_down_the_layers():
 
 def test_the_top_level_holds_the_commands_and_the_api_only():
   top = sorted(name for name in os.listdir(PACKAGE) if name.endswith(".py"))
-  assert top == ["__init__.py", "_moved.py", "export_hf.py", "launch.py", "plot.py", "serve.py"]
+  assert top == ["__init__.py", "_moved.py", "diff.py", "export_hf.py", "launch.py", "plot.py",
+                 "serve.py"]

@@ -1,8 +1,7 @@
 """The one module that reads a ConfigDict: it validates it and builds frozen,
 keyword-only dataclasses for each component. Nothing else sees the config.
 
-Every check runs here, before any parameter is created or function compiled,
-and every error names the offending config key.
+Every check runs here, before anything is created or compiled; every error names its key.
 """
 
 from __future__ import annotations
@@ -16,7 +15,7 @@ import ml_collections
 from arl_jax.config import inputs as inputs_lib
 from arl_jax.config import schema as sections
 from arl_jax.core import packing as packing_lib
-from arl_jax.core import settings
+from arl_jax.core import schedule, settings
 from arl_jax.distributed import fleet_config
 from arl_jax.envs import env_api, prompt_source, registry
 from arl_jax.envs import tokenizer as tokenizer_lib
@@ -70,6 +69,7 @@ class RunSpec:
   kv_cache_setting: str = "auto"  # `sampler.kv_cache` as written (`fit.with_new_tokens`)
   # Rollouts from an OpenAI-client agent through the run's gateway (off: the env's own).
   agent: agent_config.AgentConfig = agent_config.AgentConfig()
+  replay: schedule.ReplayConfig = schedule.ReplayConfig()  # (record, or follow: schedule.py)
 
 
 class ConfigError(ValueError):
@@ -98,8 +98,7 @@ def _check_keys(cfg: Mapping, name: str, extra_keys: tuple[str, ...] = ()) -> No
   unknown = sorted(set(given or {}) - set(known))
   _require(not unknown, name, f"unknown key(s) {unknown}; known keys: {sorted(known)}")
   missing = sorted(set(sections.required_keys(name)) - set(given or {}))
-  _require(given is not None or not missing, name, "missing section")
-  _require(not missing, name, f"missing key(s) {missing}")
+  _require(not missing, name, "missing section" if given is None else f"missing key(s) {missing}")
 
 
 def _build(cfg: Mapping, name: str, cls, **derived):
@@ -350,6 +349,7 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
            f"num_microbatches = {slices} equal slices")
   try:
     parts["agent"].check_runnable(remote_sampler=parts["fleet"].remote)
+    parts["replay"].check_runnable(eval_env.multi_turn, parts["fleet"], parts["agent"])
   except ValueError as e:
     raise ConfigError(f"config.{e}") from e
   return RunSpec(
@@ -368,7 +368,7 @@ def _spec(config: Mapping, run: sections.RunSection, parts: dict, *, env, model,
       orchestrator=o,
       loss=loss, packing=None, optim=_build(config, "learner", optim_lib.OptimConfig),
       warmup=parts["warmup"], warmup_optim=_build(config, "warmup", sections.WarmupOptim),
-      agent=parts["agent"])
+      agent=parts["agent"], replay=parts["replay"])
 
 
 def _loss(config: Mapping, objective: loss_settings_lib.Objective,

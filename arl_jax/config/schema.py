@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 
-from arl_jax.core import settings
+from arl_jax.core import schedule, settings
 from arl_jax.distributed import fleet_config
 from arl_jax.envs import prompt_source
 from arl_jax.envs import tokenizer as tokenizer_lib
@@ -244,6 +244,7 @@ SECTIONS = {
     "fleet": (fleet_config.FleetConfig,),
     "agent": (agent_config.AgentConfig,),
     "judge": (judge_config.JudgeConfig,),
+    "replay": (schedule.ReplayConfig,),
 }
 
 

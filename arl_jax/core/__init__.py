@@ -4,7 +4,8 @@ them use: a rollout and its group (`rollout`), an episode being produced
 rows of left/right-padded tokens (`rows`), the learner's batch and its
 assembly (`train_batch`, `packing`, `advantages`), how a setting is declared
 and checked (`settings`) and how settings travel to another process
-(`spec_codec`), and the process's compilation cache (`compile_cache`).
+(`spec_codec`), the process's compilation cache (`compile_cache`), and a
+run's schedule for replay (`schedule`).
 
 Layer 0: imports nothing of arl_jax's outside `core`. Modules are imported by
 name (`from arl_jax.core import rollout as rollout_lib`); nothing is imported

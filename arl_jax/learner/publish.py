@@ -85,7 +85,8 @@ def shares_base(frozen, base_shardings, dtype=None) -> bool:
 class WeightPublisher:
   """Holds the newest published `(version, sampler params)`; thread-safe."""
 
-  def __init__(self, learner_mesh: Mesh, sampler_shardings, dtype=None, frozen=None):
+  def __init__(self, learner_mesh: Mesh, sampler_shardings, dtype=None, frozen=None,
+               keep_versions: bool = False):
     """Args:
       learner_mesh: the mesh the learner params live on.
       sampler_shardings: State of NamedShardings on the sampler mesh (the
@@ -98,6 +99,9 @@ class WeightPublisher:
         `publish` then takes what trains (`lora.split`'s first part). None:
         `publish` takes the
         whole model.
+      keep_versions: hold every published version until `published` hands
+        it out (a replay's engine takes each version at its recorded
+        iteration, however far ahead the learner is).
     """
     sampler_mesh = jax.tree.leaves(sampler_shardings)[0].mesh
     _check_axes_match(sampler_shardings, learner_mesh, sampler_mesh)
@@ -115,6 +119,7 @@ class WeightPublisher:
     self._version: int | None = None
     self._params = None
     self._moved = None
+    self._history: dict | None = {} if keep_versions else None
     self.published_bytes = 0  # what the last publish moved to the sampler mesh
 
   def publish(self, params, version: int) -> None:
@@ -127,6 +132,8 @@ class WeightPublisher:
     sampler_params = moved if self._base is None else lora_lib.merge(moved, self._base)
     with self._cond:
       self._version, self._params, self._moved = version, sampler_params, moved
+      if self._history is not None:
+        self._history[version] = sampler_params
       self.published_bytes = sum(x.nbytes for x in jax.tree.leaves(moved))
       self._cond.notify_all()
 
@@ -134,6 +141,17 @@ class WeightPublisher:
     """`(version, params)` of the newest publish, or `(None, None)`."""
     with self._cond:
       return self._version, self._params
+
+  def published(self, version: int, timeout: float):
+    """The params of `version` once published (waiting up to `timeout`
+    seconds; None then), forgetting it and every older version held
+    (`keep_versions`)."""
+    with self._cond:
+      if not self._cond.wait_for(lambda: version in self._history, timeout):
+        return None
+      params = self._history[version]
+      self._history = {v: p for v, p in self._history.items() if v > version}
+      return params
 
   def latest_trained(self):
     """`(version, params, trained)` of the newest publish: `trained` is the

@@ -32,10 +32,15 @@ def _leaf_sums(x: jax.Array) -> jax.Array:
   return jnp.stack([a, b])
 
 
+# One jitted function (a fresh lambda would trace again at every call: a
+# replay fingerprints the params after every update).
+_sums = jax.jit(lambda tree: jax.tree.map(_leaf_sums, tree))
+
+
 def fingerprint(params) -> str:
   """16 hex digits that differ, but for a ~2^-64 chance, between params that
   differ in any bit, name, shape or dtype; equal for equal params on any mesh."""
-  sums = jax.device_get(jax.jit(lambda tree: jax.tree.map(_leaf_sums, tree))(params))
+  sums = jax.device_get(_sums(params))
   digest = hashlib.sha256()
   shapes = dict(jax.tree_util.tree_flatten_with_path(params)[0])
   for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]:

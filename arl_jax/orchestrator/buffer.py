@@ -146,6 +146,20 @@ class RolloutBuffer:
         self._changed_locked()
       return CutResult(batch_version=batch_version, groups=groups, stale=stale)
 
+  def take_exactly(self, batch_version: int, stale_ids, group_ids) -> CutResult | None:
+    """A replay's cut: pops the recorded `stale_ids` and the batch's
+    `group_ids` (None: no batch) in their order, once every one of them has
+    arrived (None until then)."""
+    with self._cond:
+      wanted = list(stale_ids) + list(group_ids or ())
+      if not all(gid in self._finished for gid in wanted):
+        return None
+      stale = [self._pop_locked(gid) for gid in stale_ids]
+      groups = None if group_ids is None else [self._pop_locked(gid) for gid in group_ids]
+      if stale or groups:
+        self._changed_locked()
+      return CutResult(batch_version=batch_version, groups=groups, stale=stale)
+
   def _changed_locked(self) -> None:
     self._generation += 1
     self._cond.notify_all()

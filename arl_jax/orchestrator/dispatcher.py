@@ -47,6 +47,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from arl_jax.core import group_request as group_request_lib
+from arl_jax.core import schedule as schedule_lib
 from arl_jax.envs import prompt_codec
 from arl_jax.orchestrator import buffer as buffer_lib
 from arl_jax.orchestrator import open_work, orchestrator_config, staleness, work_record
@@ -144,21 +145,57 @@ class Dispatcher:
             break
           self.prompts_drawn += 1
           prompt_ids, attempt = tuple(self._encode_fn(prompt)), 0
-        budget = self._budget_fn(prompt) if self._budget_fn is not None else None
-        if budget is not None and budget < 1:
-          raise ValueError(f"prompt {prompt.prompt_id}: completion budget {budget} is < 1")
-        request = group_request_lib.GroupRequest(
-            group_id=self._next_group_id, prompt=prompt, prompt_ids=prompt_ids,
-            dispatch_version=live_version, group_size=self._cfg.group_size,
-            dispatch_time=self._clock(), attempt=attempt, max_new_tokens=budget)
-        self._next_group_id += 1
-        self._in_system[request.group_id] = request
-        self._start_generating(request.group_id)
-        self._buffer.register_dispatch(request.group_id, live_version)
-        self.work.open(request)
-        self.num_started += 1
-        requests.append(request)
+        requests.append(self._start_locked(prompt, prompt_ids, attempt, live_version))
     return requests
+
+  def _start_locked(self, prompt, prompt_ids, attempt: int,
+                    live_version: int) -> group_request_lib.GroupRequest:
+    """Opens the next group (under the lock)."""
+    budget = self._budget_fn(prompt) if self._budget_fn is not None else None
+    if budget is not None and budget < 1:
+      raise ValueError(f"prompt {prompt.prompt_id}: completion budget {budget} is < 1")
+    request = group_request_lib.GroupRequest(
+        group_id=self._next_group_id, prompt=prompt, prompt_ids=prompt_ids,
+        dispatch_version=live_version, group_size=self._cfg.group_size,
+        dispatch_time=self._clock(), attempt=attempt, max_new_tokens=budget)
+    self._next_group_id += 1
+    self._in_system[request.group_id] = request
+    self._start_generating(request.group_id)
+    self._buffer.register_dispatch(request.group_id, live_version)
+    self.work.open(request)
+    self.num_started += 1
+    return request
+
+  def take_recorded(self, group_ids, attempts, live_version: int,
+                    timeout: float) -> list[group_request_lib.GroupRequest] | None:
+    """A replay's `take` (`sampler/schedule_tap.py`): starts exactly the
+    recorded groups, whatever the capacity and the newest version announced
+    (the recorded run had room then): requeued prompts for an attempt > 0
+    (first, as `take`), the stream's for the rest; None while a requeued
+    prompt it needs is not back after `timeout`. Raises
+    `schedule.ReplayDiverged` for another group id, attempt or stream end."""
+    with self._cond:
+      need = sum(1 for a in attempts if a > 0)
+      # (closed or not: the recorded run took these before it closed)
+      if not self._cond.wait_for(lambda: len(self._requeued) >= need, timeout):
+        return None
+      requests = []
+      for group_id, attempt in zip(group_ids, attempts):
+        if group_id != self._next_group_id:
+          raise schedule_lib.ReplayDiverged("the next group id", group_id, self._next_group_id)
+        if attempt > 0:
+          prompt, prompt_ids, requeued = self._requeued.popleft()
+          if requeued != attempt:
+            raise schedule_lib.ReplayDiverged(f"group {group_id}'s attempt", attempt, requeued)
+          prompt_ids = prompt_ids if prompt_ids is not None else tuple(self._encode_fn(prompt))
+        else:
+          prompt = next(self._prompts, None)
+          if prompt is None:
+            raise schedule_lib.ReplayDiverged(f"group {group_id}'s prompt", "drawn", "none left")
+          self.prompts_drawn += 1
+          prompt_ids = tuple(self._encode_fn(prompt))
+        requests.append(self._start_locked(prompt, prompt_ids, attempt, live_version))
+      return requests
 
   def free_capacity(self) -> int:
     """How many groups a `take` could start now (reassigned ones included)."""
@@ -285,14 +322,22 @@ class Dispatcher:
       self._cond.notify_all()
     return ids
 
-  def on_publish(self, live_version: int) -> list[group_request_lib.GroupRequest]:
+  def on_publish(self, live_version: int,
+                 forced: list[int] | None = None) -> list[group_request_lib.GroupRequest]:
     """Announces a newly published version; cancels, retires and returns the
-    in-flight groups that can no longer ship."""
+    in-flight groups that can no longer ship (a replay: the `forced` ids,
+    those the recorded run cancelled)."""
     cfg, heap = self._cfg, self._by_reference
     with self._cond:
       self._live_version = live_version
       doomed, k = {}, self._k
-      while heap and not staleness.can_still_ship(heap[0][0], live_version, k):
+      for gid in forced or ():
+        if gid not in self._in_system:
+          raise schedule_lib.ReplayDiverged(f"the cancellation at version {live_version}",
+                                            f"group {gid} open", "not open")
+        doomed[gid] = self._in_system[gid]
+      while forced is None and heap and not staleness.can_still_ship(heap[0][0], live_version,
+                                                                     k):
         _, gid = heapq.heappop(heap)
         if gid not in self._generating:
           continue

@@ -41,6 +41,7 @@ from arl_jax.orchestrator import (
   open_work,
   orchestrator_config,
   reward_shaping,
+  schedule_follow,
   staleness,
   work_record,
   zero_variance,
@@ -108,7 +109,8 @@ class Orchestrator:
                encode_fn, env_name_of: Callable[[object], str], max_new_tokens: int,
                clock: Callable[[], float] = time.monotonic,
                budget_fn: Callable[[object], int | None] | None = None,
-               audit_fn: Callable[[dict], None] | None = None):
+               audit_fn: Callable[[dict], None] | None = None,
+               keeper: schedule_follow.Keeper | None = None):
     """Args:
       cfg: the config's `orchestrator` section (its dispatcher and buffer
         read it too).
@@ -119,8 +121,11 @@ class Orchestrator:
       clock: time source (tests and the simulator pass a fake one).
       budget_fn: prompt record -> its own completion budget, or None.
       audit_fn: receives one event per retired group (`groups.jsonl`).
+      keeper: records the cuts, cancellations and arrivals in the run's
+        schedule, or has them follow a recorded one (None: neither).
     """
     self.cfg = cfg
+    self._keeper = keeper
     self.buffer = buffer_lib.RolloutBuffer(cfg, clock)
     # Every open group at its restart points, for checkpoints: owned here,
     # opened and closed by the dispatcher, fed by the rollout side through
@@ -179,9 +184,14 @@ class Orchestrator:
         return False
     # Into the buffer before it stops counting as in flight, so that a learner
     # that sees the dispatcher drained has seen every group (see `cut`).
-    kept = self.buffer.put(group, max(self.live_version, newest))
+    arrival = max(self.live_version, newest)
+    if self._keeper is not None:
+      arrival = self._keeper.arrival_version(group.group_id, arrival)
+    kept = self.buffer.put(group, arrival)
     if kept:
       self.work.arrived(group.group_id, group.arrival_version)
+      if self._keeper is not None:
+        self._keeper.arrived(group.group_id, arrival)
     self.dispatcher.finished_generating(group.group_id)
     return kept
 
@@ -212,7 +222,17 @@ class Orchestrator:
     """One attempt at `B_{batch_version}`: sweep, count and retire stale groups,
     then take a batch if the assembly policy has one ready."""
     self._count_zero_variance()
-    result = self.buffer.try_cut(batch_version, self.cfg.groups_per_batch)
+    keeper = self._keeper
+    if keeper is not None and keeper.replaying:  # the recorded attempt, once its groups are in
+      event = keeper.cut_due(batch_version)
+      result = self.buffer.take_exactly(batch_version, event["stale"], event["g"])
+      if result is None:
+        return None
+      keeper.consume()
+    else:
+      result = self.buffer.try_cut(batch_version, self.cfg.groups_per_batch)
+      if keeper is not None:
+        keeper.cut(batch_version, result.stale, result.groups)
     if result.stale:
       self.ledger.record_stale(result.stale)
       self.dispatcher.retire([g.group_id for g in result.stale], dropped=True)
@@ -281,7 +301,10 @@ class Orchestrator:
     with self._lock:
       self._live_version = version
     self._put_bound_in_force(version)
-    cancelled = self.dispatcher.on_publish(version)
+    cancelled = self.dispatcher.on_publish(
+        version, None if self._keeper is None else self._keeper.cancellations_due(version))
+    if self._keeper is not None:
+      self._keeper.published(version, [r.group_id for r in cancelled])
     for request in cancelled:
       self.ledger.record_cancelled(request.prompt.prompt_id, self._env_name_of(request.prompt),
                                    request.group_size)

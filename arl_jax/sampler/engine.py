@@ -52,6 +52,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from arl_jax.core import episode as episode_lib
+from arl_jax.core import schedule as schedule_lib
 from arl_jax.sampler import (
   engine_config,
   engine_stats,
@@ -61,6 +62,7 @@ from arl_jax.sampler import (
   precompile,
   runner,
   sampling,
+  schedule_tap,
   scheduler,
   slot_fns,
   sources,
@@ -77,7 +79,8 @@ class SamplerEngine:
                on_segment_fn: Callable[[episode_lib.Episode], None],
                stop_ids_fn: Callable[[object], tuple[int, ...]] | None = None,
                compile_progress_fn: Callable[[int, int, str], None] | None = None,
-               progress_sink: sources.ProgressSink | None = None):
+               progress_sink: sources.ProgressSink | None = None,
+               tap: schedule_tap.EngineTap | None = None):
     """Args:
       cfg: engine settings.
       settings: sampling settings (temperature, top-k/p, every stop token).
@@ -95,6 +98,8 @@ class SamplerEngine:
         each program (`precompile.compile_all`).
       progress_sink: told the tokens of the segments it watches after every
         iteration (a gateway's streams); None: nobody.
+      tap: records the engine's inputs, or replays recorded ones
+        (`schedule_tap.py`); None: neither.
     """
     cfg.check_resolved()
     self._cfg = cfg
@@ -108,13 +113,17 @@ class SamplerEngine:
                                     length=cfg.length, num_pages=cfg.pool_pages,
                                     page_size=cfg.page_size,
                                     paged_attention=cfg.paged_attention)
+    self._tap = tap
     self.scheduler = scheduler.Scheduler(
-        cfg, dispatcher, weight_updates.make_policy(cfg.weight_update, cfg.kv_policy))
+        cfg, dispatcher if tap is None else tap.wrap(dispatcher),
+        weight_updates.make_policy(cfg.weight_update, cfg.kv_policy))
     self.runner = runner.Runner(
         cfg, fns, base_key=np.asarray(jax.random.PRNGKey(cfg.seed)), pad_id=settings.pad_id,
         stop_mask_fn=functools.partial(insert_batch.request_stop_mask, settings, stop_ids_fn))
     self._restored_lengths: list[int] = []  # context lengths `restore` queued
     self._stop = threading.Event()
+    if tap is not None:
+      tap.attach(self._stop.is_set)
     self._gate = pause_gate.PauseGate()
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
@@ -166,8 +175,12 @@ class SamplerEngine:
     return self._error is not None
 
   def cancel(self, group_ids) -> None:
-    """Cancels every sequence of the given groups (thread-safe; applied before the next step)."""
-    self.scheduler.cancel(group_ids)
+    """Cancels every sequence of the given groups (thread-safe; applied before
+    the next step, or in a replay at the step the recorded run applied them)."""
+    if self._tap is not None and self._tap.replaying:
+      self._tap.request_cancel(group_ids)
+    else:
+      self.scheduler.cancel(group_ids)
 
   def resume(self, episode: episode_lib.Episode) -> None:
     """Hands back an episode whose environment appended observation tokens
@@ -201,7 +214,7 @@ class SamplerEngine:
     slots are not read and its counters are those of the snapshot."""
     if self._thread is not None and self._thread.is_alive() and not self._gate.is_paused:
       raise RuntimeError("open_segments() reads the slots: hold the engine with paused()")
-    self.scheduler.apply_cancellations()
+    self._apply_cancellations()
     return self.runner.open_segments(self.scheduler.open_slots(), self.scheduler.waiting)
 
   def metrics(self) -> dict:
@@ -229,8 +242,13 @@ class SamplerEngine:
   def _run(self) -> None:
     try:
       while not self._stop.is_set():
-        self._gate.serve()
+        if self._tap is None:
+          self._gate.serve()
+        else:
+          self._tap.serve(self._gate)
         self.iterate()
+    except schedule_lib.ReplayStop:  # (a replay waiting for what its stop ended)
+      pass
     except BaseException as e:  # surfaced to the learner thread by raise_if_failed
       self._error = e
 
@@ -241,15 +259,30 @@ class SamplerEngine:
     instead of `start` (one caller at a time)."""
     # Cancel first: a swap must not re-prefill, nor keep params alive for,
     # sequences that are about to be cancelled.
-    self.scheduler.apply_cancellations()
+    self._apply_cancellations()
     self._sync_version()
     if self.version is None:
       time.sleep(0.01)
       return
     ended = self.scheduler.iterate(self.runner)
+    if self._tap is not None:
+      self._tap.n += 1
     self._report_progress()
     for episode in ended:
       self._on_segment_fn(episode)  # handed over last: from here on they belong to the callee
+
+  def _apply_cancellations(self) -> None:
+    """Applies the cancellations asked for (a replay: those the recorded run
+    applied at this iteration, waiting for each to be asked)."""
+    tap = self._tap
+    if tap is None:
+      self.scheduler.apply_cancellations()
+    elif tap.replaying:
+      for group_ids in tap.cancels_due():
+        self.scheduler.cancel(group_ids)
+        self.scheduler.apply_cancellations()
+    else:
+      tap.cancelled(self.scheduler.apply_cancellations())
 
   def _report_progress(self) -> None:
     """Tells the progress sink the segments it watches, as sampled so far."""
@@ -267,9 +300,17 @@ class SamplerEngine:
   # -- versions ----------------------------------------------------------------
 
   def _sync_version(self) -> None:
-    version, params = self._weights.latest()
-    if version is None or version == self.version:
-      return
+    expected = None
+    if self._tap is not None and self._tap.replaying:
+      due = self._tap.offer_due(self.version)
+      if due is None:
+        return
+      version, expected = due
+      params = self._tap.params(version)
+    else:
+      version, params = self._weights.latest()
+      if version is None or version == self.version:
+        return
     if self.runner.state is None:  # first publish: allocate the slots
       self.runner.init()
       if self._cfg.precompile:
@@ -280,6 +321,8 @@ class SamplerEngine:
       param_swap.check_swap_compatible(self.scheduler.params(self.version), params)
       self._checked_version = version
     swap = self.scheduler.publish(version, params)
+    if self._tap is not None:
+      self._tap.offered(version, swap.value, expected)
     if swap is weight_updates.Swap.DEFER:
       return
     if self.version is not None and swap is weight_updates.Swap.RECOMPUTE:

@@ -28,12 +28,22 @@ class PauseGate:
     """Whether the worker is waiting at the gate."""
     return self._paused.is_set()
 
-  def serve(self) -> None:
-    """Called by the worker between two steps: waits while the gate is held."""
+  @property
+  def requested(self) -> bool:
+    """Whether a caller waits for the worker to reach the gate."""
+    return self._requested.is_set()
+
+  def serve(self, on_pause_fn=None) -> bool:
+    """Called by the worker between two steps: waits while the gate is held.
+    Returns whether it did (a caller held it); `on_pause_fn` is called
+    first, before the caller goes on."""
     if not self._requested.is_set():  # the common case: one flag read per step
-      return
+      return False
+    if on_pause_fn is not None:
+      on_pause_fn()
     self._paused.set()
     self._release.wait()
+    return True
 
   def open(self) -> None:
     """Releases a waiting worker for good (it is stopping)."""

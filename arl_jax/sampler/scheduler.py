@@ -116,9 +116,11 @@ class Scheduler:
   def params(self, version: int):
     return self._updates.params(version)
 
+  def held_params(self) -> dict:  # `{version: params}` the slots may decode with now
+    return self._updates.held()
+
   def open_slots(self) -> list[waiting_rows.Row | None]:
-    """Each slot's row, None where nothing of it is on the device (free, or
-    a fork waiting for the prompt it forks from)."""
+    """Each slot's row; None where none is on the device (free, or a fork awaiting its prompt)."""
     return [None if self._prefills.awaits_source(i) else row
             for i, row in enumerate(self._table.rows)]
 
@@ -152,13 +154,13 @@ class Scheduler:
           self._requests, self.cfg, free=len(self._table.free()) - len(self._waiting),
           version=self.version, timeout=0.05 if idle else 0.0))
 
-  def apply_cancellations(self) -> None:
-    """Drops the waiting rows and frees the slots of the groups cancelled so
-    far (their pages back at once; the next decode ends them on the device)."""
+  def apply_cancellations(self) -> set[int]:
+    """Drops the waiting rows and frees the slots of the groups cancelled so far
+    (pages back at once, ended on the device by the next decode); returns their ids."""
     with self._lock:
       cancelled, self._cancel_requests = self._cancel_requests, set()
     if not cancelled:
-      return
+      return cancelled
     for row in self._waiting.cancel(cancelled):
       self.stats.count_cancelled(row, self.cfg.max_new_tokens)
     requeued = []
@@ -172,11 +174,9 @@ class Scheduler:
         self.stats.count_cancelled(row, self.cfg.max_new_tokens)
     self._requeue(requeued)
     self._forget_unused_versions()
+    return cancelled
 
   # -- versions ------------------------------------------------------------------
-
-  def held_params(self) -> dict:  # `{version: params}` the slots may decode with now
-    return self._updates.held()
 
   def publish(self, version: int, params) -> weight_updates.Swap:
     """Offers a published version to the weight-update policy."""

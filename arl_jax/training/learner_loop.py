@@ -33,12 +33,14 @@ import time
 import jax
 import numpy as np
 
+from arl_jax.core import schedule as schedule_lib
 from arl_jax.core import train_batch as train_batch_lib
 from arl_jax.distributed import lockstep
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import update as update_lib
 from arl_jax.metrics import host_memory
 from arl_jax.metrics import progress as progress_lib
+from arl_jax.models import fingerprint
 from arl_jax.orchestrator import adaptive_staleness
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
 from arl_jax.training import run_context
@@ -71,7 +73,7 @@ class LearnerLoop:
 
   def __init__(self, run: run_context.RunContext, learner: run_context.Learner, *,
                orchestrator, rollouts, groups_trained: int, broadcast_fn=None, shards=None,
-               start_saved: bool = True):
+               start_saved: bool = True, keeper=None):
     """Args:
       run: the run (spec, writers, stop request, checkpoints, startup clock).
       learner: the learner it trains (its `state` and `version` move on).
@@ -86,6 +88,9 @@ class LearnerLoop:
         a fresh start's initial params). False after a warm-up: a stop
         before the first update then saves version 0, so that a rerun
         resumes instead of warming up again.
+      keeper: the run's `schedule_follow.Keeper` (recording its schedule, or
+        replaying a recorded one: each update, evaluation and save is
+        written or checked, and rows carry `params_hash`), or None.
 
     The run's startup clock's phases go into the first update's progress
     line and metrics row; each update's row then holds `host_peak_gib`, the
@@ -102,6 +107,7 @@ class LearnerLoop:
     self._stop_request = run.stop
     self._broadcast_fn = broadcast_fn
     self._shards = shards
+    self._keeper = keeper
     # The rate each update trains at (`optim.make_optimizer` follows the same).
     self._rate = optim_lib.learning_rate(run.spec.optim, run.spec.run.num_steps)
     self.groups_trained = groups_trained
@@ -169,6 +175,10 @@ class LearnerLoop:
       self._stop_request.request(f"no signal: {e}")
       self._run.print_fn(f"stopping after {step} updates: {e}")
       return None
+    except schedule_lib.ReplayStop as e:  # (where the recorded run stopped, or resumed)
+      self._stop_request.request(str(e))
+      self._run.print_fn(f"stopping after {step} updates: {e}")
+      return None
     except orchestrator_lib.DataExhausted as e:
       self._run.print_fn(f"data exhausted after {step} updates (data.num_epochs="
                          f"{self._spec.data.num_epochs}): {e}")
@@ -218,6 +228,7 @@ class LearnerLoop:
       self._rollouts.cancel(cancelled)
       run_record = self._run_record() if save else None
     update_metrics = jax.device_get(update_metrics)
+    params_hash = self._follow_schedule(step, version, batch)
     self._orchestrator.observe_update(lag_stats(update_metrics))
     if run_record is not None:
       # The bound's state after this update's statistics (they reach the host
@@ -235,6 +246,8 @@ class LearnerLoop:
         learner_wait=self._learner_wait)
     self._last_time = now
     record["lr"] = float(self._rate(step))
+    if params_hash is not None:
+      record["params_hash"] = params_hash
     # At the mean pace so far (evaluations included).
     record["eta_s"] = (now - self._rl_start) / (step + 1 - self._first_step) * (
         spec.run.num_steps - step - 1)
@@ -247,6 +260,8 @@ class LearnerLoop:
     memory = self._run.memory
     memory.note("update", version)
     if evaluate:  # (the sampled pass reads this version as published)
+      if self._keeper is not None:
+        self._keeper.evaluated(version)
       record["eval_reward"] = self._run.eval_log(self.params, version, "rl",
                                                  published=learner.publisher.latest()[1])
       memory.note("eval", version)
@@ -266,6 +281,23 @@ class LearnerLoop:
       self._save(run_record)
       memory.note("checkpoint", version)
 
+  def _follow_schedule(self, step: int, version: int, batch) -> str | None:
+    """Writes the update into the run's schedule, or checks it against the
+    recorded one (`schedule.ReplayDiverged` names what differs); returns
+    the params' fingerprint (None: neither recording nor replaying)."""
+    if self._keeper is None:
+      return None
+    rollouts = [r for g in batch.groups for r in g.rollouts]
+    ids = np.array([(r.group_id, r.sample_index) for r in rollouts], np.int64)
+    params_hash = fingerprint.fingerprint(self._learner.state.params)
+    self._keeper.updated(
+        step, version, params=params_hash,
+        tokens=schedule_lib.digest(ids.tobytes(), *(
+            np.asarray(r.completion_ids, np.int64).tobytes() + b"|" for r in rollouts)),
+        versions=schedule_lib.digest(*(
+            np.asarray(r.token_versions, np.int64).tobytes() + b"|" for r in rollouts)))
+    return params_hash
+
   def _eval_due(self, version: int) -> bool:
     every = self._spec.run.eval_every
     return bool(self._run.eval_log.enabled and every
@@ -281,13 +313,17 @@ class LearnerLoop:
             "config": self._run.config,
             **({} if self._learner.base is None else {"base": self._learner.base})}
 
-  def _save(self, run_record: dict) -> None:
+  def _save(self, run_record: dict, final: bool = False) -> None:
+    if self._keeper is not None:  # (the event counts among the lines this save keeps)
+      self._keeper.saved(self.version, final)
     # How many lines of each record file belong to this checkpoint's run.
     pending = self._run.eval_log.before_checkpoint(self.version)
     if pending is not None:  # (still running: a resume from here evaluates it again)
       run_record["sampled_eval_pending"] = pending
     run_record["records"] = {"metrics.jsonl": self._run.writer.lines,
                              "groups.jsonl": self._run.audit.lines}
+    if self._keeper is not None and self._keeper.lines is not None:
+      run_record["records"]["schedule.jsonl"] = self._keeper.lines
     start = time.monotonic()
     if self._shards is not None:  # the held groups' arrays, from their processes
       self._shards.collect(run_record)
@@ -330,7 +366,7 @@ class LearnerLoop:
         self._stop_request.phase = "saving the final checkpoint"
         with self._rollouts.paused():
           run_record = self._run_record()
-        self._save(run_record)
+        self._save(run_record, final=True)
     finally:
       try:
         if self._checkpointer is not None:

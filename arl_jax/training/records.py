@@ -18,7 +18,8 @@ import json
 import os
 import time
 
-FILES = ("metrics.jsonl", "groups.jsonl")
+# (`schedule.jsonl`: a run with `replay.record`, `core/schedule.py`)
+FILES = ("metrics.jsonl", "groups.jsonl", "schedule.jsonl")
 
 
 def superseded_path(path: str) -> str:

@@ -185,7 +185,7 @@ class RemoteRollouts:
 
 
 def build(run: run_context.RunContext, *, orchestrator, publisher,
-          multi_controller: bool) -> Rollouts:
+          multi_controller: bool, tap=None) -> Rollouts:
   """The rollout side a run's config asks for (not started).
 
   Args:
@@ -195,8 +195,12 @@ def build(run: run_context.RunContext, *, orchestrator, publisher,
     publisher: the `WeightPublisher` the sampler reads versions from.
     multi_controller: this is process 0 of a multi-controller run (the
       other processes' samplers join its fleet).
+    tap: the engine's `schedule_tap.EngineTap` (recording or replaying a
+      schedule), or None.
   """
   spec, meshes, print_fn = run.spec, run.meshes, run.print_fn
+  if tap is not None and (spec.fleet.remote or multi_controller):
+    raise ValueError("replay: a schedule holds one process's sampler engine only")
   fleet = None
   if spec.fleet.remote or multi_controller:
     fleet = fleet_lib.SamplerFleet(
@@ -236,7 +240,8 @@ def build(run: run_context.RunContext, *, orchestrator, publisher,
       on_segment_fn=on_segment,
       stop_ids_fn=functools.partial(env_api.segment_stop_ids, tokenizer, env),
       compile_progress_fn=progress_lib.CompileProgress(
-          print_fn=print_fn, bar=progress_lib.wants_bar(print_fn)))
+          print_fn=print_fn, bar=progress_lib.wants_bar(print_fn)),
+      tap=tap)
   engine.declare_memory(run.memory.ledger)
   env_runner.connect(on_resume)
   return LocalRollouts(engine, env_runner, fleet)

@@ -49,6 +49,8 @@ class RunContext:
       is where components declare what they hold).
     print_fn: where progress lines go.
     keep_batches: keep a summary of every trained batch (tests).
+    schedule: the `schedule.Log` a run with `replay.record` writes
+      (`schedule.jsonl`), or None.
   """
 
   spec: Any  # run_spec.RunSpec (config_lib imports training: no import back)
@@ -66,6 +68,7 @@ class RunContext:
   memory: MemoryLog
   print_fn: Callable[[str], None]
   keep_batches: bool = False
+  schedule: Any = None
 
   @property
   def pad_id(self) -> int:

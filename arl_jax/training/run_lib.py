@@ -27,6 +27,7 @@ import ml_collections
 from arl_jax.config import inputs as inputs_lib
 from arl_jax.config import run_spec
 from arl_jax.core import compile_cache
+from arl_jax.core import schedule as schedule_lib
 from arl_jax.distributed import lockstep, shard_batch
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import publish as publish_lib
@@ -38,6 +39,8 @@ from arl_jax.metrics import writer as writer_lib
 from arl_jax.models import init_lib
 from arl_jax.models import lora as lora_lib
 from arl_jax.orchestrator import orchestrator as orchestrator_lib
+from arl_jax.orchestrator import schedule_follow
+from arl_jax.sampler import schedule_tap
 from arl_jax.sharding import mesh_lib
 from arl_jax.sharding import rules as rules_lib
 from arl_jax.training import (
@@ -154,6 +157,8 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
       audit = writer_lib.JsonlWriter(log_dir, "groups.jsonl")
       # Who holds the memory at the end of each phase (`metrics/memory_log.py`).
       memory_writer = writer_lib.JsonlWriter(log_dir, "memory.jsonl")
+      # The run's schedule (`replay.record`), beside its checkpoints.
+      schedule = schedule_lib.Log(log_dir) if leader and spec.replay.record else None
       memory.open(memory_writer.write)
       memory_writer.write(_plan_row(spec))
       try:
@@ -164,12 +169,14 @@ def run(config: ml_collections.ConfigDict, workdir: str, *, print_fn=writer_lib.
             spec=spec, config=config_dict, meshes=meshes, inputs=inputs,
             graphdef=beginning.graphdef, workdir=workdir, checkpoints=checkpoints,
             eval_log=eval_log, writer=writer, audit=audit, stop=stop, clock=clock,
-            memory=memory, print_fn=print_fn, keep_batches=keep_batches)
+            memory=memory, print_fn=print_fn, keep_batches=keep_batches, schedule=schedule)
         result = _train(context, beginning, optimizer)
       finally:
         writer.close()
         audit.close()
         memory_writer.close()
+        if schedule is not None:
+          schedule.close()
       saved = (checkpoints.saver or checkpoints.resume)
       saved_version = None if saved is None else saved.latest_step()
       if not result.complete:
@@ -236,7 +243,8 @@ def _train(run: run_context.RunContext, beginning: start.Beginning,
       run.meshes.learner, rules_lib.state_shardings(abstract_state, run.meshes.sampler,
                                                     rules_lib.SAMPLER_RULES),
       dtype=spec.sampler_model.param_dtype,
-      frozen=frozen if jax.tree.leaves(frozen) else None)
+      frozen=frozen if jax.tree.leaves(frozen) else None,
+      keep_versions=bool(spec.replay.from_run))
   learner = run_context.Learner(state=state, update_fn=update_fn, publisher=publisher,
                                 reference=reference, version=beginning.version, frozen=frozen,
                                 base=beginning.base)
@@ -315,14 +323,15 @@ def _lead(run: run_context.RunContext, learner: run_context.Learner,
   """Process 0: the orchestrator, the rollout side and the learner loop."""
   spec, env = run.spec, run.inputs.env
   work = restored.run["work"] if restored is not None else None
+  keeper, tap = _schedule_parts(run, learner)
   orchestrator = orchestrator_lib.Orchestrator(
       spec.orchestrator, prompts=inputs_lib.prompt_stream(spec, run.inputs, work),
       encode_fn=env.encode_prompt, env_name_of=env.env_name_of,
       max_new_tokens=spec.engine.max_new_tokens, budget_fn=env.max_new_tokens_for,
-      audit_fn=run.audit.write)
+      audit_fn=run.audit.write, keeper=keeper)
   multi = lockstep.is_multi_controller()
   sampling = rollouts.build(run, orchestrator=orchestrator, publisher=learner.publisher,
-                            multi_controller=multi)
+                            multi_controller=multi, tap=tap)
   broadcast_fn = shards = None
   if multi:
     lockstep.share_text(sampling.fleet.address, run.meshes.learner)
@@ -355,7 +364,7 @@ def _lead(run: run_context.RunContext, learner: run_context.Learner,
   loop = learner_loop.LearnerLoop(
       run, learner, orchestrator=orchestrator, rollouts=sampling,
       groups_trained=groups_trained, broadcast_fn=broadcast_fn, shards=shards,
-      start_saved=restored is not None or not spec.warmup.steps)
+      start_saved=restored is not None or not spec.warmup.steps, keeper=keeper)
   result = loop.run()
   sampling.raise_if_failed()
   _write_task_drops(run.workdir, orchestrator.ledger)
@@ -371,6 +380,23 @@ def _lead(run: run_context.RunContext, learner: run_context.Learner,
       f"{drops['tasks_lost']} of {drops['tasks_seen']} tasks never trained"
       + _peak_note(run, result.version))
   return result
+
+
+def _schedule_parts(run: run_context.RunContext, learner: run_context.Learner):
+  """`(keeper, engine tap)` recording this run's schedule, or following the
+  segment of a recorded one that starts at this run's version; `(None,
+  None)` for neither."""
+  if run.schedule is not None:
+    run.schedule.write("segment", v=learner.version)
+    return (schedule_follow.Keeper(log=run.schedule), schedule_tap.EngineTap(log=run.schedule))
+  source = run.spec.replay.from_run
+  if not source:
+    return None, None
+  segment, ends_at = schedule_lib.segment_at(schedule_lib.load(source), learner.version, source)
+  run.print_fn(f"replay: following {source}'s schedule from version {learner.version}"
+               + ("" if ends_at is None else f" to its resume at version {ends_at}"))
+  return (schedule_follow.Keeper(segment=segment),
+          schedule_tap.EngineTap(segment=segment, params_fn=learner.publisher.published))
 
 
 def _peak_note(run: run_context.RunContext, version: int) -> str:
