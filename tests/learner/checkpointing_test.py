@@ -59,9 +59,11 @@ def test_a_save_in_flight_keeps_cpu_buffers_from_donation_until_released(tmp_pat
   step = jax.jit(lambda s: jax.tree.map(lambda x: x + 1, s), donate_argnums=0)
   ckpt = checkpointing.Checkpointer(str(tmp_path), checkpointing.CheckpointConfig(every_steps=1))
   ckpt.save(1, state, {"version": 1})
-  in_flight = ckpt._manager.is_saving_in_progress()
   next_state = jax.block_until_ready(step(state))
-  if in_flight:  # (the donation was refused: the input lives on beside the output)
+  if ckpt._manager.is_saving_in_progress():
+    # Still writing after the step, so writing throughout it: the donation
+    # was refused, the input lives on beside the output. (Whether the write
+    # outlasts the step depends on the machine's load: not asserted when not.)
     assert not state["w"].is_deleted()
   ckpt.save(2, next_state, {"version": 2})
   ckpt.release(next_state)
