@@ -145,9 +145,17 @@ def diff(a: str, b: str) -> tuple[bool, list[str]]:
   return False, ([f"first difference: {first}"] if first else []) + lines
 
 
+_USAGE = ("usage: python -m arl_jax.diff RUN_A RUN_B  (two runs' workdirs; --help: this)\n"
+          "Prints the first update where the runs differ and what differed; exit status 0 "
+          "identical, 1 different, 2 bad input.")
+
+
 def main(argv: list[str]) -> int:
+  if argv in (["--help"], ["-h"]):
+    print(_USAGE)
+    return 0
   if len(argv) != 2 or any(arg.startswith("-") for arg in argv):
-    print("usage: python -m arl_jax.diff RUN_A RUN_B", file=sys.stderr)
+    print(_USAGE, file=sys.stderr)
     return 2
   try:
     identical, lines = diff(*argv)

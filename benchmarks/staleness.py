@@ -60,6 +60,13 @@ printed table shows mean+-std.
   python benchmarks/staleness.py --out=/tmp/staleness.jsonl    # ~10 min
   python benchmarks/staleness.py --quick                        # tiny model, < 40 s
   python benchmarks/staleness.py --losses=m2po --ks=0,8 --seeds=3 --steps=300
+  python benchmarks/staleness.py --losses=clipped_ratio --ks=1,2,4,8,adaptive   # issue 57
+
+`--ks=...,adaptive` adds the adaptive bound (`orchestrator.staleness.policy
+= "adaptive"`, K in [1, 8] from the measured per-lag ESS, starting at 8, the
+sampler allowed 8 batches ahead with admissions paced by the bound in
+force): `k_mean` is the bound in force averaged over updates, `wall_s` the
+run's time for the same updates, against the fixed bounds' rows.
 
 Cost: the default grid is 3 losses x 5 K x 2 seeds = 30 runs of 100 updates
 each (after the config's 200-step warm-up) on the ~0.43M-parameter arith
@@ -103,18 +110,26 @@ import report  # noqa: E402  (benchmarks/report.py, run as a script)
 
 LOSSES = ("clipped_ratio", "vtrace", "m2po", "cispo", "gspo")
 KS = (0, 1, 2, 4, 8)
+# `--ks=...,adaptive`: the bound set from the measured per-lag ESS
+# (`orchestrator.staleness.policy="adaptive"`) in [1, ADAPTIVE_K_MAX], starting
+# at the top, the sampler allowed as far ahead (`max_async_level`) and its
+# admissions paced by the bound in force.
+ADAPTIVE = "adaptive"
+ADAPTIVE_K_MAX = 8
 # Learner metrics averaged over steps; a loss logs only some of them.
 _STEP_MEANS = ("ess", "ratio_m2", "abs_log_ratio", "kl_behaviour", "clip_fraction",
                "masked_fraction", "m2_kept")
 # Per-run numbers aggregated over seeds, in table order.
 _SUMMARISED = ("lag", "lag_tail", "eval_start", "eval_final", "eval_vs_k0", "train_reward",
-               "train_vs_k0", *_STEP_MEANS, "dropped_stale", "dropped_cancelled", "wall_s")
+               "train_vs_k0", *_STEP_MEANS, "dropped_stale", "dropped_cancelled", "wall_s",
+               "k_mean", "k_final")
 # Printed as mean+-std; the rest of _SUMMARISED goes to JSON only.
 _PRINTED = ("lag", "lag_tail", "eval_final", "eval_vs_k0", "train_reward", "train_vs_k0", "ess",
-            "ratio_m2", "abs_log_ratio", "clip_fraction", "masked_fraction", "dropped_stale")
+            "ratio_m2", "abs_log_ratio", "clip_fraction", "masked_fraction", "dropped_stale",
+            "dropped_cancelled", "wall_s", "k_mean")
 
 
-def _config(loss: str, k: int, seed: int, steps: int, quick: bool):
+def _config(loss: str, k: int | str, seed: int, steps: int, quick: bool):
   config = tiny.load_config("arith", "tiny" if quick else None)
   config.seed = seed
   config.num_steps = steps
@@ -124,6 +139,9 @@ def _config(loss: str, k: int, seed: int, steps: int, quick: bool):
   config.learner.loss = loss
   if loss == "gspo":  # (the paper's objective: 1/G sum over sequences)
     config.learner.aggregation = "seq_mean_token_mean"
+  if k == ADAPTIVE:
+    config.orchestrator.staleness.update(policy=ADAPTIVE, k_min=1, k_max=ADAPTIVE_K_MAX)
+    k = ADAPTIVE_K_MAX  # (the start, and how far ahead the sampler may run)
   config.orchestrator.max_async_level = k
   config.orchestrator.max_off_policy_steps = k
   # K = 0 must be truly on-policy: drain in-flight groups before a swap, so no
@@ -135,7 +153,7 @@ def _config(loss: str, k: int, seed: int, steps: int, quick: bool):
   return config
 
 
-def run_one(loss: str, k: int, seed: int, steps: int, quick: bool) -> dict:
+def run_one(loss: str, k: int | str, seed: int, steps: int, quick: bool) -> dict:
   """Trains one (loss, K, seed) cell and summarises it as one JSON row."""
   with tempfile.TemporaryDirectory() as workdir:
     result = run_lib.run(_config(loss, k, seed, steps, quick), workdir,
@@ -161,6 +179,9 @@ def run_one(loss: str, k: int, seed: int, steps: int, quick: bool) -> dict:
   row["dropped_stale"] = history[-1]["dropped_stale"]
   row["dropped_cancelled"] = history[-1]["dropped_cancelled"]
   row["wall_s"] = result.wall_seconds
+  if "staleness_k" in history[-1]:  # (the bound in force at each update)
+    row["k_mean"] = float(np.mean([r["staleness_k"] for r in history]))
+    row["k_final"] = history[-1]["staleness_k"]
   return row
 
 
@@ -203,8 +224,9 @@ def _table_row(agg: dict) -> dict:
   return row
 
 
-def _ints(text: str) -> tuple[int, ...]:
-  return tuple(int(x) for x in text.split(",") if x)
+def _ks(text: str) -> tuple[int | str, ...]:
+  """K values: ints, or `adaptive`."""
+  return tuple(x if x == ADAPTIVE else int(x) for x in text.split(",") if x)
 
 
 def main() -> None:
@@ -219,11 +241,12 @@ def main() -> None:
   parser.add_argument("--losses", default=None,
                       help="comma-separated losses; default all, quick the first")
   parser.add_argument("--ks", default=None,
-                      help="comma-separated K values; default 0,1,2,4,8, quick 2")
+                      help="comma-separated K values, `adaptive` among them; default "
+                           "0,1,2,4,8, quick 2,adaptive")
   args = parser.parse_args()
   seeds = args.seeds or (1 if args.quick else 2)
   steps = args.steps or (3 if args.quick else 100)
-  ks = _ints(args.ks) if args.ks else ((2,) if args.quick else KS)
+  ks = _ks(args.ks) if args.ks else ((2, ADAPTIVE) if args.quick else KS)
   losses = (tuple(x for x in args.losses.split(",") if x) if args.losses else
             tuple(LOSSES)[:1] if args.quick else tuple(LOSSES))
   unknown = sorted(set(losses) - set(LOSSES))
