@@ -61,9 +61,14 @@ def _buffers(tree) -> list[tuple[tuple[int, int], int]]:
   for leaf in jax.tree.leaves(tree):
     if not isinstance(leaf, jax.Array) or leaf.is_deleted():
       continue
-    for shard in leaf.addressable_shards:
-      data = shard.data
-      out.append(((shard.device.id, data.unsafe_buffer_pointer()), data.nbytes))
+    try:
+      shards = [((shard.device.id, shard.data.unsafe_buffer_pointer()), shard.data.nbytes)
+                for shard in leaf.addressable_shards]
+    except (RuntimeError, TypeError):
+      # Donated by another thread after the check above (a deleted array's
+      # shards are gone mid-read): it holds nothing now.
+      continue
+    out.extend(shards)
   return out
 
 
