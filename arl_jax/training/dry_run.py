@@ -277,7 +277,9 @@ def learner_activations(cfg, scoring, rows: int, width: int, param_shards: int =
   gradient, or a few `learner.logprob_chunk`s of them. One block's scratch
   counts once: a scan over the layers (`learner.scan_layers`) makes it so,
   for the price of a stacked copy of the blocks' parameters and its
-  gradient (with LoRA: the frozen blocks in their dtype, no gradient; sharded
+  gradient (with LoRA: the adapters' only, and a copy of one layer's frozen
+  base, which the scan picks a layer at a time; without remat the forward
+  pass keeps every layer's copy for the backward, the trunk again; sharded
   as the parameters are: over `param_shards` devices);
   unrolled, XLA:CPU plans each layer's apart (`benchmarks/learner.py` part
   `long_row` measures both).
@@ -294,8 +296,9 @@ def learner_activations(cfg, scoring, rows: int, width: int, param_shards: int =
   else:
     total += cfg.num_layers * scores * width
   if scoring.scan_layers:
-    if cfg.lora.enabled:  # the frozen blocks stacked (no gradient); the adapters with theirs
-      stacked = (cfg.num_layers * cfg.block_params * np.dtype(cfg.base_dtype).itemsize
+    if cfg.lora.enabled:  # the adapters stacked with their gradient; the base a layer at a time
+      base_copies = cfg.num_layers if scoring.remat == "none" else 1
+      stacked = (base_copies * cfg.block_params * np.dtype(cfg.base_dtype).itemsize
                  + 2 * cfg.adapter_params * itemsize)
     else:
       stacked = 2 * cfg.num_layers * cfg.block_params * itemsize

@@ -128,6 +128,51 @@ def test_an_update_trains_the_adapters_only_and_the_optimizer_holds_their_state(
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, base), base_before)
 
 
+def _lora_update(num_layers, **scoring):
+  """`(update_fn, state, trunk bytes, adapters at the start)` of a LoRA model
+  with every projection adapted."""
+  cfg = tiny.tiny_model_config(num_layers=num_layers, d_model=64, num_heads=2, head_dim=32,
+                               mlp_dim=256, lora=lora.LoraConfig(rank=RANK, targets="all"))
+  meshes = tiny.single_device_meshes()
+  graphdef, params, _ = tiny.learner_and_sampler_params(cfg, meshes)
+  adapters, base = lora.split(params)
+  start = jax.tree.leaves(jax.tree.map(np.asarray, adapters))
+  optimizer = optim_lib.make_optimizer(optim_lib.OptimConfig(lr=1e-2))
+  state, shardings = train_state_lib.create(adapters, optimizer, meshes.learner)
+  update_fn = update_lib.make_update_fn(
+      graphdef=graphdef, optimizer=optimizer, state_shardings=shardings, frozen=base,
+      settings=loss_settings.LossSettings.of(**scoring), mesh=meshes.learner)
+  return update_fn, state, sum(x.nbytes for x in jax.tree.leaves(base["blocks"])), start
+
+
+def test_a_scanned_update_picks_each_layers_base_and_never_stacks_the_trunk():
+  """`learner.scan_layers` (rematerialised) with adapters: the scan stacks
+  the adapters and reads each layer's frozen base through a switch, so the
+  compiled update's temporaries do not grow with the trunk (a stacked copy
+  of the base did: SmolLM2's update held 1.23 GiB, 0.82 without it; here
+  4 more layers added 1.5 MB of temporaries for 1.05 MB of base, now 0.45),
+  and the update is the unrolled one up to rounding."""
+  scoring = dict(scan_layers=True, remat="block")
+  temporaries, trunks = [], []
+  for layers in (2, 6):
+    update_fn, state, trunk, _ = _lora_update(layers, **scoring)
+    temporaries.append(update_fn.lower(state, _batch()).compile().memory_analysis()
+                       .temp_size_in_bytes)
+    trunks.append(trunk)
+  assert temporaries[1] - temporaries[0] < (trunks[1] - trunks[0]) / 2, (temporaries, trunks)
+
+  def after_two_updates(**scoring):
+    update_fn, state, _, start = _lora_update(2, **scoring)
+    for _ in range(2):
+      state, _ = update_fn(state, _batch())
+    return jax.tree.leaves(jax.tree.map(np.asarray, state.params)), start
+
+  (scanned, _), (unrolled, start) = after_two_updates(**scoring), after_two_updates()
+  moved = max(float(np.max(np.abs(x - y))) for x, y in zip(unrolled, start))
+  assert moved > 1e-4
+  assert max(float(np.max(np.abs(x - y))) for x, y in zip(scanned, unrolled)) < 1e-3 * moved
+
+
 def _batch():
   """A small RL batch of random tokens with mixed advantages."""
   rng = np.random.default_rng(0)
