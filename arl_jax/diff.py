@@ -25,7 +25,10 @@ from arl_jax.core import schedule as schedule_lib
 # Row keys that follow the clock, not the computation.
 VOLATILE = frozenset({
     "seconds_in_flight", "seconds_in_buffer", "learner_busy_fraction", "host_peak_gib",
-    "buffer_size", "in_system_groups", "checkpoint_blocking_s_total", "time"})
+    "buffer_size", "in_system_groups", "checkpoint_blocking_s_total", "time",
+    # (the sampler's counts so far when the row is written: a publish's
+    # cancellations reach them at the engine's next iteration, before or after)
+    "cancelled_tokens_discarded", "cancelled_tokens_saved_max"})
 VOLATILE_PREFIXES = ("sampler_", "startup_", "env_")
 _SECONDS = ("_s", "_seconds")
 
@@ -48,12 +51,8 @@ def read_rows(run_dir: str) -> list[dict]:
   path = os.path.join(run_dir, "metrics.jsonl")
   if not os.path.isfile(path):
     raise DiffError(f"{path}: missing (not a run's workdir?)")
-  with open(path, "rb") as f:
-    lines = f.read().splitlines(keepends=True)
-  if lines and not lines[-1].endswith(b"\n"):
-    lines = lines[:-1]
   rows = []
-  for number, line in enumerate(lines, 1):
+  for number, line in enumerate(schedule_lib.complete_lines(path), 1):
     try:
       row = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError):

@@ -125,9 +125,21 @@ class Log:
     with self._lock:
       if self._file.closed:  # (a thread that outlives the run)
         return
+      # Buffered: a flush a line (a system call: the GIL given up, then waited
+      # for behind the sampler's thread) took 133 us an event inside a
+      # recorded arith run, 5 alone (benchmarks/replay.py). A checkpoint flushes the lines it counts
+      # (`flush`); a kill loses only lines after it, which a resume drops
+      # anyway; a stop's `close` writes them all.
       self._file.write(line)
-      self._file.flush()  # (no fsync: a kill loses lines after the checkpoint's count only)
       self.lines += 1
+
+  def flush(self) -> int:
+    """Writes the buffered lines to the file; returns how many lines it has
+    (what a checkpoint records: every one of them in the file)."""
+    with self._lock:
+      if not self._file.closed:
+        self._file.flush()
+      return self.lines
 
   def close(self) -> None:
     with self._lock:
@@ -160,6 +172,15 @@ _FIELDS = {"take": ("n", "g", "a"), "cancel": ("n", "g"), "offer": ("n", "v", "s
            "arrive": ("g", "v"), "segment": ("v",)}
 
 
+def complete_lines(path: str) -> list[bytes]:
+  """The lines of the JSON-lines file at `path` (each with its newline), but
+  a torn last one: a writer killed mid-line leaves one without its newline
+  (`training/records.py` moves it aside when the run resumes)."""
+  with open(path, "rb") as f:
+    lines = f.read().splitlines(keepends=True)
+  return lines if not lines or lines[-1].endswith(b"\n") else lines[:-1]
+
+
 def read_events(run_dir: str) -> list[dict]:
   """The events of `run_dir`'s schedule, checked line by line. A torn last
   line (a killed run's) is left out.
@@ -170,12 +191,8 @@ def read_events(run_dir: str) -> list[dict]:
   path = run_dir if run_dir.endswith(FILE) else os.path.join(run_dir, FILE)
   if not os.path.isfile(path):
     raise ScheduleError(f"no schedule at {path} (record one with replay.record=True)")
-  with open(path, "rb") as f:
-    lines = f.read().splitlines(keepends=True)
-  if lines and not lines[-1].endswith(b"\n"):
-    lines = lines[:-1]
   events = []
-  for number, line in enumerate(lines, 1):
+  for number, line in enumerate(complete_lines(path), 1):
     try:
       event = json.loads(line)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:

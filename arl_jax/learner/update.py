@@ -49,11 +49,14 @@ from arl_jax.learner import losses as losses_lib
 from arl_jax.learner import segments as segments_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import vtrace as vtrace_lib
+from arl_jax.models import fingerprint
 from arl_jax.models import lora as lora_lib
 
 # Token-lag buckets of the |log-ratio| metrics: (name, lowest lag, highest lag).
 LAG_BUCKETS = (("0", 0, 0), ("1", 1, 1), ("2", 2, 2), ("3_4", 3, 4), ("5_8", 5, 8),
                ("9+", 9, 1 << 30))
+# The metrics key of the new params' fingerprint sums (`make_update_fn`).
+PARAMS_SUMS = "params_sums"
 
 
 def _split(tree, n: int):
@@ -299,14 +302,19 @@ def batch_shardings(mesh: Mesh) -> train_batch_lib.TrainBatch:
 
 def make_update_fn(*, graphdef, optimizer, settings: loss_settings_lib.LossSettings | None,
                    state_shardings, mesh: Mesh, step_fn=train_step, reference_params=None,
-                   frozen=None):
+                   frozen=None, fingerprint_params: bool = False):
   """Jits `step_fn` with explicit shardings and a donated state.
 
   Returns `update(state, batch) -> (state, metrics)`; `reference_params`
   (laid out like the state's params) are passed to every step when given,
   and so are the `frozen` params (a LoRA run's base: never donated, never
   trained). A `step_fn` wrapped by a `trace_counter.TraceCounter` counts
-  its compiles.
+  its compiles. With `fingerprint_params` (a run that records or replays its
+  schedule), `metrics[PARAMS_SUMS]` holds `fingerprint.sums_of` the new
+  params, computed in the same program: as a program of its own, with a
+  wait of its own, it took 3.3 ms an update inside a recorded arith run
+  (0.5 alone: the wait queued behind the sampler's work;
+  `benchmarks/replay.py`).
   """
   if settings is not None:
     settings = dataclasses.replace(settings, mesh=mesh)
@@ -314,8 +322,11 @@ def make_update_fn(*, graphdef, optimizer, settings: loss_settings_lib.LossSetti
     frozen = None  # (full fine-tuning: nothing is frozen)
 
   def step(state, batch, frozen, *reference):
-    return step_fn(state, batch, *reference, frozen=frozen, graphdef=graphdef,
-                   optimizer=optimizer, settings=settings)
+    state, metrics = step_fn(state, batch, *reference, frozen=frozen, graphdef=graphdef,
+                             optimizer=optimizer, settings=settings)
+    if fingerprint_params:
+      metrics = {**metrics, PARAMS_SUMS: fingerprint.sums_of(state.params)}
+    return state, metrics
 
   rows = batch_shardings(mesh)
   frozen_shardings = None if frozen is None else jax.tree.map(lambda x: x.sharding, frozen)

@@ -32,15 +32,25 @@ def _leaf_sums(x: jax.Array) -> jax.Array:
   return jnp.stack([a, b])
 
 
-# One jitted function (a fresh lambda would trace again at every call: a
-# replay fingerprints the params after every update).
-_sums = jax.jit(lambda tree: jax.tree.map(_leaf_sums, tree))
+def sums_of(params):
+  """The per-parameter sums `fingerprint` hashes (traceable: an update
+  program that returns them with its params gives a recording run its
+  fingerprint without a program or a wait of its own; `learner/update.py`)."""
+  return jax.tree.map(_leaf_sums, params)
+
+
+# One jitted function (a fresh lambda would trace again at every call).
+_sums = jax.jit(sums_of)
 
 
 def fingerprint(params) -> str:
   """16 hex digits that differ, but for a ~2^-64 chance, between params that
   differ in any bit, name, shape or dtype; equal for equal params on any mesh."""
-  sums = jax.device_get(_sums(params))
+  return from_sums(params, jax.device_get(_sums(params)))
+
+
+def from_sums(params, sums) -> str:
+  """`fingerprint(params)` from `sums_of(params)`, fetched to the host."""
   digest = hashlib.sha256()
   shapes = dict(jax.tree_util.tree_flatten_with_path(params)[0])
   for path, value in jax.tree_util.tree_flatten_with_path(sums)[0]:

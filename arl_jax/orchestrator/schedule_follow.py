@@ -46,8 +46,9 @@ class Keeper:
 
   @property
   def lines(self) -> int | None:
-    """The schedule's line count (recording; a checkpoint keeps it)."""
-    return None if self._log is None else self._log.lines
+    """The schedule's line count, every line written out to the file
+    (recording; a checkpoint keeps it)."""
+    return None if self._log is None else self._log.flush()
 
   def write(self, event: str, **fields) -> None:
     if self._log is not None:

@@ -228,7 +228,9 @@ class LearnerLoop:
       self._rollouts.cancel(cancelled)
       run_record = self._run_record() if save else None
     update_metrics = jax.device_get(update_metrics)
-    params_hash = self._follow_schedule(step, version, batch)
+    # (a recording's params fingerprint, computed by the update itself)
+    sums = update_metrics.pop(update_lib.PARAMS_SUMS, None)
+    params_hash = self._follow_schedule(step, version, batch, sums)
     self._orchestrator.observe_update(lag_stats(update_metrics))
     if run_record is not None:
       # The bound's state after this update's statistics (they reach the host
@@ -281,15 +283,16 @@ class LearnerLoop:
       self._save(run_record)
       memory.note("checkpoint", version)
 
-  def _follow_schedule(self, step: int, version: int, batch) -> str | None:
+  def _follow_schedule(self, step: int, version: int, batch, sums) -> str | None:
     """Writes the update into the run's schedule, or checks it against the
     recorded one (`schedule.ReplayDiverged` names what differs); returns
-    the params' fingerprint (None: neither recording nor replaying)."""
+    the params' fingerprint (from their `sums`, which the update returned;
+    None: neither recording nor replaying)."""
     if self._keeper is None:
       return None
     rollouts = [r for g in batch.groups for r in g.rollouts]
     ids = np.array([(r.group_id, r.sample_index) for r in rollouts], np.int64)
-    params_hash = fingerprint.fingerprint(self._learner.state.params)
+    params_hash = fingerprint.from_sums(self._learner.state.params, sums)
     self._keeper.updated(
         step, version, params=params_hash,
         tokens=schedule_lib.digest(ids.tobytes(), *(
@@ -322,8 +325,9 @@ class LearnerLoop:
       run_record["sampled_eval_pending"] = pending
     run_record["records"] = {"metrics.jsonl": self._run.writer.lines,
                              "groups.jsonl": self._run.audit.lines}
-    if self._keeper is not None and self._keeper.lines is not None:
-      run_record["records"]["schedule.jsonl"] = self._keeper.lines
+    schedule_lines = None if self._keeper is None else self._keeper.lines  # (flushed)
+    if schedule_lines is not None:
+      run_record["records"]["schedule.jsonl"] = schedule_lines
     start = time.monotonic()
     if self._shards is not None:  # the held groups' arrays, from their processes
       self._shards.collect(run_record)

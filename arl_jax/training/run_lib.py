@@ -233,7 +233,10 @@ def _train(run: run_context.RunContext, beginning: start.Beginning,
   update_fn = update_lib.make_update_fn(graphdef=run.graphdef, optimizer=optimizer,
                                         settings=spec.loss, state_shardings=state_shardings,
                                         mesh=run.meshes.learner, reference_params=reference,
-                                        frozen=frozen)
+                                        frozen=frozen,
+                                        # (every process: one program across the mesh)
+                                        fingerprint_params=spec.replay.record
+                                        or bool(spec.replay.from_run))
   run.clock.mark("build")
   if restored is None:  # (a resumed run's records hold this evaluation already)
     run.eval_log(lora_lib.merge(state.params, frozen), 0, "rl")

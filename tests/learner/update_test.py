@@ -12,6 +12,7 @@ from arl_jax.learner import loss_settings
 from arl_jax.learner import optim as optim_lib
 from arl_jax.learner import train_state as train_state_lib
 from arl_jax.learner import update as update_lib
+from arl_jax.models import fingerprint
 from arl_jax.sampler import trace_counter
 from arl_jax.sharding import mesh_lib
 from arl_jax.testing import tiny
@@ -67,6 +68,25 @@ def test_the_update_program_grows_linearly_with_the_parameter_leaves():
     batch = _random_batch(np.random.default_rng(0))
     sizes.append(len(update_fn.lower(state, batch).compile().as_text()))
   assert sizes[1] < 8 * sizes[0], sizes
+
+
+def test_a_recording_update_returns_its_new_params_fingerprint_sums():
+  """`fingerprint_params`: the update program computes the fingerprint's sums
+  of the params it returns (a recorded run's `params_hash`, no program or
+  wait of its own), equal to fingerprinting them afterwards."""
+  cfg = tiny.tiny_model_config()
+  meshes = tiny.role_meshes()
+  graphdef, params, _ = tiny.learner_and_sampler_params(cfg, meshes)
+  optimizer = optim_lib.make_optimizer(optim_lib.OptimConfig(lr=1e-3))
+  state, shardings = train_state_lib.create(params, optimizer, meshes.learner)
+  update_fn = update_lib.make_update_fn(
+      graphdef=graphdef, optimizer=optimizer, settings=loss_settings.LossSettings.of(),
+      state_shardings=shardings, mesh=meshes.learner, fingerprint_params=True)
+  before = fingerprint.fingerprint(state.params)
+  state, metrics = update_fn(state, _random_batch(np.random.default_rng(0)))
+  sums = jax.device_get(metrics.pop(update_lib.PARAMS_SUMS))
+  assert fingerprint.from_sums(state.params, sums) == fingerprint.fingerprint(state.params)
+  assert fingerprint.from_sums(state.params, sums) != before  # (the params moved)
 
 
 def test_scanned_rematerialised_blocks_give_the_same_update_up_to_rounding():
