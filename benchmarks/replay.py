@@ -31,6 +31,7 @@ Two measurements, side by side in one process:
   python benchmarks/replay.py                      # ~2 min: arith tiny, 3 pairs of 60 updates
   python benchmarks/replay.py --pairs=5 --steps=100 --out=/tmp/replay.jsonl
   python benchmarks/replay.py --full --steps=40    # the arith config's model
+  python benchmarks/replay.py --quick              # 1 pair of 8 updates: a check, ~20 s
 """
 
 from __future__ import annotations
@@ -164,8 +165,11 @@ def main() -> None:
   parser.add_argument("--steps", type=int, default=60, help="updates a run")
   parser.add_argument("--pairs", type=int, default=3, help="plain/recorded pairs")
   parser.add_argument("--full", action="store_true", help="the arith config's model, not tiny")
+  parser.add_argument("--quick", action="store_true", help="1 pair of 8 updates (a check)")
   parser.add_argument("--out", default=None, help="JSON lines file to append rows to")
   args = parser.parse_args()
+  if args.quick:
+    args.pairs, args.steps = 1, 8
   rows = []
   with tempfile.TemporaryDirectory(prefix="replay_bench_") as scratch:
     # (a run of each kind first, not counted: they compile what each kind runs)

@@ -40,6 +40,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
     ("benchmarks/reasoning_gym_survey.py", {"survey"}),
     ("benchmarks/judge.py", {"verdicts", "run"}),
     ("benchmarks/scaling.py", None),
+    ("benchmarks/replay.py", {"run", "cost", "summary"}),
 ])
 def test_benchmark_quick_mode_writes_json_rows(tmp_path, script, parts):
   out = tmp_path / "rows.jsonl"
