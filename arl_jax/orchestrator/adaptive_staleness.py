@@ -21,12 +21,22 @@ The rule, once per learner update (`AdaptiveBound.observe`):
    bucket fails), clamped to `[k_min, k_max]`.
 3. Tighten at once to the supported bound when it is below K; loosen by one
    lag only after `loosen_after` updates in a row in which every measured
-   lag passed. Lags never measured are unknown: they neither fail nor pass,
+   lag passed with room to spare: at or above `ess_target + loosen_margin`
+   (between the two it holds, the streak starting over), and only once lag
+   K itself has been measured (its bucket): a probe is confirmed before the
+   next one. Lags never measured are unknown: they neither fail nor pass,
    so loosening probes one lag beyond what was measured, and the next
    measurement of that lag confirms it or takes it back. (Additive increase,
    immediate decrease, as TCP's congestion window: drift shows up as a
    collapse at the largest lags first, and training on collapsed weights
-   costs more than a batch that waits.)
+   costs more than a batch that waits.) The wait and the margin are
+   hysteresis. Without the wait, K rose to `k_max` while the pipeline's
+   lag was still filling (the large lags not yet trained, so nothing could
+   fail), then fell from 8 to 4 at once when they were, dropping every
+   group sampled for the looser bound: on arith a sawtooth of ~18 updates
+   that dropped ~20% of the rollouts as stale (benchmarks/README.md). The
+   margin keeps a K whose own lag only just passes from probing one that
+   would fail and be taken back.
 
 Lag 0 is left out: its ratios differ from 1 by the trainer/inference
 mismatch alone, which no bound on staleness changes (`ess_target` must sit
@@ -81,7 +91,9 @@ class StalenessPolicy:
     smoothing: adaptive: the weight of the newest measurement in each lag's
       exponential average, in (0, 1] (1: none).
     loosen_after: adaptive: updates in a row in which every measured lag
-      passed before K grows by one (an int >= 1).
+      passed with `loosen_margin` to spare before K grows by one (an int >= 1).
+    loosen_margin: adaptive: how far above `ess_target` every measured lag's
+      smoothed ESS must be for K to grow, in [0, 1 - ess_target).
     min_tokens: adaptive: trained tokens a lag bucket needs in one update for
       its ESS to count (fewer: not measured).
     pace_admissions: adaptive: admission lets at most (min(max_async_level,
@@ -95,6 +107,7 @@ class StalenessPolicy:
   ess_target: float = 0.9
   smoothing: float = 0.5
   loosen_after: int = 2
+  loosen_margin: float = 0.03
   min_tokens: int = 64
   pace_admissions: bool = True
 
@@ -111,6 +124,10 @@ class StalenessPolicy:
                    "smoothing", f"must be in (0, 1], got {self.smoothing!r}")
     settings.check(settings.is_int(self.loosen_after) and self.loosen_after >= 1,
                    "loosen_after", f"must be an int >= 1, got {self.loosen_after!r}")
+    settings.check(isinstance(self.loosen_margin, (int, float))
+                   and 0 <= self.loosen_margin < 1 - self.ess_target, "loosen_margin",
+                   f"must be in [0, 1 - ess_target={1 - self.ess_target:g}), "
+                   f"got {self.loosen_margin!r}")
     settings.check(settings.is_int(self.min_tokens) and self.min_tokens >= 1, "min_tokens",
                    f"must be an int >= 1, got {self.min_tokens!r}")
     settings.check(isinstance(self.pace_admissions, bool), "pace_admissions",
@@ -143,7 +160,7 @@ class Decision:
 
 
 def decide(k: int, averages: dict[int, float], streak: int,
-           policy: StalenessPolicy) -> tuple[Decision, int]:
+           policy: StalenessPolicy, k_measured: bool = True) -> tuple[Decision, int]:
   """The rule's steps 2 and 3 (module docstring): the next K and streak.
 
   Args:
@@ -151,6 +168,8 @@ def decide(k: int, averages: dict[int, float], streak: int,
     averages: smallest lag of each measured bucket -> its smoothed ESS.
     streak: updates in a row in which every measured lag passed, before this one.
     policy: the section's settings.
+    k_measured: whether the bucket holding lag `k` itself was measured
+      (a loosening waits for it: one probe at a time).
 
   Returns:
     The decision and the new streak.
@@ -165,7 +184,8 @@ def decide(k: int, averages: dict[int, float], streak: int,
     return Decision(k, "hold", averages[lag], lag), 0
   lowest = min(averages, key=lambda lo: (averages[lo], lo), default=None)
   stat, lag = (1.0, -1) if lowest is None else (averages[lowest], lowest)
-  if k >= policy.k_max:
+  if (k >= policy.k_max or stat < policy.ess_target + policy.loosen_margin
+      or not k_measured):
     return Decision(k, "hold", stat, lag), 0
   streak += 1
   if streak >= policy.loosen_after:
@@ -193,7 +213,7 @@ class AdaptiveBound:
     policy = self._policy
     if not policy.adaptive:
       return self.last
-    averages = {}
+    averages, k_measured = {}, self.k < 1
     for s in stats:
       # Lag 0 is mismatch alone; a thin bucket's ESS is noise; a NaN (a
       # non-finite update) says nothing.
@@ -201,8 +221,9 @@ class AdaptiveBound:
         continue
       old, ess = self._averages.get(s.lo), float(min(max(s.ess, 0.0), 1.0))
       averages[s.lo] = ess if old is None else (1 - policy.smoothing) * old + policy.smoothing * ess
+      k_measured = k_measured or s.lo <= self.k <= s.hi
     self._averages = averages
-    self.last, self._streak = decide(self.k, averages, self._streak, policy)
+    self.last, self._streak = decide(self.k, averages, self._streak, policy, k_measured)
     self.k = self.last.k
     return self.last
 

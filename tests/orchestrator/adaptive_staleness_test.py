@@ -39,12 +39,13 @@ POLICY = adaptive.StalenessPolicy(policy="adaptive", k_min=1, k_max=8, ess_targe
                                   smoothing=0.5, loosen_after=2, min_tokens=64)
 
 
-def run_bound(bound, strengths):
+def run_bound(bound, strengths, ess_fn=None):
   """Feeds one update per drift strength (only lags <= the K in force are
-  measured) and publishes after each; returns the K in force after each."""
+  measured; `ess_fn`: the ESS by lag instead of a drift) and publishes after
+  each; returns the K in force after each."""
   ks = []
   for version, strength in enumerate(strengths, start=1):
-    bound.observe(stats_of(drift_ess(strength), k=bound.applied_k))
+    bound.observe(stats_of(ess_fn or drift_ess(strength), k=bound.applied_k))
     ks.append(bound.apply(version))
   return ks
 
@@ -97,7 +98,37 @@ def test_lag_zero_thin_buckets_and_unmeasured_lags_do_not_decide():
            adaptive.LagStat(2, 2, 0.99, 1000.0), adaptive.LagStat(3, 4, 0.1, 10.0),
            adaptive.LagStat(5, 8, 1.0, 0.0), adaptive.LagStat(9, 1 << 30, float("nan"), 500.0)]
   ks = [bound.observe(stats).k for _ in range(6)]
-  assert ks == [2, 3, 3, 4, 4, 4]  # probes past what was measured, one lag at a time
+  # Probes one lag past what was measured (3), and no further until lag 3's
+  # bucket is measured (here it stays thin).
+  assert ks == [2, 3, 3, 3, 3, 3]
+
+
+def test_a_lag_that_only_just_passes_holds_k_instead_of_probing_a_failing_one():
+  """Hysteresis (`loosen_margin`): lags up to 4 pass by less than the margin
+  and lag 5 fails. With the margin the bound settles at 4; without it, it
+  probes 5 every `loosen_after` updates and is taken straight back (each
+  time dropping what was sampled for lag 5)."""
+  ess = lambda lag: 0.91 if lag <= 4 else 0.85
+
+  def ks(margin):
+    bound = adaptive.AdaptiveBound(dataclasses.replace(POLICY, smoothing=1.0,
+                                                       loosen_margin=margin), initial_k=4)
+    return run_bound(bound, [None] * 12, ess_fn=ess)
+
+  assert ks(0.03) == [4] * 12
+  sawing = ks(0.0)
+  assert sawing.count(5) >= 3 and sawing[-4:] != [4] * 4
+
+
+def test_a_loosening_waits_for_the_last_probe_to_be_measured():
+  """While the pipeline's lag fills (lags beyond 2 not yet trained), K probes
+  lag 3 and waits there: it does not climb to k_max on lags it never
+  measured, to fall back when they are (dropping what was sampled for them)."""
+  bound = adaptive.AdaptiveBound(dataclasses.replace(POLICY, smoothing=1.0), initial_k=2)
+  filling = [bound.observe(stats_of(lambda lag: 0.99, k=2)).k for _ in range(8)]
+  assert filling == [2, 3, 3, 3, 3, 3, 3, 3]
+  measured = [bound.observe(stats_of(lambda lag: 0.99, k=3)).k for _ in range(3)]
+  assert measured == [3, 4, 4]
 
 
 def test_the_bound_holds_at_k_min_when_even_lag_one_fails():
@@ -168,6 +199,7 @@ def test_a_restore_under_changed_bounds_or_policy():
     (dict(policy="dynamic"), "policy"), (dict(k_min=-1), "k_min"),
     (dict(k_min=3, k_max=2), "k_max"), (dict(ess_target=1.0), "ess_target"),
     (dict(smoothing=0.0), "smoothing"), (dict(loosen_after=0), "loosen_after"),
+    (dict(loosen_margin=0.1), "loosen_margin"),
     (dict(min_tokens=0), "min_tokens"), (dict(pace_admissions=1), "pace_admissions")])
 def test_bad_settings_name_their_key(kwargs, key):
   with pytest.raises(settings.SettingError) as e:
