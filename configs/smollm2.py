@@ -99,8 +99,10 @@ wait for a checkpoint's write before the next update donates the state,
 and a LoRA sampler reading the learner's base: `python benchmarks/memory.py
 --config=configs/smollm2.py:/tmp/smollm2 --steps=6 --every=3` peaks at 6.4
 GiB (plan 7.5), 4.0 GiB between phases; with
-`--config.learner.lora.rank=16` on the attention projections, 4.3 GiB
-(`benchmarks/README.md`). Plots (the run before the
+`--config.learner.lora.rank=16` on the attention projections, 4.3 GiB;
+3.94-3.97 GiB after the evaluation's inserts were capped and the LoRA
+scan stopped stacking the frozen base (2026-12-07, two runs alone; 4.15
+with other work beside it: `benchmarks/README.md`). Plots (the run before the
 fix): `docs/images/smollm2_larger_reward.png`.
 """
 
