@@ -125,11 +125,12 @@ class Log:
     with self._lock:
       if self._file.closed:  # (a thread that outlives the run)
         return
-      # Buffered: a flush a line (a system call: the GIL given up, then waited
-      # for behind the sampler's thread) took 133 us an event inside a
-      # recorded arith run, 5 alone (benchmarks/replay.py). A checkpoint flushes the lines it counts
-      # (`flush`); a kill loses only lines after it, which a resume drops
-      # anyway; a stop's `close` writes them all.
+      # Buffered: a flush a line (a system call: the GIL given up, then
+      # waited for behind the sampler's thread) took 133 us an event inside
+      # a recorded arith run, 5 us alone (benchmarks/replay.py). A
+      # checkpoint flushes the lines it counts (`flush`); a kill loses only
+      # lines after it, which a resume drops anyway; a stop's `close`
+      # writes them all.
       self._file.write(line)
       self.lines += 1
 
