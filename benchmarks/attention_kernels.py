@@ -37,7 +37,6 @@ import argparse
 import json
 import os
 import sys
-import time
 import traceback
 
 import jax
@@ -58,13 +57,7 @@ PAGE_SIZE = 16
 
 def _median_ms(fn, *args, repeats):
   """Median milliseconds of `fn(*args)` after one compiling call."""
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return float(np.median(times)) * 1e3
+  return report.median_seconds(lambda: jax.block_until_ready(fn(*args)), repeats) * 1e3
 
 
 def _max_diff(a, b) -> float:

@@ -75,8 +75,7 @@ def _run_row(kind: str, pair: int, workdir: str, result: run_lib.RunResult) -> d
           "steady_s": round(rl_s - history[0]["wall_s"], 3),
           "updates_per_s": round(len(history) / rl_s, 2),
           "trained_tokens_per_s": round(tokens / rl_s, 1),
-          "schedule_events": (sum(1 for _ in open(os.path.join(workdir, schedule_lib.FILE)))
-                              if os.path.exists(os.path.join(workdir, schedule_lib.FILE))
+          "schedule_events": (len(schedule_lib.read_events(workdir)) if kind == "recorded"
                               else 0)}
 
 
@@ -90,6 +89,7 @@ class _Timers:
     self._originals = []
 
   def __enter__(self):
+    self._originals = []
     for owner, name, key in ((schedule_lib.Log, "write", "write"),
                              (learner_loop.LearnerLoop, "_follow_schedule", "follow")):
       original = getattr(owner, name)
@@ -112,17 +112,6 @@ class _Timers:
       setattr(owner, name, original)
 
 
-def _median_s(fn, repeats: int) -> float:
-  """Median seconds of `fn()` over `repeats` calls (after one warm call)."""
-  fn()
-  times = []
-  for _ in range(repeats):
-    start = time.perf_counter()
-    fn()
-    times.append(time.perf_counter() - start)
-  return float(np.median(times))
-
-
 def cost_row(config, recorded: str, timers: _Timers, rl_s: float, updates: int) -> dict:
   """Recording's own work, in the recorded runs and alone (the module docstring)."""
   events = schedule_lib.read_events(recorded)
@@ -134,9 +123,9 @@ def cost_row(config, recorded: str, timers: _Timers, rl_s: float, updates: int) 
     log.close()
     event_s = (time.perf_counter() - start) / len(events)
   params = _params(config)
-  fingerprint_s = _median_s(lambda: fingerprint.fingerprint(params), 20)
+  fingerprint_s = report.median_seconds(lambda: fingerprint.fingerprint(params), 20)
   batch = [np.arange(64, dtype=np.int64).tobytes() + b"|" for _ in range(64)]
-  hash_s = _median_s(lambda: schedule_lib.digest(*batch), 20)
+  hash_s = report.median_seconds(lambda: schedule_lib.digest(*batch), 20)
   in_run = timers.seconds["write"] + timers.seconds["follow"]
   return {"benchmark": "replay", "part": "cost", "recorded_updates": updates,
           "events_per_update": round(timers.calls["write"] / updates, 1),

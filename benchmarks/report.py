@@ -1,9 +1,12 @@
-"""Output of every benchmark: a Markdown-style table on stdout, JSON lines on disk."""
+"""Output of every benchmark: a Markdown-style table on stdout, JSON lines on
+disk; and the median timer they share."""
 
 from __future__ import annotations
 
 import json
 import os
+import statistics
+import time
 
 
 def print_table(rows: list[dict], title: str | None = None,
@@ -26,3 +29,16 @@ def append_jsonl(rows: list[dict], path: str | None) -> None:
   with open(path, "a", encoding="utf-8") as f:
     for r in rows:
       f.write(json.dumps(r) + "\n")
+
+
+def median_seconds(fn, repeats: int) -> float:
+  """Median wall seconds of `fn()` over `repeats` calls, after one uncounted
+  call (compiles, first page faults). `fn` must wait for its own result
+  (`jax.block_until_ready` for device work)."""
+  fn()
+  times = []
+  for _ in range(repeats):
+    start = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - start)
+  return statistics.median(times)

@@ -44,10 +44,9 @@ class Keeper:
   def replaying(self) -> bool:
     return self._log is None
 
-  @property
-  def lines(self) -> int | None:
-    """The schedule's line count, every line written out to the file
-    (recording; a checkpoint keeps it)."""
+  def flush(self) -> int | None:
+    """Recording: writes the schedule's buffered lines out and returns its
+    line count (a checkpoint keeps it); replaying: None."""
     return None if self._log is None else self._log.flush()
 
   def write(self, event: str, **fields) -> None:

@@ -325,7 +325,7 @@ class LearnerLoop:
       run_record["sampled_eval_pending"] = pending
     run_record["records"] = {"metrics.jsonl": self._run.writer.lines,
                              "groups.jsonl": self._run.audit.lines}
-    schedule_lines = None if self._keeper is None else self._keeper.lines  # (flushed)
+    schedule_lines = None if self._keeper is None else self._keeper.flush()
     if schedule_lines is not None:
       run_record["records"]["schedule.jsonl"] = schedule_lines
     start = time.monotonic()
