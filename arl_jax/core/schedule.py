@@ -167,10 +167,45 @@ class Segment:
 
 _ENGINE = ("take", "cancel", "offer", "pause")
 _LEARNER = ("cut", "publish", "update", "eval", "save")
-_FIELDS = {"take": ("n", "g", "a"), "cancel": ("n", "g"), "offer": ("n", "v", "s"),
-           "pause": ("n",), "cut": ("u", "stale", "g"), "publish": ("v", "cancel"),
-           "update": ("u", "v", "tok", "ver", "par"), "eval": ("v",), "save": ("v",),
-           "arrive": ("g", "v"), "segment": ("v",)}
+
+
+def _is_int(value) -> bool:
+  return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_ints(value) -> bool:
+  return isinstance(value, list) and all(_is_int(v) for v in value)
+
+
+# Each event's fields and what each must hold (a file a user points at: a
+# wrong type is named with its line, not left to fail deep in a replay).
+_INT = ("a whole number", _is_int)
+_INTS = ("a list of whole numbers", _is_ints)
+_TEXT = ("a string", lambda value: isinstance(value, str))
+_FIELDS = {
+    "take": {"n": _INT, "g": _INTS, "a": _INTS},
+    "cancel": {"n": _INT, "g": _INTS},
+    "offer": {"n": _INT, "v": _INT, "s": _TEXT},
+    "pause": {"n": _INT},
+    "cut": {"u": _INT, "stale": _INTS,
+            "g": ("a list of whole numbers or null", lambda v: v is None or _is_ints(v))},
+    "publish": {"v": _INT, "cancel": _INTS},
+    "update": {"u": _INT, "v": _INT, "tok": _TEXT, "ver": _TEXT, "par": _TEXT},
+    "eval": {"v": _INT},
+    "save": {"v": _INT},
+    "arrive": {"g": _INT, "v": _INT},
+    "segment": {"v": _INT},
+}
+
+
+def _field_error(event: dict) -> str | None:
+  """What is wrong with an event's fields (None: nothing)."""
+  for key, (what, holds) in _FIELDS[event["e"]].items():
+    if key not in event:
+      return f"a {event['e']} event lacks its {key!r} field"
+    if not holds(event[key]):
+      return f"a {event['e']} event's {key!r} must be {what}, got {event[key]!r:.40}"
+  return None
 
 
 def complete_lines(path: str) -> list[bytes]:
@@ -200,8 +235,11 @@ def read_events(run_dir: str) -> list[dict]:
       raise ScheduleError(f"{path}:{number}: not JSON ({e.msg if hasattr(e, 'msg') else e})"
                           ) from None
     kind = event.get("e") if isinstance(event, dict) else None
-    if kind not in _FIELDS or any(k not in event for k in _FIELDS[kind]):
+    if kind not in _FIELDS:
       raise ScheduleError(f"{path}:{number}: not a schedule event: {line[:80]!r}")
+    problem = _field_error(event)
+    if problem:
+      raise ScheduleError(f"{path}:{number}: {problem}")
     events.append(event)
   if not events:
     raise ScheduleError(f"{path} is empty")

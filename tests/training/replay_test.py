@@ -183,7 +183,7 @@ def test_diff_refuses_bad_input_in_one_line(recorded, tmp_path, capsys):
   (broken / "metrics.jsonl").write_text("".join(lines[:5]) + lines[5][:20])  # (a torn last line)
   (broken / schedule.FILE).write_text('{"e": "take"}\n')
   assert diff_lib.main([recorded, str(broken)]) == 2
-  assert "schedule.jsonl:1: not a schedule event" in capsys.readouterr().err
+  assert "schedule.jsonl:1: a take event lacks its 'n' field" in capsys.readouterr().err
   assert diff_lib.main(["only-one"]) == 2
   with pytest.raises(schedule.ScheduleError, match="no schedule"):
     schedule.load(str(tmp_path))
