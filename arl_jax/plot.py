@@ -129,7 +129,8 @@ def plot_lag(runs: Sequence[Run], out_dir: str) -> str:
 
 
 def _lag_buckets(record: dict) -> list[str]:
-  """`abs_log_ratio_lag<bucket>` keys in lag order (`0`, `1`, `2`, `3_4`, `5_8`, `9+`)."""
+  """`abs_log_ratio_lag<bucket>` keys in lag order (`0`, `1`, ..., `8`, `9+`; runs
+  before 2026-12-08 logged `3_4` and `5_8`)."""
   buckets = [k[len("abs_log_ratio_lag"):] for k in record if k.startswith("abs_log_ratio_lag")]
   return sorted(buckets, key=lambda b: int(re.match(r"\d+", b).group()))
 

@@ -19,7 +19,7 @@ from arl_jax.testing import fake_sampler
 
 # `learner/update.LAG_BUCKETS` (not imported: the orchestrator's tests stay
 # free of JAX); tests/learner/update_test.py checks the learner loop reads these.
-BUCKETS = ((0, 0), (1, 1), (2, 2), (3, 4), (5, 8), (9, 1 << 30))
+BUCKETS = (*((lag, lag) for lag in range(9)), (9, 1 << 30))
 
 
 def stats_of(ess_fn, k=None, tokens=1000.0):
