@@ -15,6 +15,7 @@ Two measurements, side by side in one process:
   after one uncounted run of each kind, then one replay of the last
   recording. Per run: the RL wall time (`rl_s`, from RL's start to the
   last update's end), `steady_s` (the same without the first update),
+  `cpu_s` (the process's CPU seconds over the whole run, every thread),
   updates/s and trained tokens/s; `part: "summary"`: the paired ratios.
   On a shared 2-core machine whole runs of a few seconds move by 5-15%
   from one to the next, more than recording costs: read the ratios' spread.
@@ -64,12 +65,17 @@ def _config(steps: int, full: bool, **replay_keys):
   return config
 
 
-def _run_row(kind: str, pair: int, workdir: str, result: run_lib.RunResult) -> dict:
+def _run_row(kind: str, pair: int, workdir: str, result: run_lib.RunResult,
+             cpu_s: float) -> dict:
   history = result.history
   rl_s = history[-1]["wall_s"]
   tokens = sum(r["trained_tokens"] for r in history)
   return {"benchmark": "replay", "part": "run", "run": kind, "pair": pair,
           "updates": len(history), "rl_s": round(rl_s, 3),
+          # (the process's CPU seconds over the whole run, start-up included:
+          # the work done, which the scheduling of two threads on a shared
+          # machine moves less than the wall time)
+          "cpu_s": round(cpu_s, 3),
           # (without the first update, whose 1-1.6 s of start-up swing more
           # than recording costs)
           "steady_s": round(rl_s - history[0]["wall_s"], 3),
@@ -170,21 +176,24 @@ def main() -> None:
       kinds = ("plain", "recorded") if pair % 2 == 0 else ("recorded", "plain")
       for kind in kinds:
         workdir = os.path.join(scratch, f"{kind}{pair}")
+        cpu = time.process_time()
         with timers if kind == "recorded" else contextlib.nullcontext():
           result = run_lib.run(_config(args.steps, args.full, record=kind == "recorded"),
                                workdir, print_fn=lambda *_: None)
-        rows.append(_run_row(kind, pair, workdir, result))
+        rows.append(_run_row(kind, pair, workdir, result, time.process_time() - cpu))
         if kind == "recorded":
           recorded = workdir
     workdir = os.path.join(scratch, "replayed")
+    cpu = time.process_time()
     result = replay_lib.run(_config(args.steps, args.full, from_run=recorded), workdir,
                             print_fn=lambda *_: None)
-    rows.append(_run_row("replayed", args.pairs - 1, workdir, result))
+    rows.append(_run_row("replayed", args.pairs - 1, workdir, result,
+                         time.process_time() - cpu))
     runs = [r for r in rows if r["run"] == "recorded"]
     costs = cost_row(_config(args.steps, args.full), recorded, timers,
                      sum(r["rl_s"] for r in runs), sum(r["updates"] for r in runs))
   summary = {"benchmark": "replay", "part": "summary", "pairs": args.pairs}
-  for key in ("rl_s", "steady_s"):
+  for key in ("rl_s", "steady_s", "cpu_s"):
     ratios = []
     for pair in range(args.pairs):
       by_kind = {r["run"]: r for r in rows if r["pair"] == pair and r["run"] != "replayed"}
