@@ -167,8 +167,9 @@ def main() -> None:
     args.pairs, args.steps = 1, 8
   rows = []
   with tempfile.TemporaryDirectory(prefix="replay_bench_") as scratch:
-    # (a run of each kind first, not counted: they compile what each kind runs)
-    for record in (False, True):
+    # (a run of each kind first, not counted: they compile what each kind
+    # runs; --quick, a check of the code path, times its compiles)
+    for record in () if args.quick else (False, True):
       run_lib.run(_config(args.steps, args.full, record=record),
                   os.path.join(scratch, f"warm{int(record)}"), print_fn=lambda *_: None)
     recorded, timers = None, _Timers()

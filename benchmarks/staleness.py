@@ -66,7 +66,13 @@ printed table shows mean+-std.
 = "adaptive"`, K in [1, 8] from the measured per-lag ESS, starting at 8, the
 sampler allowed 8 batches ahead with admissions paced by the bound in
 force): `k_mean` is the bound in force averaged over updates, `wall_s` the
-run's time for the same updates, against the fixed bounds' rows.
+run's time for the same updates, against the fixed bounds' rows;
+`sampler_idle` the share of the RL phase the sampler spent without work
+(1 - `sampler_busy_fraction`). `--async_level=N` lets the sampler of
+every run run N batches ahead (a fixed K below it then drops what lags
+beyond K, as a sampler that outruns its bound does). `--evals=N` evaluates N times over RL (and
+at its start) and prints the held-out curve against updates and RL wall
+seconds, mean over seeds (`part: "curve"`).
 
 Cost: the default grid is 3 losses x 5 K x 2 seeds = 30 runs of 100 updates
 each (after the config's 200-step warm-up) on the ~0.43M-parameter arith
@@ -121,20 +127,22 @@ _STEP_MEANS = ("ess", "ratio_m2", "abs_log_ratio", "kl_behaviour", "clip_fractio
                "masked_fraction", "m2_kept")
 # Per-run numbers aggregated over seeds, in table order.
 _SUMMARISED = ("lag", "lag_tail", "eval_start", "eval_final", "eval_vs_k0", "train_reward",
-               "train_vs_k0", *_STEP_MEANS, "dropped_stale", "dropped_cancelled", "wall_s",
-               "k_mean", "k_final")
+               "train_vs_k0", *_STEP_MEANS, "dropped_stale", "dropped_cancelled",
+               "sampler_idle", "wall_s", "k_mean", "k_final")
 # Printed as mean+-std; the rest of _SUMMARISED goes to JSON only.
 _PRINTED = ("lag", "lag_tail", "eval_final", "eval_vs_k0", "train_reward", "train_vs_k0", "ess",
             "ratio_m2", "abs_log_ratio", "clip_fraction", "masked_fraction", "dropped_stale",
-            "dropped_cancelled", "wall_s", "k_mean")
+            "dropped_cancelled", "sampler_idle", "wall_s", "k_mean")
 
 
-def _config(loss: str, k: int | str, seed: int, steps: int, quick: bool):
+def _config(loss: str, k: int | str, seed: int, steps: int, quick: bool, evals: int = 1,
+            async_level: int | None = None):
   config = tiny.load_config("arith", "tiny" if quick else None)
   config.seed = seed
   config.num_steps = steps
-  # One evaluation at the start of RL and one after the last update.
-  config.eval_every = steps
+  # An evaluation at the start of RL and `evals` more, the last after the
+  # last update.
+  config.eval_every = max(1, steps // evals)
   config.log_every = 0
   config.learner.loss = loss
   if loss == "gspo":  # (the paper's objective: 1/G sum over sequences)
@@ -142,21 +150,25 @@ def _config(loss: str, k: int | str, seed: int, steps: int, quick: bool):
   if k == ADAPTIVE:
     config.orchestrator.staleness.update(policy=ADAPTIVE, k_min=1, k_max=ADAPTIVE_K_MAX)
     k = ADAPTIVE_K_MAX  # (the start, and how far ahead the sampler may run)
-  config.orchestrator.max_async_level = k
   config.orchestrator.max_off_policy_steps = k
+  # (`--async_level`: a sampler allowed further ahead than a fixed K, which
+  # then drops what lags beyond it)
+  level = k if async_level is None else max(k, async_level)
+  config.orchestrator.max_async_level = level
   # K = 0 must be truly on-policy: drain in-flight groups before a swap, so no
   # rollout mixes two versions.
   config.sampler.weight_update = "drain" if k == 0 else "in_flight"
   # Room for the whole admission capacity in flight (see the module docstring).
   config.sampler.num_slots = max(config.sampler.num_slots,
-                                 (k + 1) * config.orchestrator.batch_size)
+                                 (level + 1) * config.orchestrator.batch_size)
   return config
 
 
-def run_one(loss: str, k: int | str, seed: int, steps: int, quick: bool) -> dict:
+def run_one(loss: str, k: int | str, seed: int, steps: int, quick: bool,
+            evals: int = 1, async_level: int | None = None) -> dict:
   """Trains one (loss, K, seed) cell and summarises it as one JSON row."""
   with tempfile.TemporaryDirectory() as workdir:
-    result = run_lib.run(_config(loss, k, seed, steps, quick), workdir,
+    result = run_lib.run(_config(loss, k, seed, steps, quick, evals, async_level), workdir,
                          print_fn=lambda *_: None)
   history = result.history
   rl_evals = [r["eval_reward"] for r in result.eval_history if r["phase"] == "rl"]
@@ -165,6 +177,7 @@ def run_one(loss: str, k: int | str, seed: int, steps: int, quick: bool) -> dict
       "benchmark": "staleness", "part": "run",
       "workload": "arith" + ("_tiny" if quick else ""),
       "loss": loss, "K": k, "seed": seed, "updates": len(history),
+      "async_level": async_level,
       "lag": float(np.mean([r["lag_mean"] for r in history])),
       "lag_tail": float(np.mean([r["lag_mean"] for r in tail])),
       "lag_max": int(max(r["lag_max"] for r in history)),
@@ -179,6 +192,13 @@ def run_one(loss: str, k: int | str, seed: int, steps: int, quick: bool) -> dict
   row["dropped_stale"] = history[-1]["dropped_stale"]
   row["dropped_cancelled"] = history[-1]["dropped_cancelled"]
   row["wall_s"] = result.wall_seconds
+  # (the sampler's busy seconds over the RL phase's, cumulative: the last
+  # record holds the run's)
+  if "sampler_busy_fraction" in history[-1]:
+    row["sampler_idle"] = 1.0 - history[-1]["sampler_busy_fraction"]
+  # Held-out reward against updates and RL wall seconds: [update, s, reward].
+  row["eval_curve"] = [[r["step"], round(r.get("rl_wall_s", 0.0), 2), r["eval_reward"]]
+                       for r in result.eval_history if r["phase"] == "rl"]
   if "staleness_k" in history[-1]:  # (the bound in force at each update)
     row["k_mean"] = float(np.mean([r["staleness_k"] for r in history]))
     row["k_final"] = history[-1]["staleness_k"]
@@ -217,6 +237,17 @@ def aggregate(runs: list[dict]) -> dict:
   return row
 
 
+def curve_row(runs: list[dict]) -> dict:
+  """The seeds' mean held-out reward at each evaluation of one (loss, K),
+  with the mean RL wall time it came at."""
+  row = {"benchmark": "staleness", "part": "curve", "loss": runs[0]["loss"], "K": runs[0]["K"]}
+  for points in zip(*(r["eval_curve"] for r in runs)):
+    update = points[0][0]
+    row[f"u{update}"] = (f"{np.mean([p[2] for p in points]):.3f} "
+                         f"({np.mean([p[1] for p in points]):.1f}s)")
+  return row
+
+
 def _table_row(agg: dict) -> dict:
   row = {"loss": agg["loss"], "K": agg["K"]}
   for name in _PRINTED:
@@ -240,6 +271,12 @@ def main() -> None:
                       help="RL updates per run; default 100, quick 3")
   parser.add_argument("--losses", default=None,
                       help="comma-separated losses; default all, quick the first")
+  parser.add_argument("--evals", type=int, default=1,
+                      help="held-out evaluations over RL besides the one at its start "
+                           "(the curve against updates and wall time; default 1: the end)")
+  parser.add_argument("--async_level", type=int, default=None,
+                      help="max_async_level of every run (at least its K); default K "
+                           "itself (the adaptive runs: 8), so a fixed K drops nothing")
   parser.add_argument("--ks", default=None,
                       help="comma-separated K values, `adaptive` among them; default "
                            "0,1,2,4,8, quick 2,adaptive")
@@ -268,7 +305,7 @@ def main() -> None:
     for seed in range(seeds):
       for loss in losses:
         for k in ks:
-          row = run_one(loss, k, seed, steps, args.quick)
+          row = run_one(loss, k, seed, steps, args.quick, args.evals, args.async_level)
           runs.append(row)
           print(f"seed {seed} {loss:<13s} K={k}: lag {row['lag']:.2f} (tail "
                 f"{row['lag_tail']:.2f}) | eval "
@@ -282,6 +319,14 @@ def main() -> None:
   report.print_table([_table_row(a) for a in aggregates],
                      title=f"staleness: arith{'_tiny' if args.quick else ''}, {steps} updates "
                            f"per run, mean+-std over {seeds} seed(s)")
+  if args.evals > 1:
+    curves = [curve_row([r for r in runs if r["loss"] == loss and r["K"] == k])
+              for loss in losses for k in ks]
+    report.print_table([{k: v for k, v in c.items() if k not in ("benchmark", "part")}
+                        for c in curves],
+                       title="held-out reward (mean over seeds) at each evaluation: "
+                             "reward @ update (mean RL wall s)")
+    aggregates += curves
   print(f"held-out reward after warm-up (RL start) per seed: "
         f"{sorted({(r['seed'], round(r['eval_start'], 3)) for r in runs})}")
   print(f"total wall {time.monotonic() - start:.1f}s")
