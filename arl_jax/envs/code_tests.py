@@ -25,6 +25,7 @@ import ast
 import dataclasses
 import json
 import secrets
+import threading
 
 from arl_jax.sandbox import api
 
@@ -65,6 +66,20 @@ _main()
 
 _RESULTS = "__arl_results__"
 
+# CPython 3.11's `ast.parse` is not thread-safe: the converter of a parse
+# tree to Python objects counts its recursion depth in interpreter-wide
+# state, so two threads converting at once can fail with "SystemError: AST
+# constructor recursion depth mismatch" (python/cpython#106905; seen here
+# scoring HumanEval's 164 test files from 8 threads, as a run's reward
+# workers do). Every parse in arl_jax's environments takes this lock.
+_PARSE_LOCK = threading.Lock()
+
+
+def parse_python(source: str) -> ast.Module:
+  """`ast.parse(source)`, one thread at a time (`_PARSE_LOCK`)."""
+  with _PARSE_LOCK:
+    return ast.parse(source)
+
 
 class TestFileError(ValueError):
   """A test file this module cannot instrument (no `check`, no assert)."""
@@ -75,7 +90,7 @@ def instrument(test_source: str) -> tuple[str, int]:
   `check(candidate, __arl_results__)`, each asserting top-level statement of
   its body appending True when it completes and False when it raises; and
   the number of such statements (the tests)."""
-  module = ast.parse(test_source)
+  module = parse_python(test_source)
   check = next((node for node in module.body
                 if isinstance(node, ast.FunctionDef) and node.name == "check"), None)
   if check is None:

@@ -169,7 +169,7 @@ def signature_of(problem: Problem) -> str:
   demonstration repeats these; the program keeps the prompt's docstring)."""
   lines = problem.prompt.splitlines(keepends=True)
   try:
-    tree = ast.parse(problem.prompt)
+    tree = code_tests.parse_python(problem.prompt)
   except SyntaxError:  # (a prompt that is not a whole function: repeat it all)
     return problem.prompt
   function = next((node for node in tree.body

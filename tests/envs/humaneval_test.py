@@ -63,6 +63,31 @@ def test_every_canonical_solution_passes_all_its_tests(env, prompt_format):
   assert all(s.parts == {"fraction_passed": 1.0, "all_passed": 1.0} for s in scores)
 
 
+def test_test_files_are_parsed_one_thread_at_a_time(monkeypatch):
+  """CPython 3.11's ast.parse fails now and then when threads parse at once
+  ("AST constructor recursion depth mismatch"; it failed this file's test
+  above once in a full suite): the environments' parses are serialised."""
+  inside, most = [0], [0]
+  real_parse = code_tests.ast.parse
+
+  def watched_parse(source, *args, **kwargs):
+    inside[0] += 1
+    most[0] = max(most[0], inside[0])
+    time.sleep(0.005)  # (long enough for the other threads to arrive)
+    try:
+      return real_parse(source, *args, **kwargs)
+    finally:
+      inside[0] -= 1
+
+  monkeypatch.setattr(code_tests.ast, "parse", watched_parse)
+  problems = he.load_problems()[:16]
+  with concurrent.futures.ThreadPoolExecutor(8) as pool:
+    counts = list(pool.map(lambda p: code_tests.instrument(p.test)[1], problems))
+    signatures = list(pool.map(he.signature_of, problems))
+  assert all(n > 0 for n in counts) and all(signatures)
+  assert most[0] == 1
+
+
 def test_a_wrong_solution_fails_and_a_partial_one_scores_its_fraction():
   env = _env(reward="fraction")
   # has_close_elements: always False passes the tests whose answer is False.
