@@ -137,8 +137,10 @@ def _prompts(resolved, count: int) -> list[tuple[int, ...]]:
   return [prompts[i % len(prompts)] for i in range(count)]
 
 
-def bench_sampler(resolved, *, groups: int) -> list[dict]:
-  """The engine on `groups` groups, dense and paged, prompts shared or not."""
+def bench_sampler(resolved, *, groups: int, quick: bool = False) -> list[dict]:
+  """The engine on `groups` groups, dense and paged, prompts shared or not
+  (`quick`: two of the variants, a check of the code path: the engine's
+  options are the sampler tests' to cover)."""
   spec = resolved.spec
   meshes = mesh_lib.make_role_meshes(spec.mesh)
   graphdef, params = hf_params.load_params(spec.model_hf_path, spec.sampler_model, meshes.sampler,
@@ -148,8 +150,9 @@ def bench_sampler(resolved, *, groups: int) -> list[dict]:
   rows = []
   # (paged attention read in blocks, the default, and, shared, gathered at
   # compiled widths: the comparison row, `engine_harness.ATTENTION`)
-  variants = [("dense", True), ("dense", False), ("blocks", True), ("blocks", False),
-              ("widths", True)]
+  variants = ([("dense", True), ("blocks", False)] if quick else
+              [("dense", True), ("dense", False), ("blocks", True), ("blocks", False),
+               ("widths", True)])
   for attention, share in variants:
     ecfg = dataclasses.replace(spec.engine, **engine_harness.ATTENTION[attention],
                                share_prompts=share, kv_pages=0)
@@ -313,7 +316,8 @@ def main() -> None:
       tables += [("launch: start-up and first updates", run_rows),
                  ("memory: --dry_run's plan against the run's measured peaks", memory)]
     if "sampler" in parts:
-      tables.append(("sampler", bench_sampler(resolved, groups=4 if args.quick else args.groups)))
+      tables.append(("sampler", bench_sampler(resolved, groups=4 if args.quick else args.groups,
+                                                quick=args.quick)))
     if "learner" in parts:
       peak = learner_bench.matmul_peak(512 if args.quick else 2048)
       tables.append(("learner", [bench_learner(resolved, steps=1 if args.quick else args.steps,
