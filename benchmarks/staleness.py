@@ -286,6 +286,10 @@ def main() -> None:
   ks = _ks(args.ks) if args.ks else ((2, ADAPTIVE) if args.quick else KS)
   losses = (tuple(x for x in args.losses.split(",") if x) if args.losses else
             tuple(LOSSES)[:1] if args.quick else tuple(LOSSES))
+  if args.evals < 1:
+    parser.error(f"--evals must be >= 1, got {args.evals}")
+  if args.async_level is not None and args.async_level < 0:
+    parser.error(f"--async_level must be >= 0, got {args.async_level}")
   unknown = sorted(set(losses) - set(LOSSES))
   if unknown:
     parser.error(f"unknown loss(es) {unknown}; known: {list(LOSSES)}")
