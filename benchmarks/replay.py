@@ -73,8 +73,8 @@ def _run_row(kind: str, pair: int, workdir: str, result: run_lib.RunResult,
   return {"benchmark": "replay", "part": "run", "run": kind, "pair": pair,
           "updates": len(history), "rl_s": round(rl_s, 3),
           # (the process's CPU seconds over the whole run, start-up included:
-          # the work done, which the scheduling of two threads on a shared
-          # machine moves less than the wall time)
+          # the work done; measured no less noisy than the wall time, since
+          # the sampler's and learner's threads spin and wait alike)
           "cpu_s": round(cpu_s, 3),
           # (without the first update, whose 1-1.6 s of start-up swing more
           # than recording costs)

@@ -70,9 +70,10 @@ run's time for the same updates, against the fixed bounds' rows;
 `sampler_idle` the share of the RL phase the sampler spent without work
 (1 - `sampler_busy_fraction`). `--async_level=N` lets the sampler of
 every run run N batches ahead (a fixed K below it then drops what lags
-beyond K, as a sampler that outruns its bound does). `--evals=N` evaluates N times over RL (and
-at its start) and prints the held-out curve against updates and RL wall
-seconds, mean over seeds (`part: "curve"`).
+beyond K, as a sampler that outruns its bound does). `--evals=N`
+evaluates N times over RL (and at its start) and prints the held-out
+curve against updates and RL wall seconds, mean over seeds (`part:
+"curve"`).
 
 Cost: the default grid is 3 losses x 5 K x 2 seeds = 30 runs of 100 updates
 each (after the config's 200-step warm-up) on the ~0.43M-parameter arith
@@ -272,8 +273,9 @@ def main() -> None:
   parser.add_argument("--losses", default=None,
                       help="comma-separated losses; default all, quick the first")
   parser.add_argument("--evals", type=int, default=1,
-                      help="held-out evaluations over RL besides the one at its start "
-                           "(the curve against updates and wall time; default 1: the end)")
+                      help="held-out evaluations over RL besides the one at its start, "
+                           "every steps // N updates (the curve against updates and wall "
+                           "time; default 1: the end)")
   parser.add_argument("--async_level", type=int, default=None,
                       help="max_async_level of every run (at least its K); default K "
                            "itself (the adaptive runs: 8), so a fixed K drops nothing")
@@ -326,8 +328,8 @@ def main() -> None:
   if args.evals > 1:
     curves = [curve_row([r for r in runs if r["loss"] == loss and r["K"] == k])
               for loss in losses for k in ks]
-    report.print_table([{k: v for k, v in c.items() if k not in ("benchmark", "part")}
-                        for c in curves],
+    report.print_table([{key: value for key, value in c.items()
+                         if key not in ("benchmark", "part")} for c in curves],
                        title="held-out reward (mean over seeds) at each evaluation: "
                              "reward @ update (mean RL wall s)")
     aggregates += curves
